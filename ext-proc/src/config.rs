@@ -1,0 +1,289 @@
+//! Settings: one typed struct, parsed from flags and `HEARTH_*` variables,
+//! validated as a whole before anything starts.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::str::FromStr;
+
+use clap::{CommandFactory, Parser, Subcommand};
+
+use crate::policy::{AffinityBasis, ScoreParams};
+
+/// `HEARTH_*` variables read by Hearth's other tools (scripts, tests, the
+/// benchmark), not by the sidecar; accepted so a shared environment works.
+pub const OTHER_TOOLS_VARS: &[&str] = &["HEARTH_ENVOY", "HEARTH_DEMO_PORT"];
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "hearth-ext-proc",
+    version,
+    about = "Hearth's ext_proc sidecar: routes each LLM request to the replica that holds its prompt prefix, unless load says otherwise."
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub settings: Settings,
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug, Clone)]
+pub enum Command {
+    /// Print the Envoy bootstrap for a standalone gateway in front of the
+    /// configured upstreams, pointed at this sidecar, and exit.
+    EnvoyConfig(crate::envoy_config::EnvoyConfigArgs),
+}
+
+/// Every sidecar setting. Each flag has a `HEARTH_*` twin.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Settings {
+    /// gRPC address of the ext_proc service (Envoy connects here).
+    #[arg(long, env = "HEARTH_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+
+    /// HTTP address of the read-only state endpoint (`/state`, `/health`).
+    #[arg(long, env = "HEARTH_ADMIN_LISTEN", default_value = "127.0.0.1:9190")]
+    pub admin_listen: SocketAddr,
+
+    /// Engine replicas, comma separated: `ip:port[;id=NAME][;model=M]...`.
+    /// `id` is the opaque name shown to clients (default `replica-N`);
+    /// `model` (repeatable) limits the replica to those models.
+    #[arg(long, env = "HEARTH_UPSTREAMS", value_delimiter = ',', required = true)]
+    pub upstreams: Vec<UpstreamSpec>,
+
+    /// Fingerprint block size in bytes; must match the wasm filter's.
+    #[arg(long, env = "HEARTH_BLOCK_SIZE", default_value_t = hearth_fingerprint::DEFAULT_BLOCK_SIZE)]
+    pub block_size: usize,
+
+    /// Warmth index capacity per replica, in blocks (LRU beyond it).
+    #[arg(long, env = "HEARTH_WARMTH_BLOCKS", default_value_t = 100_000)]
+    pub warmth_blocks: usize,
+
+    /// Credit basis: absolute, marginal or relative.
+    #[arg(long, env = "HEARTH_AFFINITY_BASIS", default_value = "relative")]
+    pub affinity_basis: AffinityBasis,
+
+    /// Credit cap, in blocks.
+    #[arg(long, env = "HEARTH_AFFINITY_CAP", default_value_t = 128)]
+    pub affinity_cap: u32,
+
+    /// Blocks of credit that one unit of in-flight load outweighs.
+    #[arg(long, env = "HEARTH_ALPHA", default_value_t = 8.0)]
+    pub alpha: f64,
+
+    /// Uncached prompt bytes that weigh one extra load unit (every request
+    /// weighs at least one).
+    #[arg(long, env = "HEARTH_LOAD_UNIT_BYTES", default_value_t = 65_536)]
+    pub load_unit_bytes: u64,
+
+    /// In-flight requests per replica beyond which it takes no more
+    /// (0 = no limit). When every replica is full the request gets 429.
+    #[arg(long, env = "HEARTH_MAX_INFLIGHT", default_value_t = 0)]
+    pub max_inflight: u32,
+
+    /// Fallback endpoints listed after the chosen one, for Envoy's retries.
+    #[arg(long, env = "HEARTH_FALLBACKS", default_value_t = 2)]
+    pub fallbacks: usize,
+
+    /// Seconds open streams get to finish on shutdown before they are cut.
+    #[arg(long, env = "HEARTH_DRAIN_SECONDS", default_value_t = 10)]
+    pub drain_seconds: u64,
+
+    /// Log filter (tracing env-filter syntax).
+    #[arg(long, env = "HEARTH_LOG", default_value = "info")]
+    pub log: String,
+}
+
+/// One replica as configured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UpstreamSpec {
+    pub addr: SocketAddr,
+    pub id: Option<String>,
+    pub models: Vec<String>,
+}
+
+impl FromStr for UpstreamSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut parts = s.trim().split(';');
+        let addr_text = parts.next().unwrap_or_default().trim();
+        let addr: SocketAddr = addr_text.parse().map_err(|_| {
+            format!("upstream {addr_text:?} is not ip:port (Envoy's override_host needs an IP address)")
+        })?;
+        let mut spec = UpstreamSpec {
+            addr,
+            id: None,
+            models: Vec::new(),
+        };
+        for part in parts {
+            let (key, value) = part
+                .split_once('=')
+                .ok_or_else(|| format!("upstream option {part:?} is not key=value"))?;
+            let value = value.trim();
+            if value.is_empty() {
+                return Err(format!("upstream option {key:?} has an empty value"));
+            }
+            match key.trim() {
+                "id" => spec.id = Some(value.to_string()),
+                "model" => spec.models.push(value.to_string()),
+                other => return Err(format!("unknown upstream option {other:?} (known: id, model)")),
+            }
+        }
+        Ok(spec)
+    }
+}
+
+impl Settings {
+    pub fn score_params(&self) -> ScoreParams {
+        ScoreParams {
+            basis: self.affinity_basis,
+            cap: self.affinity_cap,
+            alpha: self.alpha,
+        }
+    }
+
+    /// Checks the settings as a whole; every problem is reported, not just
+    /// the first.
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        let mut problems = Vec::new();
+        let fp = hearth_fingerprint::Params {
+            block_size: self.block_size,
+            max_prefix_bytes: hearth_fingerprint::DEFAULT_MAX_PREFIX_BYTES.max(self.block_size),
+        };
+        if let Err(e) = fp.validate() {
+            problems.push(format!("HEARTH_BLOCK_SIZE: {e}"));
+        }
+        if self.warmth_blocks == 0 {
+            problems.push("HEARTH_WARMTH_BLOCKS must be at least 1".into());
+        }
+        if !(self.alpha.is_finite() && self.alpha >= 0.0) {
+            problems.push(format!("HEARTH_ALPHA must be a finite number >= 0, got {}", self.alpha));
+        }
+        if self.load_unit_bytes == 0 {
+            problems.push("HEARTH_LOAD_UNIT_BYTES must be at least 1".into());
+        }
+        if self.upstreams.is_empty() {
+            problems.push("HEARTH_UPSTREAMS names no replica".into());
+        }
+        let mut addrs = HashSet::new();
+        let mut ids = HashSet::new();
+        for (i, u) in self.upstreams.iter().enumerate() {
+            if !addrs.insert(u.addr) {
+                problems.push(format!("HEARTH_UPSTREAMS lists {} twice", u.addr));
+            }
+            let id = u.id.clone().unwrap_or_else(|| default_replica_id(i));
+            if !ids.insert(id.clone()) {
+                problems.push(format!("HEARTH_UPSTREAMS uses the id {id:?} twice"));
+            }
+        }
+        if self.listen == self.admin_listen {
+            problems.push("HEARTH_LISTEN and HEARTH_ADMIN_LISTEN must differ".into());
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems)
+        }
+    }
+}
+
+pub fn default_replica_id(index: usize) -> String {
+    format!("replica-{index}")
+}
+
+/// The `HEARTH_*` variables the sidecar reads.
+pub fn known_env_vars() -> Vec<String> {
+    Cli::command()
+        .get_arguments()
+        .filter_map(|a| a.get_env())
+        .map(|e| e.to_string_lossy().into_owned())
+        .collect()
+}
+
+/// Refuses any `HEARTH_*` variable the project does not know: a typo must
+/// not silently leave a setting at its default.
+pub fn check_env<I: IntoIterator<Item = String>>(names: I) -> Result<(), String> {
+    let known = known_env_vars();
+    let mut unknown: Vec<String> = names
+        .into_iter()
+        .filter(|n| n.starts_with("HEARTH_"))
+        .filter(|n| !known.contains(n) && !OTHER_TOOLS_VARS.contains(&n.as_str()))
+        .collect();
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    unknown.sort();
+    let mut valid = known;
+    valid.sort();
+    Err(format!(
+        "unknown environment variable(s) {}; valid HEARTH_* variables: {}",
+        unknown.join(", "),
+        valid.join(", ")
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("hearth-ext-proc").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn upstream_specs_parse_with_options() {
+        let u: UpstreamSpec = "10.0.0.1:8000;id=gpu-a;model=m1;model=m2".parse().unwrap();
+        assert_eq!(u.addr, "10.0.0.1:8000".parse().unwrap());
+        assert_eq!(u.id.as_deref(), Some("gpu-a"));
+        assert_eq!(u.models, ["m1", "m2"]);
+        assert!("engine-1:8000".parse::<UpstreamSpec>().unwrap_err().contains("ip:port"));
+        assert!("10.0.0.1:8000;colour=red".parse::<UpstreamSpec>().unwrap_err().contains("colour"));
+        assert!("10.0.0.1:8000;id=".parse::<UpstreamSpec>().is_err());
+    }
+
+    #[test]
+    fn defaults_and_comma_separated_upstreams() {
+        let cli = parse(&["--upstreams", "127.0.0.1:1,127.0.0.1:2"]).unwrap();
+        let s = cli.settings;
+        assert_eq!(s.upstreams.len(), 2);
+        assert_eq!(s.block_size, 2048);
+        assert_eq!(s.affinity_basis, AffinityBasis::Relative);
+        assert!(s.validate().is_ok());
+    }
+
+    #[test]
+    fn validation_reports_every_problem() {
+        let cli = parse(&[
+            "--upstreams",
+            "127.0.0.1:1,127.0.0.1:1",
+            "--warmth-blocks",
+            "0",
+            "--alpha=-1",
+            "--block-size",
+            "3",
+        ])
+        .unwrap();
+        let problems = cli.settings.validate().unwrap_err();
+        assert_eq!(problems.len(), 4, "{problems:?}");
+    }
+
+    #[test]
+    fn unknown_hearth_variables_are_refused_with_the_valid_list() {
+        assert!(check_env(["HEARTH_UPSTREAMS".to_string(), "PATH".to_string()]).is_ok());
+        assert!(check_env(["HEARTH_ENVOY".to_string()]).is_ok());
+        let err = check_env(["HEARTH_AFINITY_BASIS".to_string()]).unwrap_err();
+        assert!(err.contains("HEARTH_AFINITY_BASIS"));
+        assert!(err.contains("HEARTH_AFFINITY_BASIS"), "names the valid ones: {err}");
+    }
+
+    #[test]
+    fn every_setting_has_an_env_twin() {
+        let cmd = Cli::command();
+        for arg in cmd.get_arguments() {
+            let id = arg.get_id().as_str();
+            if id == "help" || id == "version" {
+                continue;
+            }
+            assert!(arg.get_env().is_some(), "--{id} has no HEARTH_* variable");
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! Hearth's ext_proc sidecar.
+//!
+//! Envoy's wasm filter fingerprints each prompt inside the proxy; this
+//! sidecar owns what must be shared across Envoy's worker threads (and
+//! across Envoys): each replica's warmth and in-flight load. For every
+//! request it scores the replicas, reserves load on the winner for the
+//! request's whole life, and answers with the destination header that
+//! Envoy's override_host load-balancing policy honours.
+//!
+//! Modules, in the order a request meets them: [`service`] (the gRPC
+//! stream), [`router`] (the decision), [`policy`] (the scoring rule),
+//! [`warmth`] (per-replica LRU of block hashes). [`config`] holds the
+//! settings, [`admin`] the state endpoint, [`envoy_config`] the Envoy
+//! bootstrap generator.
+
+pub mod admin;
+pub mod config;
+pub mod envoy_config;
+pub mod policy;
+pub mod router;
+pub mod service;
+pub mod warmth;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+
+pub use config::Settings;
+pub use router::Router;
+
+/// A running sidecar: the gRPC service and the state endpoint.
+pub struct Sidecar {
+    pub grpc_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub router: Arc<Router>,
+    stop: Option<oneshot::Sender<()>>,
+    drain: Duration,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl Sidecar {
+    /// Binds both listeners (port 0 picks a free one) and starts serving.
+    pub async fn start(settings: &Settings) -> anyhow::Result<Sidecar> {
+        let grpc = TcpListener::bind(settings.listen)
+            .await
+            .with_context(|| format!("binding the gRPC listener on {}", settings.listen))?;
+        let admin = TcpListener::bind(settings.admin_listen)
+            .await
+            .with_context(|| format!("binding the state endpoint on {}", settings.admin_listen))?;
+        let grpc_addr = grpc.local_addr()?;
+        let admin_addr = admin.local_addr()?;
+        let router = Router::new(settings);
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(serve(Arc::clone(&router), grpc, admin, async {
+            let _ = stopped.await;
+        }));
+        Ok(Sidecar {
+            grpc_addr,
+            admin_addr,
+            router,
+            stop: Some(stop),
+            drain: Duration::from_secs(settings.drain_seconds),
+            task,
+        })
+    }
+
+    /// Stops accepting and gives open streams `drain` to finish; streams
+    /// still open then are cut (their reservations are released either way).
+    pub async fn shutdown(mut self) -> anyhow::Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match tokio::time::timeout(self.drain, &mut self.task).await {
+            Ok(joined) => joined?,
+            Err(_) => {
+                self.task.abort();
+                Ok(())
+            }
+        }
+    }
+
+    /// Serves until `signal` resolves (then shuts down) or a server fails.
+    pub async fn run_until(
+        mut self,
+        signal: impl Future<Output = anyhow::Result<()>>,
+    ) -> anyhow::Result<()> {
+        tokio::select! {
+            r = signal => {
+                r?;
+                tracing::info!("shutting down");
+                self.shutdown().await
+            }
+            joined = &mut self.task => {
+                joined??;
+                anyhow::bail!("servers stopped unexpectedly")
+            }
+        }
+    }
+}
+
+impl Drop for Sidecar {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn serve(
+    router: Arc<Router>,
+    grpc: TcpListener,
+    admin: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let (tx, _) = tokio::sync::broadcast::channel::<()>(1);
+    let mut grpc_stop = tx.subscribe();
+    let mut admin_stop = tx.subscribe();
+    let grpc_server = tonic::transport::Server::builder()
+        .add_service(service::server(Arc::clone(&router)))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
+            let _ = grpc_stop.recv().await;
+        });
+    let admin_server = axum::serve(admin, admin::routes(router)).with_graceful_shutdown(async move {
+        let _ = admin_stop.recv().await;
+    });
+    let grpc_task = tokio::spawn(grpc_server);
+    let admin_task = tokio::spawn(async move { admin_server.await });
+    shutdown.await;
+    let _ = tx.send(());
+    grpc_task.await?.context("gRPC server")?;
+    admin_task.await?.context("state endpoint")?;
+    Ok(())
+}

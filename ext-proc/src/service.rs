@@ -1,0 +1,391 @@
+//! The `envoy.service.ext_proc.v3.ExternalProcessor` service.
+//!
+//! Envoy opens one gRPC stream per HTTP request and sends, in order: the
+//! request headers, the response headers, and the response trailers (Envoy
+//! adds empty trailers when the upstream response ends without them, so
+//! that message marks the end of the response body, streaming included).
+//! The routing decision, with its load reservation, lives in the task that
+//! serves the stream: however the stream ends, the task ends and the
+//! reservation is released.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    processing_request, processing_response, CommonResponse, HeaderMutation, HeadersResponse,
+    HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse, TrailersResponse,
+};
+use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+use futures::Stream;
+use hearth_fingerprint::header;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::router::{Decision, RequestInfo, RouteError, Router};
+
+/// The destination header and `envoy.lb` metadata key Envoy's override_host
+/// policy reads (the Gateway API Inference Extension's name).
+pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+/// Metadata namespace for the destination.
+pub const LB_NAMESPACE: &str = "envoy.lb";
+/// Response header naming the replica that served the request.
+pub const UPSTREAM: &str = "x-hearth-upstream";
+/// The ext_proc filter's attribute namespace in `ProcessingRequest.attributes`.
+const EXT_PROC_ATTRIBUTES: &str = "envoy.filters.http.ext_proc";
+
+/// Builds the tonic service around a router.
+pub fn server(router: Arc<Router>) -> ExternalProcessorServer<Processor> {
+    ExternalProcessorServer::new(Processor { router })
+        .max_decoding_message_size(4 << 20)
+}
+
+pub struct Processor {
+    router: Arc<Router>,
+}
+
+type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ExternalProcessor for Processor {
+    type ProcessStream = ResponseStream;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(4);
+        let mut exchange = Exchange {
+            router: Arc::clone(&self.router),
+            decision: None,
+        };
+        tokio::spawn(async move {
+            loop {
+                let msg = tokio::select! {
+                    msg = inbound.message() => msg,
+                    // Envoy reset the stream: nobody reads our answers.
+                    () = tx.closed() => break,
+                };
+                let Ok(Some(msg)) = msg else { break };
+                let (reply, done) = exchange.handle(msg);
+                if let Some(reply) = reply {
+                    if tx.send(Ok(reply)).await.is_err() {
+                        break;
+                    }
+                }
+                if done {
+                    break;
+                }
+            }
+            // `exchange` (and its reservation) is dropped here.
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// One HTTP request's conversation with Envoy.
+struct Exchange {
+    router: Arc<Router>,
+    decision: Option<Decision>,
+}
+
+impl Exchange {
+    /// Answers one message; `true` when the exchange is over.
+    fn handle(&mut self, msg: ProcessingRequest) -> (Option<ProcessingResponse>, bool) {
+        if msg.observability_mode {
+            return (None, false);
+        }
+        match msg.request {
+            Some(processing_request::Request::RequestHeaders(h)) => self.on_request_headers(&h),
+            Some(processing_request::Request::ResponseHeaders(h)) => {
+                let served = served_address(&msg.attributes);
+                let end = h.end_of_stream;
+                (Some(self.on_response_headers(served.as_deref())), end)
+            }
+            Some(processing_request::Request::ResponseTrailers(_)) => {
+                let reply = ProcessingResponse {
+                    response: Some(processing_response::Response::ResponseTrailers(
+                        TrailersResponse::default(),
+                    )),
+                    ..Default::default()
+                };
+                // The response is complete: release the load now.
+                self.decision = None;
+                (Some(reply), true)
+            }
+            // Bodies and request trailers are not requested by Hearth's
+            // processing mode; answer them unchanged if a config sends them.
+            Some(processing_request::Request::RequestBody(_)) => (
+                Some(ProcessingResponse {
+                    response: Some(processing_response::Response::RequestBody(Default::default())),
+                    ..Default::default()
+                }),
+                false,
+            ),
+            Some(processing_request::Request::ResponseBody(b)) => {
+                let end = b.end_of_stream;
+                if end {
+                    self.decision = None;
+                }
+                (
+                    Some(ProcessingResponse {
+                        response: Some(processing_response::Response::ResponseBody(
+                            Default::default(),
+                        )),
+                        ..Default::default()
+                    }),
+                    false,
+                )
+            }
+            Some(processing_request::Request::RequestTrailers(_)) => (
+                Some(ProcessingResponse {
+                    response: Some(processing_response::Response::RequestTrailers(
+                        TrailersResponse::default(),
+                    )),
+                    ..Default::default()
+                }),
+                false,
+            ),
+            None => (None, false),
+        }
+    }
+
+    fn on_request_headers(&mut self, h: &HttpHeaders) -> (Option<ProcessingResponse>, bool) {
+        let info = request_info(h, self.router.block_size());
+        match self.router.decide(&info) {
+            Ok(decision) => {
+                let dest = self.router.destination(&decision.order);
+                tracing::debug!(
+                    destination = %dest,
+                    overlap = decision.overlap,
+                    blocks = info.hashes.len(),
+                    "routed"
+                );
+                self.decision = Some(decision);
+                let mutation = HeaderMutation {
+                    set_headers: vec![set_header(DESTINATION, &dest)],
+                    remove_headers: vec![header::FP.to_string()],
+                };
+                let reply = ProcessingResponse {
+                    response: Some(processing_response::Response::RequestHeaders(
+                        HeadersResponse {
+                            response: Some(CommonResponse {
+                                header_mutation: Some(mutation),
+                                ..Default::default()
+                            }),
+                        },
+                    )),
+                    dynamic_metadata: Some(lb_metadata(&dest)),
+                    ..Default::default()
+                };
+                (Some(reply), false)
+            }
+            Err(e) => (Some(refusal(&e)), true),
+        }
+    }
+
+    fn on_response_headers(&mut self, served: Option<&str>) -> ProcessingResponse {
+        // Name the replica that really answered (after retries, that may be
+        // a fallback); the address itself stays private.
+        let id = served
+            .and_then(|addr| self.router.replica_at(addr))
+            .or_else(|| self.decision.as_ref().map(Decision::primary))
+            .map(|i| self.router.replicas()[i].id.clone());
+        let header_mutation = id.map(|id| HeaderMutation {
+            set_headers: vec![set_header(UPSTREAM, &id)],
+            remove_headers: vec![],
+        });
+        ProcessingResponse {
+            response: Some(processing_response::Response::ResponseHeaders(
+                HeadersResponse {
+                    response: Some(CommonResponse {
+                        header_mutation,
+                        ..Default::default()
+                    }),
+                },
+            )),
+            ..Default::default()
+        }
+    }
+}
+
+/// Reads what the filter put on the request. A missing, malformed or
+/// mismatched fingerprint means "route on load alone".
+pub fn request_info(h: &HttpHeaders, block_size: usize) -> RequestInfo {
+    let mut info = RequestInfo::default();
+    let Some(map) = &h.headers else { return info };
+    for hv in &map.headers {
+        let value = header_text(hv);
+        match hv.key.as_str() {
+            k if k == header::FP => match header::decode(value) {
+                Ok((bs, hashes)) if bs as usize == block_size => info.hashes = hashes,
+                Ok((bs, _)) => {
+                    tracing::warn!(filter = bs, sidecar = block_size, "fingerprint block size differs from HEARTH_BLOCK_SIZE; routing on load")
+                }
+                Err(e) => tracing::debug!(error = %e, "unreadable fingerprint; routing on load"),
+            },
+            k if k == header::PROMPT_BYTES => info.prompt_bytes = value.trim().parse().unwrap_or(0),
+            k if k == header::MODEL => info.model = Some(value.to_string()),
+            _ => {}
+        }
+    }
+    info
+}
+
+fn header_text(hv: &HeaderValue) -> &str {
+    if hv.raw_value.is_empty() {
+        &hv.value
+    } else {
+        std::str::from_utf8(&hv.raw_value).unwrap_or("")
+    }
+}
+
+fn set_header(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue {
+            key: key.to_string(),
+            raw_value: value.as_bytes().to_vec(),
+            ..Default::default()
+        }),
+        // OVERWRITE_IF_EXISTS_OR_ADD
+        append_action: 2,
+        ..Default::default()
+    }
+}
+
+fn string_value(s: &str) -> Value {
+    Value {
+        kind: Some(Kind::StringValue(s.to_string())),
+    }
+}
+
+/// `{"envoy.lb": {"x-gateway-destination-endpoint": dest}}`
+fn lb_metadata(dest: &str) -> Struct {
+    let inner = Struct {
+        fields: HashMap::from([(DESTINATION.to_string(), string_value(dest))]),
+    };
+    Struct {
+        fields: HashMap::from([(
+            LB_NAMESPACE.to_string(),
+            Value {
+                kind: Some(Kind::StructValue(inner)),
+            },
+        )]),
+    }
+}
+
+/// The `upstream.address` attribute Envoy sends with the response headers.
+fn served_address(attributes: &HashMap<String, Struct>) -> Option<String> {
+    let value = attributes
+        .get(EXT_PROC_ATTRIBUTES)?
+        .fields
+        .get("upstream.address")?;
+    match &value.kind {
+        Some(Kind::StringValue(s)) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// An OpenAI-shaped error as an immediate response: 503 when no replica can
+/// serve the request, 429 (with Retry-After) when every one is full.
+fn refusal(e: &RouteError) -> ProcessingResponse {
+    let (status, kind, code, retry_after) = match e {
+        RouteError::NoReplicaForModel(_) => (503, "service_unavailable", "no_replica", None),
+        RouteError::Saturated => (429, "rate_limit_exceeded", "overloaded", Some("1")),
+    };
+    let body = serde_json::json!({
+        "error": {"message": e.to_string(), "type": kind, "code": code, "param": null}
+    });
+    let mut headers = vec![set_header("content-type", "application/json")];
+    if let Some(secs) = retry_after {
+        headers.push(set_header("retry-after", secs));
+    }
+    ProcessingResponse {
+        response: Some(processing_response::Response::ImmediateResponse(
+            ImmediateResponse {
+                status: Some(HttpStatus { code: status }),
+                headers: Some(HeaderMutation {
+                    set_headers: headers,
+                    remove_headers: vec![],
+                }),
+                body: body.to_string().into_bytes(),
+                details: format!("hearth_{code}"),
+                ..Default::default()
+            },
+        )),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+
+    fn headers(pairs: &[(&str, &str)]) -> HttpHeaders {
+        HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: pairs
+                    .iter()
+                    .map(|(k, v)| HeaderValue {
+                        key: k.to_string(),
+                        raw_value: v.as_bytes().to_vec(),
+                        ..Default::default()
+                    })
+                    .collect(),
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn request_info_reads_the_filter_headers() {
+        let fp = header::encode(2048, &[1, 2, 3]);
+        let h = headers(&[
+            (":path", "/v1/chat/completions"),
+            (header::FP, &fp),
+            (header::PROMPT_BYTES, "5000"),
+            (header::MODEL, "m"),
+        ]);
+        let info = request_info(&h, 2048);
+        assert_eq!(info.hashes, [1, 2, 3]);
+        assert_eq!(info.prompt_bytes, 5000);
+        assert_eq!(info.model.as_deref(), Some("m"));
+        // Another block size, or garbage, is ignored rather than trusted.
+        assert!(request_info(&h, 4096).hashes.is_empty());
+        let bad = headers(&[(header::FP, "v1.2048.!!!")]);
+        assert!(request_info(&bad, 2048).hashes.is_empty());
+    }
+
+    #[test]
+    fn refusals_are_openai_shaped_json() {
+        let r = refusal(&RouteError::Saturated);
+        let Some(processing_response::Response::ImmediateResponse(ir)) = r.response else {
+            panic!("not an immediate response")
+        };
+        assert_eq!(ir.status.unwrap().code, 429);
+        let body: serde_json::Value = serde_json::from_slice(&ir.body).unwrap();
+        assert_eq!(body["error"]["code"], "overloaded");
+        let names: Vec<_> = ir.headers.unwrap().set_headers.into_iter().map(|h| h.header.unwrap().key).collect();
+        assert!(names.contains(&"retry-after".to_string()));
+    }
+
+    #[test]
+    fn metadata_carries_the_destination_under_envoy_lb() {
+        let md = lb_metadata("127.0.0.1:1,127.0.0.1:2");
+        let Some(Kind::StructValue(inner)) = &md.fields[LB_NAMESPACE].kind else {
+            panic!("envoy.lb is not a struct")
+        };
+        assert_eq!(
+            inner.fields[DESTINATION].kind,
+            Some(Kind::StringValue("127.0.0.1:1,127.0.0.1:2".into()))
+        );
+    }
+}
