@@ -175,7 +175,7 @@ impl Settings {
                 problems.push(format!("HEARTH_UPSTREAMS uses the id {id:?} twice"));
             }
         }
-        if self.listen == self.admin_listen {
+        if self.listen == self.admin_listen && self.listen.port() != 0 {
             problems.push("HEARTH_LISTEN and HEARTH_ADMIN_LISTEN must differ".into());
         }
         if problems.is_empty() {

@@ -9,6 +9,10 @@ use std::path::PathBuf;
 
 use crate::config::Settings;
 
+/// The wasm module's path in the shipped config (relative to the
+/// repository root, where `scripts/setup` builds it).
+pub const DEFAULT_WASM: &str = "target/wasm32-wasip1/wasm-release/hearth_filter.wasm";
+
 /// Flags of `hearth-ext-proc envoy-config`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct EnvoyConfigArgs {
@@ -19,7 +23,7 @@ pub struct EnvoyConfigArgs {
     #[arg(long, default_value = "127.0.0.1:9901")]
     pub envoy_admin: SocketAddr,
     /// Path of the wasm filter module as Envoy will see it.
-    #[arg(long, default_value = "target/wasm32-wasip1/wasm-release/hearth_filter.wasm")]
+    #[arg(long, default_value = DEFAULT_WASM)]
     pub wasm: PathBuf,
     /// Largest request body Envoy buffers, in bytes (bigger gets 413).
     #[arg(long, default_value_t = 8 << 20)]

@@ -8,7 +8,7 @@ use std::fmt;
 use std::str::FromStr;
 
 /// How prefix overlap turns into credit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AffinityBasis {
     /// `min(overlap, cap)`: every matching block counts. Shared system

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::config::{default_replica_id, Settings};
 use crate::policy::{self, AffinityBasis, Candidate, ScoreParams};
@@ -102,7 +102,7 @@ struct ReplicaState {
 }
 
 /// Per-replica figures for the state endpoint.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ReplicaSnapshot {
     pub id: String,
     pub address: String,
@@ -115,7 +115,7 @@ pub struct ReplicaSnapshot {
     pub routed_total: u64,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Snapshot {
     pub affinity_basis: AffinityBasis,
     pub affinity_cap: u32,

@@ -1,1 +1,224 @@
-//! Shared helpers for the end-to-end tests.
+//! Shared harness for the end-to-end tests: simulated engines and the
+//! sidecar in-process on ephemeral loopback ports, the real Envoy (with the
+//! real wasm filter) as a child process in front of them.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use hearth_bench::engine::{self, EngineConfig, EngineHandle, EngineStats};
+use hearth_bench::gateway::{find_wasm, Envoy};
+use hearth_ext_proc::config::Cli;
+use hearth_ext_proc::envoy_config::{render, Gateway};
+use hearth_ext_proc::router::Snapshot;
+use hearth_ext_proc::{Settings, Sidecar};
+use serde_json::Value;
+
+pub use hearth_bench::conversation::{cached_and_prompt_tokens, filler, reply_text, Conversation};
+
+/// The model the simulated engines serve.
+pub const MODEL: &str = "hearth-sim";
+
+/// How a fleet is started.
+#[derive(Clone, Debug)]
+pub struct FleetOptions {
+    pub engines: usize,
+    /// Extra sidecar flags, e.g. `["--affinity-basis", "marginal"]`.
+    pub sidecar_flags: Vec<String>,
+    /// Per-token decode delay in microseconds (streams last long enough to
+    /// abort mid-way when set).
+    pub decode_micros_per_token: f64,
+    /// Declare each replica as serving only [`MODEL`].
+    pub model_tag: bool,
+}
+
+impl Default for FleetOptions {
+    fn default() -> Self {
+        FleetOptions {
+            engines: 4,
+            sidecar_flags: Vec::new(),
+            decode_micros_per_token: 0.0,
+            model_tag: false,
+        }
+    }
+}
+
+/// One response as a test sees it.
+#[derive(Debug)]
+pub struct Turn {
+    pub status: u16,
+    /// `x-engine-id`: the engine that really served it.
+    pub engine: Option<String>,
+    /// `x-hearth-upstream`: the replica the gateway says served it.
+    pub upstream: Option<String>,
+    pub body: Value,
+}
+
+impl Turn {
+    pub fn cached_tokens(&self) -> u64 {
+        cached_and_prompt_tokens(&self.body).0
+    }
+}
+
+pub struct Fleet {
+    pub engines: Vec<EngineHandle>,
+    pub sidecar: Option<Sidecar>,
+    pub settings: Settings,
+    pub envoy: Envoy,
+    pub client: reqwest::Client,
+}
+
+impl Fleet {
+    pub async fn start(opts: FleetOptions) -> anyhow::Result<Fleet> {
+        let mut engines = Vec::new();
+        for i in 0..opts.engines {
+            let config = EngineConfig {
+                id: format!("engine-{i}"),
+                model: MODEL.into(),
+                decode_micros_per_token: opts.decode_micros_per_token,
+                ..EngineConfig::default()
+            };
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            engines.push(engine::spawn(config, listener).await?);
+        }
+        // Replica ids equal the engine ids, so `x-hearth-upstream` can be
+        // checked against the engine that really answered.
+        let upstreams = engines
+            .iter()
+            .map(|e| {
+                let tag = if opts.model_tag { format!(";model={MODEL}") } else { String::new() };
+                format!("{};id={}{tag}", e.addr, e.engine.config().id)
+            })
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut args = vec![
+            "hearth-ext-proc".to_string(),
+            "--listen=127.0.0.1:0".into(),
+            "--admin-listen=127.0.0.1:0".into(),
+            format!("--upstreams={upstreams}"),
+            "--drain-seconds=1".into(),
+        ];
+        args.extend(opts.sidecar_flags.iter().cloned());
+        let mut settings = Cli::try_parse_from(args)?.settings;
+        settings
+            .validate()
+            .map_err(|p| anyhow::anyhow!("bad sidecar settings: {p:?}"))?;
+        let sidecar = Sidecar::start(&settings).await?;
+        // From now on the sidecar keeps this address across restarts.
+        settings.listen = sidecar.grpc_addr;
+        settings.admin_listen = sidecar.admin_addr;
+
+        let gateway = Gateway {
+            listen: "127.0.0.1:0".parse()?,
+            admin: "127.0.0.1:0".parse()?,
+            sidecar: sidecar.grpc_addr,
+            upstreams: engines.iter().map(|e| e.addr).collect(),
+            wasm: find_wasm()?.canonicalize()?,
+            block_size: settings.block_size,
+            max_prefix_bytes: hearth_fingerprint::DEFAULT_MAX_PREFIX_BYTES,
+            max_body_bytes: 8 << 20,
+        };
+        let envoy = Envoy::start(&render(&gateway), Duration::from_secs(60)).await?;
+        Ok(Fleet {
+            engines,
+            sidecar: Some(sidecar),
+            settings,
+            envoy,
+            client: reqwest::Client::new(),
+        })
+    }
+
+    /// POSTs `body` (JSON) to `path` through the gateway.
+    pub async fn post_json(&self, path: &str, body: &Value) -> anyhow::Result<Turn> {
+        self.post(path, serde_json::to_vec(body)?, &[("content-type", "application/json")])
+            .await
+    }
+
+    /// POSTs raw bytes with extra headers through the gateway.
+    pub async fn post(&self, path: &str, body: Vec<u8>, headers: &[(&str, &str)]) -> anyhow::Result<Turn> {
+        let mut req = self.client.post(format!("{}{}", self.envoy.url(), path)).body(body);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let resp = req.send().await.context("request through Envoy")?;
+        let status = resp.status().as_u16();
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let engine = header("x-engine-id");
+        let upstream = header("x-hearth-upstream");
+        let text = resp.text().await?;
+        let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        Ok(Turn {
+            status,
+            engine,
+            upstream,
+            body,
+        })
+    }
+
+    /// One chat turn; panics with the response when it is not a 200.
+    pub async fn chat(&self, body: &Value) -> Turn {
+        let turn = self
+            .post_json("/v1/chat/completions", body)
+            .await
+            .expect("request through Envoy");
+        assert_eq!(turn.status, 200, "chat turn failed: {:?}", turn.body);
+        turn
+    }
+
+    pub fn engine_stats(&self) -> Vec<EngineStats> {
+        self.engines.iter().map(|e| e.engine.stats()).collect()
+    }
+
+    /// The sidecar's `/state` over HTTP, as an operator would read it.
+    pub async fn state(&self) -> anyhow::Result<Snapshot> {
+        Ok(self
+            .client
+            .get(format!("http://{}/state", self.settings.admin_listen))
+            .send()
+            .await?
+            .json()
+            .await?)
+    }
+
+    pub async fn stop_sidecar(&mut self) -> anyhow::Result<()> {
+        if let Some(s) = self.sidecar.take() {
+            s.shutdown().await?;
+        }
+        Ok(())
+    }
+
+    /// Restarts the sidecar on the same addresses (with empty state).
+    pub async fn start_sidecar(&mut self) -> anyhow::Result<()> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match Sidecar::start(&self.settings).await {
+                Ok(s) => {
+                    self.sidecar = Some(s);
+                    return Ok(());
+                }
+                Err(_) if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Waits until every replica's in-flight load is zero, up to `deadline`;
+    /// returns the last state either way.
+    pub async fn settle(&self, deadline: Duration) -> anyhow::Result<Snapshot> {
+        let until = std::time::Instant::now() + deadline;
+        loop {
+            let s = self.state().await?;
+            if s.replicas.iter().all(|r| r.in_flight == 0) || std::time::Instant::now() > until {
+                return Ok(s);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}

@@ -1,0 +1,225 @@
+//! `hearth-bench demo`: Envoy + filter-wasm + the sidecar in front of
+//! simulated engines (or real ones named by `HEARTH_UPSTREAMS`), a short
+//! multi-session agent conversation through it, a table of where each turn
+//! went and how much of its prompt came from cache, then the gateway keeps
+//! serving until Ctrl-C.
+
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use hearth_ext_proc::envoy_config::{render, Gateway};
+
+use crate::conversation::{cached_and_prompt_tokens, filler, reply_text, Conversation};
+use crate::engine::{self, EngineHandle};
+use crate::gateway::{find_wasm, Envoy};
+use crate::serve::EngineArgs;
+
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Gateway port on 127.0.0.1 (0 picks a free one).
+    #[arg(long, env = "HEARTH_DEMO_PORT", default_value_t = 10000)]
+    pub port: u16,
+    /// Simulated engines to start when no upstreams are given.
+    #[arg(long, default_value_t = 4)]
+    pub engines: usize,
+    /// Real engines instead of simulated ones: `ip:port,...` (same syntax
+    /// as the sidecar's HEARTH_UPSTREAMS).
+    #[arg(long, env = "HEARTH_UPSTREAMS")]
+    pub upstreams: Option<String>,
+    /// Model to ask for (default: the first upstream's /v1/models entry).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Conversations sent side by side.
+    #[arg(long, default_value_t = 3)]
+    pub sessions: u64,
+    /// Turns per conversation.
+    #[arg(long, default_value_t = 4)]
+    pub turns: u64,
+    /// Exit after the demo instead of serving until Ctrl-C.
+    #[arg(long)]
+    pub exit: bool,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+/// The sidecar as a child process, killed by PID when dropped.
+struct SidecarProcess {
+    child: Child,
+    admin: SocketAddr,
+}
+
+impl Drop for SidecarProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> anyhow::Result<SocketAddr> {
+    Ok(StdListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+fn sidecar_binary() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let path = exe.with_file_name("hearth-ext-proc");
+    if path.is_file() {
+        Ok(path)
+    } else {
+        bail!("{} not found: build it with `cargo build --release -p hearth-ext-proc`", path.display())
+    }
+}
+
+async fn start_sidecar(upstreams: &str) -> anyhow::Result<(SidecarProcess, SocketAddr)> {
+    let grpc = free_port()?;
+    let admin = free_port()?;
+    let child = Command::new(sidecar_binary()?)
+        .env("HEARTH_UPSTREAMS", upstreams)
+        .env("HEARTH_LISTEN", grpc.to_string())
+        .env("HEARTH_ADMIN_LISTEN", admin.to_string())
+        .env_remove("HEARTH_DEMO_PORT")
+        .stdin(Stdio::null())
+        .spawn()
+        .context("starting hearth-ext-proc")?;
+    let mut sidecar = SidecarProcess { child, admin };
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = sidecar.child.try_wait()? {
+            bail!("hearth-ext-proc exited with {status}");
+        }
+        if reqwest::get(format!("http://{admin}/health")).await.is_ok() {
+            return Ok((sidecar, grpc));
+        }
+        if Instant::now() > until {
+            bail!("hearth-ext-proc did not come up within 20 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn first_model(client: &reqwest::Client, upstream: &str) -> anyhow::Result<String> {
+    let v: serde_json::Value = client
+        .get(format!("http://{upstream}/v1/models"))
+        .send()
+        .await?
+        .json()
+        .await?;
+    v["data"][0]["id"]
+        .as_str()
+        .map(str::to_string)
+        .context("the upstream's /v1/models lists no model; pass --model")
+}
+
+pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+    // 1. Engines: the given upstreams, or simulated ones on free ports.
+    let mut engines: Vec<EngineHandle> = Vec::new();
+    let upstreams = match &args.upstreams {
+        Some(list) if !list.trim().is_empty() => list.clone(),
+        _ => {
+            for i in 0..args.engines {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+                engines.push(engine::spawn(args.engine.config(i), listener).await?);
+            }
+            engines
+                .iter()
+                .map(|e| format!("{};id={}", e.addr, e.engine.config().id))
+                .collect::<Vec<_>>()
+                .join(",")
+        }
+    };
+    let addrs: Vec<SocketAddr> = upstreams
+        .split(',')
+        .map(|u| u.split(';').next().unwrap_or_default().trim().parse())
+        .collect::<Result<_, _>>()
+        .context("upstreams must be ip:port[;id=..],...")?;
+
+    // 2. The sidecar, then Envoy pointed at it.
+    let (sidecar, grpc) = start_sidecar(&upstreams).await?;
+    let gateway = Gateway {
+        listen: SocketAddr::from(([127, 0, 0, 1], args.port)),
+        admin: "127.0.0.1:0".parse()?,
+        sidecar: grpc,
+        upstreams: addrs.clone(),
+        wasm: find_wasm()?.canonicalize()?,
+        block_size: hearth_fingerprint::DEFAULT_BLOCK_SIZE,
+        max_prefix_bytes: hearth_fingerprint::DEFAULT_MAX_PREFIX_BYTES,
+        max_body_bytes: 8 << 20,
+    };
+    let envoy = Envoy::start(&render(&gateway), Duration::from_secs(30)).await?;
+    let client = reqwest::Client::new();
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => first_model(&client, &addrs[0].to_string()).await?,
+    };
+    println!(
+        "Hearth gateway on {} -> {} replicas (sidecar state: http://{}/state)\n",
+        envoy.url(),
+        addrs.len(),
+        sidecar.admin
+    );
+
+    // 3. Sessions that share one 24 KiB harness prompt, turns interleaved.
+    let system = format!("You are a coding agent.\n{}", filler(0xC0DE, 24 * 1024));
+    let mut sessions: Vec<Conversation> = (1..=args.sessions)
+        .map(|s| Conversation::new(&model, &system, true, s))
+        .collect();
+    println!("{:<8} {:>4}  {:<12} {:>13} {:>13} {:>7}", "session", "turn", "replica", "prompt_tokens", "cached_tokens", "cached");
+    let mut homes: Vec<Option<String>> = vec![None; sessions.len()];
+    let (mut stayed, mut later_turns, mut cached_sum, mut prompt_sum) = (0u64, 0u64, 0u64, 0u64);
+    for turn in 1..=args.turns {
+        for (s, conv) in sessions.iter_mut().enumerate() {
+            let body = conv.next_turn(2_000, false);
+            let resp = client
+                .post(format!("{}/v1/chat/completions", envoy.url()))
+                .json(&body)
+                .send()
+                .await?;
+            let status = resp.status();
+            let replica = resp
+                .headers()
+                .get("x-hearth-upstream")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("?")
+                .to_string();
+            let v: serde_json::Value = resp.json().await?;
+            if !status.is_success() {
+                bail!("turn {turn} of session {} failed with {status}: {v}", s + 1);
+            }
+            let (cached, prompt) = cached_and_prompt_tokens(&v);
+            let pct = if prompt > 0 { 100.0 * cached as f64 / prompt as f64 } else { 0.0 };
+            println!("{:<8} {:>4}  {:<12} {:>13} {:>13} {:>6.1}%", s + 1, turn, replica, prompt, cached, pct);
+            if turn > 1 {
+                later_turns += 1;
+                stayed += u64::from(homes[s].as_deref() == Some(replica.as_str()));
+                cached_sum += cached;
+                prompt_sum += prompt;
+            }
+            homes[s] = Some(replica);
+            conv.push_assistant(&reply_text(&v));
+            conv.push_tool_round(4_000);
+        }
+    }
+    if later_turns > 0 {
+        println!(
+            "\nturns after the first: {later_turns}; stayed on their replica: {stayed}; prompt tokens from cache: {:.1}%",
+            100.0 * cached_sum as f64 / prompt_sum.max(1) as f64
+        );
+    }
+    if args.exit {
+        return Ok(());
+    }
+    println!(
+        "\nServing until Ctrl-C. Try:\n  curl -s {}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"{model}\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'",
+        envoy.url()
+    );
+    tokio::signal::ctrl_c().await?;
+    drop(envoy);
+    drop(sidecar);
+    for e in engines {
+        e.shutdown().await;
+    }
+    Ok(())
+}

@@ -1,0 +1,56 @@
+//! Every Envoy configuration the project ships passes `envoy --mode
+//! validate`, and the shipped gateway bootstrap is what the generator makes.
+
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+use hearth_bench::gateway::validate;
+use hearth_ext_proc::config::Cli;
+use hearth_ext_proc::envoy_config::render;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+#[test]
+fn shipped_gateway_yaml_is_the_generated_default() {
+    let cli = Cli::try_parse_from([
+        "hearth-ext-proc",
+        "--upstreams=127.0.0.1:8001,127.0.0.1:8002,127.0.0.1:8003,127.0.0.1:8004",
+        "envoy-config",
+    ])
+    .unwrap();
+    let Some(hearth_ext_proc::config::Command::EnvoyConfig(args)) = &cli.command else {
+        panic!("envoy-config did not parse")
+    };
+    let expected = render(&args.gateway(&cli.settings));
+    let shipped = std::fs::read_to_string(root().join("envoy/gateway.yaml")).unwrap();
+    assert!(
+        shipped == expected,
+        "envoy/gateway.yaml is stale: regenerate it with scripts/gen-envoy-config"
+    );
+}
+
+#[test]
+fn every_shipped_envoy_config_validates() {
+    // Configs name the wasm module relative to the repository root.
+    let wasm = hearth_bench::gateway::find_wasm().expect("wasm built");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(root().join("envoy")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            let text = std::fs::read_to_string(&path).unwrap();
+            let text = text.replace(
+                hearth_ext_proc::envoy_config::DEFAULT_WASM,
+                &wasm.canonicalize().unwrap().display().to_string(),
+            );
+            let tmp = std::env::temp_dir().join(format!("hearth-validate-{}-{checked}.yaml", std::process::id()));
+            std::fs::write(&tmp, text).unwrap();
+            let result = validate(&tmp);
+            let _ = std::fs::remove_file(&tmp);
+            result.unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+            checked += 1;
+        }
+    }
+    assert!(checked >= 1, "no Envoy config found under envoy/");
+}
