@@ -1,0 +1,753 @@
+//! A simulated OpenAI-compatible LLM engine: an axum server with a real
+//! prefix cache over the rendered prompt and a simple time cost model.
+//!
+//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (JSON or SSE
+//! with `"stream": true`), `GET /v1/models`, `GET /health`, `GET /stats`
+//! ([`EngineStats`] as JSON) and `GET /metrics` (Prometheus text with vLLM
+//! metric names). Every response carries `x-engine-id`.
+//!
+//! Cost model: before the first token, `uncached prompt tokens ×
+//! prefill_micros_per_token`; then `decode_micros_per_token` per output token;
+//! both divided by `time_scale`.
+
+pub mod cache;
+pub mod request;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use self::cache::{block_hashes, PrefixCache};
+use self::request::{ApiKind, GenerationRequest};
+
+/// Largest request body accepted (agent turns can exceed 1 MB).
+pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
+
+/// Header naming the replica that served a response.
+pub const ENGINE_ID_HEADER: &str = "x-engine-id";
+
+/// How long [`EngineHandle::shutdown`] waits for in-flight requests.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Words the simulated model "generates", one per output token.
+const WORDS: &[&str] = &[
+    "the ", "cache ", "keeps ", "each ", "turn ", "warm ", "on ", "one ", "replica ", "and ",
+    "load ", "moves ", "it ", "when ", "hot ", "so ",
+];
+
+/// Settings of one simulated engine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineConfig {
+    /// Replica id, sent as `x-engine-id` (default `engine-0`).
+    pub id: String,
+    /// Model name served by `/v1/models` (default `hearth-sim`).
+    pub model: String,
+    /// Tokens per KV cache block (default 16).
+    pub block_tokens: usize,
+    /// Prompt bytes per simulated token (default 4).
+    pub bytes_per_token: usize,
+    /// Prefix cache capacity in tokens (default 1,000,000).
+    pub cache_capacity_tokens: usize,
+    /// Prefill cost per uncached prompt token, in engine microseconds (default 0).
+    pub prefill_micros_per_token: f64,
+    /// Decode cost per output token, in engine microseconds (default 0).
+    pub decode_micros_per_token: f64,
+    /// Engine time is divided by this: 10.0 runs ten times faster (default 1.0).
+    pub time_scale: f64,
+    /// Output tokens when the request sets no `max_tokens` (default 16).
+    pub default_output_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            id: "engine-0".to_owned(),
+            model: "hearth-sim".to_owned(),
+            block_tokens: 16,
+            bytes_per_token: 4,
+            cache_capacity_tokens: 1_000_000,
+            prefill_micros_per_token: 0.0,
+            decode_micros_per_token: 0.0,
+            time_scale: 1.0,
+            default_output_tokens: 16,
+        }
+    }
+}
+
+/// A setting of [`EngineConfig`] that cannot work.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum EngineConfigError {
+    /// The id cannot be sent as a header value.
+    #[error("engine id {0:?} is not a valid header value")]
+    Id(String),
+    /// A size that must be positive is zero.
+    #[error("{0} must be at least 1")]
+    Zero(&'static str),
+    /// A cost or scale is negative, NaN or infinite.
+    #[error("{field} must be a finite number >= 0 (got {value})")]
+    Cost {
+        /// The offending setting.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// `time_scale` is not a finite positive number.
+    #[error("time_scale must be a finite number > 0 (got {0})")]
+    TimeScale(f64),
+}
+
+impl EngineConfig {
+    /// Check every setting; the first bad one is reported.
+    pub fn validate(&self) -> Result<(), EngineConfigError> {
+        if HeaderValue::from_str(&self.id).is_err() {
+            return Err(EngineConfigError::Id(self.id.clone()));
+        }
+        if self.block_tokens == 0 {
+            return Err(EngineConfigError::Zero("block_tokens"));
+        }
+        if self.bytes_per_token == 0 {
+            return Err(EngineConfigError::Zero("bytes_per_token"));
+        }
+        for (field, value) in [
+            ("prefill_micros_per_token", self.prefill_micros_per_token),
+            ("decode_micros_per_token", self.decode_micros_per_token),
+        ] {
+            if !value.is_finite() || value < 0.0 {
+                return Err(EngineConfigError::Cost { field, value });
+            }
+        }
+        if !self.time_scale.is_finite() || self.time_scale <= 0.0 {
+            return Err(EngineConfigError::TimeScale(self.time_scale));
+        }
+        Ok(())
+    }
+
+    /// Wall-clock duration of `micros` engine microseconds.
+    fn wall(&self, micros: f64) -> Duration {
+        Duration::try_from_secs_f64(micros / 1e6 / self.time_scale).unwrap_or(Duration::MAX)
+    }
+}
+
+/// Counters of one engine, served as JSON on `GET /stats`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineStats {
+    /// Replica id.
+    pub id: String,
+    /// Generation requests admitted (valid chat/completions requests).
+    pub requests_total: u64,
+    /// Sum of prompt tokens over admitted requests.
+    pub prompt_tokens_total: u64,
+    /// Sum of prompt tokens served from the prefix cache.
+    pub cached_tokens_total: u64,
+    /// Requests in flight now.
+    pub running: u64,
+    /// Blocks in the prefix cache now.
+    pub cache_blocks: u64,
+    /// Capacity of the prefix cache in blocks.
+    pub cache_capacity_blocks: u64,
+    /// Requests whose response was delivered to the end.
+    pub completed_total: u64,
+    /// Requests whose client went away before the end.
+    pub aborted_total: u64,
+}
+
+/// Shared state of one simulated engine.
+#[derive(Debug)]
+pub struct Engine {
+    config: EngineConfig,
+    id_header: HeaderValue,
+    cache: Mutex<PrefixCache>,
+    next_id: AtomicU64,
+    requests_total: AtomicU64,
+    prompt_tokens_total: AtomicU64,
+    cached_tokens_total: AtomicU64,
+    running: AtomicU64,
+    completed_total: AtomicU64,
+    aborted_total: AtomicU64,
+}
+
+/// What admission decided for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Admission {
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// Leading prompt tokens found in the prefix cache.
+    pub cached_tokens: usize,
+}
+
+impl Engine {
+    /// A new engine with an empty cache.
+    pub fn new(config: EngineConfig) -> Result<Self, EngineConfigError> {
+        config.validate()?;
+        let id_header = HeaderValue::from_str(&config.id)
+            .map_err(|_| EngineConfigError::Id(config.id.clone()))?;
+        let capacity_blocks = config.cache_capacity_tokens / config.block_tokens;
+        Ok(Self {
+            id_header,
+            cache: Mutex::new(PrefixCache::new(capacity_blocks)),
+            config,
+            next_id: AtomicU64::new(0),
+            requests_total: AtomicU64::new(0),
+            prompt_tokens_total: AtomicU64::new(0),
+            cached_tokens_total: AtomicU64::new(0),
+            running: AtomicU64::new(0),
+            completed_total: AtomicU64::new(0),
+            aborted_total: AtomicU64::new(0),
+        })
+    }
+
+    /// The engine's settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> EngineStats {
+        let cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        EngineStats {
+            id: self.config.id.clone(),
+            requests_total: self.requests_total.load(Ordering::Relaxed),
+            prompt_tokens_total: self.prompt_tokens_total.load(Ordering::Relaxed),
+            cached_tokens_total: self.cached_tokens_total.load(Ordering::Relaxed),
+            running: self.running.load(Ordering::Relaxed),
+            cache_blocks: cache.len() as u64,
+            cache_capacity_blocks: cache.capacity_blocks() as u64,
+            completed_total: self.completed_total.load(Ordering::Relaxed),
+            aborted_total: self.aborted_total.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Run a rendered prompt through the prefix cache: count its cached
+    /// leading tokens, then insert all its full blocks. Updates the counters.
+    pub fn admit(&self, prompt: &[u8]) -> Admission {
+        let block_bytes = self.config.block_tokens * self.config.bytes_per_token;
+        let hashes = block_hashes(prompt, block_bytes);
+        let matched = self
+            .cache
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .admit(&hashes);
+        let admission = Admission {
+            prompt_tokens: prompt.len().div_ceil(self.config.bytes_per_token),
+            cached_tokens: matched * self.config.block_tokens,
+        };
+        self.requests_total.fetch_add(1, Ordering::Relaxed);
+        self.prompt_tokens_total
+            .fetch_add(admission.prompt_tokens as u64, Ordering::Relaxed);
+        self.cached_tokens_total
+            .fetch_add(admission.cached_tokens as u64, Ordering::Relaxed);
+        admission
+    }
+
+    fn metrics_text(&self) -> String {
+        let s = self.stats();
+        let model = &self.config.model;
+        let usage = if s.cache_capacity_blocks == 0 {
+            0.0
+        } else {
+            s.cache_blocks as f64 / s.cache_capacity_blocks as f64
+        };
+        let mut out = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, value: String| {
+            out.push_str(&format!(
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{model_name=\"{model}\"}} {value}\n"
+            ));
+        };
+        metric(
+            "vllm:num_requests_running",
+            "gauge",
+            "Number of requests in model execution batches.",
+            s.running.to_string(),
+        );
+        metric(
+            "vllm:num_requests_waiting",
+            "gauge",
+            "Number of requests waiting to be processed.",
+            "0".to_owned(),
+        );
+        metric(
+            "vllm:kv_cache_usage_perc",
+            "gauge",
+            "KV-cache usage. 1 means 100 percent usage.",
+            usage.to_string(),
+        );
+        metric(
+            "vllm:prefix_cache_queries_total",
+            "counter",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            s.prompt_tokens_total.to_string(),
+        );
+        metric(
+            "vllm:prefix_cache_hits_total",
+            "counter",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            s.cached_tokens_total.to_string(),
+        );
+        out
+    }
+}
+
+/// Counts a request as running until dropped; then as completed or aborted.
+struct InFlight {
+    engine: Arc<Engine>,
+    completed: bool,
+}
+
+impl InFlight {
+    fn start(engine: Arc<Engine>) -> Self {
+        engine.running.fetch_add(1, Ordering::Relaxed);
+        Self {
+            engine,
+            completed: false,
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let counter = if self.completed {
+            &self.engine.completed_total
+        } else {
+            &self.engine.aborted_total
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        self.engine.running.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A running engine server.
+///
+/// Dropping the handle stops accepting connections; [`EngineHandle::shutdown`]
+/// also waits (bounded) for in-flight requests.
+#[derive(Debug)]
+pub struct EngineHandle {
+    /// The address the server listens on.
+    pub addr: SocketAddr,
+    /// The engine's shared state (counters, cache).
+    pub engine: Arc<Engine>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl EngineHandle {
+    /// Base URL, e.g. `http://127.0.0.1:8000`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stop accepting, let in-flight requests finish for up to five seconds,
+    /// then stop the server task.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(mut task) = self.task.take() {
+            if tokio::time::timeout(SHUTDOWN_GRACE, &mut task)
+                .await
+                .is_err()
+            {
+                task.abort();
+            }
+        }
+    }
+}
+
+impl Drop for EngineHandle {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// Start an engine on `listener` (bind `127.0.0.1:0` for an ephemeral port).
+pub async fn spawn(
+    config: EngineConfig,
+    listener: tokio::net::TcpListener,
+) -> anyhow::Result<EngineHandle> {
+    let engine = Arc::new(Engine::new(config)?);
+    let addr = listener.local_addr()?;
+    let app = router(engine.clone());
+    let (stop, stopped) = oneshot::channel::<()>();
+    let id = engine.config.id.clone();
+    let task = tokio::spawn(async move {
+        let server = axum::serve(listener, app).with_graceful_shutdown(async {
+            let _ = stopped.await;
+        });
+        if let Err(e) = server.await {
+            tracing::error!(engine = %id, error = %e, "engine server failed");
+        }
+    });
+    tracing::debug!(engine = %engine.config.id, %addr, "engine listening");
+    Ok(EngineHandle {
+        addr,
+        engine,
+        stop: Some(stop),
+        task: Some(task),
+    })
+}
+
+/// The engine's HTTP routes, for embedding in another server or test.
+pub fn router(engine: Arc<Engine>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { "ok" }))
+        .route("/stats", get(stats))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::map_response_with_state(
+            engine.clone(),
+            tag_engine_id,
+        ))
+        .with_state(engine)
+}
+
+async fn tag_engine_id(State(engine): State<Arc<Engine>>, mut res: Response) -> Response {
+    res.headers_mut()
+        .insert(ENGINE_ID_HEADER, engine.id_header.clone());
+    res
+}
+
+/// An OpenAI-shaped error response.
+fn error_response(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+    let body = json!({
+        "error": { "message": message.into(), "type": kind, "code": null }
+    });
+    (status, Json(body)).into_response()
+}
+
+async fn not_found() -> Response {
+    error_response(StatusCode::NOT_FOUND, "not_found_error", "no such endpoint")
+}
+
+async fn stats(State(engine): State<Arc<Engine>>) -> Json<EngineStats> {
+    Json(engine.stats())
+}
+
+async fn metrics(State(engine): State<Arc<Engine>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        engine.metrics_text(),
+    )
+        .into_response()
+}
+
+async fn models(State(engine): State<Arc<Engine>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": engine.config.model,
+            "object": "model",
+            "created": unix_now(),
+            "owned_by": "hearth",
+        }],
+    }))
+}
+
+async fn chat_completions(
+    State(engine): State<Arc<Engine>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(engine, ApiKind::Chat, body).await
+}
+
+async fn completions(
+    State(engine): State<Arc<Engine>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(engine, ApiKind::Completions, body).await
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Everything needed to produce one response, shared by both modes.
+struct Generation {
+    kind: ApiKind,
+    id: String,
+    created: u64,
+    model: String,
+    admission: Admission,
+    output_tokens: usize,
+    /// `length` when the client capped the output, else `stop`.
+    finish_reason: &'static str,
+    prefill: Duration,
+    decode: Duration,
+}
+
+impl Generation {
+    fn usage(&self) -> Value {
+        json!({
+            "prompt_tokens": self.admission.prompt_tokens,
+            "completion_tokens": self.output_tokens,
+            "total_tokens": self.admission.prompt_tokens + self.output_tokens,
+            "prompt_tokens_details": { "cached_tokens": self.admission.cached_tokens },
+        })
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (ApiKind::Chat, false) => "chat.completion",
+            (ApiKind::Chat, true) => "chat.completion.chunk",
+            (ApiKind::Completions, _) => "text_completion",
+        }
+    }
+
+    fn envelope(&self, chunk: bool, choices: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        })
+    }
+
+    /// The whole response body of a non-streaming request.
+    fn full_response(&self) -> Value {
+        let text: String = (0..self.output_tokens).map(word).collect();
+        let choice = match self.kind {
+            ApiKind::Chat => json!({
+                "index": 0,
+                "message": { "role": "assistant", "content": text },
+                "logprobs": null,
+                "finish_reason": self.finish_reason,
+            }),
+            ApiKind::Completions => json!({
+                "index": 0,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": self.finish_reason,
+            }),
+        };
+        let mut body = self.envelope(false, json!([choice]));
+        body["usage"] = self.usage();
+        body
+    }
+
+    /// One streamed choice; `text` None with a finish reason ends the choice.
+    fn chunk(&self, delta: Value, text: Option<&str>, finish: Option<&str>) -> Value {
+        let choice = match self.kind {
+            ApiKind::Chat => json!({
+                "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish,
+            }),
+            ApiKind::Completions => json!({
+                "index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish,
+            }),
+        };
+        self.envelope(true, json!([choice]))
+    }
+
+    fn usage_chunk(&self) -> Value {
+        let mut body = self.envelope(true, json!([]));
+        body["usage"] = self.usage();
+        body
+    }
+
+    /// When output token `i` (0-based) is ready, counted from the first token's start.
+    fn token_deadline(&self, decode_start: Instant, i: usize) -> Instant {
+        let n = u32::try_from(i + 1).unwrap_or(u32::MAX);
+        decode_start + self.decode.saturating_mul(n)
+    }
+}
+
+fn word(i: usize) -> &'static str {
+    WORDS[i % WORDS.len()]
+}
+
+async fn generate(
+    engine: Arc<Engine>,
+    kind: ApiKind,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let body = match body {
+        Ok(body) => body,
+        Err(rejection) => {
+            return error_response(
+                rejection.status(),
+                "invalid_request_error",
+                rejection.body_text(),
+            )
+        }
+    };
+    let req: GenerationRequest = match request::parse(kind, &body) {
+        Ok(req) => req,
+        Err(e) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                e.to_string(),
+            )
+        }
+    };
+    let guard = InFlight::start(engine.clone());
+    let admission = engine.admit(&req.prompt);
+    let config = &engine.config;
+    let uncached = admission.prompt_tokens - admission.cached_tokens;
+    let seq = engine.next_id.fetch_add(1, Ordering::Relaxed);
+    let prefix = match kind {
+        ApiKind::Chat => "chatcmpl",
+        ApiKind::Completions => "cmpl",
+    };
+    let gen = Generation {
+        kind,
+        id: format!("{prefix}-{}-{seq}", config.id),
+        created: unix_now(),
+        model: req.model.unwrap_or_else(|| config.model.clone()),
+        admission,
+        output_tokens: req.max_tokens.unwrap_or(config.default_output_tokens),
+        finish_reason: if req.max_tokens.is_some() {
+            "length"
+        } else {
+            "stop"
+        },
+        prefill: config.wall(uncached as f64 * config.prefill_micros_per_token),
+        decode: config.wall(config.decode_micros_per_token),
+    };
+    tracing::debug!(
+        engine = %config.id,
+        prompt_tokens = admission.prompt_tokens,
+        cached_tokens = admission.cached_tokens,
+        output_tokens = gen.output_tokens,
+        stream = req.stream,
+        "request admitted"
+    );
+    if req.stream {
+        stream_response(gen, guard)
+    } else {
+        full_response(gen, guard).await
+    }
+}
+
+async fn full_response(gen: Generation, mut guard: InFlight) -> Response {
+    // If the client goes away, hyper drops this future and the guard counts
+    // the request as aborted.
+    let decode_start = Instant::now() + gen.prefill;
+    let end = if gen.output_tokens == 0 {
+        decode_start
+    } else {
+        gen.token_deadline(decode_start, gen.output_tokens - 1)
+    };
+    tokio::time::sleep_until(end).await;
+    let body = gen.full_response();
+    guard.completed = true;
+    Json(body).into_response()
+}
+
+/// Where a stream is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Prefill,
+    Token(usize),
+    Finish,
+    Usage,
+    Done,
+    End,
+}
+
+struct StreamState {
+    gen: Generation,
+    guard: InFlight,
+    phase: Phase,
+    decode_start: Instant,
+}
+
+fn sse(value: &Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+fn stream_response(gen: Generation, guard: InFlight) -> Response {
+    let state = StreamState {
+        decode_start: Instant::now() + gen.prefill,
+        gen,
+        guard,
+        phase: Phase::Prefill,
+    };
+    // The state (and with it the guard) lives inside the body: when hyper
+    // drops the body because the client left, the request counts as aborted.
+    let events = futures::stream::unfold(state, next_event);
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(events),
+    )
+        .into_response()
+}
+
+/// The next SSE event of a stream, waiting for the cost model's deadline.
+async fn next_event(mut s: StreamState) -> Option<(Result<Bytes, Infallible>, StreamState)> {
+    loop {
+        let event = match s.phase {
+            Phase::Prefill => {
+                tokio::time::sleep_until(s.decode_start).await;
+                s.phase = if s.gen.output_tokens == 0 {
+                    Phase::Finish
+                } else {
+                    Phase::Token(0)
+                };
+                match s.gen.kind {
+                    // The role-only first delta, as OpenAI sends it.
+                    ApiKind::Chat => {
+                        sse(&s
+                            .gen
+                            .chunk(json!({ "role": "assistant", "content": "" }), None, None))
+                    }
+                    ApiKind::Completions => continue,
+                }
+            }
+            Phase::Token(i) => {
+                tokio::time::sleep_until(s.gen.token_deadline(s.decode_start, i)).await;
+                s.phase = if i + 1 >= s.gen.output_tokens {
+                    Phase::Finish
+                } else {
+                    Phase::Token(i + 1)
+                };
+                let w = word(i);
+                sse(&s.gen.chunk(json!({ "content": w }), Some(w), None))
+            }
+            Phase::Finish => {
+                s.phase = Phase::Usage;
+                sse(&s.gen.chunk(json!({}), None, Some(s.gen.finish_reason)))
+            }
+            Phase::Usage => {
+                s.phase = Phase::Done;
+                sse(&s.gen.usage_chunk())
+            }
+            Phase::Done => {
+                // Everything the client needs has been produced.
+                s.guard.completed = true;
+                s.phase = Phase::End;
+                Bytes::from_static(b"data: [DONE]\n\n")
+            }
+            Phase::End => return None,
+        };
+        return Some((Ok(event), s));
+    }
+}
+
+#[cfg(test)]
+mod tests;

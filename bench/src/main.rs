@@ -1,0 +1,46 @@
+//! `hearth-bench`: the Hearth engine simulator and benchmark driver.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+/// Hearth benchmark kit: simulated engines and routing benchmarks.
+#[derive(Debug, Parser)]
+#[command(name = "hearth-bench", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Start simulated OpenAI-compatible engines and serve until Ctrl-C/SIGTERM.
+    Serve(hearth_bench::serve::ServeArgs),
+    /// Run Envoy + filter-wasm + sidecar in front of simulated engines, show a
+    /// multi-session demo, then keep the gateway serving until Ctrl-C.
+    Demo(hearth_bench::demo::DemoArgs),
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    // Logs go to stderr: stdout carries machine-read output.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match Cli::parse().command {
+        Command::Serve(args) => hearth_bench::serve::run(args).await,
+        Command::Demo(args) => hearth_bench::demo::run(args).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One clear line, not a backtrace: most failures are bad settings.
+            eprintln!("hearth-bench: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
