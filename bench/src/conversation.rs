@@ -18,7 +18,7 @@ pub fn filler(seed: u64, bytes: usize) -> String {
         state ^= state >> 7;
         state ^= state << 17;
         out.push_str(WORDS[(state % 16) as usize]);
-        out.push(if state % 11 == 0 { '\n' } else { ' ' });
+        out.push(if state.is_multiple_of(11) { '\n' } else { ' ' });
     }
     out.truncate(bytes);
     out
@@ -88,7 +88,8 @@ impl Conversation {
 
     /// Appends the assistant's reply, as an agent would before its next turn.
     pub fn push_assistant(&mut self, text: &str) {
-        self.messages.push(json!({"role": "assistant", "content": text}));
+        self.messages
+            .push(json!({"role": "assistant", "content": text}));
     }
 
     /// Appends a tool call and its result (agent traffic carries both).
@@ -97,7 +98,8 @@ impl Conversation {
         self.messages.push(json!({"role": "assistant", "content": null, "tool_calls": [
             {"id": id, "type": "function", "function": {"name": "read_file", "arguments": "{\"path\":\"src/lib.rs\"}"}}
         ]}));
-        self.messages.push(json!({"role": "tool", "tool_call_id": id,
+        self.messages
+            .push(json!({"role": "tool", "tool_call_id": id,
             "content": filler(self.seed * 7919 + self.turn, result_bytes)}));
     }
 }
@@ -114,7 +116,9 @@ pub fn reply_text(response: &Value) -> String {
 pub fn cached_and_prompt_tokens(response: &Value) -> (u64, u64) {
     let usage = &response["usage"];
     (
-        usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
+        usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
         usage["prompt_tokens"].as_u64().unwrap_or(0),
     )
 }

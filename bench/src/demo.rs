@@ -69,7 +69,10 @@ fn sidecar_binary() -> anyhow::Result<PathBuf> {
     if path.is_file() {
         Ok(path)
     } else {
-        bail!("{} not found: build it with `cargo build --release -p hearth-ext-proc`", path.display())
+        bail!(
+            "{} not found: build it with `cargo build --release -p hearth-ext-proc`",
+            path.display()
+        )
     }
 }
 
@@ -166,7 +169,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let mut sessions: Vec<Conversation> = (1..=args.sessions)
         .map(|s| Conversation::new(&model, &system, true, s))
         .collect();
-    println!("{:<8} {:>4}  {:<12} {:>13} {:>13} {:>7}", "session", "turn", "replica", "prompt_tokens", "cached_tokens", "cached");
+    println!(
+        "{:<8} {:>4}  {:<12} {:>13} {:>13} {:>7}",
+        "session", "turn", "replica", "prompt_tokens", "cached_tokens", "cached"
+    );
     let mut homes: Vec<Option<String>> = vec![None; sessions.len()];
     let (mut stayed, mut later_turns, mut cached_sum, mut prompt_sum) = (0u64, 0u64, 0u64, 0u64);
     for turn in 1..=args.turns {
@@ -189,8 +195,20 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
                 bail!("turn {turn} of session {} failed with {status}: {v}", s + 1);
             }
             let (cached, prompt) = cached_and_prompt_tokens(&v);
-            let pct = if prompt > 0 { 100.0 * cached as f64 / prompt as f64 } else { 0.0 };
-            println!("{:<8} {:>4}  {:<12} {:>13} {:>13} {:>6.1}%", s + 1, turn, replica, prompt, cached, pct);
+            let pct = if prompt > 0 {
+                100.0 * cached as f64 / prompt as f64
+            } else {
+                0.0
+            };
+            println!(
+                "{:<8} {:>4}  {:<12} {:>13} {:>13} {:>6.1}%",
+                s + 1,
+                turn,
+                replica,
+                prompt,
+                cached,
+                pct
+            );
             if turn > 1 {
                 later_turns += 1;
                 stayed += u64::from(homes[s].as_deref() == Some(replica.as_str()));

@@ -100,7 +100,13 @@ impl Envoy {
             .arg(&config_path)
             .arg("--admin-address-path")
             .arg(&admin_path)
-            .args(["--disable-hot-restart", "--concurrency", "2", "--log-level", "info"])
+            .args([
+                "--disable-hot-restart",
+                "--concurrency",
+                "2",
+                "--log-level",
+                "info",
+            ])
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -176,18 +182,29 @@ impl Envoy {
 
     /// One counter or gauge from Envoy's stats (`None` if absent).
     pub async fn stat(&self, name: &str) -> anyhow::Result<Option<u64>> {
-        let text = reqwest::get(format!("http://{}/stats?filter=^{}$", self.admin, regex_escape(name)))
-            .await?
-            .text()
-            .await?;
-        Ok(text
-            .lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(": ")?.trim().parse().ok()))
+        let text = reqwest::get(format!(
+            "http://{}/stats?filter=^{}$",
+            self.admin,
+            regex_escape(name)
+        ))
+        .await?
+        .text()
+        .await?;
+        Ok(text.lines().find_map(|l| {
+            l.strip_prefix(name)?
+                .strip_prefix(": ")?
+                .trim()
+                .parse()
+                .ok()
+        }))
     }
 
     /// All stats whose names contain `part`, as (name, value) pairs.
     pub async fn stats_matching(&self, part: &str) -> anyhow::Result<Vec<(String, String)>> {
-        let text = reqwest::get(format!("http://{}/stats", self.admin)).await?.text().await?;
+        let text = reqwest::get(format!("http://{}/stats", self.admin))
+            .await?
+            .text()
+            .await?;
         Ok(text
             .lines()
             .filter(|l| l.contains(part))
@@ -201,7 +218,10 @@ fn regex_escape(s: &str) -> String {
     s.chars()
         .flat_map(|c| {
             let special = ".^$*+?()[]{}|\\".contains(c);
-            special.then_some('\\').into_iter().chain(std::iter::once(c))
+            special
+                .then_some('\\')
+                .into_iter()
+                .chain(std::iter::once(c))
         })
         .collect()
 }

@@ -107,7 +107,9 @@ impl FromStr for UpstreamSpec {
         let mut parts = s.trim().split(';');
         let addr_text = parts.next().unwrap_or_default().trim();
         let addr: SocketAddr = addr_text.parse().map_err(|_| {
-            format!("upstream {addr_text:?} is not ip:port (Envoy's override_host needs an IP address)")
+            format!(
+                "upstream {addr_text:?} is not ip:port (Envoy's override_host needs an IP address)"
+            )
         })?;
         let mut spec = UpstreamSpec {
             addr,
@@ -125,7 +127,11 @@ impl FromStr for UpstreamSpec {
             match key.trim() {
                 "id" => spec.id = Some(value.to_string()),
                 "model" => spec.models.push(value.to_string()),
-                other => return Err(format!("unknown upstream option {other:?} (known: id, model)")),
+                other => {
+                    return Err(format!(
+                        "unknown upstream option {other:?} (known: id, model)"
+                    ))
+                }
             }
         }
         Ok(spec)
@@ -156,7 +162,10 @@ impl Settings {
             problems.push("HEARTH_WARMTH_BLOCKS must be at least 1".into());
         }
         if !(self.alpha.is_finite() && self.alpha >= 0.0) {
-            problems.push(format!("HEARTH_ALPHA must be a finite number >= 0, got {}", self.alpha));
+            problems.push(format!(
+                "HEARTH_ALPHA must be a finite number >= 0, got {}",
+                self.alpha
+            ));
         }
         if self.load_unit_bytes == 0 {
             problems.push("HEARTH_LOAD_UNIT_BYTES must be at least 1".into());
@@ -235,8 +244,14 @@ mod tests {
         assert_eq!(u.addr, "10.0.0.1:8000".parse().unwrap());
         assert_eq!(u.id.as_deref(), Some("gpu-a"));
         assert_eq!(u.models, ["m1", "m2"]);
-        assert!("engine-1:8000".parse::<UpstreamSpec>().unwrap_err().contains("ip:port"));
-        assert!("10.0.0.1:8000;colour=red".parse::<UpstreamSpec>().unwrap_err().contains("colour"));
+        assert!("engine-1:8000"
+            .parse::<UpstreamSpec>()
+            .unwrap_err()
+            .contains("ip:port"));
+        assert!("10.0.0.1:8000;colour=red"
+            .parse::<UpstreamSpec>()
+            .unwrap_err()
+            .contains("colour"));
         assert!("10.0.0.1:8000;id=".parse::<UpstreamSpec>().is_err());
     }
 
@@ -272,7 +287,10 @@ mod tests {
         assert!(check_env(["HEARTH_ENVOY".to_string()]).is_ok());
         let err = check_env(["HEARTH_AFINITY_BASIS".to_string()]).unwrap_err();
         assert!(err.contains("HEARTH_AFINITY_BASIS"));
-        assert!(err.contains("HEARTH_AFFINITY_BASIS"), "names the valid ones: {err}");
+        assert!(
+            err.contains("HEARTH_AFFINITY_BASIS"),
+            "names the valid ones: {err}"
+        );
     }
 
     #[test]

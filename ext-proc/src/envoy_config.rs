@@ -125,6 +125,9 @@ static_resources:
               domains: ["*"]
               routes:
               - match: {{ prefix: "/" }}
+                # The fingerprint never reaches an engine, even when the
+                # sidecar is down and could not strip it.
+                request_headers_to_remove: ["x-hearth-fp", "x-hearth-prompt-bytes", "x-hearth-model"]
                 route:
                   cluster: engines
                   timeout: 0s
@@ -228,7 +231,10 @@ mod tests {
             listen: "127.0.0.1:10000".parse().unwrap(),
             admin: "127.0.0.1:9901".parse().unwrap(),
             sidecar: "127.0.0.1:50051".parse().unwrap(),
-            upstreams: vec!["127.0.0.1:8001".parse().unwrap(), "127.0.0.1:8002".parse().unwrap()],
+            upstreams: vec![
+                "127.0.0.1:8001".parse().unwrap(),
+                "127.0.0.1:8002".parse().unwrap(),
+            ],
             wasm: "/x/hearth_filter.wasm".into(),
             block_size: 2048,
             max_prefix_bytes: 1 << 21,

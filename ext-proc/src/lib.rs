@@ -125,9 +125,10 @@ async fn serve(
         .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
             let _ = grpc_stop.recv().await;
         });
-    let admin_server = axum::serve(admin, admin::routes(router)).with_graceful_shutdown(async move {
-        let _ = admin_stop.recv().await;
-    });
+    let admin_server =
+        axum::serve(admin, admin::routes(router)).with_graceful_shutdown(async move {
+            let _ = admin_stop.recv().await;
+        });
     let grpc_task = tokio::spawn(grpc_server);
     let admin_task = tokio::spawn(async move { admin_server.await });
     shutdown.await;

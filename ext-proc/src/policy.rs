@@ -51,7 +51,9 @@ impl FromStr for AffinityBasis {
         AffinityBasis::ALL
             .into_iter()
             .find(|b| b.as_str().eq_ignore_ascii_case(s))
-            .ok_or_else(|| format!("unknown affinity basis {s:?}: expected absolute, marginal or relative"))
+            .ok_or_else(|| {
+                format!("unknown affinity basis {s:?}: expected absolute, marginal or relative")
+            })
     }
 }
 
@@ -134,15 +136,33 @@ mod tests {
         // A shared 30-block system prompt everywhere; one replica also holds
         // the session's 20 private blocks.
         let overlaps = [30, 50, 30];
-        assert_eq!(credits(AffinityBasis::Absolute, 100, &overlaps), [30.0, 50.0, 30.0]);
-        assert_eq!(credits(AffinityBasis::Marginal, 100, &overlaps), [0.0, 20.0, 0.0]);
-        assert_eq!(credits(AffinityBasis::Relative, 100, &overlaps), [30.0, 50.0, 30.0]);
+        assert_eq!(
+            credits(AffinityBasis::Absolute, 100, &overlaps),
+            [30.0, 50.0, 30.0]
+        );
+        assert_eq!(
+            credits(AffinityBasis::Marginal, 100, &overlaps),
+            [0.0, 20.0, 0.0]
+        );
+        assert_eq!(
+            credits(AffinityBasis::Relative, 100, &overlaps),
+            [30.0, 50.0, 30.0]
+        );
         // With a cap of 40 the absolute basis can no longer tell 50 from 30
         // apart beyond the cap, while relative keeps the 20-block gap... up
         // to the cap: min(50,40) - min(50-30,40) = 20.
-        assert_eq!(credits(AffinityBasis::Absolute, 40, &overlaps), [30.0, 40.0, 30.0]);
-        assert_eq!(credits(AffinityBasis::Relative, 40, &overlaps), [20.0, 40.0, 20.0]);
-        assert_eq!(credits(AffinityBasis::Marginal, 10, &overlaps), [0.0, 10.0, 0.0]);
+        assert_eq!(
+            credits(AffinityBasis::Absolute, 40, &overlaps),
+            [30.0, 40.0, 30.0]
+        );
+        assert_eq!(
+            credits(AffinityBasis::Relative, 40, &overlaps),
+            [20.0, 40.0, 20.0]
+        );
+        assert_eq!(
+            credits(AffinityBasis::Marginal, 10, &overlaps),
+            [0.0, 10.0, 0.0]
+        );
     }
 
     #[test]
@@ -150,7 +170,10 @@ mod tests {
         // Both replicas hold more than the cap: absolute ties, relative
         // still prefers the warmer one.
         let overlaps = [300, 260];
-        assert_eq!(credits(AffinityBasis::Absolute, 256, &overlaps), [256.0, 256.0]);
+        assert_eq!(
+            credits(AffinityBasis::Absolute, 256, &overlaps),
+            [256.0, 256.0]
+        );
         let rel = credits(AffinityBasis::Relative, 256, &overlaps);
         assert!(rel[0] > rel[1]);
     }
@@ -163,14 +186,26 @@ mod tests {
             alpha: 4.0,
         };
         let warm_idle = [
-            Candidate { overlap: 20, load: 0.0 },
-            Candidate { overlap: 0, load: 0.0 },
+            Candidate {
+                overlap: 20,
+                load: 0.0,
+            },
+            Candidate {
+                overlap: 0,
+                load: 0.0,
+            },
         ];
         assert_eq!(rank(&p, &warm_idle, 0)[0], 0);
         // 20 blocks of credit vs 6 load units * 4 = 24: load wins.
         let warm_busy = [
-            Candidate { overlap: 20, load: 6.0 },
-            Candidate { overlap: 0, load: 0.0 },
+            Candidate {
+                overlap: 20,
+                load: 6.0,
+            },
+            Candidate {
+                overlap: 0,
+                load: 0.0,
+            },
         ];
         assert_eq!(rank(&p, &warm_busy, 0)[0], 1);
     }
@@ -181,11 +216,20 @@ mod tests {
         // Equal scores (both 0 marginal credit is impossible with different
         // overlaps, so use load to equalise): 10 - 10 = 0 and 0 - 0 = 0.
         let c = [
-            Candidate { overlap: 0, load: 0.0 },
-            Candidate { overlap: 10, load: 10.0 },
+            Candidate {
+                overlap: 0,
+                load: 0.0,
+            },
+            Candidate {
+                overlap: 10,
+                load: 10.0,
+            },
         ];
         assert_eq!(rank(&p, &c, 0), [1, 0]);
-        let cold = [Candidate { overlap: 0, load: 0.0 }; 3];
+        let cold = [Candidate {
+            overlap: 0,
+            load: 0.0,
+        }; 3];
         assert_eq!(rank(&p, &cold, 0), [0, 1, 2]);
         assert_eq!(rank(&p, &cold, 1), [1, 2, 0]);
         assert_eq!(rank(&p, &cold, 5), [2, 0, 1]);
@@ -194,7 +238,10 @@ mod tests {
 
     #[test]
     fn basis_parses_case_insensitively_and_rejects_others() {
-        assert_eq!("Marginal".parse::<AffinityBasis>(), Ok(AffinityBasis::Marginal));
+        assert_eq!(
+            "Marginal".parse::<AffinityBasis>(),
+            Ok(AffinityBasis::Marginal)
+        );
         assert!("fastest".parse::<AffinityBasis>().is_err());
     }
 }

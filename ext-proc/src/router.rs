@@ -90,7 +90,11 @@ impl Drop for Reservation {
         r.in_flight = r.in_flight.saturating_sub(1);
         r.load -= self.weight;
         // Sums of floats drift; an idle replica carries exactly no load.
-        r.load = if r.in_flight == 0 { 0.0 } else { r.load.max(0.0) };
+        r.load = if r.in_flight == 0 {
+            0.0
+        } else {
+            r.load.max(0.0)
+        };
     }
 }
 
@@ -190,7 +194,9 @@ impl Router {
 
     /// Index of the replica at `addr`, if it is one of ours.
     pub fn replica_at(&self, addr: &str) -> Option<usize> {
-        self.replicas.iter().position(|r| r.addr.to_string() == addr)
+        self.replicas
+            .iter()
+            .position(|r| r.addr.to_string() == addr)
     }
 
     /// `ip:port,ip:port,...` for the decision's order.
@@ -222,7 +228,9 @@ impl Router {
             .collect();
         if serving.is_empty() {
             self.rejected.fetch_add(1, Ordering::Relaxed);
-            return Err(RouteError::NoReplicaForModel(req.model.clone().unwrap_or_default()));
+            return Err(RouteError::NoReplicaForModel(
+                req.model.clone().unwrap_or_default(),
+            ));
         }
         let candidates: Vec<usize> = serving
             .into_iter()
@@ -357,7 +365,10 @@ mod tests {
         drop(a);
         drop(b);
         let snap = router.snapshot();
-        assert!(snap.replicas.iter().all(|r| r.in_flight == 0 && r.load == 0.0));
+        assert!(snap
+            .replicas
+            .iter()
+            .all(|r| r.in_flight == 0 && r.load == 0.0));
     }
 
     #[test]
@@ -396,7 +407,10 @@ mod tests {
         drop(held);
         assert!(only.decide(&r).is_ok());
         r.model = Some("b".into());
-        assert_eq!(only.decide(&r).unwrap_err(), RouteError::NoReplicaForModel("b".into()));
+        assert_eq!(
+            only.decide(&r).unwrap_err(),
+            RouteError::NoReplicaForModel("b".into())
+        );
     }
 
     #[test]
@@ -406,6 +420,9 @@ mod tests {
         assert_eq!(d.order.len(), 2);
         let dest = router.destination(&d.order);
         assert_eq!(dest.split(',').count(), 2);
-        assert_eq!(router.replica_at(dest.split(',').next().unwrap()), Some(d.primary()));
+        assert_eq!(
+            router.replica_at(dest.split(',').next().unwrap()),
+            Some(d.primary())
+        );
     }
 }

@@ -42,8 +42,7 @@ const EXT_PROC_ATTRIBUTES: &str = "envoy.filters.http.ext_proc";
 
 /// Builds the tonic service around a router.
 pub fn server(router: Arc<Router>) -> ExternalProcessorServer<Processor> {
-    ExternalProcessorServer::new(Processor { router })
-        .max_decoding_message_size(4 << 20)
+    ExternalProcessorServer::new(Processor { router }).max_decoding_message_size(4 << 20)
 }
 
 pub struct Processor {
@@ -124,7 +123,9 @@ impl Exchange {
             // processing mode; answer them unchanged if a config sends them.
             Some(processing_request::Request::RequestBody(_)) => (
                 Some(ProcessingResponse {
-                    response: Some(processing_response::Response::RequestBody(Default::default())),
+                    response: Some(processing_response::Response::RequestBody(
+                        Default::default(),
+                    )),
                     ..Default::default()
                 }),
                 false,
@@ -224,13 +225,17 @@ pub fn request_info(h: &HttpHeaders, block_size: usize) -> RequestInfo {
     for hv in &map.headers {
         let value = header_text(hv);
         match hv.key.as_str() {
-            k if k == header::FP => match header::decode(value) {
-                Ok((bs, hashes)) if bs as usize == block_size => info.hashes = hashes,
-                Ok((bs, _)) => {
-                    tracing::warn!(filter = bs, sidecar = block_size, "fingerprint block size differs from HEARTH_BLOCK_SIZE; routing on load")
+            k if k == header::FP => {
+                match header::decode(value) {
+                    Ok((bs, hashes)) if bs as usize == block_size => info.hashes = hashes,
+                    Ok((bs, _)) => {
+                        tracing::warn!(filter = bs, sidecar = block_size, "fingerprint block size differs from HEARTH_BLOCK_SIZE; routing on load")
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "unreadable fingerprint; routing on load")
+                    }
                 }
-                Err(e) => tracing::debug!(error = %e, "unreadable fingerprint; routing on load"),
-            },
+            }
             k if k == header::PROMPT_BYTES => info.prompt_bytes = value.trim().parse().unwrap_or(0),
             k if k == header::MODEL => info.model = Some(value.to_string()),
             _ => {}
@@ -373,7 +378,13 @@ mod tests {
         assert_eq!(ir.status.unwrap().code, 429);
         let body: serde_json::Value = serde_json::from_slice(&ir.body).unwrap();
         assert_eq!(body["error"]["code"], "overloaded");
-        let names: Vec<_> = ir.headers.unwrap().set_headers.into_iter().map(|h| h.header.unwrap().key).collect();
+        let names: Vec<_> = ir
+            .headers
+            .unwrap()
+            .set_headers
+            .into_iter()
+            .map(|h| h.header.unwrap().key)
+            .collect();
         assert!(names.contains(&"retry-after".to_string()));
     }
 

@@ -86,7 +86,11 @@ impl Fleet {
         let upstreams = engines
             .iter()
             .map(|e| {
-                let tag = if opts.model_tag { format!(";model={MODEL}") } else { String::new() };
+                let tag = if opts.model_tag {
+                    format!(";model={MODEL}")
+                } else {
+                    String::new()
+                };
                 format!("{};id={}{tag}", e.addr, e.engine.config().id)
             })
             .collect::<Vec<_>>()
@@ -130,13 +134,25 @@ impl Fleet {
 
     /// POSTs `body` (JSON) to `path` through the gateway.
     pub async fn post_json(&self, path: &str, body: &Value) -> anyhow::Result<Turn> {
-        self.post(path, serde_json::to_vec(body)?, &[("content-type", "application/json")])
-            .await
+        self.post(
+            path,
+            serde_json::to_vec(body)?,
+            &[("content-type", "application/json")],
+        )
+        .await
     }
 
     /// POSTs raw bytes with extra headers through the gateway.
-    pub async fn post(&self, path: &str, body: Vec<u8>, headers: &[(&str, &str)]) -> anyhow::Result<Turn> {
-        let mut req = self.client.post(format!("{}{}", self.envoy.url(), path)).body(body);
+    pub async fn post(
+        &self,
+        path: &str,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> anyhow::Result<Turn> {
+        let mut req = self
+            .client
+            .post(format!("{}{}", self.envoy.url(), path))
+            .body(body);
         for (k, v) in headers {
             req = req.header(*k, *v);
         }

@@ -9,7 +9,10 @@ use hearth_ext_proc::config::Cli;
 use hearth_ext_proc::envoy_config::render;
 
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 #[test]
@@ -44,7 +47,10 @@ fn every_shipped_envoy_config_validates() {
                 hearth_ext_proc::envoy_config::DEFAULT_WASM,
                 &wasm.canonicalize().unwrap().display().to_string(),
             );
-            let tmp = std::env::temp_dir().join(format!("hearth-validate-{}-{checked}.yaml", std::process::id()));
+            let tmp = std::env::temp_dir().join(format!(
+                "hearth-validate-{}-{checked}.yaml",
+                std::process::id()
+            ));
             std::fs::write(&tmp, text).unwrap();
             let result = validate(&tmp);
             let _ = std::fs::remove_file(&tmp);

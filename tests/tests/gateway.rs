@@ -9,7 +9,12 @@ use hearth_e2e::{filler, reply_text, Conversation, Fleet, FleetOptions, MODEL};
 use serde_json::json;
 
 /// Runs `turns` sequential turns of `conv`, returning the serving engines.
-async fn run_turns(fleet: &Fleet, conv: &mut Conversation, turns: usize, user_bytes: usize) -> Vec<hearth_e2e::Turn> {
+async fn run_turns(
+    fleet: &Fleet,
+    conv: &mut Conversation,
+    turns: usize,
+    user_bytes: usize,
+) -> Vec<hearth_e2e::Turn> {
     let mut out = Vec::new();
     for _ in 0..turns {
         let turn = fleet.chat(&conv.next_turn(user_bytes, false)).await;
@@ -29,20 +34,49 @@ async fn sessions_stay_on_one_replica_and_hit_the_cache_every_turn() {
         let turns = run_turns(&fleet, &mut conv, 4, 3000).await;
         let home = turns[0].engine.clone().expect("x-engine-id");
         for (i, t) in turns.iter().enumerate() {
-            assert_eq!(t.engine.as_deref(), Some(home.as_str()), "session {s} turn {} moved", i + 1);
-            assert_eq!(t.upstream, t.engine, "x-hearth-upstream names the serving replica");
+            assert_eq!(
+                t.engine.as_deref(),
+                Some(home.as_str()),
+                "session {s} turn {} moved",
+                i + 1
+            );
+            assert_eq!(
+                t.upstream, t.engine,
+                "x-hearth-upstream names the serving replica"
+            );
             if i > 0 {
-                assert!(t.cached_tokens() > 0, "session {s} turn {} read no cached tokens: {:?}", i + 1, t.body["usage"]);
+                assert!(
+                    t.cached_tokens() > 0,
+                    "session {s} turn {} read no cached tokens: {:?}",
+                    i + 1,
+                    t.body["usage"]
+                );
             }
         }
     }
     // The filter hashed every turn and its VM never failed.
-    let hashed = fleet.envoy.stat("wasmcustom.hearth_filter.hashed").await.unwrap();
-    assert_eq!(hashed, Some(24), "filter stats: {:?}", fleet.envoy.stats_matching("hearth_filter").await);
+    let hashed = fleet
+        .envoy
+        .stat("wasmcustom.hearth_filter.hashed")
+        .await
+        .unwrap();
+    assert_eq!(
+        hashed,
+        Some(24),
+        "filter stats: {:?}",
+        fleet.envoy.stats_matching("hearth_filter").await
+    );
     let state = fleet.state().await.unwrap();
     assert_eq!(state.hashed_total, 24);
     assert!(state.replicas.iter().all(|r| r.in_flight == 0));
-    assert!(state.replicas.iter().map(|r| r.warmth_blocks).sum::<usize>() > 0);
+    assert!(
+        state
+            .replicas
+            .iter()
+            .map(|r| r.warmth_blocks)
+            .sum::<usize>()
+            > 0
+    );
 }
 
 /// With a 64 KiB harness prompt shared by every session, sessions that
@@ -65,7 +99,11 @@ async fn shared_prompt_spreads_and_stays(basis: &str) {
     let firsts = futures::future::join_all(bodies.iter().map(|b| fleet.chat(b))).await;
     let homes: Vec<String> = firsts.iter().map(|t| t.engine.clone().unwrap()).collect();
     let distinct: HashSet<&String> = homes.iter().collect();
-    assert!(distinct.len() > 1, "{basis}: every session landed on {:?}", homes[0]);
+    assert!(
+        distinct.len() > 1,
+        "{basis}: every session landed on {:?}",
+        homes[0]
+    );
     for (c, t) in convs.iter_mut().zip(&firsts) {
         c.push_assistant(&reply_text(&t.body));
         c.push_tool_round(16 * 1024);
@@ -74,8 +112,16 @@ async fn shared_prompt_spreads_and_stays(basis: &str) {
     for round in 2..=3 {
         for (s, c) in convs.iter_mut().enumerate() {
             let t = fleet.chat(&c.next_turn(8192, false)).await;
-            assert_eq!(t.engine.as_ref(), Some(&homes[s]), "{basis}: session {s} moved in turn {round}");
-            assert!(t.cached_tokens() > 16_000, "{basis}: session {s} turn {round}: {:?}", t.body["usage"]);
+            assert_eq!(
+                t.engine.as_ref(),
+                Some(&homes[s]),
+                "{basis}: session {s} moved in turn {round}"
+            );
+            assert!(
+                t.cached_tokens() > 16_000,
+                "{basis}: session {s} turn {round}: {:?}",
+                t.body["usage"]
+            );
             c.push_assistant(&reply_text(&t.body));
             c.push_tool_round(16 * 1024);
         }
@@ -101,28 +147,52 @@ async fn relative_spreads_sessions_sharing_a_system_prompt() {
 async fn forged_routing_headers_change_nothing() {
     let fleet = Fleet::start(FleetOptions::default()).await.unwrap();
     let mut conv = Conversation::new(MODEL, &filler(3, 8192), true, 300);
-    let home = run_turns(&fleet, &mut conv, 2, 4000).await[0].engine.clone().unwrap();
+    let home = run_turns(&fleet, &mut conv, 2, 4000).await[0]
+        .engine
+        .clone()
+        .unwrap();
     let home_idx: usize = home.trim_start_matches("engine-").parse().unwrap();
-    let other = fleet.engines[(home_idx + 1) % fleet.engines.len()].addr.to_string();
+    let other = fleet.engines[(home_idx + 1) % fleet.engines.len()]
+        .addr
+        .to_string();
     // A loopback port nothing listens on: a host outside the cluster.
-    let outside = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let outside = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
     let other_fp = hearth_fingerprint::header::encode(2048, &[1, 2, 3, 4]);
     let forgeries: Vec<Vec<(&str, &str)>> = vec![
         vec![("x-gateway-destination-endpoint", other.as_str())],
         vec![("x-gateway-destination-endpoint", outside.as_str())],
-        vec![("x-hearth-fp", other_fp.as_str()), ("x-hearth-prompt-bytes", "1"), ("x-hearth-model", "x")],
-        vec![("x-gateway-destination-endpoint", other.as_str()), ("x-hearth-fp", "garbage")],
+        vec![
+            ("x-hearth-fp", other_fp.as_str()),
+            ("x-hearth-prompt-bytes", "1"),
+            ("x-hearth-model", "x"),
+        ],
+        vec![
+            ("x-gateway-destination-endpoint", other.as_str()),
+            ("x-hearth-fp", "garbage"),
+        ],
     ];
     for headers in forgeries {
         let body = conv.next_turn(1000, false);
         let mut all = vec![("content-type", "application/json")];
         all.extend(headers.iter().copied());
         let t = fleet
-            .post("/v1/chat/completions", serde_json::to_vec(&body).unwrap(), &all)
+            .post(
+                "/v1/chat/completions",
+                serde_json::to_vec(&body).unwrap(),
+                &all,
+            )
             .await
             .unwrap();
         assert_eq!(t.status, 200, "{headers:?}: {:?}", t.body);
-        assert_eq!(t.engine.as_deref(), Some(home.as_str()), "forged {headers:?} moved the session");
+        assert_eq!(
+            t.engine.as_deref(),
+            Some(home.as_str()),
+            "forged {headers:?} moved the session"
+        );
         conv.push_assistant(&reply_text(&t.body));
     }
     // An unhashed request (GET) with a forged destination still lands inside the cluster.
@@ -141,21 +211,43 @@ async fn forged_routing_headers_change_nothing() {
 async fn non_json_bodies_and_unknown_paths_still_reach_a_replica() {
     let fleet = Fleet::start(FleetOptions::default()).await.unwrap();
     let t = fleet
-        .post("/v1/chat/completions", b"this is not json {".to_vec(), &[("content-type", "application/json")])
+        .post(
+            "/v1/chat/completions",
+            b"this is not json {".to_vec(),
+            &[("content-type", "application/json")],
+        )
         .await
         .unwrap();
-    assert_eq!(t.status, 400, "the engine, not the gateway, judges the body: {:?}", t.body);
+    assert_eq!(
+        t.status, 400,
+        "the engine, not the gateway, judges the body: {:?}",
+        t.body
+    );
     assert!(t.engine.is_some(), "reached a replica");
     let t = fleet
-        .post("/v1/chat/completions", br#"[1,2,3]"#.to_vec(), &[("content-type", "application/json")])
+        .post(
+            "/v1/chat/completions",
+            br#"[1,2,3]"#.to_vec(),
+            &[("content-type", "application/json")],
+        )
         .await
         .unwrap();
     assert!(t.engine.is_some());
-    let t = fleet.post("/v2/unknown", b"{}".to_vec(), &[]).await.unwrap();
+    let t = fleet
+        .post("/v2/unknown", b"{}".to_vec(), &[])
+        .await
+        .unwrap();
     assert_eq!(t.status, 404);
     assert!(t.engine.is_some());
-    let skipped = fleet.envoy.stats_matching("hearth_filter.skipped").await.unwrap();
-    let total: u64 = skipped.iter().filter_map(|(_, v)| v.parse::<u64>().ok()).sum();
+    let skipped = fleet
+        .envoy
+        .stats_matching("hearth_filter.skipped")
+        .await
+        .unwrap();
+    let total: u64 = skipped
+        .iter()
+        .filter_map(|(_, v)| v.parse::<u64>().ok())
+        .sum();
     assert!(total >= 2, "skip counters: {skipped:?}");
     // A normal request still routes by cache afterwards.
     let mut conv = Conversation::new(MODEL, &filler(4, 4096), false, 400);
@@ -174,7 +266,10 @@ async fn no_eligible_replica_is_an_openai_shaped_503() {
     .await
     .unwrap();
     let mut conv = Conversation::new("another-model", "sys", false, 500);
-    let t = fleet.post_json("/v1/chat/completions", &conv.next_turn(100, false)).await.unwrap();
+    let t = fleet
+        .post_json("/v1/chat/completions", &conv.next_turn(100, false))
+        .await
+        .unwrap();
     assert_eq!(t.status, 503, "{:?}", t.body);
     assert_eq!(t.body["error"]["code"], "no_replica");
     assert!(t.engine.is_none());
@@ -200,9 +295,16 @@ async fn fail_open_without_the_sidecar_and_cache_aware_again_when_it_returns() {
     // The new sidecar starts cold; from its first decision on, the session
     // stays on the replica it chose and reads from cache.
     let after = run_turns(&fleet, &mut conv, 4, 2000).await;
-    assert!(after.iter().all(|t| t.upstream.is_some()), "sidecar back in the path");
+    assert!(
+        after.iter().all(|t| t.upstream.is_some()),
+        "sidecar back in the path"
+    );
     let home = after[0].engine.clone();
-    assert!(after.iter().all(|t| t.engine == home), "{:?}", after.iter().map(|t| &t.engine).collect::<Vec<_>>());
+    assert!(
+        after.iter().all(|t| t.engine == home),
+        "{:?}",
+        after.iter().map(|t| &t.engine).collect::<Vec<_>>()
+    );
     assert!(after[1..].iter().all(|t| t.cached_tokens() > 0));
 }
 
@@ -230,7 +332,10 @@ async fn streams_pass_intact_and_aborted_streams_release_their_load() {
     assert_eq!(via.status(), 200);
     let engine_id = via.headers()["x-engine-id"].to_str().unwrap().to_string();
     let via_text = via.text().await.unwrap();
-    let engine = &fleet.engines[engine_id.trim_start_matches("engine-").parse::<usize>().unwrap()];
+    let engine = &fleet.engines[engine_id
+        .trim_start_matches("engine-")
+        .parse::<usize>()
+        .unwrap()];
     let direct = fleet
         .client
         .post(format!("{}/v1/chat/completions", engine.url()))
@@ -266,14 +371,33 @@ async fn streams_pass_intact_and_aborted_streams_release_their_load() {
 
     // While a stream is open, its load is held; it is released at the end.
     let mut conv = Conversation::new(MODEL, &filler(7, 4096), false, 701);
-    let resp = fleet.client.post(&url).json(&stream_body(&mut conv, 100)).send().await.unwrap();
+    let resp = fleet
+        .client
+        .post(&url)
+        .json(&stream_body(&mut conv, 100))
+        .send()
+        .await
+        .unwrap();
     let mut chunks = resp.bytes_stream();
     chunks.next().await.unwrap().unwrap();
-    let held: u32 = fleet.state().await.unwrap().replicas.iter().map(|r| r.in_flight).sum();
+    let held: u32 = fleet
+        .state()
+        .await
+        .unwrap()
+        .replicas
+        .iter()
+        .map(|r| r.in_flight)
+        .sum();
     assert_eq!(held, 1, "the open stream holds its reservation");
     while chunks.next().await.is_some() {}
     let settled = fleet.settle(Duration::from_secs(10)).await.unwrap();
-    assert!(settled.replicas.iter().all(|r| r.in_flight == 0 && r.load == 0.0), "{settled:?}");
+    assert!(
+        settled
+            .replicas
+            .iter()
+            .all(|r| r.in_flight == 0 && r.load == 0.0),
+        "{settled:?}"
+    );
 
     // A batch of streams, some abandoned after their first chunk.
     let mut tasks = Vec::new();
@@ -303,7 +427,10 @@ async fn streams_pass_intact_and_aborted_streams_release_their_load() {
     assert_eq!(completed, 8);
     let settled = fleet.settle(Duration::from_secs(15)).await.unwrap();
     assert!(
-        settled.replicas.iter().all(|r| r.in_flight == 0 && r.load == 0.0),
+        settled
+            .replicas
+            .iter()
+            .all(|r| r.in_flight == 0 && r.load == 0.0),
         "in-flight load leaked: {settled:?}"
     );
     let aborted: u64 = fleet.engine_stats().iter().map(|s| s.aborted_total).sum();

@@ -1,0 +1,202 @@
+//! Plugin configuration: one typed struct, parsed and validated by a pure function.
+
+use hearth_fingerprint::{Endpoint, Params};
+use serde::Deserialize;
+use std::fmt;
+
+/// Default cap on a buffered request body (8 MiB).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 8 << 20;
+/// Largest accepted `max_body_bytes` (256 MiB).
+pub const MAX_MAX_BODY_BYTES: usize = 256 << 20;
+
+/// The validated plugin configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FilterConfig {
+    /// Exact request paths (query ignored) to fingerprint, with their API.
+    pub routes: Vec<(String, Endpoint)>,
+    /// Block size and hashed-prefix bound.
+    pub params: Params,
+    /// Bodies larger than this pass through unhashed.
+    pub max_body_bytes: usize,
+}
+
+impl Default for FilterConfig {
+    fn default() -> Self {
+        FilterConfig {
+            routes: Endpoint::ALL
+                .iter()
+                .map(|e| (e.default_path().to_owned(), *e))
+                .collect(),
+            params: Params::default(),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+        }
+    }
+}
+
+/// Why the plugin configuration was refused; lists every problem found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError(pub Vec<String>);
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invalid hearth filter configuration: {}",
+            self.0.join("; ")
+        )
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// The JSON shape: every field optional, unknown fields refused (typos).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    paths: Option<Vec<String>>,
+    block_size: Option<usize>,
+    max_prefix_bytes: Option<usize>,
+    max_body_bytes: Option<usize>,
+}
+
+impl FilterConfig {
+    /// Parses the plugin configuration. Empty (or whitespace-only)
+    /// configuration means all defaults.
+    ///
+    /// A path's API is inferred from its suffix: `.../chat/completions`,
+    /// `.../completions` or `.../responses`.
+    pub fn parse(bytes: &[u8]) -> Result<FilterConfig, ConfigError> {
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(FilterConfig::default());
+        }
+        let raw: RawConfig =
+            serde_json::from_slice(bytes).map_err(|e| ConfigError(vec![e.to_string()]))?;
+        let mut errors = Vec::new();
+        let mut cfg = FilterConfig::default();
+        if let Some(paths) = raw.paths {
+            cfg.routes.clear();
+            if paths.is_empty() {
+                errors.push("paths must not be empty".to_owned());
+            }
+            for p in paths {
+                match endpoint_for_suffix(&p) {
+                    Some(e) if p.starts_with('/') && !p.contains(['?', '#']) => {
+                        cfg.routes.push((p, e))
+                    }
+                    _ => errors.push(format!(
+                        "path {p:?} must start with '/', have no query, and end in \
+                         /chat/completions, /completions or /responses"
+                    )),
+                }
+            }
+        }
+        if let Some(b) = raw.block_size {
+            cfg.params.block_size = b;
+        }
+        if let Some(m) = raw.max_prefix_bytes {
+            cfg.params.max_prefix_bytes = m;
+        }
+        if let Err(e) = cfg.params.validate() {
+            errors.push(e);
+        }
+        if let Some(m) = raw.max_body_bytes {
+            if m == 0 || m > MAX_MAX_BODY_BYTES {
+                errors.push(format!(
+                    "max_body_bytes must be in 1..={MAX_MAX_BODY_BYTES}, got {m}"
+                ));
+            }
+            cfg.max_body_bytes = m;
+        }
+        if errors.is_empty() {
+            Ok(cfg)
+        } else {
+            Err(ConfigError(errors))
+        }
+    }
+
+    /// The API served at `path` (query and fragment ignored), if configured.
+    pub fn endpoint_for(&self, path: &str) -> Option<Endpoint> {
+        let path = hearth_fingerprint::strip_query(path);
+        self.routes.iter().find(|(p, _)| p == path).map(|(_, e)| *e)
+    }
+}
+
+fn endpoint_for_suffix(path: &str) -> Option<Endpoint> {
+    if path.ends_with("/chat/completions") {
+        Some(Endpoint::ChatCompletions)
+    } else if path.ends_with("/completions") {
+        Some(Endpoint::Completions)
+    } else if path.ends_with("/responses") {
+        Some(Endpoint::Responses)
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_means_defaults() {
+        assert_eq!(FilterConfig::parse(b""), Ok(FilterConfig::default()));
+        assert_eq!(FilterConfig::parse(b" \n"), Ok(FilterConfig::default()));
+        assert_eq!(FilterConfig::parse(b"{}"), Ok(FilterConfig::default()));
+        let d = FilterConfig::default();
+        assert_eq!(
+            d.endpoint_for("/v1/chat/completions?x=1"),
+            Some(Endpoint::ChatCompletions)
+        );
+        assert_eq!(
+            d.endpoint_for("/v1/completions"),
+            Some(Endpoint::Completions)
+        );
+        assert_eq!(d.endpoint_for("/v1/responses"), Some(Endpoint::Responses));
+        assert_eq!(d.endpoint_for("/v1/models"), None);
+        assert_eq!(d.endpoint_for("/v1/chat/completions/"), None);
+    }
+
+    #[test]
+    fn full_config() {
+        let c = FilterConfig::parse(
+            br#"{"paths":["/openai/v1/chat/completions","/v2/responses"],"block_size":1024,
+                "max_prefix_bytes":65536,"max_body_bytes":1000000}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.endpoint_for("/openai/v1/chat/completions"),
+            Some(Endpoint::ChatCompletions)
+        );
+        assert_eq!(c.endpoint_for("/v2/responses"), Some(Endpoint::Responses));
+        assert_eq!(c.endpoint_for("/v1/chat/completions"), None);
+        assert_eq!(c.params.block_size, 1024);
+        assert_eq!(c.params.max_prefix_bytes, 65536);
+        assert_eq!(c.max_body_bytes, 1_000_000);
+    }
+
+    #[test]
+    fn bad_configs_list_every_problem() {
+        for bad in [
+            &b"not json"[..],
+            br#"[]"#,
+            br#"{"paths":"x"}"#,
+            br#"{"block_sise":64}"#,
+            br#"{"paths":[]}"#,
+            br#"{"paths":["/v1/models"]}"#,
+            br#"{"paths":["v1/completions"]}"#,
+            br#"{"block_size":10}"#,
+            br#"{"block_size":4096,"max_prefix_bytes":1024}"#,
+            br#"{"block_size":64,"max_prefix_bytes":1073741824}"#,
+            br#"{"max_body_bytes":0}"#,
+            br#"{"block_size":-1}"#,
+        ] {
+            assert!(
+                FilterConfig::parse(bad).is_err(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        let e = FilterConfig::parse(br#"{"paths":["/x"],"block_size":1}"#).unwrap_err();
+        assert_eq!(e.0.len(), 2, "{e}");
+    }
+}

@@ -1,0 +1,256 @@
+//! proxy-wasm host glue: moves headers and bodies between Envoy and
+//! [`crate::policy`]. Every host call's error is handled; nothing here
+//! unwraps, so the VM never traps on input.
+
+use crate::config::FilterConfig;
+use crate::metrics::{Metric, SkipCause};
+use crate::policy::{self, BodyOutcome, HeaderDecision};
+use hearth_fingerprint::Endpoint;
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
+use std::rc::Rc;
+use std::time::UNIX_EPOCH;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
+}}
+
+fn log(level: LogLevel, msg: &str) {
+    let _ = hostcalls::log(level, msg);
+}
+
+/// Counter ids, defined once per VM by the root context.
+struct Metrics {
+    ids: Vec<Option<u32>>,
+}
+
+impl Metrics {
+    fn define() -> Metrics {
+        let ids = Metric::ALL
+            .iter()
+            .map(
+                |m| match hostcalls::define_metric(MetricType::Counter, m.name()) {
+                    Ok(id) => Some(id),
+                    Err(status) => {
+                        log(
+                            LogLevel::Warn,
+                            &format!("hearth: define_metric {} failed: {status:?}", m.name()),
+                        );
+                        None
+                    }
+                },
+            )
+            .collect();
+        Metrics { ids }
+    }
+
+    fn add(&self, metric: Metric, by: u64) {
+        if by == 0 {
+            return;
+        }
+        if let Some(Some(id)) = self.ids.get(metric.index()) {
+            let _ = hostcalls::increment_metric(*id, i64::try_from(by).unwrap_or(i64::MAX));
+        }
+    }
+}
+
+#[derive(Default)]
+struct Root {
+    config: Rc<FilterConfig>,
+    metrics: Option<Rc<Metrics>>,
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+        let bytes = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
+            Ok(b) => b.unwrap_or_default(),
+            Err(status) => {
+                log(
+                    LogLevel::Error,
+                    &format!("hearth: cannot read plugin configuration: {status:?}"),
+                );
+                return false;
+            }
+        };
+        match FilterConfig::parse(&bytes) {
+            Ok(cfg) => self.config = Rc::new(cfg),
+            Err(e) => {
+                log(LogLevel::Error, &format!("hearth: {e}"));
+                return false;
+            }
+        }
+        if self.metrics.is_none() {
+            self.metrics = Some(Rc::new(Metrics::define()));
+        }
+        true
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let metrics = self
+            .metrics
+            .clone()
+            .unwrap_or_else(|| Rc::new(Metrics { ids: Vec::new() }));
+        Some(Box::new(Http {
+            config: Rc::clone(&self.config),
+            metrics,
+            state: State::Pass,
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+enum State {
+    /// Nothing to do for this request.
+    Pass,
+    /// Headers held back; buffering the body until end of stream.
+    Buffering { endpoint: Endpoint, seen: usize },
+}
+
+struct Http {
+    config: Rc<FilterConfig>,
+    metrics: Rc<Metrics>,
+    state: State,
+}
+
+impl Context for Http {}
+
+impl Http {
+    fn request_header(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+            .ok()
+            .flatten()
+    }
+
+    fn strip_reserved_headers(&self) {
+        let headers = match hostcalls::get_map_bytes(MapType::HttpRequestHeaders) {
+            Ok(h) => h,
+            Err(status) => {
+                log(
+                    LogLevel::Warn,
+                    &format!("hearth: cannot read request headers: {status:?}"),
+                );
+                return;
+            }
+        };
+        let reserved = policy::reserved_headers(headers.iter().map(|(n, _)| n.as_str()));
+        for name in &reserved {
+            if let Err(status) = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name) {
+                log(
+                    LogLevel::Warn,
+                    &format!("hearth: cannot remove {name}: {status:?}"),
+                );
+            }
+        }
+        self.metrics
+            .add(Metric::StrippedHeaders, reserved.len() as u64);
+    }
+
+    /// Fingerprints the buffered body and sets the headers; always lets the request go on.
+    fn finish(&mut self, endpoint: Endpoint, size: usize) {
+        self.state = State::Pass;
+        let started = now_micros();
+        let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size) {
+            Ok(b) => b.unwrap_or_default(),
+            Err(status) => {
+                log(
+                    LogLevel::Warn,
+                    &format!("hearth: cannot read request body: {status:?}"),
+                );
+                self.metrics
+                    .add(Metric::Skipped(SkipCause::BodyUnavailable), 1);
+                return;
+            }
+        };
+        match policy::on_request_body(&self.config, endpoint, &body) {
+            BodyOutcome::Hashed {
+                headers,
+                hashed_bytes,
+            } => {
+                for (name, value) in &headers {
+                    if let Err(status) =
+                        hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value))
+                    {
+                        log(
+                            LogLevel::Warn,
+                            &format!("hearth: cannot set {name}: {status:?}"),
+                        );
+                    }
+                }
+                self.metrics.add(Metric::Hashed, 1);
+                self.metrics.add(Metric::HashedBytes, hashed_bytes);
+                self.metrics
+                    .add(Metric::HashMicros, now_micros().saturating_sub(started));
+            }
+            BodyOutcome::Skipped(cause) => self.metrics.add(Metric::Skipped(cause), 1),
+        }
+    }
+}
+
+fn now_micros() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+impl HttpContext for Http {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.strip_reserved_headers();
+        let method = self.request_header(":method");
+        let path = self.request_header(":path");
+        let length = self.request_header("content-length");
+        match policy::on_request_headers(
+            &self.config,
+            method.as_deref(),
+            path.as_deref(),
+            length.as_deref(),
+            end_of_stream,
+        ) {
+            HeaderDecision::Buffer(endpoint) => {
+                self.state = State::Buffering { endpoint, seen: 0 };
+                // Needs allow_on_headers_stop_iteration: true in the PluginConfig.
+                Action::Pause
+            }
+            HeaderDecision::Pass(cause) => {
+                self.metrics.add(Metric::Skipped(cause), 1);
+                Action::Continue
+            }
+        }
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let State::Buffering { endpoint, .. } = self.state else {
+            return Action::Continue;
+        };
+        if body_size > self.config.max_body_bytes {
+            // Release what is buffered and stop looking; the body is untouched.
+            self.state = State::Pass;
+            self.metrics.add(Metric::Skipped(SkipCause::TooLarge), 1);
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            self.state = State::Buffering {
+                endpoint,
+                seen: body_size,
+            };
+            return Action::Pause;
+        }
+        self.finish(endpoint, body_size);
+        Action::Continue
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        // A body followed by trailers never reports end_of_stream on the body.
+        if let State::Buffering { endpoint, seen } = self.state {
+            self.finish(endpoint, seen);
+        }
+        Action::Continue
+    }
+}

@@ -1,0 +1,19 @@
+//! Hearth's Envoy filter (proxy-wasm, built for `wasm32-wasip1`).
+//!
+//! For `POST`s to the configured OpenAI paths it buffers the request body
+//! (bounded), fingerprints the prompt with [`hearth_fingerprint`] and sets
+//! `x-hearth-fp`, `x-hearth-prompt-bytes` and `x-hearth-model` for the
+//! ext-proc sidecar. On every request it first removes client-supplied
+//! `x-hearth-*` and `x-gateway-destination-endpoint*` headers, so a client
+//! can never steer routing. It never modifies a body and never fails a
+//! request: anything it cannot fingerprint passes on unhashed, counted.
+//!
+//! The logic lives in plain modules tested natively ([`config`], [`policy`],
+//! [`metrics`]); the host glue is compiled only for `wasm32`.
+
+pub mod config;
+pub mod metrics;
+pub mod policy;
+
+#[cfg(target_arch = "wasm32")]
+mod glue;

@@ -1,0 +1,86 @@
+//! Recomputes every case of `golden/vectors.json`; any difference is drift.
+
+use hearth_fingerprint::{fingerprint, header, Endpoint, Params, SkipReason};
+use serde_json::Value;
+
+fn cases() -> Vec<Value> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/golden/vectors.json");
+    let text = std::fs::read_to_string(path).expect("read golden/vectors.json");
+    serde_json::from_str(&text).expect("vectors.json is a JSON array")
+}
+
+fn hex_hashes(case: &Value) -> Vec<String> {
+    case["hashes"]
+        .as_array()
+        .expect("hashes")
+        .iter()
+        .map(|h| h.as_str().expect("hex string").to_owned())
+        .collect()
+}
+
+fn by_name<'a>(cases: &'a [Value], name: &str) -> &'a Value {
+    cases
+        .iter()
+        .find(|c| c["name"] == name)
+        .unwrap_or_else(|| panic!("case {name} missing"))
+}
+
+#[test]
+fn every_case_matches() {
+    let cases = cases();
+    assert!(cases.len() >= 12, "expected at least 12 cases");
+    for case in &cases {
+        let name = case["name"].as_str().expect("name");
+        let endpoint = Endpoint::from_path(case["path"].as_str().expect("path")).expect("endpoint");
+        let params = Params {
+            block_size: case["block_size"].as_u64().expect("block_size") as usize,
+            max_prefix_bytes: case["max_prefix_bytes"].as_u64().expect("max_prefix_bytes") as usize,
+        };
+        params.validate().expect("valid params");
+        let body = case["body"].as_str().expect("body");
+        let got = fingerprint(endpoint, body.as_bytes(), &params);
+        if let Some(skip) = case.get("skip") {
+            let want = SkipReason::parse(skip.as_str().expect("skip")).expect("known reason");
+            assert_eq!(got, Err(want), "{name}");
+            continue;
+        }
+        let fp = got.unwrap_or_else(|r| panic!("{name}: skipped with {r}"));
+        assert_eq!(
+            fp.model,
+            case["model"].as_str().expect("model"),
+            "{name}: model"
+        );
+        assert_eq!(
+            Some(fp.prompt_bytes),
+            case["prompt_bytes"].as_u64(),
+            "{name}: prompt_bytes"
+        );
+        let got_hex: Vec<String> = fp.hashes.iter().map(|h| format!("{h:016x}")).collect();
+        assert_eq!(got_hex, hex_hashes(case), "{name}: hashes");
+        let want_header = case["header"].as_str().expect("header");
+        assert_eq!(fp.header_value(), want_header, "{name}: header");
+        assert_eq!(
+            header::decode(want_header),
+            Ok((fp.block_size, fp.hashes.clone())),
+            "{name}: decode"
+        );
+    }
+}
+
+#[test]
+fn related_cases_agree() {
+    let cases = cases();
+    let base = hex_hashes(by_name(&cases, "chat_simple"));
+    assert_eq!(
+        hex_hashes(by_name(&cases, "chat_key_order_whitespace")),
+        base
+    );
+    assert_eq!(hex_hashes(by_name(&cases, "chat_per_turn_fields")), base);
+    assert_ne!(hex_hashes(by_name(&cases, "chat_other_model"))[0], base[0]);
+
+    let multi = by_name(&cases, "chat_multi_block");
+    let cut = by_name(&cases, "chat_past_max_prefix");
+    assert!(hex_hashes(multi).len() > 3);
+    assert_eq!(multi["prompt_bytes"], cut["prompt_bytes"]);
+    assert_eq!(hex_hashes(cut), hex_hashes(multi)[..4].to_vec());
+}
