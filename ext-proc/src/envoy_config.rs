@@ -161,9 +161,12 @@ static_resources:
               # Fail open: with the sidecar down, least_request still routes.
               failure_mode_allow: true
               message_timeout: 0.5s
-              # Headers only, plus the response trailers, which Envoy sends
-              # (empty if need be) when the response ends: the sidecar holds
-              # the request's load until then.
+              # Headers only. Asking for response trailers keeps the gRPC
+              # stream open until the HTTP stream ends (streamed responses
+              # included; Envoy closes it then, sending no trailers message
+              # when the engine sent none), so the sidecar holds the
+              # request's load exactly that long. With SKIP, Envoy would end
+              # the stream right after the response headers.
               processing_mode:
                 request_header_mode: SEND
                 response_header_mode: SEND

@@ -129,6 +129,11 @@ pub struct Snapshot {
     pub hashed_total: u64,
     pub unhashed_total: u64,
     pub rejected_total: u64,
+    /// Routed requests that ended after an engine's response headers.
+    pub answered_total: u64,
+    /// Routed requests that ended before any response headers (client
+    /// gave up first, or the upstream failed).
+    pub unanswered_total: u64,
     pub replicas: Vec<ReplicaSnapshot>,
 }
 
@@ -146,6 +151,8 @@ pub struct Router {
     decisions: AtomicU64,
     hashed: AtomicU64,
     rejected: AtomicU64,
+    answered: AtomicU64,
+    unanswered: AtomicU64,
 }
 
 impl Router {
@@ -181,6 +188,8 @@ impl Router {
             decisions: AtomicU64::new(0),
             hashed: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
+            answered: AtomicU64::new(0),
+            unanswered: AtomicU64::new(0),
         })
     }
 
@@ -283,6 +292,17 @@ impl Router {
         })
     }
 
+    /// Counts how a routed request's stream ended: after the engine's
+    /// response headers, or before.
+    pub fn note_stream_end(&self, answered: bool) {
+        let counter = if answered {
+            &self.answered
+        } else {
+            &self.unanswered
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn snapshot(&self) -> Snapshot {
         let state = self.lock();
         let decisions = self.decisions.load(Ordering::Relaxed);
@@ -296,6 +316,8 @@ impl Router {
             hashed_total: hashed,
             unhashed_total: decisions - hashed,
             rejected_total: self.rejected.load(Ordering::Relaxed),
+            answered_total: self.answered.load(Ordering::Relaxed),
+            unanswered_total: self.unanswered.load(Ordering::Relaxed),
             replicas: self
                 .replicas
                 .iter()

@@ -1,10 +1,14 @@
 //! The `envoy.service.ext_proc.v3.ExternalProcessor` service.
 //!
-//! Envoy opens one gRPC stream per HTTP request and sends, in order: the
-//! request headers, the response headers, and the response trailers (Envoy
-//! adds empty trailers when the upstream response ends without them, so
-//! that message marks the end of the response body, streaming included).
-//! The routing decision, with its load reservation, lives in the task that
+//! Envoy opens one gRPC stream per HTTP request and sends the request
+//! headers, then the response headers. Because Hearth's processing mode
+//! asks for response trailers, Envoy keeps the stream open until the HTTP
+//! stream is over (the last byte of a streamed response, a client abort,
+//! an upstream reset, a timeout) and then closes it, without a trailers
+//! message when the engine sent no trailers (checked on Envoy 1.40 by the
+//! end-to-end stream test; with trailers SKIP the stream would end right
+//! after the response headers). So the
+//! routing decision, with its load reservation, lives in the task that
 //! serves the stream: however the stream ends, the task ends and the
 //! reservation is released.
 
@@ -64,6 +68,7 @@ impl ExternalProcessor for Processor {
         let mut exchange = Exchange {
             router: Arc::clone(&self.router),
             decision: None,
+            answered: false,
         };
         tokio::spawn(async move {
             loop {
@@ -93,6 +98,16 @@ impl ExternalProcessor for Processor {
 struct Exchange {
     router: Arc<Router>,
     decision: Option<Decision>,
+    /// Response headers arrived from an engine.
+    answered: bool,
+}
+
+impl Drop for Exchange {
+    fn drop(&mut self) {
+        if self.decision.is_some() || self.answered {
+            self.router.note_stream_end(self.answered);
+        }
+    }
 }
 
 impl Exchange {
@@ -115,7 +130,7 @@ impl Exchange {
                     )),
                     ..Default::default()
                 };
-                // The response is complete: release the load now.
+                // Only when the engine sent trailers: the response is over.
                 self.decision = None;
                 (Some(reply), true)
             }
@@ -131,8 +146,7 @@ impl Exchange {
                 false,
             ),
             Some(processing_request::Request::ResponseBody(b)) => {
-                let end = b.end_of_stream;
-                if end {
+                if b.end_of_stream {
                     self.decision = None;
                 }
                 (
@@ -193,6 +207,7 @@ impl Exchange {
     }
 
     fn on_response_headers(&mut self, served: Option<&str>) -> ProcessingResponse {
+        self.answered = true;
         // Name the replica that really answered (after retries, that may be
         // a fallback); the address itself stays private.
         let id = served

@@ -398,6 +398,8 @@ async fn streams_pass_intact_and_aborted_streams_release_their_load() {
             .all(|r| r.in_flight == 0 && r.load == 0.0),
         "{settled:?}"
     );
+    // Both streams ended after the engine answered, and the sidecar saw it.
+    assert_eq!((settled.answered_total, settled.unanswered_total), (2, 0));
 
     // A batch of streams, some abandoned after their first chunk.
     let mut tasks = Vec::new();
@@ -433,6 +435,8 @@ async fn streams_pass_intact_and_aborted_streams_release_their_load() {
             .all(|r| r.in_flight == 0 && r.load == 0.0),
         "in-flight load leaked: {settled:?}"
     );
+    assert_eq!(settled.answered_total, 2 + 12, "{settled:?}");
+    assert_eq!(settled.unanswered_total, 0, "{settled:?}");
     let aborted: u64 = fleet.engine_stats().iter().map(|s| s.aborted_total).sum();
     assert!(aborted >= 1, "the engines saw the aborts");
 }
