@@ -30,9 +30,10 @@ pub struct DemoArgs {
     /// as the sidecar's HEARTH_UPSTREAMS).
     #[arg(long, env = "HEARTH_UPSTREAMS")]
     pub upstreams: Option<String>,
-    /// Model to ask for (default: the first upstream's /v1/models entry).
+    /// Model to request from real upstreams (default: the first upstream's
+    /// /v1/models entry). Simulated engines serve `--model`.
     #[arg(long)]
-    pub model: Option<String>,
+    pub upstream_model: Option<String>,
     /// Conversations sent side by side.
     #[arg(long, default_value_t = 3)]
     pub sessions: u64,
@@ -113,7 +114,7 @@ async fn first_model(client: &reqwest::Client, upstream: &str) -> anyhow::Result
     v["data"][0]["id"]
         .as_str()
         .map(str::to_string)
-        .context("the upstream's /v1/models lists no model; pass --model")
+        .context("the upstream's /v1/models lists no model; pass --upstream-model")
 }
 
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
@@ -153,9 +154,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     };
     let envoy = Envoy::start(&render(&gateway), Duration::from_secs(30)).await?;
     let client = reqwest::Client::new();
-    let model = match &args.model {
-        Some(m) => m.clone(),
-        None => first_model(&client, &addrs[0].to_string()).await?,
+    let model = match (&args.upstream_model, engines.is_empty()) {
+        (Some(m), _) => m.clone(),
+        (None, false) => args.engine.model.clone(),
+        (None, true) => first_model(&client, &addrs[0].to_string()).await?,
     };
     println!(
         "Hearth gateway on {} -> {} replicas (sidecar state: http://{}/state)\n",

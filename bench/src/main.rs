@@ -44,3 +44,12 @@ async fn main() -> ExitCode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_subcommand_parses_its_own_flags() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
+    }
+}
