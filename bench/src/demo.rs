@@ -35,7 +35,7 @@ pub struct DemoArgs {
     #[arg(long)]
     pub upstream_model: Option<String>,
     /// Conversations sent side by side.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 4)]
     pub sessions: u64,
     /// Turns per conversation.
     #[arg(long, default_value_t = 4)]
@@ -85,6 +85,10 @@ async fn start_sidecar(upstreams: &str) -> anyhow::Result<(SidecarProcess, Socke
         .env("HEARTH_LISTEN", grpc.to_string())
         .env("HEARTH_ADMIN_LISTEN", admin.to_string())
         .env_remove("HEARTH_DEMO_PORT")
+        .env(
+            "HEARTH_LOG",
+            std::env::var("HEARTH_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .stdin(Stdio::null())
         .spawn()
         .context("starting hearth-ext-proc")?;
@@ -102,6 +106,28 @@ async fn start_sidecar(upstreams: &str) -> anyhow::Result<(SidecarProcess, Socke
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// One chat turn through the gateway: the replica named in
+/// `x-hearth-upstream` and the response body.
+async fn send(
+    client: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+) -> anyhow::Result<(String, serde_json::Value)> {
+    let resp = client.post(url).json(body).send().await?;
+    let status = resp.status();
+    let replica = resp
+        .headers()
+        .get("x-hearth-upstream")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("?")
+        .to_string();
+    let v: serde_json::Value = resp.json().await?;
+    if !status.is_success() {
+        bail!("the gateway answered {status}: {v}");
+    }
+    Ok((replica, v))
 }
 
 async fn first_model(client: &reqwest::Client, upstream: &str) -> anyhow::Result<String> {
@@ -178,24 +204,21 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let mut homes: Vec<Option<String>> = vec![None; sessions.len()];
     let (mut stayed, mut later_turns, mut cached_sum, mut prompt_sum) = (0u64, 0u64, 0u64, 0u64);
     for turn in 1..=args.turns {
-        for (s, conv) in sessions.iter_mut().enumerate() {
-            let body = conv.next_turn(2_000, false);
-            let resp = client
-                .post(format!("{}/v1/chat/completions", envoy.url()))
-                .json(&body)
-                .send()
-                .await?;
-            let status = resp.status();
-            let replica = resp
-                .headers()
-                .get("x-hearth-upstream")
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("?")
-                .to_string();
-            let v: serde_json::Value = resp.json().await?;
-            if !status.is_success() {
-                bail!("turn {turn} of session {} failed with {status}: {v}", s + 1);
-            }
+        // Every session sends its turn at the same moment, as a swarm of
+        // agents would: load, not only warmth, shapes where new work goes.
+        let url = format!("{}/v1/chat/completions", envoy.url());
+        // The first turn carries the session's own context (files the
+        // agent read); later turns add a question and a tool result.
+        let user_bytes = if turn == 1 { 32 * 1024 } else { 2_000 };
+        let bodies: Vec<_> = sessions
+            .iter_mut()
+            .map(|c| c.next_turn(user_bytes, false))
+            .collect();
+        let replies =
+            futures::future::join_all(bodies.iter().map(|body| send(&client, &url, body))).await;
+        for (s, (conv, reply)) in sessions.iter_mut().zip(replies).enumerate() {
+            let (replica, v) =
+                reply.with_context(|| format!("turn {turn} of session {}", s + 1))?;
             let (cached, prompt) = cached_and_prompt_tokens(&v);
             let pct = if prompt > 0 {
                 100.0 * cached as f64 / prompt as f64
@@ -219,7 +242,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             }
             homes[s] = Some(replica);
             conv.push_assistant(&reply_text(&v));
-            conv.push_tool_round(4_000);
+            conv.push_tool_round(12_000);
         }
     }
     if later_turns > 0 {
