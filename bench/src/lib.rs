@@ -7,9 +7,18 @@
 //! - [`conversation`]: agent-style conversations as request bodies.
 //! - [`gateway`]: running the real Envoy (shared with the e2e tests).
 //! - [`demo`]: the `hearth-bench demo` subcommand.
+//! - [`workload`] (seeded clients), [`scenario`] (presets), [`policies`]
+//!   (every policy compared), [`sim`] (the discrete-event driver),
+//!   [`report`] (table, JSON, SVG): the routing-quality benchmark.
 
 pub mod conversation;
 pub mod demo;
 pub mod engine;
 pub mod gateway;
+pub mod policies;
+pub mod report;
+pub mod rng;
+pub mod scenario;
 pub mod serve;
+pub mod sim;
+pub mod workload;

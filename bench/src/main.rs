@@ -20,6 +20,9 @@ enum Command {
     /// Run Envoy + filter-wasm + sidecar in front of simulated engines, show a
     /// multi-session demo, then keep the gateway serving until Ctrl-C.
     Demo(hearth_bench::demo::DemoArgs),
+    /// Routing-quality benchmark, discrete-event: every policy on the same
+    /// seeded workload and simulated engines, in engine time.
+    Sim(hearth_bench::sim::SimArgs),
 }
 
 #[tokio::main]
@@ -34,6 +37,10 @@ async fn main() -> ExitCode {
     let result = match Cli::parse().command {
         Command::Serve(args) => hearth_bench::serve::run(args).await,
         Command::Demo(args) => hearth_bench::demo::run(args).await,
+        Command::Sim(args) => tokio::task::spawn_blocking(move || hearth_bench::sim::main(args))
+            .await
+            .map_err(anyhow::Error::from)
+            .and_then(|r| r),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

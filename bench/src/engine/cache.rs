@@ -42,6 +42,8 @@ pub struct PrefixCache {
     by_hash: HashMap<u64, u64>,
     /// last-use tick -> hash; the first entry is the least recently used.
     by_tick: BTreeMap<u64, u64>,
+    /// Blocks in use by running sequences (count of users): never evicted.
+    pins: HashMap<u64, u32>,
 }
 
 impl PrefixCache {
@@ -52,7 +54,33 @@ impl PrefixCache {
             clock: 0,
             by_hash: HashMap::new(),
             by_tick: BTreeMap::new(),
+            pins: HashMap::new(),
         }
+    }
+
+    /// Marks blocks as in use (by a running sequence): they are not evicted
+    /// until [`PrefixCache::unpin`] is called as often.
+    pub fn pin(&mut self, hashes: &[u64]) {
+        for &h in hashes {
+            *self.pins.entry(h).or_default() += 1;
+        }
+    }
+
+    /// Releases a [`PrefixCache::pin`].
+    pub fn unpin(&mut self, hashes: &[u64]) {
+        for h in hashes {
+            if let Some(n) = self.pins.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    self.pins.remove(h);
+                }
+            }
+        }
+    }
+
+    /// Distinct blocks in use by running sequences.
+    pub fn pinned_blocks(&self) -> usize {
+        self.pins.len()
     }
 
     /// Maximum number of blocks held.
@@ -104,12 +132,21 @@ impl PrefixCache {
             self.by_tick.remove(&old);
         }
         self.by_tick.insert(tick, hash);
-        while self.by_hash.len() > self.capacity_blocks {
-            match self.by_tick.pop_first() {
-                Some((_, evicted)) => {
-                    self.by_hash.remove(&evicted);
-                }
-                None => break,
+        // Pinned blocks are skipped (moved to the recent end); when every
+        // other block is pinned, the newest unpinned one goes.
+        let mut skipped = 0;
+        while self.by_hash.len() > self.capacity_blocks && skipped < self.by_tick.len() {
+            let Some((_, evicted)) = self.by_tick.pop_first() else {
+                break;
+            };
+            if self.pins.contains_key(&evicted) {
+                skipped += 1;
+                let tick = self.clock;
+                self.clock += 1;
+                self.by_hash.insert(evicted, tick);
+                self.by_tick.insert(tick, evicted);
+            } else {
+                self.by_hash.remove(&evicted);
             }
         }
     }
@@ -158,6 +195,22 @@ mod tests {
         // A prompt longer than the cache keeps its first blocks.
         cache.admit(&[20, 21, 22, 23, 24, 25]);
         assert_eq!(cache.matched_blocks(&[20, 21, 22, 23, 24, 25]), 4);
+    }
+
+    #[test]
+    fn pinned_blocks_are_not_evicted() {
+        let mut cache = PrefixCache::new(4);
+        cache.admit(&[1, 2, 3, 4]);
+        cache.pin(&[1, 2, 3, 4]);
+        assert_eq!(cache.pinned_blocks(), 4);
+        cache.admit(&[10, 11]);
+        // Only the new blocks are evictable: the pinned prompt stays whole.
+        assert_eq!(cache.matched_blocks(&[1, 2, 3, 4]), 4);
+        cache.unpin(&[1, 2, 3, 4]);
+        assert_eq!(cache.pinned_blocks(), 0);
+        cache.admit(&[20, 21, 22, 23]);
+        assert_eq!(cache.len(), 4);
+        assert_eq!(cache.matched_blocks(&[1]), 0);
     }
 
     #[test]

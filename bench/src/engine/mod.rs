@@ -11,6 +11,7 @@
 //! both divided by `time_scale`.
 
 pub mod cache;
+pub mod core;
 pub mod request;
 
 use std::convert::Infallible;

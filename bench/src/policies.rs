@@ -1,0 +1,511 @@
+//! The routing policies the benchmark compares, all behind one interface.
+//!
+//! - Envoy's built-in load balancers as a plain mesh offers them:
+//!   `round_robin`, `random`, `least_request` (power of two choices over
+//!   Envoy's own active-request counts), `ring_hash` on a session header.
+//! - Hearth (`hearth_absolute`, `hearth_marginal`, `hearth_relative`): the
+//!   sidecar's own [`hearth_ext_proc::Router`], fed the real fingerprint of
+//!   each request body; its [`Decision`] is held for the request's life, so
+//!   its load accounting is the sidecar's.
+//! - `oracle`: reads every engine's real prefix cache and sends each request
+//!   where the most of its prompt is cached (ties: fewest requests, then
+//!   round-robin). An upper bound for the cached fraction, not a practical
+//!   router.
+//! - Labelled emulations of two peers, from their published defaults:
+//!   `gie_default_emulated` (Gateway API Inference Extension endpoint picker:
+//!   prefix-cache scorer weight 3 over 64-character blocks, at most 256
+//!   blocks, an LRU index per server; queue scorer weight 2; KV-utilisation
+//!   scorer weight 2; highest total wins) and `sglang_cache_aware_emulated`
+//!   (SGLang router: if `max_load - min_load > 64` and `max_load > 1.5 *
+//!   min_load` go to the least loaded; else the worker with the longest
+//!   prefix match if the match rate exceeds 0.3, else the worker with the
+//!   smallest tree). Metrics they scrape are read instantly in the
+//!   simulator (no scrape delay), which favours them slightly.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::Hasher;
+use std::sync::Arc;
+
+use hearth_ext_proc::policy::AffinityBasis;
+use hearth_ext_proc::router::{Decision, RequestInfo, Router};
+use serde::Serialize;
+
+use crate::engine::cache::{block_hashes, PrefixCache};
+use crate::engine::core::EngineCore;
+use crate::rng::Rng;
+
+/// Every policy the benchmark knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyKind {
+    RoundRobin,
+    Random,
+    LeastRequest,
+    RingHash,
+    HearthAbsolute,
+    HearthMarginal,
+    HearthRelative,
+    GieDefaultEmulated,
+    SglangCacheAwareEmulated,
+    Oracle,
+}
+
+impl PolicyKind {
+    pub const ALL: [PolicyKind; 10] = [
+        PolicyKind::RoundRobin,
+        PolicyKind::Random,
+        PolicyKind::LeastRequest,
+        PolicyKind::RingHash,
+        PolicyKind::HearthAbsolute,
+        PolicyKind::HearthMarginal,
+        PolicyKind::HearthRelative,
+        PolicyKind::GieDefaultEmulated,
+        PolicyKind::SglangCacheAwareEmulated,
+        PolicyKind::Oracle,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::RoundRobin => "round_robin",
+            PolicyKind::Random => "random",
+            PolicyKind::LeastRequest => "least_request",
+            PolicyKind::RingHash => "ring_hash",
+            PolicyKind::HearthAbsolute => "hearth_absolute",
+            PolicyKind::HearthMarginal => "hearth_marginal",
+            PolicyKind::HearthRelative => "hearth_relative",
+            PolicyKind::GieDefaultEmulated => "gie_default_emulated",
+            PolicyKind::SglangCacheAwareEmulated => "sglang_cache_aware_emulated",
+            PolicyKind::Oracle => "oracle",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<PolicyKind> {
+        PolicyKind::ALL.into_iter().find(|p| p.name() == s)
+    }
+
+    /// The sidecar's credit basis, for the Hearth policies.
+    pub fn hearth_basis(self) -> Option<AffinityBasis> {
+        match self {
+            PolicyKind::HearthAbsolute => Some(AffinityBasis::Absolute),
+            PolicyKind::HearthMarginal => Some(AffinityBasis::Marginal),
+            PolicyKind::HearthRelative => Some(AffinityBasis::Relative),
+            _ => None,
+        }
+    }
+}
+
+/// The sidecar knobs the Hearth policies run with (the sidecar's defaults
+/// unless a scenario or flag says otherwise).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct HearthKnobs {
+    pub affinity_cap: u32,
+    pub alpha: f64,
+    pub load_unit_bytes: u64,
+    pub warmth_blocks: usize,
+}
+
+impl Default for HearthKnobs {
+    fn default() -> Self {
+        HearthKnobs {
+            affinity_cap: 128,
+            alpha: 8.0,
+            load_unit_bytes: 65_536,
+            warmth_blocks: 100_000,
+        }
+    }
+}
+
+impl HearthKnobs {
+    /// Sidecar settings for `replicas` engines under `basis`, parsed by the
+    /// sidecar's own command-line parser (so defaults and validation are
+    /// the sidecar's).
+    pub fn settings(&self, basis: AffinityBasis, replicas: usize) -> hearth_ext_proc::Settings {
+        use clap::Parser;
+        let upstreams: Vec<String> = (0..replicas)
+            .map(|i| format!("127.0.0.1:{};id=engine-{i}", 20_000 + i))
+            .collect();
+        let args = [
+            "hearth-ext-proc".to_string(),
+            format!("--upstreams={}", upstreams.join(",")),
+            format!("--affinity-basis={basis}"),
+            format!("--affinity-cap={}", self.affinity_cap),
+            format!("--alpha={}", self.alpha),
+            format!("--load-unit-bytes={}", self.load_unit_bytes),
+            format!("--warmth-blocks={}", self.warmth_blocks),
+        ];
+        let settings = hearth_ext_proc::config::Cli::try_parse_from(args)
+            .expect("benchmark sidecar settings parse")
+            .settings;
+        if let Err(problems) = settings.validate() {
+            panic!("benchmark sidecar settings: {problems:?}");
+        }
+        settings
+    }
+}
+
+/// What a policy may look at for one request.
+pub struct RouteInput<'a> {
+    /// The prompt as the engine renders it.
+    pub prompt: &'a [u8],
+    /// The engine's block hashes of that prompt.
+    pub engine_hashes: &'a [u64],
+    /// Hearth's fingerprint of the body (as the wasm filter computes it).
+    pub fingerprint: Option<&'a hearth_fingerprint::Fingerprint>,
+    pub session: u64,
+}
+
+/// A routing decision, held until the request ends.
+pub struct Routed {
+    pub replica: usize,
+    /// The sidecar's decision: dropping it releases its load reservation.
+    pub hearth: Option<Decision>,
+}
+
+/// One policy instance for one run.
+pub enum Policy {
+    RoundRobin(usize),
+    Random(Rng),
+    LeastRequest(Rng),
+    RingHash(Vec<(u64, usize)>),
+    Hearth(Arc<Router>),
+    Oracle(usize),
+    Gie(GieState),
+    Sglang(SglangState),
+}
+
+pub struct GieState {
+    index: Vec<PrefixCache>,
+    rng: Rng,
+}
+
+pub struct SglangState {
+    trees: Vec<PrefixCache>,
+}
+
+/// GIE prefix scorer: 64-character blocks, at most 256 of them.
+const GIE_BLOCK_CHARS: usize = 64;
+const GIE_MAX_BLOCKS: usize = 256;
+const GIE_LRU_PER_SERVER: usize = 31_250;
+/// SGLang router defaults.
+const SGLANG_CACHE_THRESHOLD: f64 = 0.3;
+const SGLANG_BALANCE_ABS: f64 = 64.0;
+const SGLANG_BALANCE_REL: f64 = 1.5;
+/// SGLang's default max_tree_size (2^26 characters), in 64-byte blocks.
+const SGLANG_TREE_BLOCKS: usize = (1 << 26) / 64;
+/// Envoy ring_hash default minimum ring size.
+const RING_SIZE: usize = 1024;
+
+fn hash64(a: u64, b: u64) -> u64 {
+    let mut h = DefaultHasher::new();
+    h.write_u64(a);
+    h.write_u64(b);
+    h.finish()
+}
+
+impl Policy {
+    pub fn new(kind: PolicyKind, replicas: usize, seed: u64, knobs: &HearthKnobs) -> Policy {
+        let rng = Rng::derive(seed, 0x9011C7);
+        if let Some(basis) = kind.hearth_basis() {
+            return Policy::Hearth(Router::new(&knobs.settings(basis, replicas)));
+        }
+        match kind {
+            PolicyKind::RoundRobin => Policy::RoundRobin(0),
+            PolicyKind::Random => Policy::Random(rng),
+            PolicyKind::LeastRequest => Policy::LeastRequest(rng),
+            PolicyKind::RingHash => {
+                let per = RING_SIZE.div_ceil(replicas.max(1));
+                let mut ring: Vec<(u64, usize)> = (0..replicas)
+                    .flat_map(|r| (0..per).map(move |i| (hash64(r as u64, i as u64), r)))
+                    .collect();
+                ring.sort_unstable();
+                Policy::RingHash(ring)
+            }
+            PolicyKind::Oracle => Policy::Oracle(0),
+            PolicyKind::GieDefaultEmulated => Policy::Gie(GieState {
+                index: (0..replicas)
+                    .map(|_| PrefixCache::new(GIE_LRU_PER_SERVER))
+                    .collect(),
+                rng,
+            }),
+            PolicyKind::SglangCacheAwareEmulated => Policy::Sglang(SglangState {
+                trees: (0..replicas)
+                    .map(|_| PrefixCache::new(SGLANG_TREE_BLOCKS))
+                    .collect(),
+            }),
+            _ => unreachable!("Hearth policies are handled above"),
+        }
+    }
+
+    /// Picks a replica. `inflight[r]` is the proxy's count of requests in
+    /// flight to replica `r` (what Envoy's least_request and SGLang's
+    /// router count); `engines` are the replicas' real states.
+    pub fn route(&mut self, req: &RouteInput, inflight: &[u32], engines: &[EngineCore]) -> Routed {
+        let n = inflight.len();
+        let replica = match self {
+            Policy::RoundRobin(next) => {
+                let r = *next % n;
+                *next += 1;
+                r
+            }
+            Policy::Random(rng) => rng.below(n),
+            Policy::LeastRequest(rng) => {
+                let a = rng.below(n);
+                if n == 1 {
+                    a
+                } else {
+                    let b = (a + 1 + rng.below(n - 1)) % n;
+                    if inflight[b] < inflight[a] {
+                        b
+                    } else {
+                        a
+                    }
+                }
+            }
+            Policy::RingHash(ring) => {
+                let h = hash64(0x5E55_1011, req.session);
+                let i = ring.partition_point(|(p, _)| *p < h);
+                ring[i % ring.len()].1
+            }
+            Policy::Hearth(router) => {
+                let info = match req.fingerprint {
+                    Some(fp) => RequestInfo {
+                        hashes: fp.hashes.clone(),
+                        prompt_bytes: fp.prompt_bytes,
+                        model: Some(fp.model.clone()),
+                    },
+                    None => RequestInfo::default(),
+                };
+                let decision = router
+                    .decide(&info)
+                    .expect("every simulated replica serves every model");
+                return Routed {
+                    replica: decision.primary(),
+                    hearth: Some(decision),
+                };
+            }
+            Policy::Oracle(rr) => {
+                *rr += 1;
+                let start = *rr % n;
+                (0..n)
+                    .map(|k| (k, (start + k) % n))
+                    .max_by_key(|&(k, r)| {
+                        let cached = engines[r].cached_tokens_for(req.engine_hashes);
+                        let busy = engines[r].running() + engines[r].waiting();
+                        // Deepest cache first, then fewest requests, then
+                        // the earliest in round-robin order.
+                        (cached, std::cmp::Reverse(busy), std::cmp::Reverse(k))
+                    })
+                    .map_or(0, |(_, r)| r)
+            }
+            Policy::Gie(state) => {
+                let head = &req.prompt[..req.prompt.len().min(GIE_BLOCK_CHARS * GIE_MAX_BLOCKS)];
+                let mut blocks = block_hashes(head, GIE_BLOCK_CHARS);
+                if blocks.is_empty() {
+                    blocks.push(hash64(0x61E, head.len() as u64));
+                }
+                let queues: Vec<f64> = engines.iter().map(|e| e.waiting() as f64).collect();
+                let (qmin, qmax) = queues
+                    .iter()
+                    .fold((f64::MAX, f64::MIN), |(lo, hi), &q| (lo.min(q), hi.max(q)));
+                let scores: Vec<f64> = (0..n)
+                    .map(|r| {
+                        let prefix =
+                            state.index[r].matched_blocks(&blocks) as f64 / blocks.len() as f64;
+                        let queue = if qmax > qmin {
+                            (qmax - queues[r]) / (qmax - qmin)
+                        } else {
+                            1.0
+                        };
+                        let kv = 1.0 - engines[r].kv_usage();
+                        3.0 * prefix + 2.0 * queue + 2.0 * kv
+                    })
+                    .collect();
+                let best = scores.iter().copied().fold(f64::MIN, f64::max);
+                let ties: Vec<usize> = (0..n).filter(|&r| scores[r] >= best - 1e-12).collect();
+                let r = ties[state.rng.below(ties.len())];
+                state.index[r].admit(&blocks);
+                r
+            }
+            Policy::Sglang(state) => {
+                let loads: Vec<f64> = inflight.iter().map(|&x| f64::from(x)).collect();
+                let (min_load, max_load) = loads
+                    .iter()
+                    .fold((f64::MAX, f64::MIN), |(lo, hi), &l| (lo.min(l), hi.max(l)));
+                let least = (0..n)
+                    .min_by(|&a, &b| loads[a].total_cmp(&loads[b]))
+                    .unwrap_or(0);
+                let imbalanced = max_load - min_load > SGLANG_BALANCE_ABS
+                    && max_load > min_load * SGLANG_BALANCE_REL;
+                let r = if imbalanced {
+                    least
+                } else {
+                    let matched: Vec<usize> = state
+                        .trees
+                        .iter()
+                        .map(|t| t.matched_blocks(req.engine_hashes))
+                        .collect();
+                    let best = (0..n).max_by_key(|&r| (matched[r], n - r)).unwrap_or(0);
+                    let rate = (matched[best] * 64) as f64 / req.prompt.len().max(1) as f64;
+                    if rate > SGLANG_CACHE_THRESHOLD {
+                        best
+                    } else {
+                        (0..n)
+                            .min_by_key(|&r| (state.trees[r].len(), r))
+                            .unwrap_or(0)
+                    }
+                };
+                state.trees[r].admit(req.engine_hashes);
+                r
+            }
+        };
+        Routed {
+            replica,
+            hearth: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::core::CostModel;
+
+    fn engines(n: usize) -> Vec<EngineCore> {
+        (0..n)
+            .map(|_| EngineCore::new(CostModel::instant(), 16, 1 << 20))
+            .collect()
+    }
+
+    fn input<'a>(prompt: &'a [u8], hashes: &'a [u64], session: u64) -> RouteInput<'a> {
+        RouteInput {
+            prompt,
+            engine_hashes: hashes,
+            fingerprint: None,
+            session,
+        }
+    }
+
+    fn pick(p: &mut Policy, req: &RouteInput, inflight: &[u32], e: &[EngineCore]) -> usize {
+        p.route(req, inflight, e).replica
+    }
+
+    #[test]
+    fn round_robin_cycles_and_random_covers() {
+        let e = engines(3);
+        let mut p = Policy::new(PolicyKind::RoundRobin, 3, 1, &HearthKnobs::default());
+        let req = input(b"x", &[], 0);
+        let got: Vec<usize> = (0..6).map(|_| pick(&mut p, &req, &[0; 3], &e)).collect();
+        assert_eq!(got, [0, 1, 2, 0, 1, 2]);
+        let mut p = Policy::new(PolicyKind::Random, 3, 1, &HearthKnobs::default());
+        let mut seen = [false; 3];
+        for _ in 0..100 {
+            seen[pick(&mut p, &req, &[0; 3], &e)] = true;
+        }
+        assert!(seen.iter().all(|s| *s));
+    }
+
+    #[test]
+    fn least_request_avoids_the_busier_of_two() {
+        let e = engines(2);
+        let mut p = Policy::new(PolicyKind::LeastRequest, 2, 1, &HearthKnobs::default());
+        let req = input(b"x", &[], 0);
+        for _ in 0..20 {
+            assert_eq!(pick(&mut p, &req, &[5, 1], &e), 1);
+        }
+    }
+
+    #[test]
+    fn ring_hash_is_sticky_per_session_and_spreads_sessions() {
+        let e = engines(4);
+        let mut p = Policy::new(PolicyKind::RingHash, 4, 1, &HearthKnobs::default());
+        let mut used = std::collections::HashSet::new();
+        for s in 0..64 {
+            let req = input(b"x", &[], s);
+            let r = pick(&mut p, &req, &[0; 4], &e);
+            assert_eq!(pick(&mut p, &req, &[9, 9, 9, 9], &e), r);
+            used.insert(r);
+        }
+        assert_eq!(used.len(), 4);
+    }
+
+    #[test]
+    fn oracle_follows_the_real_cache() {
+        let mut e = engines(3);
+        e[2].submit(1, vec![1, 2, 3], 48, 1);
+        while e[2].step().is_some() {}
+        let mut p = Policy::new(PolicyKind::Oracle, 3, 1, &HearthKnobs::default());
+        let hashes = [1, 2, 3, 4];
+        assert_eq!(pick(&mut p, &input(b"x", &hashes, 0), &[0; 3], &e), 2);
+    }
+
+    #[test]
+    fn hearth_policy_runs_the_sidecar_router_on_fingerprints() {
+        let e = engines(2);
+        let mut p = Policy::new(PolicyKind::HearthRelative, 2, 1, &HearthKnobs::default());
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"hello there"}]}"#;
+        let fp = hearth_fingerprint::fingerprint(
+            hearth_fingerprint::Endpoint::ChatCompletions,
+            body,
+            &hearth_fingerprint::Params::default(),
+        )
+        .unwrap();
+        let req = RouteInput {
+            prompt: b"x",
+            engine_hashes: &[],
+            fingerprint: Some(&fp),
+            session: 0,
+        };
+        let first = p.route(&req, &[0, 0], &e);
+        let home = first.replica;
+        assert!(first.hearth.is_some());
+        drop(first);
+        for _ in 0..5 {
+            assert_eq!(p.route(&req, &[0, 0], &e).replica, home);
+        }
+    }
+
+    #[test]
+    fn gie_prefers_its_prefix_index_unless_queues_differ() {
+        let e = engines(2);
+        let mut p = Policy::new(
+            PolicyKind::GieDefaultEmulated,
+            2,
+            1,
+            &HearthKnobs::default(),
+        );
+        let prompt = vec![b'a'; 64 * 10];
+        let req = input(&prompt, &[], 0);
+        let first = pick(&mut p, &req, &[0, 0], &e);
+        for _ in 0..5 {
+            assert_eq!(pick(&mut p, &req, &[0, 0], &e), first);
+        }
+    }
+
+    #[test]
+    fn sglang_matches_above_threshold_and_balances_when_skewed() {
+        let e = engines(2);
+        let mut p = Policy::new(
+            PolicyKind::SglangCacheAwareEmulated,
+            2,
+            1,
+            &HearthKnobs::default(),
+        );
+        let prompt = vec![b'a'; 64 * 4];
+        let hashes = [11, 12, 13, 14];
+        let req = input(&prompt, &hashes, 0);
+        let first = pick(&mut p, &req, &[0, 0], &e);
+        assert_eq!(
+            pick(&mut p, &req, &[3, 0], &e),
+            first,
+            "cache beats mild load"
+        );
+        // A new prompt goes to the smaller tree.
+        let other = [21, 22];
+        let r = pick(&mut p, &input(&prompt[..128], &other, 1), &[0, 0], &e);
+        assert_ne!(r, first);
+        // Beyond both balance thresholds, load wins.
+        let mut skew = [0u32; 2];
+        skew[first] = 200;
+        assert_ne!(pick(&mut p, &req, &skew, &e), first);
+    }
+}

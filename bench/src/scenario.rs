@@ -1,0 +1,99 @@
+//! Named scenarios: a workload, a fleet and an engine cost model, with the
+//! agent counts a sweep runs by default. Every number is a default that a
+//! flag can override; the report prints the values used.
+
+use serde::Serialize;
+
+use crate::engine::core::CostModel;
+use crate::policies::HearthKnobs;
+use crate::workload::{AgentSwarm, LongContext, SharedPrefix, Unique, Workload};
+
+/// Engine settings of every replica in a scenario.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EngineSpec {
+    pub cost: CostModel,
+    /// Tokens per KV block (vLLM's default 16).
+    pub block_tokens: usize,
+    /// KV cache capacity per replica, in tokens.
+    pub cache_capacity_tokens: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Scenario {
+    pub name: String,
+    pub workload: Workload,
+    pub replicas: usize,
+    pub agents: Vec<usize>,
+    pub engine: EngineSpec,
+    pub hearth: HearthKnobs,
+    /// Engine seconds run before measuring, then measured.
+    pub warmup_s: f64,
+    pub duration_s: f64,
+}
+
+pub const NAMES: [&str; 6] = [
+    "cache-never-fills",
+    "cache-runs-out",
+    "fleet",
+    "shared-prefix",
+    "unique",
+    "long-context",
+];
+
+/// The warmth index an operator would configure for a replica whose KV
+/// cache holds `tokens` (4 bytes per token, 2 KiB fingerprint blocks).
+pub fn warmth_blocks_for(tokens: usize) -> usize {
+    (tokens * crate::workload::BYTES_PER_TOKEN / hearth_fingerprint::DEFAULT_BLOCK_SIZE).max(1)
+}
+
+impl Scenario {
+    pub fn preset(name: &str) -> Option<Scenario> {
+        let engine = |cache_tokens: usize| EngineSpec {
+            cost: CostModel::default(),
+            block_tokens: 16,
+            cache_capacity_tokens: cache_tokens,
+        };
+        let scenario = |workload, replicas, agents: &[usize], cache_tokens| Scenario {
+            name: name.to_string(),
+            workload,
+            replicas,
+            agents: agents.to_vec(),
+            engine: engine(cache_tokens),
+            hearth: HearthKnobs {
+                warmth_blocks: warmth_blocks_for(cache_tokens),
+                ..HearthKnobs::default()
+            },
+            warmup_s: 60.0,
+            duration_s: 300.0,
+        };
+        let swarm = Workload::AgentSwarm(AgentSwarm::default());
+        Some(match name {
+            // Two replicas with ~4.9M cached tokens each: nothing is evicted.
+            "cache-never-fills" => scenario(swarm, 2, &[16, 32, 64, 96], 4_900_000),
+            // Eight replicas with 1M tokens each: a session's replica can keep
+            // its share of conversations, but not everyone's.
+            "cache-runs-out" => scenario(swarm, 8, &[48, 64, 96, 128], 1_000_000),
+            // Forty replicas, eight agents each.
+            "fleet" => {
+                let mut s = scenario(swarm, 40, &[320], 1_000_000);
+                s.warmup_s = 60.0;
+                s.duration_s = 120.0;
+                s
+            }
+            "shared-prefix" => scenario(
+                Workload::SharedPrefix(SharedPrefix::default()),
+                4,
+                &[16, 64],
+                4_900_000,
+            ),
+            "unique" => scenario(Workload::Unique(Unique::default()), 4, &[16, 64], 4_900_000),
+            "long-context" => scenario(
+                Workload::LongContext(LongContext::default()),
+                4,
+                &[16, 64],
+                4_900_000,
+            ),
+            _ => return None,
+        })
+    }
+}

@@ -1,0 +1,482 @@
+//! The discrete-event driver: simulated clients, the policy under test and
+//! one [`EngineCore`] per replica, advanced event by event in engine time.
+//! Deterministic for a seed (one thread per run; runs of a sweep may go in
+//! parallel, each on its own state).
+//!
+//! Each request's body is fingerprinted by `hearth_fingerprint` exactly as
+//! the wasm filter does, the engine renders and hashes it as the HTTP
+//! simulator does, and the policy decides (the Hearth policies through the
+//! sidecar's `Router`). Clients are closed loops: send, wait for the whole
+//! answer, think, send the next turn.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
+
+use crate::engine::cache::block_hashes;
+use crate::engine::core::{EngineCore, SeqEvent};
+use crate::engine::request::{self, ApiKind};
+use crate::policies::{Policy, PolicyKind, RouteInput, Routed};
+use crate::report::{RequestRecord, RunResult};
+use crate::scenario::Scenario;
+use crate::workload::{Client, Generator, BYTES_PER_TOKEN};
+
+/// One cell of a sweep.
+#[derive(Clone, Debug)]
+pub struct RunSpec {
+    pub scenario: Scenario,
+    pub policy: PolicyKind,
+    pub agents: usize,
+    pub seed: u64,
+    pub salt: u64,
+}
+
+const MODEL: &str = "hearth-sim";
+
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    /// A client sends its next turn.
+    Send(usize),
+    /// A replica's current step ends.
+    StepEnd(usize),
+}
+
+struct Pending {
+    client: usize,
+    replica: usize,
+    sent_us: u64,
+    first_us: Option<u64>,
+    prompt_tokens: u32,
+    cached_tokens: u32,
+    ideal_cached_tokens: u32,
+    output_tokens: u32,
+    stayed: Option<bool>,
+    routed: Routed,
+}
+
+/// Runs one cell and returns its per-request records and load samples.
+pub fn run(spec: &RunSpec) -> RunResult {
+    let sc = &spec.scenario;
+    let n = sc.replicas;
+    let generator = Generator::new(sc.workload.clone(), MODEL, spec.seed, spec.salt);
+    let mut clients: Vec<Client> = (0..spec.agents)
+        .map(|i| generator.client(i as u64))
+        .collect();
+    let mut engines: Vec<EngineCore> = (0..n)
+        .map(|_| {
+            EngineCore::new(
+                sc.engine.cost.clone(),
+                sc.engine.block_tokens,
+                sc.engine.cache_capacity_tokens,
+            )
+        })
+        .collect();
+    let mut step_events: Vec<Vec<SeqEvent>> = vec![Vec::new(); n];
+    let mut busy = vec![false; n];
+    let mut policy = Policy::new(spec.policy, n, spec.seed, &sc.hearth);
+    let fp_params = hearth_fingerprint::Params::default();
+    let block_bytes = sc.engine.block_tokens * BYTES_PER_TOKEN;
+
+    let warmup_us = (sc.warmup_s * 1e6) as u64;
+    let end_us = warmup_us + (sc.duration_s * 1e6) as u64;
+    let mut queue: BinaryHeap<Reverse<(u64, u64, Ev)>> = BinaryHeap::new();
+    let mut seq = 0u64;
+    let mut push = |queue: &mut BinaryHeap<_>, t: u64, ev: Ev| {
+        seq += 1;
+        queue.push(Reverse((t, seq, ev)));
+    };
+    // Clients start spread over the first ten seconds.
+    for c in 0..spec.agents {
+        let t = (c as u64 * 10_000_000) / spec.agents.max(1) as u64;
+        push(&mut queue, t, Ev::Send(c));
+    }
+
+    let mut inflight = vec![0u32; n];
+    let mut load_area = vec![0f64; n];
+    let mut last_t = 0u64;
+    let mut pending: HashMap<u64, Pending> = HashMap::new();
+    let mut next_id = 0u64;
+    let mut last_replica: HashMap<u64, usize> = HashMap::new();
+    let mut ideal: HashSet<u64> = HashSet::new();
+    let mut records = Vec::new();
+
+    while let Some(Reverse((t, _, ev))) = queue.pop() {
+        if t > end_us {
+            break;
+        }
+        // Time-weighted in-flight load, over the measured window only.
+        let from = last_t.max(warmup_us);
+        if t > from {
+            for r in 0..n {
+                load_area[r] += f64::from(inflight[r]) * (t - from) as f64;
+            }
+        }
+        last_t = t;
+        match ev {
+            Ev::Send(c) => {
+                let turn = clients[c].next_turn();
+                let rendered =
+                    request::parse(ApiKind::Chat, &turn.body).expect("workload bodies are valid");
+                let hashes = block_hashes(&rendered.prompt, block_bytes);
+                let fp = hearth_fingerprint::fingerprint(
+                    hearth_fingerprint::Endpoint::ChatCompletions,
+                    &turn.body,
+                    &fp_params,
+                )
+                .ok();
+                let prompt_tokens = rendered.prompt.len().div_ceil(BYTES_PER_TOKEN) as u32;
+                let ideal_blocks = hashes.iter().take_while(|h| ideal.contains(h)).count();
+                ideal.extend(hashes.iter().copied());
+                let ideal_cached =
+                    ((ideal_blocks * sc.engine.block_tokens) as u32).min(prompt_tokens - 1);
+                let routed = policy.route(
+                    &RouteInput {
+                        prompt: &rendered.prompt,
+                        engine_hashes: &hashes,
+                        fingerprint: fp.as_ref(),
+                        session: turn.session,
+                    },
+                    &inflight,
+                    &engines,
+                );
+                let r = routed.replica;
+                let previous = last_replica.insert(turn.session, r);
+                let stayed = if turn.first_of_session {
+                    None
+                } else {
+                    previous.map(|p| p == r)
+                };
+                inflight[r] += 1;
+                let id = next_id;
+                next_id += 1;
+                engines[r].submit(id, hashes, prompt_tokens, turn.output_tokens);
+                pending.insert(
+                    id,
+                    Pending {
+                        client: c,
+                        replica: r,
+                        sent_us: t,
+                        first_us: None,
+                        prompt_tokens,
+                        cached_tokens: 0,
+                        ideal_cached_tokens: ideal_cached,
+                        output_tokens: turn.output_tokens,
+                        stayed,
+                        routed,
+                    },
+                );
+                if !busy[r] {
+                    start_step(
+                        &mut engines[r],
+                        &mut step_events[r],
+                        &mut busy[r],
+                        t,
+                        r,
+                        |t, ev| push(&mut queue, t, ev),
+                    );
+                }
+            }
+            Ev::StepEnd(r) => {
+                busy[r] = false;
+                for event in std::mem::take(&mut step_events[r]) {
+                    match event {
+                        SeqEvent::FirstToken {
+                            id, cached_tokens, ..
+                        } => {
+                            if let Some(p) = pending.get_mut(&id) {
+                                p.first_us = Some(t);
+                                p.cached_tokens = cached_tokens;
+                            }
+                        }
+                        SeqEvent::Finished { id, .. } => {
+                            let Some(p) = pending.remove(&id) else {
+                                continue;
+                            };
+                            inflight[p.replica] -= 1;
+                            // Ends the sidecar reservation, if any.
+                            drop(p.routed);
+                            if t >= warmup_us {
+                                records.push(RequestRecord {
+                                    replica: p.replica,
+                                    sent_s: p.sent_us as f64 / 1e6,
+                                    ttft_s: (p.first_us.unwrap_or(t) - p.sent_us) as f64 / 1e6,
+                                    e2e_s: (t - p.sent_us) as f64 / 1e6,
+                                    prompt_tokens: p.prompt_tokens,
+                                    cached_tokens: p.cached_tokens,
+                                    ideal_cached_tokens: p.ideal_cached_tokens,
+                                    output_tokens: p.output_tokens,
+                                    stayed: p.stayed,
+                                    failed: false,
+                                });
+                            }
+                            let think = clients[p.client].think_seconds();
+                            push(&mut queue, t + (think * 1e6) as u64, Ev::Send(p.client));
+                        }
+                        SeqEvent::Token { .. } => {}
+                    }
+                }
+                start_step(
+                    &mut engines[r],
+                    &mut step_events[r],
+                    &mut busy[r],
+                    t,
+                    r,
+                    |t, ev| push(&mut queue, t, ev),
+                );
+            }
+        }
+    }
+    let window = sc.duration_s * 1e6;
+    RunResult {
+        policy: spec.policy,
+        agents: spec.agents,
+        replicas: n,
+        duration_s: sc.duration_s,
+        records,
+        mean_inflight: load_area.iter().map(|a| a / window).collect(),
+    }
+}
+
+fn start_step(
+    engine: &mut EngineCore,
+    events: &mut Vec<SeqEvent>,
+    busy: &mut bool,
+    now: u64,
+    r: usize,
+    mut schedule: impl FnMut(u64, Ev),
+) {
+    if let Some(step) = engine.step() {
+        *events = step.events;
+        *busy = true;
+        // At least a microsecond per step, so time always advances.
+        schedule(now + (step.duration_us as u64).max(1), Ev::StepEnd(r));
+    }
+}
+
+/// `hearth-bench sim`: one scenario, every chosen policy at every agent
+/// count, on the same seeded workload.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimArgs {
+    /// cache-never-fills, cache-runs-out, fleet, shared-prefix, unique or
+    /// long-context.
+    #[arg(long, default_value = "cache-never-fills")]
+    pub scenario: String,
+    /// Agent (client) counts, comma separated (default: the scenario's).
+    #[arg(long, value_delimiter = ',')]
+    pub agents: Vec<usize>,
+    /// Policies, comma separated, or `all`.
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    pub policies: Vec<String>,
+    /// Replicas (default: the scenario's).
+    #[arg(long)]
+    pub replicas: Option<usize>,
+    /// KV cache per replica, in tokens (default: the scenario's).
+    #[arg(long)]
+    pub cache_tokens: Option<usize>,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Salt mixed into every prompt (default: the seed).
+    #[arg(long)]
+    pub salt: Option<u64>,
+    /// Engine seconds before measuring (default: the scenario's).
+    #[arg(long)]
+    pub warmup_s: Option<f64>,
+    /// Engine seconds measured (default: the scenario's).
+    #[arg(long)]
+    pub duration_s: Option<f64>,
+    /// Sidecar knobs for the Hearth policies (default: the sidecar's).
+    #[arg(long)]
+    pub alpha: Option<f64>,
+    #[arg(long)]
+    pub affinity_cap: Option<u32>,
+    #[arg(long)]
+    pub load_unit_bytes: Option<u64>,
+    #[arg(long)]
+    pub warmth_blocks: Option<usize>,
+    /// Runs simulated at once (each is single-threaded and deterministic).
+    #[arg(long, default_value_t = 2)]
+    pub jobs: usize,
+    /// Write the rows (and the parameters) as JSON here.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+    /// Write the chart (turns/min against agents) here.
+    #[arg(long)]
+    pub svg: Option<std::path::PathBuf>,
+}
+
+impl SimArgs {
+    /// The scenario with every override applied.
+    pub fn scenario(&self) -> anyhow::Result<Scenario> {
+        let mut sc = Scenario::preset(&self.scenario).ok_or_else(|| {
+            anyhow::anyhow!(
+                "unknown scenario {:?}; known: {}",
+                self.scenario,
+                crate::scenario::NAMES.join(", ")
+            )
+        })?;
+        if !self.agents.is_empty() {
+            sc.agents = self.agents.clone();
+        }
+        if let Some(r) = self.replicas {
+            sc.replicas = r;
+        }
+        if let Some(c) = self.cache_tokens {
+            sc.engine.cache_capacity_tokens = c;
+            sc.hearth.warmth_blocks = crate::scenario::warmth_blocks_for(c);
+        }
+        if let Some(w) = self.warmup_s {
+            sc.warmup_s = w;
+        }
+        if let Some(d) = self.duration_s {
+            sc.duration_s = d;
+        }
+        if let Some(a) = self.alpha {
+            sc.hearth.alpha = a;
+        }
+        if let Some(c) = self.affinity_cap {
+            sc.hearth.affinity_cap = c;
+        }
+        if let Some(l) = self.load_unit_bytes {
+            sc.hearth.load_unit_bytes = l;
+        }
+        if let Some(w) = self.warmth_blocks {
+            sc.hearth.warmth_blocks = w;
+        }
+        anyhow::ensure!((1..=64).contains(&sc.replicas), "replicas must be 1 to 64");
+        anyhow::ensure!(
+            sc.agents.iter().all(|a| (1..=1024).contains(a)),
+            "agents must be 1 to 1024"
+        );
+        anyhow::ensure!(
+            sc.duration_s > 0.0 && sc.warmup_s >= 0.0 && sc.duration_s + sc.warmup_s <= 7200.0,
+            "duration must be > 0 and warm-up + duration at most 7200 engine seconds"
+        );
+        sc.engine.cost.validate().map_err(anyhow::Error::msg)?;
+        Ok(sc)
+    }
+
+    pub fn policies(&self) -> anyhow::Result<Vec<PolicyKind>> {
+        if self.policies.iter().any(|p| p == "all") {
+            return Ok(PolicyKind::ALL.to_vec());
+        }
+        self.policies
+            .iter()
+            .map(|p| {
+                PolicyKind::parse(p).ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "unknown policy {p:?}; known: all, {}",
+                        PolicyKind::ALL.map(PolicyKind::name).join(", ")
+                    )
+                })
+            })
+            .collect()
+    }
+}
+
+/// Runs every cell, `jobs` at a time; results come back in input order.
+pub fn run_all(specs: &[RunSpec], jobs: usize) -> Vec<RunResult> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<RunResult>>> = Mutex::new(vec![None; specs.len()]);
+    std::thread::scope(|s| {
+        for _ in 0..jobs.clamp(1, 16) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(spec) = specs.get(i) else { break };
+                let started = std::time::Instant::now();
+                let result = run(spec);
+                eprintln!(
+                    "sim: {} {} agents: {} turns in {:.1}s",
+                    spec.policy.name(),
+                    spec.agents,
+                    result.records.len(),
+                    started.elapsed().as_secs_f64()
+                );
+                results.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(result);
+            });
+        }
+    });
+    results
+        .into_inner()
+        .unwrap_or_else(|p| p.into_inner())
+        .into_iter()
+        .map(|r| r.expect("every cell ran"))
+        .collect()
+}
+
+/// The exact command line, for the report.
+pub fn command_line() -> String {
+    let mut args = std::env::args();
+    let first = args.next().unwrap_or_default();
+    let exe = std::path::Path::new(&first)
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or(first);
+    std::iter::once(exe)
+        .chain(args)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `hearth-bench sim`.
+pub fn main(args: SimArgs) -> anyhow::Result<()> {
+    let sc = args.scenario()?;
+    let policies = args.policies()?;
+    let salt = args.salt.unwrap_or(args.seed);
+    let specs: Vec<RunSpec> = sc
+        .agents
+        .iter()
+        .flat_map(|&agents| {
+            policies.iter().map({
+                let sc = sc.clone();
+                move |&policy| RunSpec {
+                    scenario: sc.clone(),
+                    policy,
+                    agents,
+                    seed: args.seed,
+                    salt,
+                }
+            })
+        })
+        .collect();
+    let command = command_line();
+    println!("# {command}");
+    println!(
+        "# scenario {} ({} replicas, KV {} tokens each, {} s warm-up + {} s measured, seed {}, salt {})",
+        sc.name,
+        sc.replicas,
+        sc.engine.cache_capacity_tokens,
+        sc.warmup_s,
+        sc.duration_s,
+        args.seed,
+        salt
+    );
+    println!("# parameters {}", serde_json::to_string(&sc)?);
+    let started = std::time::Instant::now();
+    let results = run_all(&specs, args.jobs);
+    let mut rows: Vec<crate::report::Row> =
+        results.iter().map(|r| r.row(&sc.name, "sim")).collect();
+    crate::report::attach_oracle(&mut rows);
+    print!("{}", crate::report::table(&rows));
+    println!(
+        "# {} runs in {:.1} s wall-clock",
+        rows.len(),
+        started.elapsed().as_secs_f64()
+    );
+    if let Some(path) = &args.json {
+        let doc = serde_json::json!({
+            "command": command,
+            "driver": "sim",
+            "seed": args.seed,
+            "salt": salt,
+            "scenario": sc,
+            "rows": rows,
+        });
+        std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
+    }
+    if let Some(path) = &args.svg {
+        let title = format!("{}: turns/min by policy (simulated)", sc.name);
+        std::fs::write(path, crate::report::svg(&title, &command, &rows))?;
+    }
+    Ok(())
+}
