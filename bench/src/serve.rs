@@ -10,7 +10,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use anyhow::Context;
 use clap::Args;
 
-use crate::engine::{self, EngineConfig, EngineHandle};
+use crate::engine::{self, EngineConfig, EngineHandle, Fault};
 
 /// Settings of `hearth-bench serve`.
 #[derive(Debug, Clone, Args)]
@@ -56,6 +56,11 @@ pub struct EngineArgs {
     /// Output tokens when a request sets no max_tokens.
     #[arg(long, default_value_t = 16)]
     pub output_tokens: usize,
+    /// A fault for one replica from the start, `INDEX=FAULT` (repeatable):
+    /// none, slow:MILLIS, error, unavailable, stall or empty. Change it at
+    /// run time with `PUT /admin/fault {"fault": "..."}` on the replica.
+    #[arg(long, value_parser = parse_replica_fault)]
+    pub fault: Vec<(usize, Fault)>,
 }
 
 impl EngineArgs {
@@ -71,6 +76,11 @@ impl EngineArgs {
             decode_micros_per_token: self.decode_us_per_token,
             time_scale: self.time_scale,
             default_output_tokens: self.output_tokens,
+            fault: self
+                .fault
+                .iter()
+                .find(|(i, _)| *i == index)
+                .map_or(Fault::None, |(_, f)| *f),
         }
     }
 }
@@ -129,4 +139,15 @@ async fn shutdown_signal() -> anyhow::Result<()> {
     #[cfg(not(unix))]
     tokio::signal::ctrl_c().await.context("wait for Ctrl-C")?;
     Ok(())
+}
+
+fn parse_replica_fault(s: &str) -> Result<(usize, Fault), String> {
+    let (i, f) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not INDEX=FAULT"))?;
+    let i = i
+        .trim()
+        .parse()
+        .map_err(|_| format!("bad replica index in {s:?}"))?;
+    Ok((i, f.parse()?))
 }

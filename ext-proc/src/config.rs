@@ -4,10 +4,13 @@
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::str::FromStr;
+use std::time::Duration;
 
 use clap::{CommandFactory, Parser, Subcommand};
 
+use crate::health::HealthParams;
 use crate::policy::{AffinityBasis, ScoreParams};
+use crate::probe::ProbeParams;
 
 /// `HEARTH_*` variables read by Hearth's other tools (scripts, tests, the
 /// benchmark), not by the sidecar; accepted so a shared environment works.
@@ -84,6 +87,48 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_FALLBACKS", default_value_t = 2)]
     pub fallbacks: usize,
 
+    /// Seconds between two active probes of a replica (0 disables probes).
+    #[arg(long, env = "HEARTH_PROBE_INTERVAL_SECONDS", default_value_t = 5.0)]
+    pub probe_interval_seconds: f64,
+
+    /// Deadline of each probe request, in seconds.
+    #[arg(long, env = "HEARTH_PROBE_TIMEOUT_SECONDS", default_value_t = 5.0)]
+    pub probe_timeout_seconds: f64,
+
+    /// Replicas probed at the same time.
+    #[arg(long, env = "HEARTH_PROBE_CONCURRENCY", default_value_t = 8)]
+    pub probe_concurrency: usize,
+
+    /// Consecutive failed requests or probes that fence a replica.
+    #[arg(long, env = "HEARTH_EJECT_AFTER", default_value_t = 3)]
+    pub eject_after: u32,
+
+    /// First fencing's length in seconds; doubles with each fencing in a row.
+    #[arg(long, env = "HEARTH_EJECT_BACKOFF_SECONDS", default_value_t = 5.0)]
+    pub eject_backoff_seconds: f64,
+
+    /// Longest fencing backoff, in seconds.
+    #[arg(
+        long,
+        env = "HEARTH_EJECT_MAX_BACKOFF_SECONDS",
+        default_value_t = 120.0
+    )]
+    pub eject_max_backoff_seconds: f64,
+
+    /// A real request that succeeded this many seconds ago excuses a probe
+    /// timeout (a busy replica is slow, not broken).
+    #[arg(long, env = "HEARTH_BUSY_GRACE_SECONDS", default_value_t = 30.0)]
+    pub busy_grace_seconds: f64,
+
+    /// A routed request with no response headers after this many seconds
+    /// counts as a timeout against its replica (0 disables).
+    #[arg(
+        long,
+        env = "HEARTH_FIRST_BYTE_TIMEOUT_SECONDS",
+        default_value_t = 60.0
+    )]
+    pub first_byte_timeout_seconds: f64,
+
     /// Seconds open streams get to finish on shutdown before they are cut.
     #[arg(long, env = "HEARTH_DRAIN_SECONDS", default_value_t = 10)]
     pub drain_seconds: u64,
@@ -139,6 +184,23 @@ impl FromStr for UpstreamSpec {
 }
 
 impl Settings {
+    pub fn health_params(&self) -> HealthParams {
+        HealthParams {
+            eject_after: self.eject_after.max(1),
+            backoff: seconds(self.eject_backoff_seconds),
+            max_backoff: seconds(self.eject_max_backoff_seconds),
+            busy_grace: seconds(self.busy_grace_seconds),
+        }
+    }
+
+    pub fn probe_params(&self) -> ProbeParams {
+        ProbeParams {
+            interval: seconds(self.probe_interval_seconds),
+            timeout: seconds(self.probe_timeout_seconds),
+            concurrency: self.probe_concurrency.max(1),
+        }
+    }
+
     pub fn score_params(&self) -> ScoreParams {
         ScoreParams {
             basis: self.affinity_basis,
@@ -167,6 +229,32 @@ impl Settings {
                 self.alpha
             ));
         }
+        for (name, v) in [
+            ("HEARTH_PROBE_INTERVAL_SECONDS", self.probe_interval_seconds),
+            ("HEARTH_PROBE_TIMEOUT_SECONDS", self.probe_timeout_seconds),
+            ("HEARTH_EJECT_BACKOFF_SECONDS", self.eject_backoff_seconds),
+            (
+                "HEARTH_EJECT_MAX_BACKOFF_SECONDS",
+                self.eject_max_backoff_seconds,
+            ),
+            ("HEARTH_BUSY_GRACE_SECONDS", self.busy_grace_seconds),
+            (
+                "HEARTH_FIRST_BYTE_TIMEOUT_SECONDS",
+                self.first_byte_timeout_seconds,
+            ),
+        ] {
+            if !(v.is_finite() && (0.0..=86_400.0).contains(&v)) {
+                problems.push(format!(
+                    "{name} must be between 0 and 86400 seconds, got {v}"
+                ));
+            }
+        }
+        if self.probe_interval_seconds > 0.0 && self.probe_timeout_seconds <= 0.0 {
+            problems.push("HEARTH_PROBE_TIMEOUT_SECONDS must be above 0 when probes run".into());
+        }
+        if self.eject_after == 0 {
+            problems.push("HEARTH_EJECT_AFTER must be at least 1".into());
+        }
         if self.load_unit_bytes == 0 {
             problems.push("HEARTH_LOAD_UNIT_BYTES must be at least 1".into());
         }
@@ -193,6 +281,11 @@ impl Settings {
             Err(problems)
         }
     }
+}
+
+/// Seconds as a Duration; settings are validated to be finite and >= 0.
+pub fn seconds(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s).unwrap_or_default()
 }
 
 pub fn default_replica_id(index: usize) -> String {

@@ -132,9 +132,17 @@ static_resources:
                   cluster: engines
                   timeout: 0s
                   idle_timeout: 600s
+                  # A failed connect or a 503 goes to the next endpoint of the
+                  # sidecar's ordered list, never back to one already tried.
                   retry_policy:
-                    retry_on: connect-failure,refused-stream,reset-before-request
+                    retry_on: connect-failure,refused-stream,reset-before-request,retriable-status-codes
+                    retriable_status_codes: [503]
                     num_retries: 2
+                    retry_host_predicate:
+                    - name: envoy.retry_host_predicates.previous_hosts
+                      typed_config:
+                        "@type": type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate
+                    host_selection_retry_max_attempts: 5
           http_filters:
           - name: hearth.filter_wasm
             typed_config:
@@ -174,10 +182,30 @@ static_resources:
                 response_body_mode: NONE
                 request_trailer_mode: SKIP
                 response_trailer_mode: SEND
-              response_attributes: ["upstream.address"]
+              # Which replica answered, and how Envoy saw the attempt end
+              # (connection failure, timeout, ...), for passive health.
+              response_attributes: ["upstream.address", "response.code_details"]
               metadata_options:
                 receiving_namespaces:
                   untyped: ["envoy.lb"]
+          # The same module in its outcome role, after ext_proc: it sees each
+          # generation's answer before ext_proc does and adds the
+          # x-hearth-outcome trailer (did the answer carry text, did it end),
+          # which the sidecar reads and removes.
+          - name: hearth.filter_wasm_outcome
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: hearth_outcome
+                root_id: hearth_outcome
+                failure_policy: FAIL_OPEN
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: '{{"role":"outcome"}}'
+                vm_config:
+                  vm_id: hearth
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{ local: {{ filename: "{wasm}" }} }}
           - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router

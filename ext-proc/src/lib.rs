@@ -16,7 +16,9 @@
 pub mod admin;
 pub mod config;
 pub mod envoy_config;
+pub mod health;
 pub mod policy;
+pub mod probe;
 pub mod router;
 pub mod service;
 pub mod warmth;
@@ -58,9 +60,16 @@ impl Sidecar {
         let admin_addr = admin.local_addr()?;
         let router = Router::new(settings);
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(serve(Arc::clone(&router), grpc, admin, async {
-            let _ = stopped.await;
-        }));
+        let task = tokio::spawn(serve(
+            Arc::clone(&router),
+            settings.probe_params(),
+            config::seconds(settings.first_byte_timeout_seconds),
+            grpc,
+            admin,
+            async {
+                let _ = stopped.await;
+            },
+        ));
         Ok(Sidecar {
             grpc_addr,
             admin_addr,
@@ -113,6 +122,8 @@ impl Drop for Sidecar {
 
 async fn serve(
     router: Arc<Router>,
+    probe_params: probe::ProbeParams,
+    first_byte_timeout: Duration,
     grpc: TcpListener,
     admin: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -120,20 +131,46 @@ async fn serve(
     let (tx, _) = tokio::sync::broadcast::channel::<()>(1);
     let mut grpc_stop = tx.subscribe();
     let mut admin_stop = tx.subscribe();
+    // The standard gRPC health service mirrors the fleet: SERVING while at
+    // least one replica serves.
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    let health_task = tokio::spawn(report_grpc_health(Arc::clone(&router), health_reporter));
     let grpc_server = tonic::transport::Server::builder()
-        .add_service(service::server(Arc::clone(&router)))
+        .add_service(health_service)
+        .add_service(service::server(Arc::clone(&router), first_byte_timeout))
         .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
             let _ = grpc_stop.recv().await;
         });
-    let admin_server =
-        axum::serve(admin, admin::routes(router)).with_graceful_shutdown(async move {
+    let admin_server = axum::serve(admin, admin::routes(Arc::clone(&router)))
+        .with_graceful_shutdown(async move {
             let _ = admin_stop.recv().await;
         });
+    let prober = tokio::spawn(probe::run(Arc::clone(&router), probe_params));
     let grpc_task = tokio::spawn(grpc_server);
     let admin_task = tokio::spawn(async move { admin_server.await });
     shutdown.await;
     let _ = tx.send(());
     grpc_task.await?.context("gRPC server")?;
     admin_task.await?.context("state endpoint")?;
+    prober.abort();
+    health_task.abort();
     Ok(())
+}
+
+async fn report_grpc_health(router: Arc<Router>, reporter: tonic_health::server::HealthReporter) {
+    use tonic_health::ServingStatus;
+    const SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+    let mut last = None;
+    loop {
+        let status = match router.fleet_health() {
+            health::FleetHealth::Unhealthy => ServingStatus::NotServing,
+            _ => ServingStatus::Serving,
+        };
+        if last != Some(status) {
+            reporter.set_service_status("", status).await;
+            reporter.set_service_status(SERVICE, status).await;
+            last = Some(status);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }

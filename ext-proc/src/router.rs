@@ -4,10 +4,12 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
 use crate::config::{default_replica_id, Settings};
+use crate::health::{FleetHealth, HealthParams, HealthSnapshot, Outcome, ReplicaHealth};
 use crate::policy::{self, AffinityBasis, Candidate, ScoreParams};
 use crate::warmth::LruBlocks;
 
@@ -45,6 +47,8 @@ pub struct RequestInfo {
 pub enum RouteError {
     #[error("no replica serves model {0:?}")]
     NoReplicaForModel(String),
+    #[error("no healthy replica serves model {0:?}")]
+    NoHealthyReplica(String),
     #[error("every eligible replica is at its in-flight limit")]
     Saturated,
 }
@@ -103,6 +107,7 @@ struct ReplicaState {
     in_flight: u32,
     load: f64,
     routed: u64,
+    health: ReplicaHealth,
 }
 
 /// Per-replica figures for the state endpoint.
@@ -117,6 +122,7 @@ pub struct ReplicaSnapshot {
     pub warmth_capacity: usize,
     pub warmth_memory_bytes: usize,
     pub routed_total: u64,
+    pub health: HealthSnapshot,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -125,6 +131,9 @@ pub struct Snapshot {
     pub affinity_cap: u32,
     pub alpha: f64,
     pub block_size: usize,
+    /// `ok` (every replica serving), `degraded` (some fenced) or
+    /// `unhealthy` (none serving).
+    pub health: FleetHealth,
     pub decisions_total: u64,
     pub hashed_total: u64,
     pub unhashed_total: u64,
@@ -146,6 +155,7 @@ pub struct Router {
     load_unit_bytes: u64,
     max_inflight: u32,
     fallbacks: usize,
+    health_params: HealthParams,
     state: Mutex<Vec<ReplicaState>>,
     rr: AtomicUsize,
     decisions: AtomicU64,
@@ -174,6 +184,7 @@ impl Router {
                 in_flight: 0,
                 load: 0.0,
                 routed: 0,
+                health: ReplicaHealth::default(),
             })
             .collect();
         Arc::new(Router {
@@ -183,6 +194,7 @@ impl Router {
             load_unit_bytes: settings.load_unit_bytes,
             max_inflight: settings.max_inflight,
             fallbacks: settings.fallbacks,
+            health_params: settings.health_params(),
             state: Mutex::new(state),
             rr: AtomicUsize::new(0),
             decisions: AtomicU64::new(0),
@@ -231,7 +243,7 @@ impl Router {
         }
         let mut state = self.lock();
 
-        // Candidates: replicas that serve the model and have room.
+        // Candidates: healthy replicas that serve the model and have room.
         let serving: Vec<usize> = (0..self.replicas.len())
             .filter(|&i| self.replicas[i].serves(req.model.as_deref()))
             .collect();
@@ -241,7 +253,17 @@ impl Router {
                 req.model.clone().unwrap_or_default(),
             ));
         }
-        let candidates: Vec<usize> = serving
+        let healthy: Vec<usize> = serving
+            .into_iter()
+            .filter(|&i| state[i].health.is_serving())
+            .collect();
+        if healthy.is_empty() {
+            self.rejected.fetch_add(1, Ordering::Relaxed);
+            return Err(RouteError::NoHealthyReplica(
+                req.model.clone().unwrap_or_default(),
+            ));
+        }
+        let candidates: Vec<usize> = healthy
             .into_iter()
             .filter(|&i| self.max_inflight == 0 || state[i].in_flight < self.max_inflight)
             .collect();
@@ -303,7 +325,28 @@ impl Router {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A finished request's outcome on replica `i` (passive health).
+    pub fn record_request(&self, i: usize, outcome: Outcome) {
+        let params = self.health_params;
+        if let Some(r) = self.lock().get_mut(i) {
+            r.health.record_request(outcome, &params, Instant::now());
+        }
+    }
+
+    /// A probe's outcome on replica `i` (active health).
+    pub fn record_probe(&self, i: usize, outcome: Outcome) {
+        let params = self.health_params;
+        if let Some(r) = self.lock().get_mut(i) {
+            r.health.record_probe(outcome, &params, Instant::now());
+        }
+    }
+
+    pub fn fleet_health(&self) -> FleetHealth {
+        FleetHealth::of(self.lock().iter().map(|r| r.health.state()))
+    }
+
     pub fn snapshot(&self) -> Snapshot {
+        let now = Instant::now();
         let state = self.lock();
         let decisions = self.decisions.load(Ordering::Relaxed);
         let hashed = self.hashed.load(Ordering::Relaxed);
@@ -312,6 +355,7 @@ impl Router {
             affinity_cap: self.params.cap,
             alpha: self.params.alpha,
             block_size: self.block_size,
+            health: FleetHealth::of(state.iter().map(|r| r.health.state())),
             decisions_total: decisions,
             hashed_total: hashed,
             unhashed_total: decisions - hashed,
@@ -332,6 +376,7 @@ impl Router {
                     warmth_capacity: s.warmth.capacity(),
                     warmth_memory_bytes: s.warmth.memory_bytes(),
                     routed_total: s.routed,
+                    health: s.health.snapshot(now),
                 })
                 .collect(),
         }
@@ -433,6 +478,30 @@ mod tests {
             only.decide(&r).unwrap_err(),
             RouteError::NoReplicaForModel("b".into())
         );
+    }
+
+    #[test]
+    fn fenced_replicas_get_no_traffic_and_none_healthy_is_an_error() {
+        use crate::health::Failure;
+        let router = router(&[]);
+        for _ in 0..3 {
+            router.record_request(0, Outcome::Failure(Failure::EmptyAnswer));
+        }
+        for _ in 0..20 {
+            let d = router.decide(&req(&[9])).unwrap();
+            assert!(!d.order.contains(&0), "fenced replica 0 was offered");
+        }
+        assert_eq!(router.fleet_health(), FleetHealth::Degraded);
+        for i in 1..3 {
+            for _ in 0..3 {
+                router.record_request(i, Outcome::Failure(Failure::ServerError));
+            }
+        }
+        assert_eq!(router.fleet_health(), FleetHealth::Unhealthy);
+        assert!(matches!(
+            router.decide(&req(&[9])),
+            Err(RouteError::NoHealthyReplica(_))
+        ));
     }
 
     #[test]

@@ -15,6 +15,7 @@
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
@@ -32,6 +33,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::health::{self, Answer, Failure, Outcome};
 use crate::router::{Decision, RequestInfo, RouteError, Router};
 
 /// The destination header and `envoy.lb` metadata key Envoy's override_host
@@ -41,16 +43,27 @@ pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 pub const LB_NAMESPACE: &str = "envoy.lb";
 /// Response header naming the replica that served the request.
 pub const UPSTREAM: &str = "x-hearth-upstream";
+/// Trailer the outcome filter adds to a response: `text=0|1;done=0|1`.
+pub const OUTCOME_TRAILER: &str = "x-hearth-outcome";
 /// The ext_proc filter's attribute namespace in `ProcessingRequest.attributes`.
 const EXT_PROC_ATTRIBUTES: &str = "envoy.filters.http.ext_proc";
 
 /// Builds the tonic service around a router.
-pub fn server(router: Arc<Router>) -> ExternalProcessorServer<Processor> {
-    ExternalProcessorServer::new(Processor { router }).max_decoding_message_size(4 << 20)
+pub fn server(
+    router: Arc<Router>,
+    first_byte_timeout: Duration,
+) -> ExternalProcessorServer<Processor> {
+    ExternalProcessorServer::new(Processor {
+        router,
+        first_byte_timeout,
+    })
+    .max_decoding_message_size(4 << 20)
 }
 
 pub struct Processor {
     router: Arc<Router>,
+    /// No response headers this long after routing: a timeout strike.
+    first_byte_timeout: Duration,
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
@@ -65,17 +78,22 @@ impl ExternalProcessor for Processor {
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(4);
-        let mut exchange = Exchange {
-            router: Arc::clone(&self.router),
-            decision: None,
-            answered: false,
-        };
+        let mut exchange = Exchange::new(Arc::clone(&self.router));
+        let first_byte_timeout = self.first_byte_timeout;
         tokio::spawn(async move {
             loop {
+                // Armed while a routed request waits for its response.
+                let waiting = exchange
+                    .waiting_for_response()
+                    .filter(|_| !first_byte_timeout.is_zero());
                 let msg = tokio::select! {
                     msg = inbound.message() => msg,
                     // Envoy reset the stream: nobody reads our answers.
                     () = tx.closed() => break,
+                    () = tokio::time::sleep(first_byte_timeout), if waiting.is_some() => {
+                        exchange.first_byte_timed_out();
+                        continue;
+                    }
                 };
                 let Ok(Some(msg)) = msg else { break };
                 let (reply, done) = exchange.handle(msg);
@@ -98,19 +116,71 @@ impl ExternalProcessor for Processor {
 struct Exchange {
     router: Arc<Router>,
     decision: Option<Decision>,
-    /// Response headers arrived from an engine.
-    answered: bool,
+    /// The replica the request was routed to (kept after the reservation
+    /// is released, for the outcome).
+    routed_to: Option<usize>,
+    /// What the response headers said, once they came.
+    response: Option<ResponseSeen>,
+    /// The filter's verdict on a 200 answer's body (outcome trailer).
+    answer: Option<Answer>,
+    /// The first-byte timeout already counted against the replica.
+    timed_out: bool,
+}
+
+struct ResponseSeen {
+    status: Option<u16>,
+    details: String,
+    /// The replica Envoy really used (after retries), when known.
+    served: Option<usize>,
 }
 
 impl Drop for Exchange {
     fn drop(&mut self) {
-        if self.decision.is_some() || self.answered {
-            self.router.note_stream_end(self.answered);
-        }
+        let Some(primary) = self.routed_to else {
+            return;
+        };
+        self.router.note_stream_end(self.response.is_some());
+        // Passive health: what this request says about its replica.
+        let (replica, outcome) = match &self.response {
+            Some(r) => (
+                r.served.unwrap_or(primary),
+                health::classify(Some(r.status.unwrap_or(0)), &r.details, self.answer),
+            ),
+            None => (primary, health::classify(None, "", None)),
+        };
+        self.router.record_request(replica, outcome);
     }
 }
 
 impl Exchange {
+    fn new(router: Arc<Router>) -> Self {
+        Exchange {
+            router,
+            decision: None,
+            routed_to: None,
+            response: None,
+            answer: None,
+            timed_out: false,
+        }
+    }
+
+    /// `Some(replica)` while a routed request has no response yet and its
+    /// first-byte timeout has not fired.
+    fn waiting_for_response(&self) -> Option<usize> {
+        match (self.routed_to, &self.response, self.timed_out) {
+            (Some(r), None, false) => Some(r),
+            _ => None,
+        }
+    }
+
+    fn first_byte_timed_out(&mut self) {
+        if let Some(r) = self.waiting_for_response() {
+            self.timed_out = true;
+            self.router
+                .record_request(r, Outcome::Failure(Failure::Timeout));
+        }
+    }
+
     /// Answers one message; `true` when the exchange is over.
     fn handle(&mut self, msg: ProcessingRequest) -> (Option<ProcessingResponse>, bool) {
         if msg.observability_mode {
@@ -119,18 +189,38 @@ impl Exchange {
         match msg.request {
             Some(processing_request::Request::RequestHeaders(h)) => self.on_request_headers(&h),
             Some(processing_request::Request::ResponseHeaders(h)) => {
-                let served = served_address(&msg.attributes);
+                let served = attribute(&msg.attributes, "upstream.address");
+                self.response = Some(ResponseSeen {
+                    status: header_value(&h, ":status").and_then(|s| s.parse().ok()),
+                    details: attribute(&msg.attributes, "response.code_details")
+                        .unwrap_or_default(),
+                    served: served.as_deref().and_then(|a| self.router.replica_at(a)),
+                });
                 let end = h.end_of_stream;
-                (Some(self.on_response_headers(served.as_deref())), end)
+                (Some(self.on_response_headers()), end)
             }
-            Some(processing_request::Request::ResponseTrailers(_)) => {
+            Some(processing_request::Request::ResponseTrailers(t)) => {
+                // The outcome filter's verdict rides in a trailer it adds at
+                // the end of the body; it is removed before the client.
+                let outcome = t.trailers.as_ref().and_then(|map| {
+                    map.headers
+                        .iter()
+                        .find(|hv| hv.key == OUTCOME_TRAILER)
+                        .map(|hv| header_text(hv).to_string())
+                });
+                self.answer = outcome.as_deref().and_then(Answer::parse);
                 let reply = ProcessingResponse {
                     response: Some(processing_response::Response::ResponseTrailers(
-                        TrailersResponse::default(),
+                        TrailersResponse {
+                            header_mutation: outcome.map(|_| HeaderMutation {
+                                set_headers: vec![],
+                                remove_headers: vec![OUTCOME_TRAILER.to_string()],
+                            }),
+                        },
                     )),
                     ..Default::default()
                 };
-                // Only when the engine sent trailers: the response is over.
+                // The response is over.
                 self.decision = None;
                 (Some(reply), true)
             }
@@ -177,6 +267,7 @@ impl Exchange {
         match self.router.decide(&info) {
             Ok(decision) => {
                 let dest = self.router.destination(&decision.order);
+                self.routed_to = Some(decision.primary());
                 tracing::debug!(
                     destination = %dest,
                     overlap = decision.overlap,
@@ -206,13 +297,14 @@ impl Exchange {
         }
     }
 
-    fn on_response_headers(&mut self, served: Option<&str>) -> ProcessingResponse {
-        self.answered = true;
+    fn on_response_headers(&mut self) -> ProcessingResponse {
         // Name the replica that really answered (after retries, that may be
         // a fallback); the address itself stays private.
-        let id = served
-            .and_then(|addr| self.router.replica_at(addr))
-            .or_else(|| self.decision.as_ref().map(Decision::primary))
+        let id = self
+            .response
+            .as_ref()
+            .and_then(|r| r.served)
+            .or(self.routed_to)
             .map(|i| self.router.replicas()[i].id.clone());
         let header_mutation = id.map(|id| HeaderMutation {
             set_headers: vec![set_header(UPSTREAM, &id)],
@@ -259,6 +351,15 @@ pub fn request_info(h: &HttpHeaders, block_size: usize) -> RequestInfo {
     info
 }
 
+fn header_value<'a>(h: &'a HttpHeaders, name: &str) -> Option<&'a str> {
+    h.headers
+        .as_ref()?
+        .headers
+        .iter()
+        .find(|hv| hv.key == name)
+        .map(header_text)
+}
+
 fn header_text(hv: &HeaderValue) -> &str {
     if hv.raw_value.is_empty() {
         &hv.value
@@ -301,12 +402,9 @@ fn lb_metadata(dest: &str) -> Struct {
     }
 }
 
-/// The `upstream.address` attribute Envoy sends with the response headers.
-fn served_address(attributes: &HashMap<String, Struct>) -> Option<String> {
-    let value = attributes
-        .get(EXT_PROC_ATTRIBUTES)?
-        .fields
-        .get("upstream.address")?;
+/// An attribute Envoy sends with a message (`response_attributes`).
+fn attribute(attributes: &HashMap<String, Struct>, name: &str) -> Option<String> {
+    let value = attributes.get(EXT_PROC_ATTRIBUTES)?.fields.get(name)?;
     match &value.kind {
         Some(Kind::StringValue(s)) => Some(s.clone()),
         _ => None,
@@ -318,6 +416,9 @@ fn served_address(attributes: &HashMap<String, Struct>) -> Option<String> {
 fn refusal(e: &RouteError) -> ProcessingResponse {
     let (status, kind, code, retry_after) = match e {
         RouteError::NoReplicaForModel(_) => (503, "service_unavailable", "no_replica", None),
+        RouteError::NoHealthyReplica(_) => {
+            (503, "service_unavailable", "no_healthy_replica", Some("5"))
+        }
         RouteError::Saturated => (429, "rate_limit_exceeded", "overloaded", Some("1")),
     };
     let body = serde_json::json!({

@@ -9,9 +9,23 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 8 << 20;
 /// Largest accepted `max_body_bytes` (256 MiB).
 pub const MAX_MAX_BODY_BYTES: usize = 256 << 20;
 
+/// What one instance of the filter does. The gateway runs two: the
+/// fingerprint role before the ext_proc filter, the outcome role after it
+/// (so it sees responses first, on their way back).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Role {
+    /// Strip client routing headers, fingerprint requests.
+    #[default]
+    Fingerprint,
+    /// Report whether each generation's 200 answer carried text and ended,
+    /// in the `x-hearth-outcome` response trailer.
+    Outcome,
+}
+
 /// The validated plugin configuration.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FilterConfig {
+    pub role: Role,
     /// Exact request paths (query ignored) to fingerprint, with their API.
     pub routes: Vec<(String, Endpoint)>,
     /// Block size and hashed-prefix bound.
@@ -23,6 +37,7 @@ pub struct FilterConfig {
 impl Default for FilterConfig {
     fn default() -> Self {
         FilterConfig {
+            role: Role::Fingerprint,
             routes: Endpoint::ALL
                 .iter()
                 .map(|e| (e.default_path().to_owned(), *e))
@@ -53,6 +68,7 @@ impl std::error::Error for ConfigError {}
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
+    role: Option<String>,
     paths: Option<Vec<String>>,
     block_size: Option<usize>,
     max_prefix_bytes: Option<usize>,
@@ -89,6 +105,13 @@ impl FilterConfig {
                     )),
                 }
             }
+        }
+        match raw.role.as_deref() {
+            None | Some("fingerprint") => {}
+            Some("outcome") => cfg.role = Role::Outcome,
+            Some(other) => errors.push(format!(
+                "role {other:?} is not \"fingerprint\" or \"outcome\""
+            )),
         }
         if let Some(b) = raw.block_size {
             cfg.params.block_size = b;
@@ -198,5 +221,16 @@ mod tests {
         }
         let e = FilterConfig::parse(br#"{"paths":["/x"],"block_size":1}"#).unwrap_err();
         assert_eq!(e.0.len(), 2, "{e}");
+    }
+
+    #[test]
+    fn role_defaults_to_fingerprint_and_rejects_unknown_roles() {
+        assert_eq!(FilterConfig::parse(b"{}").unwrap().role, Role::Fingerprint);
+        assert_eq!(
+            FilterConfig::parse(br#"{"role":"outcome"}"#).unwrap().role,
+            Role::Outcome
+        );
+        let err = FilterConfig::parse(br#"{"role":"judge"}"#).unwrap_err();
+        assert!(err.to_string().contains("judge"));
     }
 }

@@ -2,8 +2,9 @@
 //! [`crate::policy`]. Every host call's error is handled; nothing here
 //! unwraps, so the VM never traps on input.
 
-use crate::config::FilterConfig;
+use crate::config::{FilterConfig, Role};
 use crate::metrics::{Metric, SkipCause};
+use crate::outcome::{Scanner, TRAILER};
 use crate::policy::{self, BodyOutcome, HeaderDecision};
 use hearth_fingerprint::Endpoint;
 use proxy_wasm::hostcalls;
@@ -90,6 +91,14 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        if self.config.role == Role::Outcome {
+            return Some(Box::new(OutcomeHttp {
+                config: Rc::clone(&self.config),
+                generation: false,
+                scanner: None,
+                reported: false,
+            }));
+        }
         let metrics = self
             .metrics
             .clone()
@@ -251,6 +260,90 @@ impl HttpContext for Http {
         if let State::Buffering { endpoint, seen } = self.state {
             self.finish(endpoint, seen);
         }
+        Action::Continue
+    }
+}
+
+/// The outcome role: watches a generation's 200 answer go by and adds the
+/// verdict trailer at its end.
+struct OutcomeHttp {
+    config: Rc<FilterConfig>,
+    /// A POST to a generation path (decided on the request headers: the
+    /// SDK traps when request headers are read in a response callback).
+    generation: bool,
+    /// Set while a generation's 200 answer is being watched.
+    scanner: Option<Scanner>,
+    reported: bool,
+}
+
+impl Context for OutcomeHttp {}
+
+impl OutcomeHttp {
+    fn request_is_generation(&self) -> bool {
+        let get = |name: &str| {
+            hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+                .ok()
+                .flatten()
+        };
+        let post = get(":method").is_some_and(|m| m == b"POST");
+        let path = get(":path").unwrap_or_default();
+        post && self
+            .config
+            .endpoint_for(&String::from_utf8_lossy(&path))
+            .is_some()
+    }
+
+    fn report(&mut self) {
+        if self.reported {
+            return;
+        }
+        if let Some(scanner) = &self.scanner {
+            self.reported = true;
+            // Envoy creates the trailers when the body ends without any.
+            if let Err(status) =
+                hostcalls::add_map_value(MapType::HttpResponseTrailers, TRAILER, &scanner.verdict())
+            {
+                log(
+                    LogLevel::Debug,
+                    &format!("hearth: cannot add {TRAILER}: {status:?}"),
+                );
+            }
+        }
+    }
+}
+
+impl HttpContext for OutcomeHttp {
+    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        self.generation = self.request_is_generation();
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let status = hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, ":status")
+            .ok()
+            .flatten();
+        if status.as_deref() == Some(b"200".as_slice()) && !end_of_stream && self.generation {
+            self.scanner = Some(Scanner::default());
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if let Some(scanner) = &mut self.scanner {
+            if let Ok(Some(chunk)) =
+                hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
+            {
+                scanner.feed(&chunk);
+            }
+            if end_of_stream {
+                self.report();
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        self.report();
         Action::Continue
     }
 }

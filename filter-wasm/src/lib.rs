@@ -8,11 +8,17 @@
 //! can never steer routing. It never modifies a body and never fails a
 //! request: anything it cannot fingerprint passes on unhashed, counted.
 //!
+//! A second instance, configured with `"role": "outcome"` and placed after
+//! the ext_proc filter, reports whether each generation's answer carried
+//! text ([`outcome`]), so the sidecar can fence a replica that answers 200
+//! with nothing in it.
+//!
 //! The logic lives in plain modules tested natively ([`config`], [`policy`],
 //! [`metrics`]); the host glue is compiled only for `wasm32`.
 
 pub mod config;
 pub mod metrics;
+pub mod outcome;
 pub mod policy;
 
 #[cfg(target_arch = "wasm32")]

@@ -12,6 +12,7 @@
 
 pub mod cache;
 pub mod core;
+pub mod faults;
 pub mod request;
 
 use std::convert::Infallible;
@@ -29,6 +30,8 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+
+pub use faults::Fault;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -72,6 +75,9 @@ pub struct EngineConfig {
     pub time_scale: f64,
     /// Output tokens when the request sets no `max_tokens` (default 16).
     pub default_output_tokens: usize,
+    /// Fault shown from the start (default none); changeable at run time.
+    #[serde(default)]
+    pub fault: Fault,
 }
 
 impl Default for EngineConfig {
@@ -86,6 +92,7 @@ impl Default for EngineConfig {
             decode_micros_per_token: 0.0,
             time_scale: 1.0,
             default_output_tokens: 16,
+            fault: Fault::None,
         }
     }
 }
@@ -180,6 +187,7 @@ pub struct Engine {
     running: AtomicU64,
     completed_total: AtomicU64,
     aborted_total: AtomicU64,
+    fault: Mutex<Fault>,
 }
 
 /// What admission decided for one request.
@@ -198,6 +206,7 @@ impl Engine {
         let id_header = HeaderValue::from_str(&config.id)
             .map_err(|_| EngineConfigError::Id(config.id.clone()))?;
         let capacity_blocks = config.cache_capacity_tokens / config.block_tokens;
+        let fault = config.fault;
         Ok(Self {
             id_header,
             cache: Mutex::new(PrefixCache::new(capacity_blocks)),
@@ -209,7 +218,19 @@ impl Engine {
             running: AtomicU64::new(0),
             completed_total: AtomicU64::new(0),
             aborted_total: AtomicU64::new(0),
+            fault: Mutex::new(fault),
         })
+    }
+
+    /// The fault generation requests show now.
+    pub fn fault(&self) -> Fault {
+        *self.fault.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Changes the fault at run time.
+    pub fn set_fault(&self, fault: Fault) {
+        tracing::info!(engine = %self.config.id, %fault, "fault set");
+        *self.fault.lock().unwrap_or_else(PoisonError::into_inner) = fault;
     }
 
     /// The engine's settings.
@@ -412,6 +433,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/health", get(|| async { "ok" }))
         .route("/stats", get(stats))
         .route("/metrics", get(metrics))
+        .route("/admin/fault", get(get_fault).put(put_fault))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::map_response_with_state(
@@ -433,6 +455,29 @@ fn error_response(status: StatusCode, kind: &str, message: impl Into<String>) ->
         "error": { "message": message.into(), "type": kind, "code": null }
     });
     (status, Json(body)).into_response()
+}
+
+async fn get_fault(State(engine): State<Arc<Engine>>) -> Json<Value> {
+    Json(json!({ "fault": engine.fault().to_string() }))
+}
+
+/// `PUT /admin/fault` with `{"fault": "stall"}` (see [`Fault`]'s syntax).
+async fn put_fault(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    let parsed = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| v["fault"].as_str().map(str::parse::<Fault>));
+    match parsed {
+        Some(Ok(fault)) => {
+            engine.set_fault(fault);
+            Json(json!({ "fault": fault.to_string() })).into_response()
+        }
+        Some(Err(e)) => error_response(StatusCode::BAD_REQUEST, "invalid_request_error", e),
+        None => error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "expected {\"fault\": \"none|slow:MILLIS|error|unavailable|stall|empty\"}",
+        ),
+    }
 }
 
 async fn not_found() -> Response {
@@ -603,6 +648,27 @@ async fn generate(
             )
         }
     };
+    let fault = engine.fault();
+    match fault {
+        Fault::ServerError => {
+            return error_response(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "injected fault",
+            )
+        }
+        Fault::Unavailable => {
+            return error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "injected fault",
+            )
+        }
+        // Until the client gives up and this future is dropped.
+        Fault::Stall => return std::future::pending().await,
+        Fault::Slow { millis } => tokio::time::sleep(Duration::from_millis(millis)).await,
+        Fault::None | Fault::Empty => {}
+    }
     let guard = InFlight::start(engine.clone());
     let admission = engine.admit(&req.prompt);
     let config = &engine.config;
@@ -618,7 +684,11 @@ async fn generate(
         created: unix_now(),
         model: req.model.unwrap_or_else(|| config.model.clone()),
         admission,
-        output_tokens: req.max_tokens.unwrap_or(config.default_output_tokens),
+        output_tokens: if fault == Fault::Empty {
+            0
+        } else {
+            req.max_tokens.unwrap_or(config.default_output_tokens)
+        },
         finish_reason: if req.max_tokens.is_some() {
             "length"
         } else {

@@ -1,0 +1,465 @@
+//! Replica health: passive signals from real traffic and active probes.
+//!
+//! A replica is *serving* or *fenced*. Real requests report their outcome
+//! (status, time to first byte, whether the answer carried text); a run of
+//! `eject_after` consecutive failures fences the replica for a backoff that
+//! doubles with every fencing in a row (capped). When the backoff has run
+//! out, the replica stays fenced until a probe succeeds: a probe lists the
+//! models and asks for a one-token completion, so an engine that answers
+//! `/health` and `/v1/models` but never generates is never re-admitted.
+//!
+//! Probe failures count as failures too, except a probe *timeout* on a
+//! replica that completed a real request recently: a busy replica is slow,
+//! not broken.
+
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// Knobs of the health logic (all settings, see `config.rs`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HealthParams {
+    /// Consecutive failures that fence a replica.
+    pub eject_after: u32,
+    /// First fencing lasts this long; each fencing in a row doubles it.
+    pub backoff: Duration,
+    pub max_backoff: Duration,
+    /// A real success this recent excuses a probe timeout.
+    pub busy_grace: Duration,
+}
+
+impl Default for HealthParams {
+    fn default() -> Self {
+        HealthParams {
+            eject_after: 3,
+            backoff: Duration::from_secs(5),
+            max_backoff: Duration::from_secs(120),
+            busy_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Why a request or probe failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Failure {
+    /// The engine answered 5xx.
+    ServerError,
+    /// Envoy could not connect, or the connection was reset.
+    ConnectFailure,
+    /// No answer in time.
+    Timeout,
+    /// HTTP 200 without any generated text (or without an end marker).
+    EmptyAnswer,
+    /// A probe's model listing failed.
+    ProbeModels,
+}
+
+impl Failure {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Failure::ServerError => "server_error",
+            Failure::ConnectFailure => "connect_failure",
+            Failure::Timeout => "timeout",
+            Failure::EmptyAnswer => "empty_answer",
+            Failure::ProbeModels => "probe_models",
+        }
+    }
+}
+
+/// The outcome of one real request or one probe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Success,
+    Failure(Failure),
+    /// Nothing to learn (client gave up first, 4xx, ...).
+    Neutral,
+}
+
+/// A replica's health as shown on `/state` and `/health`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HealthState {
+    Serving,
+    /// Fenced: receives no traffic until a probe succeeds after the backoff.
+    Fenced,
+}
+
+#[derive(Clone, Debug)]
+pub struct ReplicaHealth {
+    state: HealthState,
+    consecutive_failures: u32,
+    /// Fencings in a row without a success in between (sets the backoff).
+    fencings: u32,
+    fenced_until: Option<Instant>,
+    last_failure: Option<Failure>,
+    last_success: Option<Instant>,
+    pub fenced_total: u64,
+}
+
+impl Default for ReplicaHealth {
+    fn default() -> Self {
+        ReplicaHealth {
+            state: HealthState::Serving,
+            consecutive_failures: 0,
+            fencings: 0,
+            fenced_until: None,
+            last_failure: None,
+            last_success: None,
+            fenced_total: 0,
+        }
+    }
+}
+
+/// Health figures for the state endpoint.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct HealthSnapshot {
+    pub state: HealthState,
+    pub consecutive_failures: u32,
+    pub last_failure: Option<Failure>,
+    /// Seconds until a probe may re-admit the replica (fenced only).
+    pub fenced_for_s: Option<f64>,
+    pub fenced_total: u64,
+}
+
+impl ReplicaHealth {
+    pub fn state(&self) -> HealthState {
+        self.state
+    }
+
+    pub fn is_serving(&self) -> bool {
+        self.state == HealthState::Serving
+    }
+
+    /// A real request's outcome.
+    pub fn record_request(&mut self, outcome: Outcome, p: &HealthParams, now: Instant) {
+        match outcome {
+            Outcome::Success => self.succeed(now),
+            Outcome::Failure(f) => self.fail(f, p, now),
+            Outcome::Neutral => {}
+        }
+    }
+
+    /// A probe's outcome. A probe success re-admits a fenced replica once
+    /// its backoff has run out; a timeout is excused on a replica that
+    /// served a real request within `busy_grace`.
+    pub fn record_probe(&mut self, outcome: Outcome, p: &HealthParams, now: Instant) {
+        match outcome {
+            Outcome::Success => {
+                let backoff_over = self.fenced_until.is_none_or(|t| now >= t);
+                if self.state == HealthState::Fenced && !backoff_over {
+                    return;
+                }
+                self.succeed(now);
+            }
+            Outcome::Failure(Failure::Timeout)
+                if self
+                    .last_success
+                    .is_some_and(|t| now.duration_since(t) < p.busy_grace) => {}
+            Outcome::Failure(f) => self.fail(f, p, now),
+            Outcome::Neutral => {}
+        }
+    }
+
+    fn succeed(&mut self, now: Instant) {
+        self.state = HealthState::Serving;
+        self.consecutive_failures = 0;
+        self.fencings = 0;
+        self.fenced_until = None;
+        self.last_success = Some(now);
+    }
+
+    fn fail(&mut self, f: Failure, p: &HealthParams, now: Instant) {
+        self.last_failure = Some(f);
+        self.consecutive_failures = self.consecutive_failures.saturating_add(1);
+        if self.state == HealthState::Fenced {
+            // Still broken: a failed probe restarts the (longer) backoff.
+            if self.fenced_until.is_none_or(|t| now >= t) {
+                self.fence(p, now);
+            }
+            return;
+        }
+        if self.consecutive_failures >= p.eject_after {
+            self.fence(p, now);
+        }
+    }
+
+    fn fence(&mut self, p: &HealthParams, now: Instant) {
+        let factor = 1u32 << self.fencings.min(16);
+        let backoff = p.backoff.saturating_mul(factor).min(p.max_backoff);
+        self.fencings = self.fencings.saturating_add(1);
+        if self.state == HealthState::Serving {
+            self.fenced_total += 1;
+        }
+        self.state = HealthState::Fenced;
+        self.fenced_until = Some(now + backoff);
+    }
+
+    pub fn snapshot(&self, now: Instant) -> HealthSnapshot {
+        HealthSnapshot {
+            state: self.state,
+            consecutive_failures: self.consecutive_failures,
+            last_failure: self.last_failure,
+            fenced_for_s: match (self.state, self.fenced_until) {
+                (HealthState::Fenced, Some(t)) => {
+                    Some(t.saturating_duration_since(now).as_secs_f64())
+                }
+                _ => None,
+            },
+            fenced_total: self.fenced_total,
+        }
+    }
+}
+
+/// The fleet's overall health, as `GET /health` reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FleetHealth {
+    /// Every replica serving.
+    Ok,
+    /// Some replicas fenced.
+    Degraded,
+    /// No replica serving.
+    Unhealthy,
+}
+
+impl FleetHealth {
+    pub fn of(states: impl IntoIterator<Item = HealthState>) -> FleetHealth {
+        let (mut serving, mut total) = (0, 0);
+        for s in states {
+            total += 1;
+            serving += usize::from(s == HealthState::Serving);
+        }
+        match serving {
+            0 => FleetHealth::Unhealthy,
+            n if n == total => FleetHealth::Ok,
+            _ => FleetHealth::Degraded,
+        }
+    }
+}
+
+/// Classifies a finished request from what Envoy reports on the ext_proc
+/// stream: the response status, Envoy's response code details, and the
+/// filter's outcome trailer (`text`, `done` flags), when present.
+pub fn classify(status: Option<u16>, details: &str, answer: Option<Answer>) -> Outcome {
+    let Some(status) = status else {
+        // The stream ended before any response: the client gave up.
+        return Outcome::Neutral;
+    };
+    let d = details;
+    if d.contains("connection_failure")
+        || d.contains("connection_termination")
+        || d.contains("remote_reset")
+        || d.contains("upstream_reset_before_response_started")
+    {
+        return Outcome::Failure(Failure::ConnectFailure);
+    }
+    if d.contains("timeout") || status == 504 {
+        return Outcome::Failure(Failure::Timeout);
+    }
+    match status {
+        500..=599 => Outcome::Failure(Failure::ServerError),
+        200 => match answer {
+            Some(a) if a.text && a.done => Outcome::Success,
+            Some(_) => Outcome::Failure(Failure::EmptyAnswer),
+            // No trailer: the client left mid-answer, or the response was
+            // not a generation; nothing to learn.
+            None => Outcome::Neutral,
+        },
+        _ => Outcome::Neutral,
+    }
+}
+
+/// What the filter saw in a 200 answer's body.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Answer {
+    /// Some generated text (a non-empty `content`/`text` field).
+    pub text: bool,
+    /// The answer ended properly: `[DONE]` for a stream, `finish_reason` or
+    /// `usage` for a JSON body.
+    pub done: bool,
+}
+
+impl Answer {
+    /// Parses the `x-hearth-outcome` trailer: `text=0|1;done=0|1`.
+    pub fn parse(value: &str) -> Option<Answer> {
+        let mut a = Answer::default();
+        let mut seen = 0;
+        for part in value.split(';') {
+            let (k, v) = part.trim().split_once('=')?;
+            let slot = match k {
+                "text" => &mut a.text,
+                "done" => &mut a.done,
+                // Fields added later are not this reader's business.
+                _ => continue,
+            };
+            *slot = match v {
+                "1" => true,
+                "0" => false,
+                _ => return None,
+            };
+            seen += 1;
+        }
+        (seen == 2).then_some(a)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p() -> HealthParams {
+        HealthParams {
+            eject_after: 3,
+            backoff: Duration::from_secs(10),
+            max_backoff: Duration::from_secs(40),
+            busy_grace: Duration::from_secs(30),
+        }
+    }
+
+    #[test]
+    fn consecutive_failures_fence_and_a_success_resets_the_count() {
+        let t0 = Instant::now();
+        let mut h = ReplicaHealth::default();
+        let fail = Outcome::Failure(Failure::ServerError);
+        h.record_request(fail, &p(), t0);
+        h.record_request(fail, &p(), t0);
+        h.record_request(Outcome::Success, &p(), t0);
+        h.record_request(fail, &p(), t0);
+        h.record_request(fail, &p(), t0);
+        assert!(h.is_serving(), "two in a row after a success");
+        h.record_request(fail, &p(), t0);
+        assert_eq!(h.state(), HealthState::Fenced);
+        assert_eq!(h.fenced_total, 1);
+    }
+
+    #[test]
+    fn probes_readmit_only_after_the_backoff_and_failures_double_it() {
+        let t0 = Instant::now();
+        let mut h = ReplicaHealth::default();
+        for _ in 0..3 {
+            h.record_request(Outcome::Failure(Failure::EmptyAnswer), &p(), t0);
+        }
+        h.record_probe(Outcome::Success, &p(), t0 + Duration::from_secs(5));
+        assert!(!h.is_serving(), "backoff (10 s) not over");
+        // A failed probe after the backoff fences again, for twice as long.
+        h.record_probe(
+            Outcome::Failure(Failure::Timeout),
+            &p(),
+            t0 + Duration::from_secs(11),
+        );
+        assert!(!h.is_serving());
+        let snap = h.snapshot(t0 + Duration::from_secs(11));
+        assert_eq!(snap.fenced_for_s, Some(20.0));
+        h.record_probe(Outcome::Success, &p(), t0 + Duration::from_secs(25));
+        assert!(!h.is_serving());
+        h.record_probe(Outcome::Success, &p(), t0 + Duration::from_secs(31));
+        assert!(h.is_serving());
+        assert_eq!(h.fenced_total, 1, "one fencing episode");
+    }
+
+    #[test]
+    fn backoff_is_capped() {
+        let t0 = Instant::now();
+        let mut h = ReplicaHealth::default();
+        let mut now = t0;
+        for _ in 0..3 {
+            h.record_request(Outcome::Failure(Failure::Timeout), &p(), now);
+        }
+        for _ in 0..6 {
+            now += Duration::from_secs(100);
+            h.record_probe(Outcome::Failure(Failure::ProbeModels), &p(), now);
+        }
+        assert_eq!(h.snapshot(now).fenced_for_s, Some(40.0));
+    }
+
+    #[test]
+    fn a_recent_real_success_excuses_a_probe_timeout() {
+        let t0 = Instant::now();
+        let mut h = ReplicaHealth::default();
+        h.record_request(Outcome::Success, &p(), t0);
+        for i in 0..5 {
+            h.record_probe(
+                Outcome::Failure(Failure::Timeout),
+                &p(),
+                t0 + Duration::from_secs(i),
+            );
+        }
+        assert!(h.is_serving(), "busy, not broken");
+        // Without a recent success the same timeouts fence it.
+        let later = t0 + Duration::from_secs(60);
+        for _ in 0..3 {
+            h.record_probe(Outcome::Failure(Failure::Timeout), &p(), later);
+        }
+        assert!(!h.is_serving());
+    }
+
+    #[test]
+    fn fleet_health_levels() {
+        use HealthState::*;
+        assert_eq!(FleetHealth::of([Serving, Serving]), FleetHealth::Ok);
+        assert_eq!(FleetHealth::of([Serving, Fenced]), FleetHealth::Degraded);
+        assert_eq!(FleetHealth::of([Fenced, Fenced]), FleetHealth::Unhealthy);
+        assert_eq!(FleetHealth::of([]), FleetHealth::Unhealthy);
+    }
+
+    #[test]
+    fn classification_of_finished_requests() {
+        let ok = Some(Answer {
+            text: true,
+            done: true,
+        });
+        assert_eq!(classify(Some(200), "via_upstream", ok), Outcome::Success);
+        assert_eq!(
+            classify(
+                Some(200),
+                "via_upstream",
+                Some(Answer {
+                    text: false,
+                    done: true
+                })
+            ),
+            Outcome::Failure(Failure::EmptyAnswer)
+        );
+        assert_eq!(classify(Some(200), "via_upstream", None), Outcome::Neutral);
+        assert_eq!(
+            classify(Some(500), "via_upstream", None),
+            Outcome::Failure(Failure::ServerError)
+        );
+        assert_eq!(
+            classify(
+                Some(503),
+                "upstream_reset_before_response_started{connection_failure}",
+                None
+            ),
+            Outcome::Failure(Failure::ConnectFailure)
+        );
+        assert_eq!(
+            classify(Some(504), "response_timeout", None),
+            Outcome::Failure(Failure::Timeout)
+        );
+        assert_eq!(classify(Some(400), "via_upstream", None), Outcome::Neutral);
+        assert_eq!(classify(None, "", None), Outcome::Neutral);
+    }
+
+    #[test]
+    fn outcome_trailer_parses_strictly() {
+        assert_eq!(
+            Answer::parse("text=1;done=0"),
+            Some(Answer {
+                text: true,
+                done: false
+            })
+        );
+        assert_eq!(
+            Answer::parse("done=1; text=1; bytes=9"),
+            Some(Answer {
+                text: true,
+                done: true
+            })
+        );
+        assert_eq!(Answer::parse("text=yes;done=1"), None);
+        assert_eq!(Answer::parse("text=1"), None);
+        assert_eq!(Answer::parse("garbage"), None);
+    }
+}

@@ -1,0 +1,169 @@
+//! The outcome role: what a generation's response body says about the
+//! replica that produced it, found by scanning the body as it streams past
+//! (no buffering, no JSON parse).
+//!
+//! A 200 answer *carried text* when some `"content"`, `"text"`,
+//! `"reasoning_content"` or `"arguments"` string is non-empty, and *ended*
+//! when it shows `[DONE]`, a `"finish_reason"` string or a `"usage"` object.
+//! The verdict goes to the sidecar as the trailer `x-hearth-outcome:
+//! text=0|1;done=0|1`, which the sidecar removes before the client sees it.
+
+/// The trailer the sidecar reads.
+pub const TRAILER: &str = "x-hearth-outcome";
+
+/// Keys whose non-empty string value is generated text.
+const TEXT_KEYS: [&[u8]; 4] = [
+    b"\"content\"",
+    b"\"text\"",
+    b"\"reasoning_content\"",
+    b"\"arguments\"",
+];
+/// Bytes kept from one chunk to the next so a pattern split across chunks
+/// is still found (longer than every pattern plus its separators).
+const CARRY: usize = 64;
+
+/// Scans a response body chunk by chunk.
+#[derive(Clone, Debug, Default)]
+pub struct Scanner {
+    text: bool,
+    done: bool,
+    carry: Vec<u8>,
+}
+
+impl Scanner {
+    pub fn feed(&mut self, chunk: &[u8]) {
+        if self.text && self.done {
+            return;
+        }
+        let mut window = std::mem::take(&mut self.carry);
+        window.extend_from_slice(chunk);
+        if !self.text {
+            self.text = TEXT_KEYS.iter().any(|k| has_nonempty_string(&window, k));
+        }
+        if !self.done {
+            self.done = find(&window, b"[DONE]").is_some()
+                || has_nonempty_string(&window, b"\"finish_reason\"")
+                || value_starts_with(&window, b"\"usage\"", b'{');
+        }
+        let keep = window.len().min(CARRY);
+        self.carry = window.split_off(window.len() - keep);
+    }
+
+    pub fn text(&self) -> bool {
+        self.text
+    }
+
+    pub fn done(&self) -> bool {
+        self.done
+    }
+
+    /// The trailer value.
+    pub fn verdict(&self) -> String {
+        format!("text={};done={}", u8::from(self.text), u8::from(self.done))
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Every position where `key` is followed by `:` and the value's first byte.
+fn values_after<'a>(hay: &'a [u8], key: &'a [u8]) -> impl Iterator<Item = &'a [u8]> + 'a {
+    let mut from = 0;
+    std::iter::from_fn(move || {
+        while from < hay.len() {
+            let at = from + find(&hay[from..], key)?;
+            from = at + key.len();
+            let rest = skip_ws(&hay[from..]);
+            if let Some(after_colon) = rest.strip_prefix(b":") {
+                return Some(skip_ws(after_colon));
+            }
+        }
+        None
+    })
+}
+
+fn skip_ws(b: &[u8]) -> &[u8] {
+    let n = b.iter().take_while(|c| c.is_ascii_whitespace()).count();
+    &b[n..]
+}
+
+/// `key` has a string value with at least one character.
+fn has_nonempty_string(hay: &[u8], key: &[u8]) -> bool {
+    values_after(hay, key).any(|v| v.len() >= 2 && v[0] == b'"' && v[1] != b'"')
+}
+
+fn value_starts_with(hay: &[u8], key: &[u8], first: u8) -> bool {
+    values_after(hay, key).any(|v| v.first() == Some(&first))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scan(chunks: &[&str]) -> Scanner {
+        let mut s = Scanner::default();
+        for c in chunks {
+            s.feed(c.as_bytes());
+        }
+        s
+    }
+
+    #[test]
+    fn a_streamed_chat_answer_has_text_and_ends() {
+        let s = scan(&[
+            "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n",
+        ]);
+        assert!(s.text() && s.done());
+        assert_eq!(s.verdict(), "text=1;done=1");
+    }
+
+    #[test]
+    fn empty_content_is_no_text() {
+        let s = scan(&["{\"choices\":[{\"message\":{\"content\":\"\"},\"finish_reason\":\"stop\"}],\"usage\":{\"completion_tokens\":0}}"]);
+        assert!(!s.text());
+        assert!(s.done());
+        let s = scan(&["{\"choices\":[{\"message\":{\"content\": null}}]}"]);
+        assert!(!s.text() && !s.done());
+    }
+
+    #[test]
+    fn tool_calls_and_reasoning_count_as_text() {
+        let s = scan(&["{\"message\":{\"content\":null,\"tool_calls\":[{\"function\":{\"name\":\"f\",\"arguments\":\"{}\"}}]}}"]);
+        assert!(s.text());
+        let s = scan(&["data: {\"delta\":{\"reasoning_content\":\"hmm\"}}"]);
+        assert!(s.text());
+        // A key that merely ends in `content` is not `content`.
+        let s = scan(&["{\"x_content\":\"a\"}"]);
+        assert!(!s.text());
+    }
+
+    #[test]
+    fn patterns_split_across_chunks_are_found() {
+        let s = scan(&[
+            "data: {\"choices\":[{\"delta\":{\"cont",
+            "ent\" :  \"x\"}}]}\n\ndata: [DO",
+            "NE]\n\n",
+        ]);
+        assert!(s.text() && s.done());
+    }
+
+    #[test]
+    fn a_stream_that_stops_early_did_not_end() {
+        let s = scan(&["data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n"]);
+        assert_eq!(s.verdict(), "text=1;done=0");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn never_panics_and_chunking_does_not_matter(body in ".{0,300}", cut in 0usize..300) {
+            let cut = cut.min(body.len());
+            let cut = (0..=cut).rev().find(|c| body.is_char_boundary(*c)).unwrap_or(0);
+            let whole = scan(&[&body]);
+            let split = scan(&[&body[..cut], &body[cut..]]);
+            proptest::prop_assert_eq!(whole.verdict(), split.verdict());
+        }
+    }
+}
