@@ -272,11 +272,15 @@ impl Router {
             return Err(RouteError::Saturated);
         }
 
-        // Overlap and load per candidate, then the scoring rule.
+        // Overlap and load per candidate (the overlap searches of all
+        // candidates run together), then the scoring rule.
+        let sets: Vec<&LruBlocks> = candidates.iter().map(|&i| &state[i].warmth).collect();
+        let overlaps = LruBlocks::leading_overlaps(&sets, &req.hashes);
         let scored: Vec<Candidate> = candidates
             .iter()
-            .map(|&i| Candidate {
-                overlap: state[i].warmth.leading_overlap(&req.hashes) as u32,
+            .zip(overlaps)
+            .map(|(&i, overlap)| Candidate {
+                overlap: overlap as u32,
                 load: state[i].load,
             })
             .collect();

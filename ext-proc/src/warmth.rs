@@ -8,6 +8,12 @@
 //! Blocks of one request are touched from last to first, so the first blocks
 //! of a prefix are the most recently used and eviction removes the tails of
 //! old conversations first, the way engines free their KV blocks.
+//!
+//! That order also makes every set *prefix-closed*: block *i* of a chain is
+//! only ever recorded together with blocks *0..i*, which are touched after
+//! it, so they are always more recent and outlive it. If block *i* is
+//! present, so is every block before it, and the overlap is found by a
+//! binary search (about 9 lookups for 256 blocks) instead of a scan.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -91,7 +97,70 @@ impl LruBlocks {
     }
 
     /// Number of leading `hashes` present: the replica's prefix overlap.
+    ///
+    /// Relies on the set being prefix-closed for chains (see the module
+    /// docs), which holds when blocks enter only through
+    /// [`LruBlocks::record_prompt`]: a binary search for the first absent
+    /// block, checking the whole chain first (a returning session).
     pub fn leading_overlap(&self, hashes: &[u64]) -> usize {
+        let Some((&last, _)) = hashes.split_last() else {
+            return 0;
+        };
+        if self.contains(last) {
+            return hashes.len();
+        }
+        // hashes[..lo] are present, hashes[hi] is absent.
+        let (mut lo, mut hi) = (0, hashes.len() - 1);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if hashes.get(mid).is_some_and(|h| self.contains(*h)) {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// [`LruBlocks::leading_overlap`] of `hashes` against many sets at once.
+    ///
+    /// The binary searches run in lockstep: each round probes every set
+    /// once, and those probes do not depend on each other, so the CPU
+    /// overlaps their cache misses (each set is megabytes; a probe is a
+    /// trip to memory) instead of waiting for them one by one.
+    pub fn leading_overlaps(sets: &[&LruBlocks], hashes: &[u64]) -> Vec<usize> {
+        let n = hashes.len();
+        let Some(&last) = hashes.last() else {
+            return vec![0; sets.len()];
+        };
+        // Per set: (lo, hi) with hashes[..lo] present and hashes[hi] absent;
+        // lo == hi is settled.
+        let mut bounds: Vec<(usize, usize)> = sets
+            .iter()
+            .map(|s| if s.contains(last) { (n, n) } else { (0, n - 1) })
+            .collect();
+        loop {
+            let mut open = false;
+            for (set, (lo, hi)) in sets.iter().zip(bounds.iter_mut()) {
+                if lo < hi {
+                    let mid = *lo + (*hi - *lo) / 2;
+                    if hashes.get(mid).is_some_and(|h| set.contains(*h)) {
+                        *lo = mid + 1;
+                    } else {
+                        *hi = mid;
+                    }
+                    open |= lo < hi;
+                }
+            }
+            if !open {
+                break;
+            }
+        }
+        bounds.into_iter().map(|(lo, _)| lo).collect()
+    }
+
+    /// The overlap by a plain scan, for any set (tests compare the two).
+    pub fn leading_overlap_scan(&self, hashes: &[u64]) -> usize {
         hashes.iter().take_while(|h| self.contains(**h)).count()
     }
 
@@ -125,8 +194,19 @@ impl LruBlocks {
     /// Records that a replica read the prompt named by `hashes`: touched from
     /// last to first so the prefix's first blocks are the most recent.
     pub fn record_prompt(&mut self, hashes: &[u64]) {
-        for &h in hashes.iter().rev() {
-            self.touch(h);
+        // Look every block up first: the lookups are independent, so their
+        // cache misses overlap, where touching one by one would wait for
+        // each. A slot found here may be recycled by an eviction below (a
+        // block of this very prompt at the LRU tail), so it is re-checked.
+        let found: Vec<Option<u32>> = hashes.iter().map(|h| self.slots.get(h).copied()).collect();
+        for (&h, slot) in hashes.iter().zip(found).rev() {
+            match slot {
+                Some(slot) if self.nodes.get(slot as usize).is_some_and(|n| n.hash == h) => {
+                    self.unlink(slot);
+                    self.push_front(slot);
+                }
+                _ => self.touch(h),
+            }
         }
     }
 
@@ -176,9 +256,13 @@ mod tests {
         let mut lru = LruBlocks::new(100);
         lru.record_prompt(&[1, 2, 3]);
         assert_eq!(lru.leading_overlap(&[1, 2, 3, 4]), 3);
-        assert_eq!(lru.leading_overlap(&[1, 9, 3]), 1);
-        assert_eq!(lru.leading_overlap(&[9, 1, 2]), 0);
+        assert_eq!(lru.leading_overlap(&[1, 2, 9]), 2);
+        assert_eq!(lru.leading_overlap(&[1, 9, 10]), 1);
+        assert_eq!(lru.leading_overlap(&[9, 10, 11]), 0);
         assert_eq!(lru.leading_overlap(&[]), 0);
+        // Not a chain (block 3 cannot follow 9): only the scan is exact.
+        assert_eq!(lru.leading_overlap_scan(&[1, 9, 3]), 1);
+        assert_eq!(lru.leading_overlap_scan(&[9, 1, 2]), 0);
     }
 
     #[test]
@@ -208,7 +292,42 @@ mod tests {
         assert_eq!(lru.len(), 2);
     }
 
+    /// Chains: conversations that share prefixes, grow, and branch.
+    fn chain(prefix: &[u64], extra: &[u64]) -> Vec<u64> {
+        let mut out = prefix.to_vec();
+        let mut h = prefix.last().copied().unwrap_or(0x5eed);
+        for e in extra {
+            h = (h ^ e).wrapping_mul(0x100_0000_01b3).rotate_left(17);
+            out.push(h);
+        }
+        out
+    }
+
     proptest::proptest! {
+        #[test]
+        fn binary_search_overlap_equals_the_scan(
+            cap in 1usize..64,
+            ops in proptest::collection::vec((0usize..8, 0usize..12, proptest::collection::vec(0u64..4, 0..10)), 1..60),
+        ) {
+            let mut lru = LruBlocks::new(cap);
+            let mut prompts: Vec<Vec<u64>> = vec![Vec::new()];
+            for (base, cut, extra) in ops {
+                let base = &prompts[base % prompts.len()];
+                let p = chain(&base[..cut.min(base.len())], &extra);
+                for q in &prompts {
+                    proptest::prop_assert_eq!(lru.leading_overlap(q), lru.leading_overlap_scan(q));
+                }
+                proptest::prop_assert_eq!(lru.leading_overlap(&p), lru.leading_overlap_scan(&p));
+                let other = LruBlocks::new(cap / 2 + 1);
+                proptest::prop_assert_eq!(
+                    LruBlocks::leading_overlaps(&[&lru, &other, &lru], &p),
+                    vec![lru.leading_overlap(&p), other.leading_overlap(&p), lru.leading_overlap(&p)]
+                );
+                lru.record_prompt(&p);
+                prompts.push(p);
+            }
+        }
+
         #[test]
         fn never_exceeds_capacity_and_matches_a_model(cap in 1usize..16, ops in proptest::collection::vec(0u64..24, 0..200)) {
             let mut lru = LruBlocks::new(cap);

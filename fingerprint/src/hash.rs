@@ -57,6 +57,121 @@ pub fn chain_hashes(model: &str, canonical: &[u8], params: &Params) -> Vec<u64> 
     out
 }
 
+/// The block hash chain computed as canonical bytes stream in, so they are
+/// never materialised: the same hashes as [`chain_hashes`] over the whole
+/// stream. Bytes past the prefix bound are only counted.
+pub(crate) struct ChainHasher {
+    block: usize,
+    /// Bytes still to hash before the prefix bound.
+    budget: usize,
+    /// FNV state of the open block (seeded with the previous hash).
+    state: u64,
+    /// Bytes in the open block.
+    filled: usize,
+    total: u64,
+    hashes: Vec<u64>,
+}
+
+impl ChainHasher {
+    pub(crate) fn new(model: &str, params: &Params) -> ChainHasher {
+        let block = effective_block_size(params);
+        let budget = params
+            .max_prefix_bytes
+            .min(block.saturating_mul(MAX_HASHES));
+        ChainHasher {
+            block,
+            budget,
+            state: block_start(seed(model)),
+            filled: 0,
+            total: 0,
+            hashes: Vec::with_capacity(budget.div_ceil(block).min(1024)),
+        }
+    }
+
+    /// The hashes, the trailing partial block included, and the total length.
+    pub(crate) fn finish(mut self) -> (Vec<u64>, u64) {
+        if self.filled > 0 {
+            self.hashes.push(self.state);
+        }
+        (self.hashes, self.total)
+    }
+}
+
+#[inline]
+fn block_start(prev: u64) -> u64 {
+    fnv_update(FNV_OFFSET, &prev.to_le_bytes())
+}
+
+impl crate::canonical::Sink for ChainHasher {
+    fn put(&mut self, bytes: &[u8]) {
+        self.total += bytes.len() as u64;
+        let take = bytes.len().min(self.budget);
+        self.budget -= take;
+        let mut rest = bytes.get(..take).unwrap_or_default();
+        while !rest.is_empty() {
+            let room = self.block - self.filled;
+            let (now, later) = rest.split_at(room.min(rest.len()));
+            self.state = fnv_update(self.state, now);
+            self.filled += now.len();
+            if self.filled == self.block {
+                self.hashes.push(self.state);
+                self.state = block_start(self.state);
+                self.filled = 0;
+            }
+            rest = later;
+        }
+    }
+
+    fn written(&self) -> u64 {
+        self.total
+    }
+
+    /// Decodes and hashes in one pass over the raw text: the decoding
+    /// branches run beside the serial multiply chain instead of in a pass
+    /// of their own.
+    fn put_text(&mut self, text: &crate::canonical::Text<'_>) {
+        if text.is_verbatim() {
+            return self.put(text.raw.as_bytes());
+        }
+        self.total += text.len as u64;
+        let mut left = text.len.min(self.budget);
+        self.budget -= left;
+        let raw = text.raw.as_bytes();
+        let (mut state, mut filled) = (self.state, self.filled);
+        let mut i = 0;
+        macro_rules! push {
+            ($b:expr) => {{
+                state = (state ^ u64::from($b)).wrapping_mul(FNV_PRIME);
+                filled += 1;
+                if filled == self.block {
+                    self.hashes.push(state);
+                    state = block_start(state);
+                    filled = 0;
+                }
+            }};
+        }
+        while left > 0 {
+            let Some(&b) = raw.get(i) else { break };
+            if b != b'\\' {
+                push!(b);
+                left -= 1;
+                i += 1;
+                continue;
+            }
+            let Some((buf, n, next)) = crate::canonical::Text::escape_at(raw, i) else {
+                break;
+            };
+            for &d in buf.get(..n.min(left)).unwrap_or_default() {
+                push!(d);
+            }
+            left = left.saturating_sub(n);
+            i = next;
+        }
+        self.state = state;
+        self.filled = filled;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,5 +220,30 @@ mod tests {
         assert_eq!(hs.len(), 2);
         assert_eq!(hs, chain_hashes("m", &data[..100], &p));
         assert!(chain_hashes("m", b"", &p).is_empty());
+    }
+
+    #[test]
+    fn streaming_matches_the_whole_buffer_for_any_split() {
+        use crate::canonical::Sink;
+        let p = Params {
+            block_size: 64,
+            max_prefix_bytes: 300,
+        };
+        let data: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+        for len in [0, 1, 63, 64, 65, 299, 300, 301, 1000] {
+            for step in [1, 5, 64, 100, 1000] {
+                let mut h = ChainHasher::new("m", &p);
+                for piece in data[..len].chunks(step) {
+                    h.put(piece);
+                }
+                let (hashes, total) = h.finish();
+                assert_eq!(total, len as u64);
+                assert_eq!(
+                    hashes,
+                    chain_hashes("m", &data[..len], &p),
+                    "len {len} step {step}"
+                );
+            }
+        }
     }
 }

@@ -274,11 +274,16 @@ pub fn fingerprint(
     body: &[u8],
     params: &Params,
 ) -> Result<Fingerprint, SkipReason> {
-    let (model, canonical) = canonical_prompt(endpoint, body)?;
-    let hashes = chain_hashes(&model, &canonical, params);
+    // The canonical bytes stream into the hasher as records are written;
+    // strings are decoded from the body on the way, nothing is copied.
+    let mut hasher = None;
+    let model = canonical::write_canonical(endpoint, body, |model| {
+        hasher.insert(hash::ChainHasher::new(model, params))
+    })?;
+    let (hashes, prompt_bytes) = hasher.map(hash::ChainHasher::finish).unwrap_or_default();
     Ok(Fingerprint {
         model,
-        prompt_bytes: canonical.len() as u64,
+        prompt_bytes,
         block_size: hash::effective_block_size(params) as u32,
         hashes,
     })

@@ -200,7 +200,13 @@ proptest! {
         let reparsed: Value = serde_json::from_str(&text).unwrap();
         prop_assert_eq!(&reparsed, &body);
         let got = canonical_prompt(CHAT, text.as_bytes()).unwrap();
-        prop_assert_eq!(got.1, canon(&body));
+        prop_assert_eq!(&got.1, &canon(&body));
+        // The streaming fingerprint (strings decoded straight into the
+        // hasher, bounded prefix) equals hashing the materialised bytes.
+        let p = Params { block_size: 64, max_prefix_bytes: 64 * (1 + (seed % 5) as usize) };
+        let fp = fingerprint(CHAT, text.as_bytes(), &p).unwrap();
+        prop_assert_eq!(fp.prompt_bytes, got.1.len() as u64);
+        prop_assert_eq!(fp.hashes, chain_hashes(&got.0, &got.1, &p));
     }
 
     /// (3) Per-turn fields (top level and per message) do not matter.
