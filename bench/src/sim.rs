@@ -480,3 +480,63 @@ pub fn main(args: SimArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workload::{AgentSwarm, Workload};
+
+    /// A small agent swarm on two replicas, quick even in a debug build.
+    fn small(policy: PolicyKind) -> RunSpec {
+        let mut scenario = Scenario::preset("cache-never-fills").unwrap();
+        scenario.workload = Workload::AgentSwarm(AgentSwarm {
+            harness_bytes: 16 * 1024,
+            repo_bytes: 2048,
+            tool_result_median_tokens: 600.0,
+            compact_at_tokens: 24_000,
+            ..AgentSwarm::default()
+        });
+        scenario.warmup_s = 20.0;
+        scenario.duration_s = 60.0;
+        RunSpec {
+            scenario,
+            policy,
+            agents: 12,
+            seed: 5,
+            salt: 5,
+        }
+    }
+
+    #[test]
+    fn a_seed_gives_the_same_run() {
+        let a = run(&small(PolicyKind::HearthRelative));
+        let b = run(&small(PolicyKind::HearthRelative));
+        assert!(!a.records.is_empty());
+        assert_eq!(a.records, b.records);
+    }
+
+    #[test]
+    fn oracle_then_hearth_then_round_robin_on_cached_fraction() {
+        let rows: Vec<_> = [
+            PolicyKind::Oracle,
+            PolicyKind::HearthRelative,
+            PolicyKind::RoundRobin,
+        ]
+        .iter()
+        .map(|&p| run(&small(p)).row("t", "sim"))
+        .collect();
+        let (oracle, hearth, rr) = (&rows[0], &rows[1], &rows[2]);
+        assert!(
+            oracle.cached_fraction >= hearth.cached_fraction
+                && hearth.cached_fraction > rr.cached_fraction,
+            "oracle {} hearth {} round_robin {}",
+            oracle.cached_fraction,
+            hearth.cached_fraction,
+            rr.cached_fraction
+        );
+        assert!(hearth.stay_rate.unwrap() > rr.stay_rate.unwrap());
+        // The workload's ideal bounds every policy.
+        assert!(oracle.cached_fraction <= oracle.ideal_cached_fraction + 1e-9);
+        assert!(rows.iter().all(|r| r.turns > 20 && r.failures == 0));
+    }
+}
