@@ -14,6 +14,7 @@
 //! bootstrap generator.
 
 pub mod admin;
+pub mod body;
 pub mod config;
 pub mod envoy_config;
 pub mod health;

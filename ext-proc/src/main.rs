@@ -2,7 +2,7 @@
 
 use clap::Parser;
 use hearth_ext_proc::config::{check_env, Cli, Command};
-use hearth_ext_proc::{envoy_config, Sidecar};
+use hearth_ext_proc::Sidecar;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -18,7 +18,7 @@ async fn main() -> anyhow::Result<()> {
         std::process::exit(2);
     }
     if let Some(Command::EnvoyConfig(args)) = &cli.command {
-        print!("{}", envoy_config::render(&args.gateway(&cli.settings)));
+        print!("{}", args.render(&cli.settings));
         return Ok(());
     }
     tracing_subscriber::fmt()

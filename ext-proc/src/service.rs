@@ -23,7 +23,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    processing_request, processing_response, CommonResponse, HeaderMutation, HeadersResponse,
+    processing_request, processing_response, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse,
     HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse, TrailersResponse,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
@@ -34,6 +34,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::health::{self, Answer, Failure, Outcome};
+use crate::body;
 use crate::router::{Decision, RequestInfo, RouteError, Router};
 
 /// The destination header and `envoy.lb` metadata key Envoy's override_host
@@ -57,7 +58,8 @@ pub fn server(
         router,
         first_byte_timeout,
     })
-    .max_decoding_message_size(4 << 20)
+    // Body mode sends whole request bodies (up to the gateway's 8 MiB).
+    .max_decoding_message_size(16 << 20)
 }
 
 pub struct Processor {
@@ -125,6 +127,15 @@ struct Exchange {
     answer: Option<Answer>,
     /// The first-byte timeout already counted against the replica.
     timed_out: bool,
+    /// Body-over-gRPC mode: whether Envoy sends bodies, and the request
+    /// waiting for its body to be fingerprinted (see [`crate::body`]).
+    body: BodyState,
+}
+
+#[derive(Default)]
+struct BodyState {
+    sent: bool,
+    pending: Option<hearth_fingerprint::Endpoint>,
 }
 
 struct ResponseSeen {
@@ -161,6 +172,7 @@ impl Exchange {
             response: None,
             answer: None,
             timed_out: false,
+            body: BodyState::default(),
         }
     }
 
@@ -185,6 +197,9 @@ impl Exchange {
     fn handle(&mut self, msg: ProcessingRequest) -> (Option<ProcessingResponse>, bool) {
         if msg.observability_mode {
             return (None, false);
+        }
+        if let Some(protocol) = &msg.protocol_config {
+            self.body.sent = body::sends_request_bodies(protocol);
         }
         match msg.request {
             Some(processing_request::Request::RequestHeaders(h)) => self.on_request_headers(&h),
@@ -224,8 +239,22 @@ impl Exchange {
                 self.decision = None;
                 (Some(reply), true)
             }
-            // Bodies and request trailers are not requested by Hearth's
-            // processing mode; answer them unchanged if a config sends them.
+            // Body mode: the request waited for this body; route it now.
+            Some(processing_request::Request::RequestBody(b))
+                if b.end_of_stream && self.body.pending.is_some() =>
+            {
+                let endpoint = self.body.pending.take();
+                let info = endpoint.map_or_else(RequestInfo::default, |e| {
+                    body::request_info(e, &b.body, self.router.block_size())
+                });
+                self.route(&info, |common| {
+                    processing_response::Response::RequestBody(BodyResponse {
+                        response: Some(common),
+                    })
+                })
+            }
+            // Other bodies and request trailers are not requested by
+            // Hearth's processing modes; answer them unchanged if sent.
             Some(processing_request::Request::RequestBody(_)) => (
                 Some(ProcessingResponse {
                     response: Some(processing_response::Response::RequestBody(
@@ -263,8 +292,35 @@ impl Exchange {
     }
 
     fn on_request_headers(&mut self, h: &HttpHeaders) -> (Option<ProcessingResponse>, bool) {
-        let info = request_info(h, self.router.block_size());
-        match self.router.decide(&info) {
+        if self.body.sent {
+            // Body mode: a prompt request is routed once its body is in.
+            self.body.pending = body::awaits_body(h);
+            if self.body.pending.is_some() {
+                let go_on = processing_response::Response::RequestHeaders(Default::default());
+                return (Some(reply(go_on, None)), false);
+            }
+        }
+        let info = if self.body.sent {
+            // The body is the only truth here: no client-sent fingerprint.
+            RequestInfo::default()
+        } else {
+            request_info(h, self.router.block_size())
+        };
+        self.route(&info, |common| {
+            processing_response::Response::RequestHeaders(HeadersResponse {
+                response: Some(common),
+            })
+        })
+    }
+
+    /// Decides for `info`; the destination goes out in the response `wrap`
+    /// builds (to the request headers, or to the body in body mode).
+    fn route(
+        &mut self,
+        info: &RequestInfo,
+        wrap: impl FnOnce(CommonResponse) -> processing_response::Response,
+    ) -> (Option<ProcessingResponse>, bool) {
+        match self.router.decide(info) {
             Ok(decision) => {
                 let dest = self.router.destination(&decision.order);
                 self.routed_to = Some(decision.primary());
@@ -279,19 +335,11 @@ impl Exchange {
                     set_headers: vec![set_header(DESTINATION, &dest)],
                     remove_headers: vec![header::FP.to_string()],
                 };
-                let reply = ProcessingResponse {
-                    response: Some(processing_response::Response::RequestHeaders(
-                        HeadersResponse {
-                            response: Some(CommonResponse {
-                                header_mutation: Some(mutation),
-                                ..Default::default()
-                            }),
-                        },
-                    )),
-                    dynamic_metadata: Some(lb_metadata(&dest)),
+                let common = CommonResponse {
+                    header_mutation: Some(mutation),
                     ..Default::default()
                 };
-                (Some(reply), false)
+                (Some(reply(wrap(common), Some(lb_metadata(&dest)))), false)
             }
             Err(e) => (Some(refusal(&e)), true),
         }
@@ -321,6 +369,14 @@ impl Exchange {
             )),
             ..Default::default()
         }
+    }
+}
+
+fn reply(response: processing_response::Response, metadata: Option<Struct>) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(response),
+        dynamic_metadata: metadata,
+        ..Default::default()
     }
 }
 

@@ -30,6 +30,9 @@ pub struct FleetOptions {
     pub decode_micros_per_token: f64,
     /// Declare each replica as serving only [`MODEL`].
     pub model_tag: bool,
+    /// Body-over-gRPC mode: no wasm filter; the sidecar fingerprints the
+    /// body ext_proc sends (`hearth-ext-proc envoy-config --mode body`).
+    pub body_mode: bool,
 }
 
 impl Default for FleetOptions {
@@ -39,6 +42,7 @@ impl Default for FleetOptions {
             sidecar_flags: Vec::new(),
             decode_micros_per_token: 0.0,
             model_tag: false,
+            body_mode: false,
         }
     }
 }
@@ -122,7 +126,12 @@ impl Fleet {
             max_prefix_bytes: hearth_fingerprint::DEFAULT_MAX_PREFIX_BYTES,
             max_body_bytes: 8 << 20,
         };
-        let envoy = Envoy::start(&render(&gateway), Duration::from_secs(60)).await?;
+        let config = if opts.body_mode {
+            hearth_ext_proc::envoy_config::render_body(&gateway)
+        } else {
+            render(&gateway)
+        };
+        let envoy = Envoy::start(&config, Duration::from_secs(60)).await?;
         Ok(Fleet {
             engines,
             sidecar: Some(sidecar),

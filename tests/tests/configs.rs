@@ -35,6 +35,26 @@ fn shipped_gateway_yaml_is_the_generated_default() {
 }
 
 #[test]
+fn shipped_body_mode_yaml_is_the_generated_default() {
+    let cli = Cli::try_parse_from([
+        "hearth-ext-proc",
+        "--upstreams=127.0.0.1:8001,127.0.0.1:8002,127.0.0.1:8003,127.0.0.1:8004",
+        "envoy-config",
+        "--mode=body",
+    ])
+    .unwrap();
+    let Some(hearth_ext_proc::config::Command::EnvoyConfig(args)) = &cli.command else {
+        panic!("envoy-config did not parse")
+    };
+    let expected = args.render(&cli.settings);
+    let shipped = std::fs::read_to_string(root().join("envoy/gateway-body.yaml")).unwrap();
+    assert!(
+        shipped == expected,
+        "envoy/gateway-body.yaml is stale: regenerate it with scripts/gen-envoy-config"
+    );
+}
+
+#[test]
 fn every_shipped_envoy_config_validates() {
     // Configs name the wasm module relative to the repository root.
     let wasm = hearth_bench::gateway::find_wasm().expect("wasm built");

@@ -1,0 +1,65 @@
+//! Body-over-gRPC mode through the real Envoy: no wasm filter; ext_proc
+//! sends each request body to the sidecar, which fingerprints it with the
+//! shared code and routes. Sessions must stay on their warm replica, as in
+//! filter mode, and a forged fingerprint must change nothing.
+
+use hearth_e2e::{filler, reply_text, Conversation, Fleet, FleetOptions, MODEL};
+
+#[tokio::test]
+async fn sessions_stay_on_their_warm_replica_in_body_mode() {
+    let fleet = Fleet::start(FleetOptions {
+        body_mode: true,
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let system = filler(3, 8192);
+    let mut homes = Vec::new();
+    for s in 0..4u64 {
+        let mut conv = Conversation::new(MODEL, &format!("{system} tenant {s}"), true, 300 + s);
+        let mut home = None;
+        for turn in 1..=4 {
+            let body = conv.next_turn(4000, false);
+            // A client-sent fingerprint and destination must not steer.
+            let t = fleet
+                .post(
+                    "/v1/chat/completions",
+                    serde_json::to_vec(&body).unwrap(),
+                    &[
+                        ("content-type", "application/json"),
+                        ("x-hearth-fp", "v1.2048.AAAAAAAAAAA"),
+                        ("x-gateway-destination-endpoint", "10.255.255.1:1"),
+                    ],
+                )
+                .await
+                .unwrap();
+            assert_eq!(t.status, 200, "turn failed: {:?}", t.body);
+            let engine = t.engine.clone().expect("x-engine-id");
+            let home = home.get_or_insert_with(|| engine.clone());
+            assert_eq!(&engine, home, "session {s} moved in turn {turn}");
+            assert_eq!(t.upstream.as_ref(), Some(&engine));
+            if turn > 1 {
+                assert!(
+                    t.cached_tokens() > 0,
+                    "session {s} turn {turn} read no cached tokens: {:?}",
+                    t.body["usage"]
+                );
+            }
+            conv.push_assistant(&reply_text(&t.body));
+            conv.push_tool_round(2000);
+        }
+        homes.push(home.unwrap());
+    }
+    // Every turn was fingerprinted by the sidecar (no filter in this mode).
+    // Streams close just after the last byte: wait for the load to drain.
+    let state = fleet
+        .settle(std::time::Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(state.hashed_total, 16, "{state:?}");
+    assert!(state.replicas.iter().all(|r| r.in_flight == 0));
+    // The bodies reached the engines intact: they were admitted as valid
+    // chat requests (health probes may add a few more).
+    let served: u64 = fleet.engine_stats().iter().map(|e| e.requests_total).sum();
+    assert!(served >= 16, "{served} admitted; homes {homes:?}");
+}
