@@ -172,6 +172,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         listen: SocketAddr::from(([127, 0, 0, 1], args.port)),
         admin: "127.0.0.1:0".parse()?,
         sidecar: grpc,
+        sidecar_admin: sidecar.admin,
         upstreams: addrs.clone(),
         wasm: find_wasm()?.canonicalize()?,
         block_size: hearth_fingerprint::DEFAULT_BLOCK_SIZE,

@@ -62,6 +62,7 @@ impl EnvoyConfigArgs {
             listen: self.gateway_listen,
             admin: self.envoy_admin,
             sidecar: settings.listen,
+            sidecar_admin: settings.admin_listen,
             upstreams: settings.upstreams.iter().map(|u| u.addr).collect(),
             wasm: self.wasm.clone(),
             block_size: settings.block_size,
@@ -77,6 +78,8 @@ pub struct Gateway {
     pub listen: SocketAddr,
     pub admin: SocketAddr,
     pub sidecar: SocketAddr,
+    /// The sidecar's HTTP endpoint (outcome reports).
+    pub sidecar_admin: SocketAddr,
     pub upstreams: Vec<SocketAddr>,
     pub wasm: PathBuf,
     pub block_size: usize,
@@ -211,10 +214,9 @@ static_resources:
               metadata_options:
                 receiving_namespaces:
                   untyped: ["envoy.lb"]
-          # The same module in its outcome role, after ext_proc: it sees each
-          # generation's answer before ext_proc does and adds the
-          # x-hearth-outcome trailer (did the answer carry text, did it end),
-          # which the sidecar reads and removes.
+          # The same module in its outcome role: it watches each
+          # generation's 200 answer stream past and reports to the sidecar,
+          # asynchronously, whether it carried text and ended.
           - name: hearth.filter_wasm_outcome
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
@@ -224,7 +226,7 @@ static_resources:
                 failure_policy: FAIL_OPEN
                 configuration:
                   "@type": type.googleapis.com/google.protobuf.StringValue
-                  value: '{{"role":"outcome"}}'
+                  value: '{{"role":"outcome","outcome_cluster":"hearth_sidecar_admin"}}'
                 vm_config:
                   vm_id: hearth
                   runtime: envoy.wasm.runtime.v8
@@ -266,10 +268,18 @@ static_resources:
       endpoints:
       - lb_endpoints:
         - endpoint: {{ address: {sidecar} }}
+  - name: hearth_sidecar_admin
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: hearth_sidecar_admin
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {sidecar_admin} }}
 "#,
         admin = socket(&g.admin),
         listen = socket(&g.listen),
         sidecar = socket(&g.sidecar),
+        sidecar_admin = socket(&g.sidecar_admin),
         wasm = g.wasm.display(),
         max_body = g.max_body_bytes,
     )
@@ -285,6 +295,7 @@ mod tests {
             listen: "127.0.0.1:10000".parse().unwrap(),
             admin: "127.0.0.1:9901".parse().unwrap(),
             sidecar: "127.0.0.1:50051".parse().unwrap(),
+            sidecar_admin: "127.0.0.1:9190".parse().unwrap(),
             upstreams: vec![
                 "127.0.0.1:8001".parse().unwrap(),
                 "127.0.0.1:8002".parse().unwrap(),

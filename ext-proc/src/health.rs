@@ -53,6 +53,9 @@ pub enum Failure {
     EmptyAnswer,
     /// A probe's model listing failed.
     ProbeModels,
+    /// Envoy retried the request away from it (connect failure, reset or
+    /// 503 on the first attempt).
+    Retried,
 }
 
 impl Failure {
@@ -63,6 +66,7 @@ impl Failure {
             Failure::Timeout => "timeout",
             Failure::EmptyAnswer => "empty_answer",
             Failure::ProbeModels => "probe_models",
+            Failure::Retried => "retried",
         }
     }
 }
@@ -239,8 +243,8 @@ impl FleetHealth {
 }
 
 /// Classifies a finished request from what Envoy reports on the ext_proc
-/// stream: the response status, Envoy's response code details, and the
-/// filter's outcome trailer (`text`, `done` flags), when present.
+/// stream (the response status, Envoy's response code details) or, for a
+/// 200 answer, from the outcome filter's verdict on its body.
 pub fn classify(status: Option<u16>, details: &str, answer: Option<Answer>) -> Outcome {
     let Some(status) = status else {
         // The stream ended before any response: the client gave up.
@@ -262,15 +266,14 @@ pub fn classify(status: Option<u16>, details: &str, answer: Option<Answer>) -> O
         200 => match answer {
             Some(a) if a.text && a.done => Outcome::Success,
             Some(_) => Outcome::Failure(Failure::EmptyAnswer),
-            // No trailer: the client left mid-answer, or the response was
-            // not a generation; nothing to learn.
+            // No verdict: not a generation, or judged elsewhere.
             None => Outcome::Neutral,
         },
         _ => Outcome::Neutral,
     }
 }
 
-/// What the filter saw in a 200 answer's body.
+/// What the outcome filter saw in a 200 answer's body.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Answer {
     /// Some generated text (a non-empty `content`/`text` field).
@@ -281,7 +284,8 @@ pub struct Answer {
 }
 
 impl Answer {
-    /// Parses the `x-hearth-outcome` trailer: `text=0|1;done=0|1`.
+    /// Parses the outcome filter's verdict: `text=0|1;done=0|1` (other
+    /// `key=value` fields are ignored).
     pub fn parse(value: &str) -> Option<Answer> {
         let mut a = Answer::default();
         let mut seen = 0;

@@ -23,8 +23,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    processing_request, processing_response, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse,
-    HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse, TrailersResponse,
+    processing_request, processing_response, BodyResponse, CommonResponse, HeaderMutation,
+    HeadersResponse, HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse,
+    TrailersResponse,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 use futures::Stream;
@@ -33,8 +34,8 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::health::{self, Answer, Failure, Outcome};
 use crate::body;
+use crate::health::{self, Failure, Outcome};
 use crate::router::{Decision, RequestInfo, RouteError, Router};
 
 /// The destination header and `envoy.lb` metadata key Envoy's override_host
@@ -44,8 +45,6 @@ pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 pub const LB_NAMESPACE: &str = "envoy.lb";
 /// Response header naming the replica that served the request.
 pub const UPSTREAM: &str = "x-hearth-upstream";
-/// Trailer the outcome filter adds to a response: `text=0|1;done=0|1`.
-pub const OUTCOME_TRAILER: &str = "x-hearth-outcome";
 /// The ext_proc filter's attribute namespace in `ProcessingRequest.attributes`.
 const EXT_PROC_ATTRIBUTES: &str = "envoy.filters.http.ext_proc";
 
@@ -123,8 +122,6 @@ struct Exchange {
     routed_to: Option<usize>,
     /// What the response headers said, once they came.
     response: Option<ResponseSeen>,
-    /// The filter's verdict on a 200 answer's body (outcome trailer).
-    answer: Option<Answer>,
     /// The first-byte timeout already counted against the replica.
     timed_out: bool,
     /// Body-over-gRPC mode: whether Envoy sends bodies, and the request
@@ -151,15 +148,20 @@ impl Drop for Exchange {
             return;
         };
         self.router.note_stream_end(self.response.is_some());
-        // Passive health: what this request says about its replica.
-        let (replica, outcome) = match &self.response {
-            Some(r) => (
-                r.served.unwrap_or(primary),
-                health::classify(Some(r.status.unwrap_or(0)), &r.details, self.answer),
-            ),
-            None => (primary, health::classify(None, "", None)),
-        };
-        self.router.record_request(replica, outcome);
+        // Passive health: what this request's ending says about its
+        // replica. (Whether a 200 answer carried text arrives separately,
+        // from the outcome filter; see `admin`.)
+        if let Some(r) = &self.response {
+            let outcome = health::classify(Some(r.status.unwrap_or(0)), &r.details, None);
+            self.router
+                .record_request(r.served.unwrap_or(primary), outcome);
+            // Served by another replica than the one chosen: Envoy retried
+            // away from the primary (connect failure, reset or 503).
+            if r.served.is_some_and(|s| s != primary) {
+                self.router
+                    .record_request(primary, Outcome::Failure(Failure::Retried));
+            }
+        }
     }
 }
 
@@ -170,7 +172,6 @@ impl Exchange {
             decision: None,
             routed_to: None,
             response: None,
-            answer: None,
             timed_out: false,
             body: BodyState::default(),
         }
@@ -214,28 +215,14 @@ impl Exchange {
                 let end = h.end_of_stream;
                 (Some(self.on_response_headers()), end)
             }
-            Some(processing_request::Request::ResponseTrailers(t)) => {
-                // The outcome filter's verdict rides in a trailer it adds at
-                // the end of the body; it is removed before the client.
-                let outcome = t.trailers.as_ref().and_then(|map| {
-                    map.headers
-                        .iter()
-                        .find(|hv| hv.key == OUTCOME_TRAILER)
-                        .map(|hv| header_text(hv).to_string())
-                });
-                self.answer = outcome.as_deref().and_then(Answer::parse);
+            Some(processing_request::Request::ResponseTrailers(_)) => {
                 let reply = ProcessingResponse {
                     response: Some(processing_response::Response::ResponseTrailers(
-                        TrailersResponse {
-                            header_mutation: outcome.map(|_| HeaderMutation {
-                                set_headers: vec![],
-                                remove_headers: vec![OUTCOME_TRAILER.to_string()],
-                            }),
-                        },
+                        TrailersResponse::default(),
                     )),
                     ..Default::default()
                 };
-                // The response is over.
+                // Only when the engine sent trailers: the response is over.
                 self.decision = None;
                 (Some(reply), true)
             }

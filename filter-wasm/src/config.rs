@@ -4,6 +4,9 @@ use hearth_fingerprint::{Endpoint, Params};
 use serde::Deserialize;
 use std::fmt;
 
+/// The Envoy cluster the outcome role reports to, unless configured.
+pub const DEFAULT_OUTCOME_CLUSTER: &str = "hearth_sidecar_admin";
+
 /// Default cap on a buffered request body (8 MiB).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 8 << 20;
 /// Largest accepted `max_body_bytes` (256 MiB).
@@ -26,6 +29,8 @@ pub enum Role {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FilterConfig {
     pub role: Role,
+    /// Envoy cluster of the sidecar's state endpoint (outcome role).
+    pub outcome_cluster: String,
     /// Exact request paths (query ignored) to fingerprint, with their API.
     pub routes: Vec<(String, Endpoint)>,
     /// Block size and hashed-prefix bound.
@@ -38,6 +43,7 @@ impl Default for FilterConfig {
     fn default() -> Self {
         FilterConfig {
             role: Role::Fingerprint,
+            outcome_cluster: DEFAULT_OUTCOME_CLUSTER.to_owned(),
             routes: Endpoint::ALL
                 .iter()
                 .map(|e| (e.default_path().to_owned(), *e))
@@ -69,6 +75,7 @@ impl std::error::Error for ConfigError {}
 #[serde(deny_unknown_fields)]
 struct RawConfig {
     role: Option<String>,
+    outcome_cluster: Option<String>,
     paths: Option<Vec<String>>,
     block_size: Option<usize>,
     max_prefix_bytes: Option<usize>,
@@ -112,6 +119,12 @@ impl FilterConfig {
             Some(other) => errors.push(format!(
                 "role {other:?} is not \"fingerprint\" or \"outcome\""
             )),
+        }
+        if let Some(c) = raw.outcome_cluster {
+            if c.is_empty() {
+                errors.push("outcome_cluster must not be empty".to_owned());
+            }
+            cfg.outcome_cluster = c;
         }
         if let Some(b) = raw.block_size {
             cfg.params.block_size = b;

@@ -4,14 +4,14 @@
 
 use crate::config::{FilterConfig, Role};
 use crate::metrics::{Metric, SkipCause};
-use crate::outcome::{Scanner, TRAILER};
+use crate::outcome::{self, Scanner};
 use crate::policy::{self, BodyOutcome, HeaderDecision};
 use hearth_fingerprint::Endpoint;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use std::rc::Rc;
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, UNIX_EPOCH};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -264,8 +264,9 @@ impl HttpContext for Http {
     }
 }
 
-/// The outcome role: watches a generation's 200 answer go by and adds the
-/// verdict trailer at its end.
+/// The outcome role: watches a generation's 200 answer go by and, at its
+/// end, reports the verdict to the sidecar (`POST /outcome` on the
+/// `outcome_cluster`), asynchronously.
 struct OutcomeHttp {
     config: Rc<FilterConfig>,
     /// A POST to a generation path (decided on the request headers: the
@@ -276,7 +277,17 @@ struct OutcomeHttp {
     reported: bool,
 }
 
-impl Context for OutcomeHttp {}
+impl Context for OutcomeHttp {
+    // The sidecar's answer to a report carries nothing to act on.
+    fn on_http_call_response(
+        &mut self,
+        _token: u32,
+        _headers: usize,
+        _body: usize,
+        _trailers: usize,
+    ) {
+    }
+}
 
 impl OutcomeHttp {
     fn request_is_generation(&self) -> bool {
@@ -293,21 +304,35 @@ impl OutcomeHttp {
             .is_some()
     }
 
+    /// Sends the verdict to the sidecar, once, without waiting for it.
     fn report(&mut self) {
         if self.reported {
             return;
         }
-        if let Some(scanner) = &self.scanner {
-            self.reported = true;
-            // Envoy creates the trailers when the body ends without any.
-            if let Err(status) =
-                hostcalls::add_map_value(MapType::HttpResponseTrailers, TRAILER, &scanner.verdict())
-            {
-                log(
-                    LogLevel::Debug,
-                    &format!("hearth: cannot add {TRAILER}: {status:?}"),
-                );
-            }
+        let Some(scanner) = &self.scanner else { return };
+        self.reported = true;
+        let upstream = hostcalls::get_property(vec!["upstream", "address"])
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let body = outcome::report_body(&String::from_utf8_lossy(&upstream), scanner);
+        let headers = vec![
+            (":method", "POST"),
+            (":path", outcome::REPORT_PATH),
+            (":authority", "hearth-sidecar"),
+            ("content-type", "text/plain"),
+        ];
+        if let Err(status) = hostcalls::dispatch_http_call(
+            &self.config.outcome_cluster,
+            headers,
+            Some(body.as_bytes()),
+            vec![],
+            Duration::from_secs(2),
+        ) {
+            log(
+                LogLevel::Debug,
+                &format!("hearth: cannot report an outcome: {status:?}"),
+            );
         }
     }
 }

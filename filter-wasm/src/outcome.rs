@@ -5,11 +5,18 @@
 //! A 200 answer *carried text* when some `"content"`, `"text"`,
 //! `"reasoning_content"` or `"arguments"` string is non-empty, and *ended*
 //! when it shows `[DONE]`, a `"finish_reason"` string or a `"usage"` object.
-//! The verdict goes to the sidecar as the trailer `x-hearth-outcome:
-//! text=0|1;done=0|1`, which the sidecar removes before the client sees it.
+//! The verdict goes to the sidecar in an asynchronous `POST /outcome` on
+//! its state endpoint: `upstream=IP:PORT;text=0|1;done=0|1`. (A response
+//! trailer would be cheaper, but Envoy 1.40 does not let a wasm filter add
+//! trailers to a response that has a content-length.)
 
-/// The trailer the sidecar reads.
-pub const TRAILER: &str = "x-hearth-outcome";
+/// Where the sidecar takes outcome reports.
+pub const REPORT_PATH: &str = "/outcome";
+
+/// The report for the replica at `upstream`.
+pub fn report_body(upstream: &str, scanner: &Scanner) -> String {
+    format!("upstream={upstream};{}", scanner.verdict())
+}
 
 /// Keys whose non-empty string value is generated text.
 const TEXT_KEYS: [&[u8]; 4] = [
@@ -148,6 +155,15 @@ mod tests {
             "NE]\n\n",
         ]);
         assert!(s.text() && s.done());
+    }
+
+    #[test]
+    fn the_report_names_the_replica_and_the_verdict() {
+        let s = scan(&["{\"choices\":[{\"text\":\"x\",\"finish_reason\":\"stop\"}]}"]);
+        assert_eq!(
+            report_body("127.0.0.1:8000", &s),
+            "upstream=127.0.0.1:8000;text=1;done=1"
+        );
     }
 
     #[test]

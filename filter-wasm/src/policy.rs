@@ -86,9 +86,13 @@ pub fn on_request_body(cfg: &FilterConfig, endpoint: Endpoint, body: &[u8]) -> B
     }
 }
 
+/// Longest model name sent in `x-hearth-model`; a longer one would bloat
+/// the request headers past Envoy's limits.
+pub const MAX_MODEL_BYTES: usize = 256;
+
 /// The headers for `fp`, or `None` if the model cannot travel in a header.
 pub fn fingerprint_headers(fp: &Fingerprint) -> Option<Vec<(&'static str, String)>> {
-    if !is_header_safe(&fp.model) {
+    if fp.model.len() > MAX_MODEL_BYTES || !is_header_safe(&fp.model) {
         return None;
     }
     Some(vec![
@@ -231,6 +235,19 @@ mod tests {
         let bad_model = br#"{"model":"a\nb","messages":[{"role":"user","content":"hi"}]}"#;
         assert_eq!(
             on_request_body(&c, Endpoint::ChatCompletions, bad_model),
+            BodyOutcome::Skipped(SkipCause::BadModel)
+        );
+    }
+
+    #[test]
+    fn an_overlong_model_is_not_put_in_a_header() {
+        let c = FilterConfig::default();
+        let body = format!(
+            r#"{{"model":"{}","messages":[{{"role":"user","content":"hi"}}]}}"#,
+            "m".repeat(MAX_MODEL_BYTES + 1)
+        );
+        assert_eq!(
+            on_request_body(&c, Endpoint::ChatCompletions, body.as_bytes()),
             BodyOutcome::Skipped(SkipCause::BadModel)
         );
     }

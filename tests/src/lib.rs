@@ -33,6 +33,8 @@ pub struct FleetOptions {
     /// Body-over-gRPC mode: no wasm filter; the sidecar fingerprints the
     /// body ext_proc sends (`hearth-ext-proc envoy-config --mode body`).
     pub body_mode: bool,
+    /// Each engine's prefix cache, in tokens.
+    pub cache_capacity_tokens: usize,
 }
 
 impl Default for FleetOptions {
@@ -43,6 +45,7 @@ impl Default for FleetOptions {
             decode_micros_per_token: 0.0,
             model_tag: false,
             body_mode: false,
+            cache_capacity_tokens: EngineConfig::default().cache_capacity_tokens,
         }
     }
 }
@@ -80,6 +83,7 @@ impl Fleet {
                 id: format!("engine-{i}"),
                 model: MODEL.into(),
                 decode_micros_per_token: opts.decode_micros_per_token,
+                cache_capacity_tokens: opts.cache_capacity_tokens,
                 ..EngineConfig::default()
             };
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -120,6 +124,7 @@ impl Fleet {
             listen: "127.0.0.1:0".parse()?,
             admin: "127.0.0.1:0".parse()?,
             sidecar: sidecar.grpc_addr,
+            sidecar_admin: sidecar.admin_addr,
             upstreams: engines.iter().map(|e| e.addr).collect(),
             wasm: find_wasm()?.canonicalize()?,
             block_size: settings.block_size,
@@ -193,6 +198,19 @@ impl Fleet {
             .expect("request through Envoy");
         assert_eq!(turn.status, 200, "chat turn failed: {:?}", turn.body);
         turn
+    }
+
+    /// Panics if Envoy's log shows a wasm VM failure (a trap or a panic in
+    /// the filter).
+    pub fn assert_wasm_healthy(&self) {
+        let log = self.envoy.log();
+        let bad: Vec<&str> = log
+            .lines()
+            .filter(|l| {
+                l.contains("RuntimeError") || l.contains("panicked") || l.contains("wasm_vm.cc")
+            })
+            .collect();
+        assert!(bad.is_empty(), "wasm VM failures:\n{}", bad.join("\n"));
     }
 
     pub fn engine_stats(&self) -> Vec<EngineStats> {
