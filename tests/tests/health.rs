@@ -158,8 +158,9 @@ async fn a_503_is_retried_on_the_next_endpoint_never_the_same_one() {
         );
         conv.push_assistant(&reply_text(&t.body));
     }
-    // The failures were seen and counted against the right replica.
-    let s = fleet.state().await.unwrap();
+    // The failures were seen and counted against the right replica (once
+    // every stream has ended).
+    let s = fleet.settle(Duration::from_secs(10)).await.unwrap();
     let h = s.replicas.iter().find(|r| r.id == home).unwrap();
     assert_eq!(
         h.health.last_failure,
