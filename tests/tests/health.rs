@@ -213,3 +213,30 @@ async fn a_request_stuck_without_an_answer_counts_as_a_timeout_and_releases_noth
     );
     fleet.assert_wasm_healthy();
 }
+
+#[tokio::test]
+async fn an_upstream_reset_mid_answer_releases_the_load() {
+    let fleet = Fleet::start(flags(&["--probe-interval-seconds=0"]))
+        .await
+        .unwrap();
+    for e in &fleet.engines {
+        e.engine.set_fault(Fault::Reset);
+    }
+    let url = format!("{}/v1/chat/completions", fleet.envoy.url());
+    for i in 0..6u64 {
+        let mut conv = Conversation::new(MODEL, "sys", false, 1300 + i);
+        let body = conv.next_turn(300, true);
+        // The client sees a broken answer (or an error); either way the
+        // gateway must not keep the load.
+        if let Ok(resp) = fleet.client.post(&url).json(&body).send().await {
+            let _ = resp.bytes().await;
+        }
+    }
+    let s = fleet.settle(Duration::from_secs(10)).await.unwrap();
+    assert!(
+        s.replicas.iter().all(|r| r.in_flight == 0 && r.load == 0.0),
+        "{s:?}"
+    );
+    assert_eq!(s.decisions_total, 6);
+    fleet.assert_wasm_healthy();
+}

@@ -27,11 +27,14 @@ pub enum Fault {
     Stall,
     /// Answer HTTP 200 with no generated text.
     Empty,
+    /// Start a 200 answer, then reset the connection mid-body.
+    Reset,
 }
 
 impl FromStr for Fault {
     type Err = String;
-    /// `none`, `slow:MILLIS`, `error`, `unavailable`, `stall`, `empty`.
+    /// `none`, `slow:MILLIS`, `error`, `unavailable`, `stall`, `empty`,
+    /// `reset`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let s = s.trim();
         Ok(match s {
@@ -40,13 +43,14 @@ impl FromStr for Fault {
             "unavailable" => Fault::Unavailable,
             "stall" => Fault::Stall,
             "empty" => Fault::Empty,
+            "reset" => Fault::Reset,
             _ => match s.strip_prefix("slow:") {
                 Some(ms) => Fault::Slow {
                     millis: ms.parse().map_err(|_| format!("bad milliseconds in {s:?}"))?,
                 },
                 None => {
                     return Err(format!(
-                        "unknown fault {s:?}: expected none, slow:MILLIS, error, unavailable, stall or empty"
+                        "unknown fault {s:?}: expected none, slow:MILLIS, error, unavailable, stall, empty or reset"
                     ))
                 }
             },
@@ -63,6 +67,7 @@ impl fmt::Display for Fault {
             Fault::Unavailable => f.write_str("unavailable"),
             Fault::Stall => f.write_str("stall"),
             Fault::Empty => f.write_str("empty"),
+            Fault::Reset => f.write_str("reset"),
         }
     }
 }
@@ -80,6 +85,7 @@ mod tests {
             Fault::Unavailable,
             Fault::Stall,
             Fault::Empty,
+            Fault::Reset,
         ] {
             assert_eq!(f.to_string().parse::<Fault>(), Ok(f));
         }

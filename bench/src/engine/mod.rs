@@ -475,7 +475,7 @@ async fn put_fault(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
         None => error_response(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
-            "expected {\"fault\": \"none|slow:MILLIS|error|unavailable|stall|empty\"}",
+            "expected {\"fault\": \"none|slow:MILLIS|error|unavailable|stall|empty|reset\"}",
         ),
     }
 }
@@ -667,6 +667,18 @@ async fn generate(
         // Until the client gives up and this future is dropped.
         Fault::Stall => return std::future::pending().await,
         Fault::Slow { millis } => tokio::time::sleep(Duration::from_millis(millis)).await,
+        Fault::Reset => {
+            // A first chunk, then the body fails: hyper drops the connection.
+            let chunks = futures::stream::iter([
+                Ok(Bytes::from_static(b"data: {\"choices\":[")),
+                Err(std::io::Error::other("injected reset")),
+            ]);
+            return (
+                [(header::CONTENT_TYPE, "text/event-stream")],
+                Body::from_stream(chunks),
+            )
+                .into_response();
+        }
         Fault::None | Fault::Empty => {}
     }
     let guard = InFlight::start(engine.clone());
