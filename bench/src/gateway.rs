@@ -170,6 +170,11 @@ impl Envoy {
             .ok()
     }
 
+    /// The Envoy process id (for CPU accounting from `/proc`).
+    pub fn pid(&self) -> Option<u32> {
+        Some(self.child.id())
+    }
+
     /// `http://ip:port` of the gateway listener.
     pub fn url(&self) -> String {
         format!("http://{}", self.listen)

@@ -7,6 +7,8 @@
 //! - [`conversation`]: agent-style conversations as request bodies.
 //! - [`gateway`]: running the real Envoy (shared with the e2e tests).
 //! - [`demo`]: the `hearth-bench demo` subcommand.
+//! - [`sidecar`]: the sidecar binary as a child process.
+//! - [`soak`]: the `hearth-bench soak` subcommand (faults under load).
 //! - [`workload`] (seeded clients), [`scenario`] (presets), [`policies`]
 //!   (every policy compared), [`sim`] (the discrete-event driver),
 //!   [`report`] (table, JSON, SVG): the routing-quality benchmark.
@@ -15,10 +17,13 @@ pub mod conversation;
 pub mod demo;
 pub mod engine;
 pub mod gateway;
+pub mod overhead;
 pub mod policies;
 pub mod report;
 pub mod rng;
 pub mod scenario;
 pub mod serve;
+pub mod sidecar;
 pub mod sim;
+pub mod soak;
 pub mod workload;

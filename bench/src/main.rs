@@ -17,12 +17,18 @@ struct Cli {
 enum Command {
     /// Start simulated OpenAI-compatible engines and serve until Ctrl-C/SIGTERM.
     Serve(hearth_bench::serve::ServeArgs),
+    /// Router overhead: plain Envoy vs Hearth vs body-over-gRPC, same engines and requests.
+    Overhead(hearth_bench::overhead::OverheadArgs),
     /// Run Envoy + filter-wasm + sidecar in front of simulated engines, show a
     /// multi-session demo, then keep the gateway serving until Ctrl-C.
     Demo(hearth_bench::demo::DemoArgs),
     /// Routing-quality benchmark, discrete-event: every policy on the same
     /// seeded workload and simulated engines, in engine time.
     Sim(hearth_bench::sim::SimArgs),
+    /// Minutes of agent traffic through Envoy while a replica stalls, another
+    /// is killed and restarted, and the sidecar is restarted; checks that
+    /// nothing leaks.
+    Soak(hearth_bench::soak::SoakArgs),
 }
 
 #[tokio::main]
@@ -36,7 +42,9 @@ async fn main() -> ExitCode {
         .init();
     let result = match Cli::parse().command {
         Command::Serve(args) => hearth_bench::serve::run(args).await,
+        Command::Overhead(args) => hearth_bench::overhead::run(args).await,
         Command::Demo(args) => hearth_bench::demo::run(args).await,
+        Command::Soak(args) => hearth_bench::soak::run(args).await,
         Command::Sim(args) => tokio::task::spawn_blocking(move || hearth_bench::sim::main(args))
             .await
             .map_err(anyhow::Error::from)

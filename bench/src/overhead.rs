@@ -1,0 +1,675 @@
+//! `hearth-bench overhead`: what Hearth costs per request inside Envoy.
+//!
+//! Starts one Envoy per configuration in front of the same zero-latency
+//! simulated engines and drives the same requests through each, in
+//! alternating rounds:
+//!
+//! - **plain**: Envoy with `least_request`, no Hearth filter (the floor);
+//! - **hearth**: filter-wasm + ext_proc headers-only + override_host (the
+//!   shipped `envoy/gateway.yaml`);
+//! - **body**: no wasm filter; ext_proc sends each request body (BUFFERED)
+//!   to the sidecar, which fingerprints it (`envoy/gateway-body.yaml`), the
+//!   endpoint-picker style of the Gateway API Inference Extension.
+//!
+//! Each sidecar is its own `hearth-ext-proc` process, so its CPU can be read
+//! from `/proc/<pid>/stat` like Envoy's. The engines and the load generator
+//! run in this process; their CPU is the same for every configuration and
+//! is not counted.
+
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Parser;
+
+use crate::engine::{self, EngineConfig, EngineHandle};
+use crate::gateway::{find_wasm, Envoy};
+
+/// Flags of `hearth-bench overhead`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct OverheadArgs {
+    /// Request body sizes in bytes (chat bodies of about this size).
+    #[arg(long, value_delimiter = ',', default_values_t = [8_000usize, 220_000, 1_000_000])]
+    pub bodies: Vec<usize>,
+    /// Concurrent clients.
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 20, 150])]
+    pub concurrency: Vec<usize>,
+    /// Requests per configuration and cell: `--requests-base` plus
+    /// `--requests-per-client` per concurrent client, split over the rounds.
+    #[arg(long, default_value_t = 60)]
+    pub requests_base: usize,
+    #[arg(long, default_value_t = 4)]
+    pub requests_per_client: usize,
+    /// Rounds per cell; configurations alternate within each round.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Simulated engines behind every Envoy.
+    #[arg(long, default_value_t = 4)]
+    pub engines: usize,
+    /// Distinct sessions (prompts) the requests cycle through.
+    #[arg(long, default_value_t = 16)]
+    pub sessions: usize,
+    /// Also print the table as JSON lines on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Config {
+    Plain,
+    Hearth,
+    Body,
+}
+
+impl Config {
+    const ALL: [Config; 3] = [Config::Plain, Config::Hearth, Config::Body];
+    fn name(self) -> &'static str {
+        match self {
+            Config::Plain => "plain",
+            Config::Hearth => "hearth",
+            Config::Body => "body-grpc",
+        }
+    }
+}
+
+/// One configuration's running processes.
+struct Stack {
+    config: Config,
+    envoy: Envoy,
+    sidecar: Option<Sidecar>,
+}
+
+/// A `hearth-ext-proc` child process, killed by its own PID on drop.
+struct Sidecar {
+    child: Child,
+}
+
+impl Drop for Sidecar {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Latency and CPU of one configuration in one cell.
+#[derive(Default, Clone)]
+struct Sample {
+    latencies: Vec<Duration>,
+    failures: usize,
+    wall: Duration,
+    envoy_cpu: f64,
+    sidecar_cpu: f64,
+    /// The wasm filter's own fingerprinting time (hearth only).
+    hash_micros: u64,
+    hashed: u64,
+}
+
+pub async fn run(args: OverheadArgs) -> anyhow::Result<()> {
+    let ticks = clock_ticks();
+    println!("# hearth-bench overhead");
+    println!(
+        "# command: hearth-bench overhead --bodies {} --concurrency {} --requests-base {} --requests-per-client {} --rounds {} --engines {} --sessions {}",
+        join(&args.bodies),
+        join(&args.concurrency),
+        args.requests_base,
+        args.requests_per_client,
+        args.rounds,
+        args.engines,
+        args.sessions
+    );
+    println!(
+        "# machine: {} cores; each Envoy --concurrency 2; {} zero-latency simulated engines (in this process); \
+         sidecars are separate hearth-ext-proc processes; client: this process (reqwest, one pool per config)",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        args.engines
+    );
+
+    let mut engines: Vec<EngineHandle> = Vec::new();
+    for i in 0..args.engines {
+        let config = EngineConfig {
+            id: format!("engine-{i}"),
+            // Zero latency: the engine answers as fast as it can parse.
+            default_output_tokens: 4,
+            ..EngineConfig::default()
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        engines.push(engine::spawn(config, listener).await?);
+    }
+    let upstreams: Vec<SocketAddr> = engines.iter().map(|e| e.addr).collect();
+    let mut stacks = Vec::new();
+    for config in Config::ALL {
+        stacks.push(start_stack(config, &upstreams).await?);
+    }
+
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(512)
+        .build()?;
+    let mut rows = Vec::new();
+    for &size in &args.bodies {
+        let bodies: Arc<Vec<Vec<u8>>> = Arc::new(
+            (0..args.sessions.max(1))
+                .map(|s| chat_body(size, s as u64))
+                .collect(),
+        );
+        for &conc in &args.concurrency {
+            let total = args.requests_base + args.requests_per_client * conc;
+            let per_round = total.div_ceil(args.rounds.max(1)).max(conc);
+            let mut samples = vec![Sample::default(); stacks.len()];
+            // Warm each stack's connections and caches for this cell.
+            for stack in &stacks {
+                drive(
+                    &client,
+                    &stack.envoy.url(),
+                    &bodies,
+                    conc.min(8),
+                    conc.min(8),
+                )
+                .await;
+            }
+            for round in 0..args.rounds.max(1) {
+                // Alternate which configuration goes first.
+                for k in 0..stacks.len() {
+                    let i = (k + round) % stacks.len();
+                    let stack = &stacks[i];
+                    let cpu0 = stack_cpu(stack, ticks);
+                    let hash0 = hash_stats(stack).await;
+                    let (lat, failures, wall) =
+                        drive(&client, &stack.envoy.url(), &bodies, per_round, conc).await;
+                    let cpu1 = stack_cpu(stack, ticks);
+                    let hash1 = hash_stats(stack).await;
+                    let s = &mut samples[i];
+                    s.latencies.extend(lat);
+                    s.failures += failures;
+                    s.wall += wall;
+                    s.envoy_cpu += cpu1.0 - cpu0.0;
+                    s.sidecar_cpu += cpu1.1 - cpu0.1;
+                    s.hash_micros += hash1.0.saturating_sub(hash0.0);
+                    s.hashed += hash1.1.saturating_sub(hash0.1);
+                }
+            }
+            let plain = summarize(&samples[0]);
+            for (stack, sample) in stacks.iter().zip(&samples) {
+                let r = summarize(sample);
+                let row = Row {
+                    body: size,
+                    conc,
+                    config: stack.config.name(),
+                    requests: sample.latencies.len(),
+                    failures: sample.failures,
+                    p50_ms: r.p50,
+                    p99_ms: r.p99,
+                    added_p50_ms: r.p50 - plain.p50,
+                    added_p99_ms: r.p99 - plain.p99,
+                    rps: r.rps,
+                    rps_vs_plain: r.rps / plain.rps.max(f64::MIN_POSITIVE),
+                    envoy_cpu_s_per_1k: 1000.0 * sample.envoy_cpu / r.n.max(1) as f64,
+                    sidecar_cpu_s_per_1k: 1000.0 * sample.sidecar_cpu / r.n.max(1) as f64,
+                    filter_hash_ms: (sample.hashed > 0)
+                        .then(|| sample.hash_micros as f64 / sample.hashed as f64 / 1000.0),
+                };
+                row.print(rows.is_empty());
+                rows.push(row);
+            }
+        }
+    }
+    if args.json {
+        for r in &rows {
+            println!("{}", r.json());
+        }
+    }
+    drop(stacks);
+    for e in engines {
+        e.shutdown().await;
+    }
+    Ok(())
+}
+
+fn join(v: &[usize]) -> String {
+    v.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
+}
+
+struct Row {
+    body: usize,
+    conc: usize,
+    config: &'static str,
+    requests: usize,
+    failures: usize,
+    p50_ms: f64,
+    p99_ms: f64,
+    added_p50_ms: f64,
+    added_p99_ms: f64,
+    rps: f64,
+    rps_vs_plain: f64,
+    envoy_cpu_s_per_1k: f64,
+    sidecar_cpu_s_per_1k: f64,
+    filter_hash_ms: Option<f64>,
+}
+
+impl Row {
+    fn print(&self, header: bool) {
+        if header {
+            println!(
+                "| body | conc | config | requests | fail | p50 ms | p99 ms | +p50 ms | +p99 ms | req/s | vs plain | Envoy CPU s/1k | sidecar CPU s/1k | filter hash ms |"
+            );
+            println!("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        }
+        println!(
+            "| {} | {} | {} | {} | {} | {:.2} | {:.2} | {:+.2} | {:+.2} | {:.0} | {:.2} | {:.2} | {:.2} | {} |",
+            human(self.body),
+            self.conc,
+            self.config,
+            self.requests,
+            self.failures,
+            self.p50_ms,
+            self.p99_ms,
+            self.added_p50_ms,
+            self.added_p99_ms,
+            self.rps,
+            self.rps_vs_plain,
+            self.envoy_cpu_s_per_1k,
+            self.sidecar_cpu_s_per_1k,
+            self.filter_hash_ms
+                .map_or("-".to_string(), |m| format!("{m:.2}"))
+        );
+    }
+
+    fn json(&self) -> String {
+        serde_json::json!({
+            "body_bytes": self.body, "concurrency": self.conc, "config": self.config,
+            "requests": self.requests, "failures": self.failures,
+            "p50_ms": self.p50_ms, "p99_ms": self.p99_ms,
+            "added_p50_ms": self.added_p50_ms, "added_p99_ms": self.added_p99_ms,
+            "rps": self.rps, "rps_vs_plain": self.rps_vs_plain,
+            "envoy_cpu_s_per_1k": self.envoy_cpu_s_per_1k,
+            "sidecar_cpu_s_per_1k": self.sidecar_cpu_s_per_1k,
+            "filter_hash_ms": self.filter_hash_ms,
+        })
+        .to_string()
+    }
+}
+
+fn human(bytes: usize) -> String {
+    if bytes >= 1_000_000 {
+        format!("{:.1} MB", bytes as f64 / 1e6)
+    } else {
+        format!("{} KB", bytes / 1000)
+    }
+}
+
+struct Summary {
+    n: usize,
+    p50: f64,
+    p99: f64,
+    rps: f64,
+}
+
+fn summarize(s: &Sample) -> Summary {
+    let mut ms: Vec<f64> = s.latencies.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+    ms.sort_by(f64::total_cmp);
+    let pct = |p: f64| {
+        if ms.is_empty() {
+            0.0
+        } else {
+            ms[((ms.len() as f64 * p).ceil() as usize).clamp(1, ms.len()) - 1]
+        }
+    };
+    Summary {
+        n: ms.len(),
+        p50: pct(0.50),
+        p99: pct(0.99),
+        rps: ms.len() as f64 / s.wall.as_secs_f64().max(1e-9),
+    }
+}
+
+/// Sends `n` requests with `conc` clients; returns each successful
+/// request's latency (send to last body byte), failures, and wall time.
+async fn drive(
+    client: &reqwest::Client,
+    url: &str,
+    bodies: &Arc<Vec<Vec<u8>>>,
+    n: usize,
+    conc: usize,
+) -> (Vec<Duration>, usize, Duration) {
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let started = Instant::now();
+    let workers: Vec<_> = (0..conc.max(1))
+        .map(|_| {
+            let (client, next, bodies) = (client.clone(), next.clone(), bodies.clone());
+            let url = format!("{url}/v1/chat/completions");
+            tokio::spawn(async move {
+                let mut lat = Vec::new();
+                let mut failures = 0;
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= n {
+                        break;
+                    }
+                    let body = bodies[i % bodies.len()].clone();
+                    let t0 = Instant::now();
+                    let ok = match client
+                        .post(&url)
+                        .header("content-type", "application/json")
+                        .body(body)
+                        .send()
+                        .await
+                    {
+                        Ok(r) => r.status().is_success() && r.bytes().await.is_ok(),
+                        Err(_) => false,
+                    };
+                    if ok {
+                        lat.push(t0.elapsed());
+                    } else {
+                        failures += 1;
+                    }
+                }
+                (lat, failures)
+            })
+        })
+        .collect();
+    let mut all = Vec::with_capacity(n);
+    let mut failures = 0;
+    for w in workers {
+        if let Ok((lat, f)) = w.await {
+            all.extend(lat);
+            failures += f;
+        }
+    }
+    (all, failures, started.elapsed())
+}
+
+/// A chat body of about `size` bytes for session `s`: the session's own
+/// system prompt, then user / assistant / tool turns (code-like text with
+/// quotes and newlines to escape).
+pub fn chat_body(size: usize, s: u64) -> Vec<u8> {
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ s.wrapping_mul(0x2545_F491_4F6C_DD1D);
+    let words = [
+        "fn",
+        "let",
+        "match",
+        "self",
+        "impl",
+        "return",
+        "request",
+        "cache",
+        "\"key\"",
+        "=>",
+        "replica",
+        "prefix",
+        "{",
+        "}",
+        "path/to/mod.rs",
+        "Ok(())",
+    ];
+    let mut text = |n: usize| {
+        let mut out = String::with_capacity(n + 16);
+        while out.len() < n {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            out.push_str(words[(seed % words.len() as u64) as usize]);
+            out.push(if seed.is_multiple_of(9) { '\n' } else { ' ' });
+        }
+        out
+    };
+    let system = format!("Session {s}. You are a coding agent.\n{}", text(2000));
+    let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
+    let mut len = 2200;
+    let mut i = 0;
+    while len + 400 < size {
+        let chunk = (size - len).min(12_000);
+        messages.push(serde_json::json!({"role": "user", "content": text(chunk / 4)}));
+        messages.push(
+            serde_json::json!({"role": "assistant", "content": text(chunk / 8),
+            "tool_calls": [{"id": format!("call_{i}"), "type": "function",
+                "function": {"name": "read_file", "arguments": "{\"path\":\"src/lib.rs\"}"}}]}),
+        );
+        messages.push(
+            serde_json::json!({"role": "tool", "tool_call_id": format!("call_{i}"),
+            "content": text(chunk / 2)}),
+        );
+        len += chunk;
+        i += 1;
+    }
+    serde_json::to_vec(&serde_json::json!({
+        "model": "hearth-sim", "max_tokens": 4, "temperature": 0, "messages": messages,
+    }))
+    .unwrap_or_default()
+}
+
+async fn start_stack(config: Config, upstreams: &[SocketAddr]) -> anyhow::Result<Stack> {
+    let ups = upstreams
+        .iter()
+        .map(SocketAddr::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let (yaml, sidecar) = match config {
+        Config::Plain => (plain_config(upstreams), None),
+        Config::Hearth | Config::Body => {
+            let grpc = free_port()?;
+            let admin = free_port()?;
+            let sidecar = start_sidecar(&ups, grpc, admin)?;
+            let mode = if config == Config::Body {
+                "body"
+            } else {
+                "filter"
+            };
+            let wasm = find_wasm()?.canonicalize()?;
+            let cli = hearth_ext_proc::config::Cli::try_parse_from([
+                "hearth-ext-proc".to_string(),
+                format!("--upstreams={ups}"),
+                format!("--listen={grpc}"),
+                format!("--admin-listen={admin}"),
+                "envoy-config".into(),
+                "--gateway-listen=127.0.0.1:0".into(),
+                "--envoy-admin=127.0.0.1:0".into(),
+                format!("--wasm={}", wasm.display()),
+                format!("--mode={mode}"),
+            ])?;
+            let Some(hearth_ext_proc::config::Command::EnvoyConfig(args)) = &cli.command else {
+                bail!("envoy-config flags did not parse");
+            };
+            (args.render(&cli.settings), Some(sidecar))
+        }
+    };
+    let envoy = Envoy::start(&yaml, Duration::from_secs(60))
+        .await
+        .with_context(|| format!("starting Envoy for {}", config.name()))?;
+    Ok(Stack {
+        config,
+        envoy,
+        sidecar,
+    })
+}
+
+fn free_port() -> anyhow::Result<SocketAddr> {
+    Ok(StdListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+/// The sidecar binary next to this one (same cargo target directory).
+fn sidecar_binary() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().context("no directory for this binary")?;
+    for candidate in [dir.join("hearth-ext-proc"), dir.join("../hearth-ext-proc")] {
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+    }
+    bail!(
+        "hearth-ext-proc is not built next to {}: cargo build --release -p hearth-ext-proc",
+        exe.display()
+    )
+}
+
+fn start_sidecar(upstreams: &str, grpc: SocketAddr, admin: SocketAddr) -> anyhow::Result<Sidecar> {
+    let child = Command::new(sidecar_binary()?)
+        .arg(format!("--upstreams={upstreams}"))
+        .arg(format!("--listen={grpc}"))
+        .arg(format!("--admin-listen={admin}"))
+        .arg("--log=warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting hearth-ext-proc")?;
+    let sidecar = Sidecar { child };
+    // Ready when the gRPC port accepts connections.
+    let until = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(grpc).is_err() {
+        if Instant::now() > until {
+            bail!("hearth-ext-proc did not listen on {grpc} within 10 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(sidecar)
+}
+
+/// Plain Envoy: the same listener limits and timeouts as the gateway, no
+/// Hearth filter, `least_request` over the engines.
+fn plain_config(upstreams: &[SocketAddr]) -> String {
+    let endpoints: String = upstreams
+        .iter()
+        .map(|u| {
+            format!(
+                "        - endpoint: {{ address: {{ socket_address: {{ address: \"{}\", port_value: {} }} }} }}\n",
+                u.ip(),
+                u.port()
+            )
+        })
+        .collect();
+    let buffer = (8 << 20) + (1 << 20);
+    format!(
+        r#"admin:
+  address: {{ socket_address: {{ address: "127.0.0.1", port_value: 0 }} }}
+static_resources:
+  listeners:
+  - name: plain
+    address: {{ socket_address: {{ address: "127.0.0.1", port_value: 0 }} }}
+    per_connection_buffer_limit_bytes: {buffer}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: plain
+          request_timeout: 0s
+          stream_idle_timeout: 600s
+          route_config:
+            virtual_hosts:
+            - name: engines
+              domains: ["*"]
+              routes:
+              - match: {{ prefix: "/" }}
+                route: {{ cluster: engines, timeout: 0s }}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: engines
+    connect_timeout: 2s
+    per_connection_buffer_limit_bytes: {buffer}
+    lb_policy: LEAST_REQUEST
+    load_assignment:
+      cluster_name: engines
+      endpoints:
+      - lb_endpoints:
+{endpoints}"#
+    )
+}
+
+/// `(Envoy, sidecar)` CPU seconds so far.
+fn stack_cpu(stack: &Stack, ticks: f64) -> (f64, f64) {
+    let envoy = stack.envoy.pid().map_or(0.0, |p| cpu_seconds(p, ticks));
+    let sidecar = stack
+        .sidecar
+        .as_ref()
+        .map_or(0.0, |s| cpu_seconds(s.child.id(), ticks));
+    (envoy, sidecar)
+}
+
+/// utime + stime of a process we started, from `/proc/<pid>/stat`.
+fn cpu_seconds(pid: u32, ticks: f64) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("stat"))
+    else {
+        return 0.0;
+    };
+    // Fields after the parenthesised command name; utime and stime are the
+    // 14th and 15th fields of the whole line.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let field = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (field(11) + field(12)) / ticks
+}
+
+fn clock_ticks() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+/// The filter's `(hash_micros, hashed)` counters (zero without the filter).
+async fn hash_stats(stack: &Stack) -> (u64, u64) {
+    if stack.config != Config::Hearth {
+        return (0, 0);
+    }
+    let micros = stack
+        .envoy
+        .stat("wasmcustom.hearth_filter.hash_micros")
+        .await
+        .ok()
+        .flatten();
+    let hashed = stack
+        .envoy
+        .stat("wasmcustom.hearth_filter.hashed")
+        .await
+        .ok()
+        .flatten();
+    (micros.unwrap_or(0), hashed.unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_have_about_the_asked_size_and_fingerprint() {
+        for size in [8_000, 220_000, 1_000_000] {
+            let b = chat_body(size, 3);
+            assert!(
+                b.len() > size * 9 / 10 && b.len() < size * 12 / 10,
+                "{size}: {}",
+                b.len()
+            );
+            let fp = hearth_fingerprint::fingerprint(
+                hearth_fingerprint::Endpoint::ChatCompletions,
+                &b,
+                &hearth_fingerprint::Params::default(),
+            );
+            assert!(fp.is_ok());
+        }
+        assert_ne!(chat_body(8000, 1), chat_body(8000, 2));
+    }
+
+    #[test]
+    fn plain_config_lists_every_engine() {
+        let ups: Vec<SocketAddr> = vec![
+            "127.0.0.1:1".parse().unwrap(),
+            "127.0.0.1:2".parse().unwrap(),
+        ];
+        let y = plain_config(&ups);
+        assert!(y.contains("port_value: 1 }") && y.contains("port_value: 2 }"));
+        assert!(!y.contains("ext_proc") && !y.contains("wasm"));
+    }
+
+    #[test]
+    fn reads_our_own_cpu() {
+        let _ = cpu_seconds(std::process::id(), clock_ticks());
+    }
+}
