@@ -4,10 +4,8 @@
 //! went and how much of its prompt came from cache, then the gateway keeps
 //! serving until Ctrl-C.
 
-use std::net::{SocketAddr, TcpListener as StdListener};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::net::SocketAddr;
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
@@ -17,6 +15,7 @@ use crate::conversation::{cached_and_prompt_tokens, filler, reply_text, Conversa
 use crate::engine::{self, EngineHandle};
 use crate::gateway::{find_wasm, Envoy};
 use crate::serve::EngineArgs;
+use crate::sidecar::{free_port, SidecarProcess};
 
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
@@ -45,67 +44,6 @@ pub struct DemoArgs {
     pub exit: bool,
     #[command(flatten)]
     pub engine: EngineArgs,
-}
-
-/// The sidecar as a child process, killed by PID when dropped.
-struct SidecarProcess {
-    child: Child,
-    admin: SocketAddr,
-}
-
-impl Drop for SidecarProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> anyhow::Result<SocketAddr> {
-    Ok(StdListener::bind("127.0.0.1:0")?.local_addr()?)
-}
-
-fn sidecar_binary() -> anyhow::Result<PathBuf> {
-    let exe = std::env::current_exe()?;
-    let path = exe.with_file_name("hearth-ext-proc");
-    if path.is_file() {
-        Ok(path)
-    } else {
-        bail!(
-            "{} not found: build it with `cargo build --release -p hearth-ext-proc`",
-            path.display()
-        )
-    }
-}
-
-async fn start_sidecar(upstreams: &str) -> anyhow::Result<(SidecarProcess, SocketAddr)> {
-    let grpc = free_port()?;
-    let admin = free_port()?;
-    let child = Command::new(sidecar_binary()?)
-        .env("HEARTH_UPSTREAMS", upstreams)
-        .env("HEARTH_LISTEN", grpc.to_string())
-        .env("HEARTH_ADMIN_LISTEN", admin.to_string())
-        .env_remove("HEARTH_DEMO_PORT")
-        .env(
-            "HEARTH_LOG",
-            std::env::var("HEARTH_LOG").unwrap_or_else(|_| "warn".into()),
-        )
-        .stdin(Stdio::null())
-        .spawn()
-        .context("starting hearth-ext-proc")?;
-    let mut sidecar = SidecarProcess { child, admin };
-    let until = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Some(status) = sidecar.child.try_wait()? {
-            bail!("hearth-ext-proc exited with {status}");
-        }
-        if reqwest::get(format!("http://{admin}/health")).await.is_ok() {
-            return Ok((sidecar, grpc));
-        }
-        if Instant::now() > until {
-            bail!("hearth-ext-proc did not come up within 20 s");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// One chat turn through the gateway: the replica named in
@@ -167,7 +105,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         .context("upstreams must be ip:port[;id=..],...")?;
 
     // 2. The sidecar, then Envoy pointed at it.
-    let (sidecar, grpc) = start_sidecar(&upstreams).await?;
+    let (grpc, admin) = (free_port()?, free_port()?);
+    let sidecar = SidecarProcess::start(&upstreams, grpc, admin, &[]).await?;
     let gateway = Gateway {
         listen: SocketAddr::from(([127, 0, 0, 1], args.port)),
         admin: "127.0.0.1:0".parse()?,

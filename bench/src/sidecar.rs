@@ -1,0 +1,108 @@
+//! The sidecar as a child process (the real `hearth-ext-proc` binary), for
+//! the demo and the soak: started on given loopback ports, waited for,
+//! killed by its own PID.
+
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+/// A free loopback port (bound, read, released).
+pub fn free_port() -> anyhow::Result<SocketAddr> {
+    Ok(StdListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+/// The sidecar binary next to this one (same cargo target directory).
+pub fn binary() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let path = exe.with_file_name("hearth-ext-proc");
+    if path.is_file() {
+        Ok(path)
+    } else {
+        bail!(
+            "{} not found: build it with `cargo build --release -p hearth-ext-proc`",
+            path.display()
+        )
+    }
+}
+
+/// A running `hearth-ext-proc`, killed when dropped.
+pub struct SidecarProcess {
+    child: Child,
+    pub grpc: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+impl SidecarProcess {
+    /// Starts the sidecar for `upstreams` on `grpc` and `admin`, with extra
+    /// `HEARTH_*` settings, and waits until its state endpoint answers.
+    pub async fn start(
+        upstreams: &str,
+        grpc: SocketAddr,
+        admin: SocketAddr,
+        settings: &[(&str, String)],
+    ) -> anyhow::Result<SidecarProcess> {
+        let mut cmd = Command::new(binary()?);
+        cmd.env("HEARTH_UPSTREAMS", upstreams)
+            .env("HEARTH_LISTEN", grpc.to_string())
+            .env("HEARTH_ADMIN_LISTEN", admin.to_string())
+            .env(
+                "HEARTH_LOG",
+                std::env::var("HEARTH_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::null());
+        for (k, v) in settings {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().context("starting hearth-ext-proc")?;
+        let mut sidecar = SidecarProcess { child, grpc, admin };
+        let until = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = sidecar.child.try_wait()? {
+                bail!("hearth-ext-proc exited with {status}");
+            }
+            if reqwest::get(format!("http://{admin}/health")).await.is_ok() {
+                return Ok(sidecar);
+            }
+            if Instant::now() > until {
+                bail!("hearth-ext-proc did not come up within 20 s");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Resident memory, from `/proc/<pid>/status`.
+    pub fn rss_bytes(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).ok()?;
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))?
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(kib * 1024)
+    }
+
+    /// `GET /state` as JSON.
+    pub async fn state(&self) -> anyhow::Result<serde_json::Value> {
+        Ok(reqwest::get(format!("http://{}/state", self.admin))
+            .await?
+            .json()
+            .await?)
+    }
+}
+
+impl Drop for SidecarProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
