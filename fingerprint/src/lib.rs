@@ -274,16 +274,11 @@ pub fn fingerprint(
     body: &[u8],
     params: &Params,
 ) -> Result<Fingerprint, SkipReason> {
-    // The canonical bytes stream into the hasher as records are written;
-    // strings are decoded from the body on the way, nothing is copied.
-    let mut hasher = None;
-    let model = canonical::write_canonical(endpoint, body, |model| {
-        hasher.insert(hash::ChainHasher::new(model, params))
-    })?;
-    let (hashes, prompt_bytes) = hasher.map(hash::ChainHasher::finish).unwrap_or_default();
+    let (model, canonical) = canonical_prompt(endpoint, body)?;
+    let hashes = chain_hashes(&model, &canonical, params);
     Ok(Fingerprint {
         model,
-        prompt_bytes,
+        prompt_bytes: canonical.len() as u64,
         block_size: hash::effective_block_size(params) as u32,
         hashes,
     })
