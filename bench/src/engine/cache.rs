@@ -33,6 +33,9 @@ pub fn block_hashes(bytes: &[u8], block_bytes: usize) -> Vec<u64> {
         .collect()
 }
 
+/// Pinned blocks skipped per insertion before giving up on caching it.
+const MAX_PINNED_SKIPS: usize = 256;
+
 /// An LRU set of block hashes with a fixed capacity in blocks.
 #[derive(Debug, Clone)]
 pub struct PrefixCache {
@@ -132,10 +135,22 @@ impl PrefixCache {
             self.by_tick.remove(&old);
         }
         self.by_tick.insert(tick, hash);
-        // Pinned blocks are skipped (moved to the recent end); when every
-        // other block is pinned, the newest unpinned one goes.
+        // Pinned blocks are skipped (moved to the recent end). After a
+        // bounded number of skips (or when pins fill the cache) the block
+        // just touched goes instead, unless it is pinned itself: an engine
+        // whose KV is full of running sequences keeps no new prefixes.
         let mut skipped = 0;
-        while self.by_hash.len() > self.capacity_blocks && skipped < self.by_tick.len() {
+        while self.by_hash.len() > self.capacity_blocks {
+            if skipped >= MAX_PINNED_SKIPS.min(self.by_tick.len())
+                || self.pins.len() >= self.capacity_blocks
+            {
+                if !self.pins.contains_key(&hash) {
+                    if let Some(t) = self.by_hash.remove(&hash) {
+                        self.by_tick.remove(&t);
+                    }
+                }
+                break;
+            }
             let Some((_, evicted)) = self.by_tick.pop_first() else {
                 break;
             };
