@@ -44,7 +44,7 @@ async fn outcome(State(router): State<Arc<Router>>, body: String) -> StatusCode 
     let (Some(upstream), Some(answer)) = (upstream, Answer::parse(&body)) else {
         return StatusCode::BAD_REQUEST;
     };
-    let Some(replica) = router.replica_at(upstream) else {
+    let Some(replica) = router.replica_at(upstream, None) else {
         return StatusCode::NOT_FOUND;
     };
     router.record_request(

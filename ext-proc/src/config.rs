@@ -129,6 +129,40 @@ pub struct Settings {
     )]
     pub first_byte_timeout_seconds: f64,
 
+    /// Canonical prompt bytes from which a request is "long" and goes only
+    /// to replicas tagged `long` (when any are).
+    #[arg(long, env = "HEARTH_LONG_PROMPT_BYTES", default_value_t = 400_000)]
+    pub long_prompt_bytes: u64,
+
+    /// Short prompts on `long` replicas: shared (like any replica),
+    /// exclusive (never), avoid (only when no other replica can take them),
+    /// avoid-unless-warm (never, unless the session is cached there).
+    #[arg(long, env = "HEARTH_LONG_LANE", default_value = "shared")]
+    pub long_lane: LongLane,
+
+    /// Seconds between two scrapes of each engine's Prometheus `/metrics`
+    /// (vLLM or SGLang names; 0 disables).
+    #[arg(long, env = "HEARTH_ENGINE_METRICS_SECONDS", default_value_t = 2.0)]
+    pub engine_metrics_seconds: f64,
+
+    /// Engine figures older than this many seconds are ignored.
+    #[arg(
+        long,
+        env = "HEARTH_ENGINE_METRICS_STALE_SECONDS",
+        default_value_t = 10.0
+    )]
+    pub engine_metrics_stale_seconds: f64,
+
+    /// Load units added per request an engine reports queued, or running
+    /// beyond what this sidecar sent it (other gateways' traffic).
+    #[arg(long, env = "HEARTH_ENGINE_LOAD_WEIGHT", default_value_t = 1.0)]
+    pub engine_load_weight: f64,
+
+    /// A replica whose engine reports this many queued requests takes no
+    /// more (0 = no limit); when every replica is past it, 429.
+    #[arg(long, env = "HEARTH_MAX_QUEUE", default_value_t = 0)]
+    pub max_queue: u64,
+
     /// Seconds open streams get to finish on shutdown before they are cut.
     #[arg(long, env = "HEARTH_DRAIN_SECONDS", default_value_t = 10)]
     pub drain_seconds: u64,
@@ -144,6 +178,11 @@ pub struct UpstreamSpec {
     pub addr: SocketAddr,
     pub id: Option<String>,
     pub models: Vec<String>,
+    /// Tagged `long`: part of the long-prompt lane.
+    pub long: bool,
+    /// Data-parallel ranks behind this address (1 = none): each rank is its
+    /// own routing target, chosen with the `x-data-parallel-rank` header.
+    pub dp_ranks: u32,
 }
 
 impl FromStr for UpstreamSpec {
@@ -160,6 +199,8 @@ impl FromStr for UpstreamSpec {
             addr,
             id: None,
             models: Vec::new(),
+            long: false,
+            dp_ranks: 1,
         };
         for part in parts {
             let (key, value) = part
@@ -172,6 +213,17 @@ impl FromStr for UpstreamSpec {
             match key.trim() {
                 "id" => spec.id = Some(value.to_string()),
                 "model" => spec.models.push(value.to_string()),
+                "tag" => match value {
+                    "long" => spec.long = true,
+                    other => return Err(format!("unknown upstream tag {other:?} (known: long)")),
+                },
+                "dp" => {
+                    spec.dp_ranks = value
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=256).contains(n))
+                        .ok_or_else(|| format!("dp={value:?} is not a rank count in 1..=256"))?
+                }
                 other => {
                     return Err(format!(
                         "unknown upstream option {other:?} (known: id, model)"
@@ -230,6 +282,11 @@ impl Settings {
             ));
         }
         for (name, v) in [
+            ("HEARTH_ENGINE_METRICS_SECONDS", self.engine_metrics_seconds),
+            (
+                "HEARTH_ENGINE_METRICS_STALE_SECONDS",
+                self.engine_metrics_stale_seconds,
+            ),
             ("HEARTH_PROBE_INTERVAL_SECONDS", self.probe_interval_seconds),
             ("HEARTH_PROBE_TIMEOUT_SECONDS", self.probe_timeout_seconds),
             ("HEARTH_EJECT_BACKOFF_SECONDS", self.eject_backoff_seconds),
@@ -251,6 +308,12 @@ impl Settings {
         }
         if self.probe_interval_seconds > 0.0 && self.probe_timeout_seconds <= 0.0 {
             problems.push("HEARTH_PROBE_TIMEOUT_SECONDS must be above 0 when probes run".into());
+        }
+        if !(self.engine_load_weight.is_finite() && self.engine_load_weight >= 0.0) {
+            problems.push(format!(
+                "HEARTH_ENGINE_LOAD_WEIGHT must be a finite number >= 0, got {}",
+                self.engine_load_weight
+            ));
         }
         if self.eject_after == 0 {
             problems.push("HEARTH_EJECT_AFTER must be at least 1".into());
@@ -281,6 +344,27 @@ impl Settings {
             Err(problems)
         }
     }
+}
+
+/// Where short prompts may go when some replicas are tagged `long`.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum LongLane {
+    #[default]
+    Shared,
+    Exclusive,
+    Avoid,
+    AvoidUnlessWarm,
 }
 
 /// Seconds as a Duration; settings are validated to be finite and >= 0.
@@ -346,6 +430,23 @@ mod tests {
             .unwrap_err()
             .contains("colour"));
         assert!("10.0.0.1:8000;id=".parse::<UpstreamSpec>().is_err());
+    }
+
+    #[test]
+    fn upstream_tags_and_ranks() {
+        let u: UpstreamSpec = "10.0.0.1:8000;tag=long;dp=4".parse().unwrap();
+        assert!(u.long);
+        assert_eq!(u.dp_ranks, 4);
+        assert!("10.0.0.1:8000;dp=0".parse::<UpstreamSpec>().is_err());
+        assert!("10.0.0.1:8000;tag=fast".parse::<UpstreamSpec>().is_err());
+        let cli = parse(&[
+            "--upstreams",
+            "127.0.0.1:1",
+            "--long-lane",
+            "avoid-unless-warm",
+        ])
+        .unwrap();
+        assert_eq!(cli.settings.long_lane, LongLane::AvoidUnlessWarm);
     }
 
     #[test]

@@ -22,6 +22,7 @@ pub mod policy;
 pub mod probe;
 pub mod router;
 pub mod service;
+pub mod signals;
 pub mod warmth;
 
 use std::future::Future;
@@ -64,6 +65,7 @@ impl Sidecar {
             Arc::clone(&router),
             settings.probe_params(),
             config::seconds(settings.first_byte_timeout_seconds),
+            config::seconds(settings.engine_metrics_seconds),
             grpc,
             admin,
             async {
@@ -124,6 +126,7 @@ async fn serve(
     router: Arc<Router>,
     probe_params: probe::ProbeParams,
     first_byte_timeout: Duration,
+    engine_metrics: Duration,
     grpc: TcpListener,
     admin: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -152,6 +155,7 @@ async fn serve(
             let _ = admin_stop.recv().await;
         });
     let prober = tokio::spawn(probe::run(Arc::clone(&router), probe_params));
+    let scraper = tokio::spawn(signals::run(Arc::clone(&router), engine_metrics));
     let grpc_task = tokio::spawn(grpc_server);
     let admin_task = tokio::spawn(async move { admin_server.await });
     shutdown.await;
@@ -159,6 +163,7 @@ async fn serve(
     grpc_task.await?.context("gRPC server")?;
     admin_task.await?.context("state endpoint")?;
     prober.abort();
+    scraper.abort();
     health_task.abort();
     Ok(())
 }

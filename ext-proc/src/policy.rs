@@ -106,8 +106,31 @@ pub fn scores(params: &ScoreParams, candidates: &[Candidate]) -> Vec<f64> {
 /// Candidate indices, best first: highest score, then deeper raw overlap,
 /// then round-robin starting at `rr % len` so exact ties spread out.
 pub fn rank(params: &ScoreParams, candidates: &[Candidate], rr: usize) -> Vec<usize> {
+    rank_scored(params, candidates, rr).order
+}
+
+/// A ranking with the numbers it was made from (the decision journal shows
+/// them).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Ranking {
+    /// Candidate indices, best first.
+    pub order: Vec<usize>,
+    /// Each candidate's credit, in candidate order.
+    pub credits: Vec<f64>,
+    /// Each candidate's score, in candidate order.
+    pub scores: Vec<f64>,
+}
+
+/// [`rank`], keeping each candidate's credit and score.
+pub fn rank_scored(params: &ScoreParams, candidates: &[Candidate], rr: usize) -> Ranking {
     let n = candidates.len();
-    let scores = scores(params, candidates);
+    let overlaps: Vec<u32> = candidates.iter().map(|c| c.overlap).collect();
+    let credits = credits(params.basis, params.cap, &overlaps);
+    let scores: Vec<f64> = credits
+        .iter()
+        .zip(candidates)
+        .map(|(credit, c)| credit - params.alpha * c.load)
+        .collect();
     let mut order: Vec<usize> = (0..n).collect();
     let start = if n == 0 { 0 } else { rr % n };
     order.sort_by(|&a, &b| {
@@ -116,7 +139,11 @@ pub fn rank(params: &ScoreParams, candidates: &[Candidate], rr: usize) -> Vec<us
             .then(candidates[b].overlap.cmp(&candidates[a].overlap))
             .then(((a + n - start) % n).cmp(&((b + n - start) % n)))
     });
-    order
+    Ranking {
+        order,
+        credits,
+        scores,
+    }
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! Active probes: every replica, every `interval`, at most `concurrency` at
+//! Active probes: every engine address, every `interval`, at most `concurrency` at
 //! a time: `GET /v1/models`, then a one-token completion. A probe passes
 //! only when the engine really generates.
 
@@ -101,16 +101,15 @@ pub async fn run(router: Arc<Router>, params: ProbeParams) {
     loop {
         tick.tick().await;
         let mut round = tokio::task::JoinSet::new();
-        for (i, replica) in router.replicas().iter().enumerate() {
+        for (addr, model) in router.engines() {
             let (client, router, limit) = (client.clone(), Arc::clone(&router), Arc::clone(&limit));
-            let base = format!("http://{}", replica.addr);
-            let model = replica.models.first().cloned();
             round.spawn(async move {
                 let Ok(_permit) = limit.acquire().await else {
                     return;
                 };
+                let base = format!("http://{addr}");
                 let outcome = probe_once(&client, &base, model.as_deref(), params.timeout).await;
-                router.record_probe(i, outcome);
+                router.record_probe(addr, outcome);
             });
         }
         while round.join_next().await.is_some() {}

@@ -4,11 +4,11 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{default_replica_id, Settings};
+use crate::config::{self, default_replica_id, LongLane, Settings};
 use crate::health::{FleetHealth, HealthParams, HealthSnapshot, Outcome, ReplicaHealth};
 use crate::policy::{self, AffinityBasis, Candidate, ScoreParams};
 use crate::warmth::LruBlocks;
@@ -21,6 +21,10 @@ pub struct Replica {
     pub addr: SocketAddr,
     /// Models it serves; empty means any.
     pub models: Vec<String>,
+    /// In the long-prompt lane.
+    pub long: bool,
+    /// The data-parallel rank this target is, behind a shared address.
+    pub dp_rank: Option<u32>,
 }
 
 impl Replica {
@@ -49,7 +53,7 @@ pub enum RouteError {
     NoReplicaForModel(String),
     #[error("no healthy replica serves model {0:?}")]
     NoHealthyReplica(String),
-    #[error("every eligible replica is at its in-flight limit")]
+    #[error("every eligible replica is at its in-flight or queue limit")]
     Saturated,
 }
 
@@ -60,7 +64,26 @@ pub struct Decision {
     pub order: Vec<usize>,
     /// Leading blocks the chosen replica already held.
     pub overlap: u32,
+    /// Every candidate as it was scored, in replica order (for the
+    /// decision journal and metrics; built from numbers the decision
+    /// computed anyway).
+    pub candidates: Vec<ScoredCandidate>,
     pub reservation: Reservation,
+}
+
+/// One candidate replica as a decision saw it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScoredCandidate {
+    /// Index into [`Router::replicas`].
+    pub replica: usize,
+    /// Leading request blocks it held.
+    pub overlap: u32,
+    /// Credit under the affinity basis, in blocks.
+    pub credit: f64,
+    /// In-flight load before this request, in load units.
+    pub load: f64,
+    /// `credit - alpha * load`.
+    pub score: f64,
 }
 
 impl Decision {
@@ -108,6 +131,29 @@ struct ReplicaState {
     load: f64,
     routed: u64,
     health: ReplicaHealth,
+    /// The engine's own figures (for this target's share of its address).
+    engine: Option<EngineSignals>,
+}
+
+/// What an engine's Prometheus metrics said, when.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EngineSignals {
+    /// Requests queued in the engine.
+    pub waiting: f64,
+    /// Requests the engine is running (from every gateway).
+    pub running: f64,
+    /// KV cache utilisation, 0..1, when reported.
+    pub kv_usage: Option<f64>,
+    pub at: Instant,
+}
+
+/// An engine's figures on the state endpoint.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct EngineSnapshot {
+    pub waiting: f64,
+    pub running: f64,
+    pub kv_usage: Option<f64>,
+    pub age_s: f64,
 }
 
 /// Per-replica figures for the state endpoint.
@@ -123,6 +169,10 @@ pub struct ReplicaSnapshot {
     pub warmth_memory_bytes: usize,
     pub routed_total: u64,
     pub health: HealthSnapshot,
+    pub long: bool,
+    pub dp_rank: Option<u32>,
+    /// The engine's last scraped figures, if any.
+    pub engine: Option<EngineSnapshot>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -156,6 +206,13 @@ pub struct Router {
     max_inflight: u32,
     fallbacks: usize,
     health_params: HealthParams,
+    long_prompt_bytes: u64,
+    long_lane: LongLane,
+    /// Some replica is tagged `long` (else the lane is off).
+    any_long: bool,
+    engine_stale: Duration,
+    engine_load_weight: f64,
+    max_queue: u64,
     state: Mutex<Vec<ReplicaState>>,
     rr: AtomicUsize,
     decisions: AtomicU64,
@@ -167,14 +224,24 @@ pub struct Router {
 
 impl Router {
     pub fn new(settings: &Settings) -> Arc<Router> {
+        // A data-parallel endpoint becomes one target per rank.
         let replicas: Vec<Replica> = settings
             .upstreams
             .iter()
             .enumerate()
-            .map(|(i, u)| Replica {
-                id: u.id.clone().unwrap_or_else(|| default_replica_id(i)),
-                addr: u.addr,
-                models: u.models.clone(),
+            .flat_map(|(i, u)| {
+                let id = u.id.clone().unwrap_or_else(|| default_replica_id(i));
+                (0..u.dp_ranks).map(move |rank| Replica {
+                    id: if u.dp_ranks > 1 {
+                        format!("{id}/rank{rank}")
+                    } else {
+                        id.clone()
+                    },
+                    addr: u.addr,
+                    models: u.models.clone(),
+                    long: u.long,
+                    dp_rank: (u.dp_ranks > 1).then_some(rank),
+                })
             })
             .collect();
         let state = replicas
@@ -185,9 +252,11 @@ impl Router {
                 load: 0.0,
                 routed: 0,
                 health: ReplicaHealth::default(),
+                engine: None,
             })
             .collect();
         Arc::new(Router {
+            any_long: replicas.iter().any(|r| r.long),
             replicas,
             params: settings.score_params(),
             block_size: settings.block_size,
@@ -195,6 +264,11 @@ impl Router {
             max_inflight: settings.max_inflight,
             fallbacks: settings.fallbacks,
             health_params: settings.health_params(),
+            long_prompt_bytes: settings.long_prompt_bytes,
+            long_lane: settings.long_lane,
+            engine_stale: config::seconds(settings.engine_metrics_stale_seconds),
+            engine_load_weight: settings.engine_load_weight,
+            max_queue: settings.max_queue,
             state: Mutex::new(state),
             rr: AtomicUsize::new(0),
             decisions: AtomicU64::new(0),
@@ -213,20 +287,56 @@ impl Router {
         self.block_size
     }
 
-    /// Index of the replica at `addr`, if it is one of ours.
-    pub fn replica_at(&self, addr: &str) -> Option<usize> {
+    /// Index of the replica at `addr`, if it is one of ours (`prefer` when
+    /// it is at that address: data-parallel ranks share one).
+    pub fn replica_at(&self, addr: &str, prefer: Option<usize>) -> Option<usize> {
+        if let Some(p) = prefer.filter(|&p| self.replicas[p].addr.to_string() == addr) {
+            return Some(p);
+        }
         self.replicas
             .iter()
             .position(|r| r.addr.to_string() == addr)
     }
 
-    /// `ip:port,ip:port,...` for the decision's order.
+    /// `ip:port,ip:port,...` for the decision's order (each address once).
     pub fn destination(&self, order: &[usize]) -> String {
-        order
-            .iter()
-            .map(|&i| self.replicas[i].addr.to_string())
+        let mut seen: Vec<SocketAddr> = Vec::with_capacity(order.len());
+        for &i in order {
+            let a = self.replicas[i].addr;
+            if !seen.contains(&a) {
+                seen.push(a);
+            }
+        }
+        seen.iter()
+            .map(ToString::to_string)
             .collect::<Vec<_>>()
             .join(",")
+    }
+
+    /// Engine figures scraped from `addr`'s metrics, shared by its ranks.
+    pub fn set_engine_signals(&self, addr: SocketAddr, signals: EngineSignals) {
+        let ranks = self
+            .replicas
+            .iter()
+            .filter(|r| r.addr == addr)
+            .count()
+            .max(1) as f64;
+        let mut state = self.lock();
+        for (r, s) in self.replicas.iter().zip(state.iter_mut()) {
+            if r.addr == addr {
+                s.engine = Some(EngineSignals {
+                    waiting: signals.waiting / ranks,
+                    running: signals.running / ranks,
+                    ..signals
+                });
+            }
+        }
+    }
+
+    /// Engine figures that are still fresh.
+    fn fresh_engine(&self, s: &ReplicaState, now: Instant) -> Option<EngineSignals> {
+        s.engine
+            .filter(|e| now.duration_since(e.at) <= self.engine_stale)
     }
 
     fn lock(&self) -> MutexGuard<'_, Vec<ReplicaState>> {
@@ -253,19 +363,51 @@ impl Router {
                 req.model.clone().unwrap_or_default(),
             ));
         }
-        let healthy: Vec<usize> = serving
+        // The long-prompt lane: long prompts only on `long` replicas; short
+        // ones per HEARTH_LONG_LANE (avoid-unless-warm is settled below,
+        // once overlaps are known).
+        let long_request = self.any_long && req.prompt_bytes >= self.long_prompt_bytes;
+        let in_lane: Vec<usize> = serving
             .into_iter()
             .filter(|&i| state[i].health.is_serving())
+            .filter(|&i| match (long_request, self.any_long, self.long_lane) {
+                (true, _, _) => self.replicas[i].long,
+                (false, true, LongLane::Exclusive) => !self.replicas[i].long,
+                _ => true,
+            })
             .collect();
+        let healthy: Vec<usize> =
+            if !long_request && self.any_long && self.long_lane == LongLane::Avoid {
+                let short_only: Vec<usize> = in_lane
+                    .iter()
+                    .copied()
+                    .filter(|&i| !self.replicas[i].long)
+                    .collect();
+                if short_only.is_empty() {
+                    in_lane
+                } else {
+                    short_only
+                }
+            } else {
+                in_lane
+            };
         if healthy.is_empty() {
             self.rejected.fetch_add(1, Ordering::Relaxed);
             return Err(RouteError::NoHealthyReplica(
                 req.model.clone().unwrap_or_default(),
             ));
         }
+        // Admission: in-flight and engine-queue limits.
+        let now = Instant::now();
         let candidates: Vec<usize> = healthy
             .into_iter()
             .filter(|&i| self.max_inflight == 0 || state[i].in_flight < self.max_inflight)
+            .filter(|&i| {
+                self.max_queue == 0
+                    || self
+                        .fresh_engine(&state[i], now)
+                        .is_none_or(|e| e.waiting < self.max_queue as f64)
+            })
             .collect();
         if candidates.is_empty() {
             self.rejected.fetch_add(1, Ordering::Relaxed);
@@ -276,16 +418,18 @@ impl Router {
         // candidates run together), then the scoring rule.
         let sets: Vec<&LruBlocks> = candidates.iter().map(|&i| &state[i].warmth).collect();
         let overlaps = LruBlocks::leading_overlaps(&sets, &req.hashes);
+        let (candidates, overlaps) = self.warm_long_only(candidates, overlaps, long_request);
         let scored: Vec<Candidate> = candidates
             .iter()
             .zip(overlaps)
             .map(|(&i, overlap)| Candidate {
                 overlap: overlap as u32,
-                load: state[i].load,
+                load: state[i].load + self.engine_load(i, &state[i], now),
             })
             .collect();
         let rr = self.rr.fetch_add(1, Ordering::Relaxed);
-        let ranked = policy::rank(&self.params, &scored, rr);
+        let ranking = policy::rank_scored(&self.params, &scored, rr);
+        let ranked = &ranking.order;
         let order: Vec<usize> = ranked
             .iter()
             .take(1 + self.fallbacks)
@@ -293,6 +437,18 @@ impl Router {
             .collect();
         let chosen = order[0];
         let overlap = scored[ranked[0]].overlap;
+        let traced = candidates
+            .iter()
+            .zip(&scored)
+            .zip(ranking.credits.iter().zip(&ranking.scores))
+            .map(|((&replica, c), (&credit, &score))| ScoredCandidate {
+                replica,
+                overlap: c.overlap,
+                credit,
+                load: c.load,
+                score,
+            })
+            .collect();
 
         // Reserve: weight by the prompt bytes the replica must still read,
         // and record the prompt as warm there now, so concurrent requests
@@ -310,12 +466,51 @@ impl Router {
         Ok(Decision {
             order,
             overlap,
+            candidates: traced,
             reservation: Reservation {
                 router: Arc::clone(self),
                 replica: chosen,
                 weight,
             },
         })
+    }
+
+    /// Under `avoid-unless-warm`, a short prompt keeps a `long` replica
+    /// only where the session is cached: more of it than on the least-warm
+    /// candidate (unless no other replica is left).
+    fn warm_long_only(
+        &self,
+        candidates: Vec<usize>,
+        overlaps: Vec<usize>,
+        long_request: bool,
+    ) -> (Vec<usize>, Vec<usize>) {
+        if long_request || !self.any_long || self.long_lane != LongLane::AvoidUnlessWarm {
+            return (candidates, overlaps);
+        }
+        let least = overlaps.iter().copied().min().unwrap_or(0);
+        let kept: (Vec<usize>, Vec<usize>) = candidates
+            .iter()
+            .zip(&overlaps)
+            .filter(|(&i, &o)| !self.replicas[i].long || o > least)
+            .map(|(&i, &o)| (i, o))
+            .unzip();
+        if kept.0.is_empty() {
+            (candidates, overlaps)
+        } else {
+            kept
+        }
+    }
+
+    /// Load the engine reports beyond this sidecar's own reservations:
+    /// queued requests, and running ones other gateways sent.
+    fn engine_load(&self, _i: usize, s: &ReplicaState, now: Instant) -> f64 {
+        match self.fresh_engine(s, now) {
+            Some(e) => {
+                let foreign = (e.running - f64::from(s.in_flight)).max(0.0);
+                (e.waiting + foreign) * self.engine_load_weight
+            }
+            None => 0.0,
+        }
     }
 
     /// Counts how a routed request's stream ended: after the engine's
@@ -329,20 +524,43 @@ impl Router {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A finished request's outcome on replica `i` (passive health).
+    /// A finished request's outcome on replica `i` (passive health; the
+    /// engine behind an address is one, so all its ranks share it).
     pub fn record_request(&self, i: usize, outcome: Outcome) {
         let params = self.health_params;
-        if let Some(r) = self.lock().get_mut(i) {
-            r.health.record_request(outcome, &params, Instant::now());
+        let Some(addr) = self.replicas.get(i).map(|r| r.addr) else {
+            return;
+        };
+        let now = Instant::now();
+        let mut state = self.lock();
+        for (r, s) in self.replicas.iter().zip(state.iter_mut()) {
+            if r.addr == addr {
+                s.health.record_request(outcome, &params, now);
+            }
         }
     }
 
-    /// A probe's outcome on replica `i` (active health).
-    pub fn record_probe(&self, i: usize, outcome: Outcome) {
+    /// A probe's outcome on the engine at `addr` (active health).
+    pub fn record_probe(&self, addr: SocketAddr, outcome: Outcome) {
         let params = self.health_params;
-        if let Some(r) = self.lock().get_mut(i) {
-            r.health.record_probe(outcome, &params, Instant::now());
+        let now = Instant::now();
+        let mut state = self.lock();
+        for (r, s) in self.replicas.iter().zip(state.iter_mut()) {
+            if r.addr == addr {
+                s.health.record_probe(outcome, &params, now);
+            }
         }
+    }
+
+    /// Each engine address once, with the model to probe it with.
+    pub fn engines(&self) -> Vec<(SocketAddr, Option<String>)> {
+        let mut out: Vec<(SocketAddr, Option<String>)> = Vec::new();
+        for r in &self.replicas {
+            if !out.iter().any(|(a, _)| *a == r.addr) {
+                out.push((r.addr, r.models.first().cloned()));
+            }
+        }
+        out
     }
 
     pub fn fleet_health(&self) -> FleetHealth {
@@ -381,6 +599,14 @@ impl Router {
                     warmth_memory_bytes: s.warmth.memory_bytes(),
                     routed_total: s.routed,
                     health: s.health.snapshot(now),
+                    long: r.long,
+                    dp_rank: r.dp_rank,
+                    engine: s.engine.map(|e| EngineSnapshot {
+                        waiting: e.waiting,
+                        running: e.running,
+                        kv_usage: e.kv_usage,
+                        age_s: now.duration_since(e.at).as_secs_f64(),
+                    }),
                 })
                 .collect(),
         }
@@ -508,6 +734,143 @@ mod tests {
         ));
     }
 
+    fn lane_router(lane: &str) -> Arc<Router> {
+        Router::new(
+            &Cli::try_parse_from([
+                "x",
+                "--upstreams",
+                "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3;tag=long",
+                "--long-prompt-bytes",
+                "100000",
+                "--long-lane",
+                lane,
+                "--fallbacks",
+                "5",
+            ])
+            .unwrap()
+            .settings,
+        )
+    }
+
+    fn sized(hashes: &[u64], bytes: u64) -> RequestInfo {
+        RequestInfo {
+            hashes: hashes.to_vec(),
+            prompt_bytes: bytes,
+            model: None,
+        }
+    }
+
+    #[test]
+    fn long_prompts_go_only_to_the_long_lane() {
+        for lane in ["shared", "exclusive", "avoid", "avoid-unless-warm"] {
+            let r = lane_router(lane);
+            let d = r.decide(&sized(&[1], 200_000)).unwrap();
+            assert_eq!(d.order, [2], "{lane}");
+        }
+    }
+
+    #[test]
+    fn short_prompts_follow_the_lane_setting() {
+        let r = lane_router("shared");
+        assert_eq!(r.decide(&sized(&[1], 10)).unwrap().order.len(), 3);
+        for lane in ["exclusive", "avoid", "avoid-unless-warm"] {
+            let r = lane_router(lane);
+            let d = r.decide(&sized(&[1], 10)).unwrap();
+            assert!(!d.order.contains(&2), "{lane}: {:?}", d.order);
+        }
+        // Avoid falls back to the long replica when nothing else is left;
+        // exclusive does not.
+        for (lane, expect_ok) in [("avoid", true), ("exclusive", false)] {
+            let r = lane_router(lane);
+            for i in 0..2 {
+                for _ in 0..3 {
+                    r.record_request(i, Outcome::Failure(crate::health::Failure::ServerError));
+                }
+            }
+            assert_eq!(r.decide(&sized(&[1], 10)).is_ok(), expect_ok, "{lane}");
+        }
+    }
+
+    #[test]
+    fn avoid_unless_warm_keeps_a_long_replica_that_holds_the_session() {
+        let r = lane_router("avoid-unless-warm");
+        // The session started long, on the long replica.
+        drop(r.decide(&sized(&[7, 8, 9], 200_000)).unwrap());
+        // Its next (short, after compaction-like trimming) prompt shares
+        // the prefix: the long replica stays eligible, and wins on warmth.
+        let d = r.decide(&sized(&[7, 8, 9, 10], 50)).unwrap();
+        assert_eq!(d.primary(), 2);
+        // A cold short prompt does not get it.
+        let d = r.decide(&sized(&[99], 50)).unwrap();
+        assert!(!d.order.contains(&2));
+    }
+
+    #[test]
+    fn data_parallel_ranks_are_separate_targets_behind_one_address() {
+        let r = Router::new(
+            &Cli::try_parse_from(["x", "--upstreams", "127.0.0.1:1;id=e;dp=2,127.0.0.1:2"])
+                .unwrap()
+                .settings,
+        );
+        let ids: Vec<_> = r.replicas().iter().map(|x| x.id.as_str()).collect();
+        assert_eq!(ids, ["e/rank0", "e/rank1", "replica-1"]);
+        assert_eq!(r.replicas()[1].dp_rank, Some(1));
+        // The destination names each address once.
+        assert_eq!(r.destination(&[0, 1, 2]), "127.0.0.1:1,127.0.0.1:2");
+        assert_eq!(r.replica_at("127.0.0.1:1", Some(1)), Some(1));
+        // Warmth is per rank: a session returns to its rank.
+        let first = r.decide(&req(&[4, 5])).unwrap();
+        let rank = first.primary();
+        drop(first);
+        assert_eq!(r.decide(&req(&[4, 5, 6])).unwrap().primary(), rank);
+        // Health is per engine: both ranks are fenced together.
+        for _ in 0..3 {
+            r.record_request(0, Outcome::Failure(crate::health::Failure::ServerError));
+        }
+        let snap = r.snapshot();
+        assert_eq!(
+            snap.replicas[1].health.state,
+            crate::health::HealthState::Fenced
+        );
+    }
+
+    #[test]
+    fn engine_figures_add_load_until_they_go_stale() {
+        let r = Router::new(
+            &Cli::try_parse_from([
+                "x",
+                "--upstreams",
+                "127.0.0.1:1,127.0.0.1:2",
+                "--engine-metrics-stale-seconds",
+                "5",
+                "--max-queue",
+                "4",
+            ])
+            .unwrap()
+            .settings,
+        );
+        let busy = |waiting: f64, running: f64, age: u64| EngineSignals {
+            waiting,
+            running,
+            kv_usage: None,
+            at: Instant::now() - Duration::from_secs(age),
+        };
+        let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        // Another gateway keeps engine 0 busy: new work goes to engine 1.
+        r.set_engine_signals(a, busy(0.0, 6.0, 0));
+        for k in 0..4 {
+            assert_eq!(r.decide(&req(&[100 + k])).unwrap().primary(), 1);
+        }
+        // Stale figures are ignored.
+        r.set_engine_signals(a, busy(0.0, 60.0, 30));
+        let d = r.decide(&req(&[200])).unwrap();
+        assert_eq!(d.order.len(), 2);
+        // A full queue everywhere sheds.
+        r.set_engine_signals(a, busy(4.0, 0.0, 0));
+        r.set_engine_signals("127.0.0.1:2".parse().unwrap(), busy(9.0, 0.0, 0));
+        assert_eq!(r.decide(&req(&[300])).unwrap_err(), RouteError::Saturated);
+    }
+
     #[test]
     fn destination_lists_fallbacks_in_rank_order() {
         let router = router(&["--fallbacks", "1"]);
@@ -516,7 +879,7 @@ mod tests {
         let dest = router.destination(&d.order);
         assert_eq!(dest.split(',').count(), 2);
         assert_eq!(
-            router.replica_at(dest.split(',').next().unwrap()),
+            router.replica_at(dest.split(',').next().unwrap(), None),
             Some(d.primary())
         );
     }

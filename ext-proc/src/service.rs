@@ -41,6 +41,8 @@ use crate::router::{Decision, RequestInfo, RouteError, Router};
 /// The destination header and `envoy.lb` metadata key Envoy's override_host
 /// policy reads (the Gateway API Inference Extension's name).
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+/// The header vLLM reads to pick a data-parallel rank.
+pub const DP_RANK: &str = "x-data-parallel-rank";
 /// Metadata namespace for the destination.
 pub const LB_NAMESPACE: &str = "envoy.lb";
 /// Response header naming the replica that served the request.
@@ -210,7 +212,9 @@ impl Exchange {
                     status: header_value(&h, ":status").and_then(|s| s.parse().ok()),
                     details: attribute(&msg.attributes, "response.code_details")
                         .unwrap_or_default(),
-                    served: served.as_deref().and_then(|a| self.router.replica_at(a)),
+                    served: served
+                        .as_deref()
+                        .and_then(|a| self.router.replica_at(a, self.routed_to)),
                 });
                 let end = h.end_of_stream;
                 (Some(self.on_response_headers()), end)
@@ -317,10 +321,19 @@ impl Exchange {
                     blocks = info.hashes.len(),
                     "routed"
                 );
+                // A data-parallel target: tell the engine which rank.
+                let rank = self.router.replicas()[decision.primary()].dp_rank;
                 self.decision = Some(decision);
+                let mut set_headers = vec![set_header(DESTINATION, &dest)];
+                let mut remove_headers = vec![header::FP.to_string()];
+                match rank {
+                    Some(rank) => set_headers.push(set_header(DP_RANK, &rank.to_string())),
+                    // Only the sidecar picks ranks.
+                    None => remove_headers.push(DP_RANK.to_string()),
+                }
                 let mutation = HeaderMutation {
-                    set_headers: vec![set_header(DESTINATION, &dest)],
-                    remove_headers: vec![header::FP.to_string()],
+                    set_headers,
+                    remove_headers,
                 };
                 let common = CommonResponse {
                     header_mutation: Some(mutation),
@@ -458,7 +471,7 @@ fn attribute(attributes: &HashMap<String, Struct>, name: &str) -> Option<String>
 /// serve the request, 429 (with Retry-After) when every one is full.
 fn refusal(e: &RouteError) -> ProcessingResponse {
     let (status, kind, code, retry_after) = match e {
-        RouteError::NoReplicaForModel(_) => (503, "service_unavailable", "no_replica", None),
+        RouteError::NoReplicaForModel(_) => (404, "invalid_request_error", "model_not_found", None),
         RouteError::NoHealthyReplica(_) => {
             (503, "service_unavailable", "no_healthy_replica", Some("5"))
         }

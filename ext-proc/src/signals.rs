@@ -1,0 +1,127 @@
+//! Engine load signals: each engine's own Prometheus metrics, scraped every
+//! few seconds, in vLLM's or SGLang's names (the model-server protocol of
+//! the Gateway API Inference Extension): queued and running requests, KV
+//! cache utilisation. The router adds what an engine reports beyond this
+//! sidecar's own reservations (queued requests, and requests other gateways
+//! sent it) to its load, and ignores figures older than the staleness bound.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::router::{EngineSignals, Router};
+
+/// Metric names, per engine family: (waiting, running, KV utilisation).
+const FAMILIES: [(&str, &str, &[&str]); 2] = [
+    (
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+    ),
+    (
+        "sglang:num_queue_reqs",
+        "sglang:num_running_reqs",
+        &["sglang:token_usage"],
+    ),
+];
+
+/// Reads waiting, running and KV utilisation from a Prometheus text page
+/// (samples with several label sets are summed; KV utilisation averaged).
+/// `None` when the page has neither family's queue metrics.
+pub fn parse(text: &str, at: Instant) -> Option<EngineSignals> {
+    for (waiting, running, kv) in FAMILIES {
+        let w = sum(text, waiting);
+        let r = sum(text, running);
+        if w.is_none() && r.is_none() {
+            continue;
+        }
+        let kv_usage = kv.iter().find_map(|name| mean(text, name));
+        return Some(EngineSignals {
+            waiting: w.unwrap_or(0.0),
+            running: r.unwrap_or(0.0),
+            kv_usage,
+            at,
+        });
+    }
+    None
+}
+
+/// Values of every sample of metric `name`.
+fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = f64> + 'a {
+    text.lines().filter_map(move |line| {
+        let rest = line.strip_prefix(name)?;
+        // The name must end here: `{labels} value` or ` value`.
+        let rest = match rest.as_bytes().first()? {
+            b'{' => &rest[rest.find('}')? + 1..],
+            b' ' | b'\t' => rest,
+            _ => return None,
+        };
+        let value: f64 = rest.split_whitespace().next()?.parse().ok()?;
+        value.is_finite().then_some(value)
+    })
+}
+
+fn sum(text: &str, name: &str) -> Option<f64> {
+    samples(text, name).fold(None, |acc, v| Some(acc.unwrap_or(0.0) + v))
+}
+
+fn mean(text: &str, name: &str) -> Option<f64> {
+    let (n, total) = samples(text, name).fold((0u32, 0.0), |(n, t), v| (n + 1, t + v));
+    (n > 0).then(|| total / f64::from(n))
+}
+
+/// Scrapes every engine every `interval` until the task is dropped.
+pub async fn run(router: Arc<Router>, interval: Duration) {
+    if interval.is_zero() {
+        return;
+    }
+    let client = reqwest::Client::builder()
+        .timeout(interval.min(Duration::from_secs(2)))
+        .pool_max_idle_per_host(1)
+        .build()
+        .unwrap_or_default();
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let mut round = tokio::task::JoinSet::new();
+        for (addr, _) in router.engines() {
+            let (client, router) = (client.clone(), Arc::clone(&router));
+            round.spawn(async move {
+                let text = match client.get(format!("http://{addr}/metrics")).send().await {
+                    Ok(r) if r.status().is_success() => r.text().await.ok(),
+                    _ => None,
+                };
+                if let Some(signals) = text.and_then(|t| parse(&t, Instant::now())) {
+                    router.set_engine_signals(addr, signals);
+                }
+            });
+        }
+        while round.join_next().await.is_some() {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_vllm_names_summing_label_sets() {
+        let page = "# HELP vllm:num_requests_waiting x\n\
+            vllm:num_requests_waiting{model_name=\"a\"} 3\n\
+            vllm:num_requests_waiting{model_name=\"b\"} 2\n\
+            vllm:num_requests_running{model_name=\"a\"} 7.0\n\
+            vllm:num_requests_waiting_time_seconds_bucket{le=\"1\"} 99\n\
+            vllm:kv_cache_usage_perc{model_name=\"a\"} 0.5\n";
+        let s = parse(page, Instant::now()).unwrap();
+        assert_eq!((s.waiting, s.running, s.kv_usage), (5.0, 7.0, Some(0.5)));
+    }
+
+    #[test]
+    fn reads_sglang_names_and_refuses_other_pages() {
+        let page = "sglang:num_queue_reqs{tp_rank=\"0\"} 4\nsglang:num_running_reqs 1\nsglang:token_usage 0.25\n";
+        let s = parse(page, Instant::now()).unwrap();
+        assert_eq!((s.waiting, s.running, s.kv_usage), (4.0, 1.0, Some(0.25)));
+        assert!(parse("process_cpu_seconds_total 4\n", Instant::now()).is_none());
+        assert!(parse("vllm:num_requests_waiting NaN\n", Instant::now()).is_none());
+    }
+}
