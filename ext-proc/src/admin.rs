@@ -5,23 +5,132 @@
 //! answer carried text (`upstream=IP:PORT;text=0|1;done=0|1`). Bind it to
 //! loopback or a private interface: a client that can post outcomes can
 //! fence replicas.
+//!
+//! Observability: `GET /metrics` (Prometheus text), `GET /debug/decisions`
+//! (`?request_id=ID` for one request's decisions, else `?limit=N` for the
+//! latest, newest first), `GET /debug/series` (`?seconds=N` of per-second
+//! history) and the dashboard at `GET /` (also `/dashboard`), one
+//! self-contained page that polls `/state` and `/debug/series`.
 
 use std::sync::Arc;
 
-use axum::extract::State;
-use axum::http::StatusCode;
+use axum::extract::{Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{Html, IntoResponse};
 use axum::routing::{get, post};
 use axum::{Json, Router as HttpRouter};
+use serde::{Deserialize, Serialize};
 
 use crate::health::{self, Answer, FleetHealth};
+use crate::journal::DecisionRecord;
+use crate::observe::Observer;
 use crate::router::{Router, Snapshot};
+use crate::series::{Second, SERIES_SECONDS};
 
-pub fn routes(router: Arc<Router>) -> HttpRouter {
+/// The dashboard: one page, inline script and style, no external fetches.
+pub const DASHBOARD: &str = include_str!("dashboard.html");
+
+pub fn routes(observer: Arc<Observer>) -> HttpRouter {
+    let router = Arc::clone(observer.router());
     HttpRouter::new()
         .route("/state", get(state))
         .route("/health", get(health))
         .route("/outcome", post(outcome))
         .with_state(router)
+        .merge(
+            HttpRouter::new()
+                .route("/metrics", get(metrics))
+                .route("/debug/decisions", get(decisions))
+                .route("/debug/series", get(series))
+                .route("/", get(dashboard))
+                .route("/dashboard", get(dashboard))
+                .with_state(observer),
+        )
+}
+
+async fn metrics(State(observer): State<Arc<Observer>>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        observer.encode_metrics(),
+    )
+}
+
+#[derive(Debug, Deserialize)]
+pub struct DecisionQuery {
+    pub request_id: Option<String>,
+    pub limit: Option<usize>,
+}
+
+/// `/debug/decisions`: newest first.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Decisions {
+    /// Records the ring can hold (`HEARTH_JOURNAL_SIZE`).
+    pub journal_size: usize,
+    pub decisions: Vec<DecisionRecord>,
+}
+
+async fn decisions(
+    State(observer): State<Arc<Observer>>,
+    Query(q): Query<DecisionQuery>,
+) -> (StatusCode, Json<Decisions>) {
+    let journal = &observer.journal;
+    let found = match &q.request_id {
+        Some(id) => journal.find(id),
+        None => journal.latest(q.limit.unwrap_or(20)),
+    };
+    let code = if q.request_id.is_some() && found.is_empty() {
+        StatusCode::NOT_FOUND
+    } else {
+        StatusCode::OK
+    };
+    let decisions = found
+        .into_iter()
+        .take(q.limit.unwrap_or(usize::MAX))
+        .map(|r| (*r).clone())
+        .collect();
+    (
+        code,
+        Json(Decisions {
+            journal_size: journal.capacity(),
+            decisions,
+        }),
+    )
+}
+
+#[derive(Debug, Deserialize)]
+pub struct SeriesQuery {
+    pub seconds: Option<usize>,
+}
+
+/// `/debug/series`: per-second history, oldest first.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct SeriesView {
+    /// Replica ids, in the order of each second's `in_flight` and `load`.
+    pub replicas: Vec<String>,
+    pub seconds: Vec<Second>,
+}
+
+async fn series(
+    State(observer): State<Arc<Observer>>,
+    Query(q): Query<SeriesQuery>,
+) -> Json<SeriesView> {
+    let n = q.seconds.unwrap_or(120).min(SERIES_SECONDS);
+    Json(SeriesView {
+        replicas: observer
+            .router()
+            .replicas()
+            .iter()
+            .map(|r| r.id.clone())
+            .collect(),
+        seconds: observer.series.last(n),
+    })
+}
+
+async fn dashboard() -> Html<&'static str> {
+    Html(DASHBOARD)
 }
 
 async fn state(State(router): State<Arc<Router>>) -> Json<Snapshot> {

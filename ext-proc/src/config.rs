@@ -163,6 +163,15 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_MAX_QUEUE", default_value_t = 0)]
     pub max_queue: u64,
 
+    /// Decisions kept in memory for `GET /debug/decisions` (0 = none).
+    #[arg(long, env = "HEARTH_JOURNAL_SIZE", default_value_t = 10_000)]
+    pub journal_size: usize,
+
+    /// Also append every decision as one JSON line to this file (off when
+    /// unset). Hashes and numbers only, never prompt text.
+    #[arg(long, env = "HEARTH_JOURNAL_FILE")]
+    pub journal_file: Option<std::path::PathBuf>,
+
     /// Seconds open streams get to finish on shutdown before they are cut.
     #[arg(long, env = "HEARTH_DRAIN_SECONDS", default_value_t = 10)]
     pub drain_seconds: u64,

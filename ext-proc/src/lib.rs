@@ -18,9 +18,13 @@ pub mod body;
 pub mod config;
 pub mod envoy_config;
 pub mod health;
+pub mod journal;
+pub mod metrics;
+pub mod observe;
 pub mod policy;
 pub mod probe;
 pub mod router;
+pub mod series;
 pub mod service;
 pub mod signals;
 pub mod warmth;
@@ -43,6 +47,8 @@ pub struct Sidecar {
     pub grpc_addr: SocketAddr,
     pub admin_addr: SocketAddr,
     pub router: Arc<Router>,
+    /// Metrics, decision journal and the dashboard's history.
+    pub observer: Arc<observe::Observer>,
     stop: Option<oneshot::Sender<()>>,
     drain: Duration,
     task: JoinHandle<anyhow::Result<()>>,
@@ -60,9 +66,14 @@ impl Sidecar {
         let grpc_addr = grpc.local_addr()?;
         let admin_addr = admin.local_addr()?;
         let router = Router::new(settings);
+        let journal =
+            journal::Journal::open(settings.journal_size, settings.journal_file.as_deref())
+                .context("opening HEARTH_JOURNAL_FILE")?;
+        let observer =
+            observe::Observer::new(Arc::clone(&router), settings.affinity_basis, journal);
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(serve(
-            Arc::clone(&router),
+            Arc::clone(&observer),
             settings.probe_params(),
             config::seconds(settings.first_byte_timeout_seconds),
             config::seconds(settings.engine_metrics_seconds),
@@ -76,6 +87,7 @@ impl Sidecar {
             grpc_addr,
             admin_addr,
             router,
+            observer,
             stop: Some(stop),
             drain: Duration::from_secs(settings.drain_seconds),
             task,
@@ -123,7 +135,7 @@ impl Drop for Sidecar {
 }
 
 async fn serve(
-    router: Arc<Router>,
+    observer: Arc<observe::Observer>,
     probe_params: probe::ProbeParams,
     first_byte_timeout: Duration,
     engine_metrics: Duration,
@@ -131,6 +143,7 @@ async fn serve(
     admin: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    let router = Arc::clone(observer.router());
     let (tx, _) = tokio::sync::broadcast::channel::<()>(1);
     let mut grpc_stop = tx.subscribe();
     let mut admin_stop = tx.subscribe();
@@ -140,7 +153,7 @@ async fn serve(
     let health_task = tokio::spawn(report_grpc_health(Arc::clone(&router), health_reporter));
     let grpc_server = tonic::transport::Server::builder()
         .add_service(health_service)
-        .add_service(service::server(Arc::clone(&router), first_byte_timeout))
+        .add_service(service::server(Arc::clone(&observer), first_byte_timeout))
         // TCP_NODELAY: without it, Envoy's small ext_proc messages meet
         // Nagle and delayed ACKs and a decision waits ~40 ms (measured by
         // `hearth-bench overhead`).
@@ -150,11 +163,16 @@ async fn serve(
                 let _ = grpc_stop.recv().await;
             },
         );
-    let admin_server = axum::serve(admin, admin::routes(Arc::clone(&router)))
+    let admin_server = axum::serve(admin, admin::routes(Arc::clone(&observer)))
         .with_graceful_shutdown(async move {
             let _ = admin_stop.recv().await;
         });
-    let prober = tokio::spawn(probe::run(Arc::clone(&router), probe_params));
+    let prober = tokio::spawn(probe::run(
+        Arc::clone(&router),
+        Arc::clone(&observer),
+        probe_params,
+    ));
+    let sampler = tokio::spawn(observe::sample_every_second(Arc::clone(&observer)));
     let scraper = tokio::spawn(signals::run(Arc::clone(&router), engine_metrics));
     let grpc_task = tokio::spawn(grpc_server);
     let admin_task = tokio::spawn(async move { admin_server.await });
@@ -163,6 +181,7 @@ async fn serve(
     grpc_task.await?.context("gRPC server")?;
     admin_task.await?.context("state endpoint")?;
     prober.abort();
+    sampler.abort();
     scraper.abort();
     health_task.abort();
     Ok(())

@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
 use crate::health::{Failure, Outcome};
+use crate::observe::Observer;
 use crate::router::Router;
 
 /// Probe settings.
@@ -87,7 +88,7 @@ pub async fn probe_once(
 }
 
 /// Runs probes until the task is dropped.
-pub async fn run(router: Arc<Router>, params: ProbeParams) {
+pub async fn run(router: Arc<Router>, observer: Arc<Observer>, params: ProbeParams) {
     if params.interval.is_zero() {
         return;
     }
@@ -103,12 +104,14 @@ pub async fn run(router: Arc<Router>, params: ProbeParams) {
         let mut round = tokio::task::JoinSet::new();
         for (addr, model) in router.engines() {
             let (client, router, limit) = (client.clone(), Arc::clone(&router), Arc::clone(&limit));
+            let observer = Arc::clone(&observer);
             round.spawn(async move {
                 let Ok(_permit) = limit.acquire().await else {
                     return;
                 };
                 let base = format!("http://{addr}");
                 let outcome = probe_once(&client, &base, model.as_deref(), params.timeout).await;
+                observer.probe(addr, outcome);
                 router.record_probe(addr, outcome);
             });
         }

@@ -36,6 +36,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::body;
 use crate::health::{self, Failure, Outcome};
+use crate::observe::Observer;
 use crate::router::{Decision, RequestInfo, RouteError, Router};
 
 /// The destination header and `envoy.lb` metadata key Envoy's override_host
@@ -45,18 +46,22 @@ pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 pub const DP_RANK: &str = "x-data-parallel-rank";
 /// Metadata namespace for the destination.
 pub const LB_NAMESPACE: &str = "envoy.lb";
+/// Envoy's request id, kept in the decision journal.
+pub const REQUEST_ID: &str = "x-request-id";
 /// Response header naming the replica that served the request.
 pub const UPSTREAM: &str = "x-hearth-upstream";
 /// The ext_proc filter's attribute namespace in `ProcessingRequest.attributes`.
 const EXT_PROC_ATTRIBUTES: &str = "envoy.filters.http.ext_proc";
 
-/// Builds the tonic service around a router.
+/// Builds the tonic service around a router (the observer's), which
+/// reports every decision to the observer.
 pub fn server(
-    router: Arc<Router>,
+    observer: Arc<Observer>,
     first_byte_timeout: Duration,
 ) -> ExternalProcessorServer<Processor> {
     ExternalProcessorServer::new(Processor {
-        router,
+        router: Arc::clone(observer.router()),
+        observer,
         first_byte_timeout,
     })
     // Body mode sends whole request bodies (up to the gateway's 8 MiB).
@@ -65,6 +70,7 @@ pub fn server(
 
 pub struct Processor {
     router: Arc<Router>,
+    observer: Arc<Observer>,
     /// No response headers this long after routing: a timeout strike.
     first_byte_timeout: Duration,
 }
@@ -81,7 +87,7 @@ impl ExternalProcessor for Processor {
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(4);
-        let mut exchange = Exchange::new(Arc::clone(&self.router));
+        let mut exchange = Exchange::new(Arc::clone(&self.router), Arc::clone(&self.observer));
         let first_byte_timeout = self.first_byte_timeout;
         tokio::spawn(async move {
             loop {
@@ -118,6 +124,9 @@ impl ExternalProcessor for Processor {
 /// One HTTP request's conversation with Envoy.
 struct Exchange {
     router: Arc<Router>,
+    observer: Arc<Observer>,
+    /// Envoy's `x-request-id`, for the decision journal.
+    request_id: Option<String>,
     decision: Option<Decision>,
     /// The replica the request was routed to (kept after the reservation
     /// is released, for the outcome).
@@ -168,9 +177,11 @@ impl Drop for Exchange {
 }
 
 impl Exchange {
-    fn new(router: Arc<Router>) -> Self {
+    fn new(router: Arc<Router>, observer: Arc<Observer>) -> Self {
         Exchange {
             router,
+            observer,
+            request_id: None,
             decision: None,
             routed_to: None,
             response: None,
@@ -283,6 +294,10 @@ impl Exchange {
     }
 
     fn on_request_headers(&mut self, h: &HttpHeaders) -> (Option<ProcessingResponse>, bool) {
+        // Bounded: a request id is an id, not a payload.
+        self.request_id = header_value(h, REQUEST_ID)
+            .filter(|id| !id.is_empty())
+            .map(|id| id.chars().take(128).collect());
         if self.body.sent {
             // Body mode: a prompt request is routed once its body is in.
             self.body.pending = body::awaits_body(h);
@@ -311,7 +326,15 @@ impl Exchange {
         info: &RequestInfo,
         wrap: impl FnOnce(CommonResponse) -> processing_response::Response,
     ) -> (Option<ProcessingResponse>, bool) {
-        match self.router.decide(info) {
+        let started = std::time::Instant::now();
+        let decided = self.router.decide(info);
+        let elapsed = started.elapsed();
+        let request_id = self.request_id.as_deref();
+        match &decided {
+            Ok(d) => self.observer.routed(request_id, info, d, elapsed),
+            Err(e) => self.observer.refused(request_id, info, e, elapsed),
+        }
+        match decided {
             Ok(decision) => {
                 let dest = self.router.destination(&decision.order);
                 self.routed_to = Some(decision.primary());
