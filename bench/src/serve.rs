@@ -61,6 +61,9 @@ pub struct EngineArgs {
     /// run time with `PUT /admin/fault {"fault": "..."}` on the replica.
     #[arg(long, value_parser = parse_replica_fault)]
     pub fault: Vec<(usize, Fault)>,
+    /// Requests generated at once per replica; the rest queue (0 = no limit).
+    #[arg(long, default_value_t = 0)]
+    pub max_running: usize,
 }
 
 impl EngineArgs {
@@ -76,6 +79,7 @@ impl EngineArgs {
             decode_micros_per_token: self.decode_us_per_token,
             time_scale: self.time_scale,
             default_output_tokens: self.output_tokens,
+            max_running: self.max_running,
             fault: self
                 .fault
                 .iter()

@@ -145,6 +145,9 @@ pub struct EngineSignals {
     /// KV cache utilisation, 0..1, when reported.
     pub kv_usage: Option<f64>,
     pub at: Instant,
+    /// This sidecar's own in-flight requests on the target when the
+    /// figures arrived: `running` beyond it is other gateways' traffic.
+    pub own_in_flight: u32,
 }
 
 /// An engine's figures on the state endpoint.
@@ -327,6 +330,7 @@ impl Router {
                 s.engine = Some(EngineSignals {
                     waiting: signals.waiting / ranks,
                     running: signals.running / ranks,
+                    own_in_flight: s.in_flight,
                     ..signals
                 });
             }
@@ -424,12 +428,22 @@ impl Router {
             .zip(overlaps)
             .map(|(&i, overlap)| Candidate {
                 overlap: overlap as u32,
-                load: state[i].load + self.engine_load(i, &state[i], now),
+                load: state[i].load + self.engine_load(&state[i], now),
             })
             .collect();
-        let rr = self.rr.fetch_add(1, Ordering::Relaxed);
+        // Round-robin among exact ties: the turn advances only when the
+        // top of the ranking was a tie, so regular traffic patterns cannot
+        // keep landing ties on the same replica.
+        let rr = self.rr.load(Ordering::Relaxed);
         let ranking = policy::rank_scored(&self.params, &scored, rr);
         let ranked = &ranking.order;
+        if let [first, second, ..] = ranked[..] {
+            let tied = ranking.scores[first] == ranking.scores[second]
+                && scored[first].overlap == scored[second].overlap;
+            if tied {
+                self.rr.fetch_add(1, Ordering::Relaxed);
+            }
+        }
         let order: Vec<usize> = ranked
             .iter()
             .take(1 + self.fallbacks)
@@ -503,10 +517,10 @@ impl Router {
 
     /// Load the engine reports beyond this sidecar's own reservations:
     /// queued requests, and running ones other gateways sent.
-    fn engine_load(&self, _i: usize, s: &ReplicaState, now: Instant) -> f64 {
+    fn engine_load(&self, s: &ReplicaState, now: Instant) -> f64 {
         match self.fresh_engine(s, now) {
             Some(e) => {
-                let foreign = (e.running - f64::from(s.in_flight)).max(0.0);
+                let foreign = (e.running - f64::from(e.own_in_flight)).max(0.0);
                 (e.waiting + foreign) * self.engine_load_weight
             }
             None => 0.0,
@@ -854,6 +868,7 @@ mod tests {
             running,
             kv_usage: None,
             at: Instant::now() - Duration::from_secs(age),
+            own_in_flight: 0,
         };
         let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
         // Another gateway keeps engine 0 busy: new work goes to engine 1.

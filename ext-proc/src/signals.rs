@@ -40,6 +40,7 @@ pub fn parse(text: &str, at: Instant) -> Option<EngineSignals> {
             running: r.unwrap_or(0.0),
             kv_usage,
             at,
+            own_in_flight: 0,
         });
     }
     None

@@ -35,6 +35,10 @@ pub struct FleetOptions {
     pub body_mode: bool,
     /// Each engine's prefix cache, in tokens.
     pub cache_capacity_tokens: usize,
+    /// Extra upstream options per engine index, e.g. `(2, ";tag=long")`.
+    pub upstream_options: Vec<(usize, String)>,
+    /// Each engine's running-request limit (0 = none; beyond it, a queue).
+    pub max_running: usize,
 }
 
 impl Default for FleetOptions {
@@ -46,6 +50,8 @@ impl Default for FleetOptions {
             model_tag: false,
             body_mode: false,
             cache_capacity_tokens: EngineConfig::default().cache_capacity_tokens,
+            upstream_options: Vec::new(),
+            max_running: 0,
         }
     }
 }
@@ -84,6 +90,7 @@ impl Fleet {
                 model: MODEL.into(),
                 decode_micros_per_token: opts.decode_micros_per_token,
                 cache_capacity_tokens: opts.cache_capacity_tokens,
+                max_running: opts.max_running,
                 ..EngineConfig::default()
             };
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -93,12 +100,16 @@ impl Fleet {
         // checked against the engine that really answered.
         let upstreams = engines
             .iter()
-            .map(|e| {
-                let tag = if opts.model_tag {
+            .enumerate()
+            .map(|(i, e)| {
+                let mut tag = if opts.model_tag {
                     format!(";model={MODEL}")
                 } else {
                     String::new()
                 };
+                for (_, extra) in opts.upstream_options.iter().filter(|(k, _)| *k == i) {
+                    tag.push_str(extra);
+                }
                 format!("{};id={}{tag}", e.addr, e.engine.config().id)
             })
             .collect::<Vec<_>>()

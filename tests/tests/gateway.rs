@@ -257,7 +257,7 @@ async fn non_json_bodies_and_unknown_paths_still_reach_a_replica() {
 }
 
 #[tokio::test]
-async fn no_eligible_replica_is_an_openai_shaped_503() {
+async fn an_unknown_model_is_an_openai_shaped_404() {
     // Replicas restricted to MODEL: a request for another model has nowhere to go.
     let fleet = Fleet::start(FleetOptions {
         model_tag: true,
@@ -270,8 +270,9 @@ async fn no_eligible_replica_is_an_openai_shaped_503() {
         .post_json("/v1/chat/completions", &conv.next_turn(100, false))
         .await
         .unwrap();
-    assert_eq!(t.status, 503, "{:?}", t.body);
-    assert_eq!(t.body["error"]["code"], "no_replica");
+    assert_eq!(t.status, 404, "{:?}", t.body);
+    assert_eq!(t.body["error"]["code"], "model_not_found");
+    assert_eq!(t.body["error"]["type"], "invalid_request_error");
     assert!(t.engine.is_none());
     let mut conv = Conversation::new(MODEL, "sys", false, 501);
     assert_eq!(fleet.chat(&conv.next_turn(100, false)).await.status, 200);

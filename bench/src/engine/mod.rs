@@ -78,6 +78,10 @@ pub struct EngineConfig {
     /// Fault shown from the start (default none); changeable at run time.
     #[serde(default)]
     pub fault: Fault,
+    /// Requests generated at once; the rest wait in FIFO order and show as
+    /// `vllm:num_requests_waiting` (default 0: no limit).
+    #[serde(default)]
+    pub max_running: usize,
 }
 
 impl Default for EngineConfig {
@@ -93,6 +97,7 @@ impl Default for EngineConfig {
             time_scale: 1.0,
             default_output_tokens: 16,
             fault: Fault::None,
+            max_running: 0,
         }
     }
 }
@@ -188,6 +193,9 @@ pub struct Engine {
     completed_total: AtomicU64,
     aborted_total: AtomicU64,
     fault: Mutex<Fault>,
+    /// Slots for running requests (when `max_running` is set).
+    slots: Option<Arc<tokio::sync::Semaphore>>,
+    waiting: AtomicU64,
 }
 
 /// What admission decided for one request.
@@ -207,6 +215,7 @@ impl Engine {
             .map_err(|_| EngineConfigError::Id(config.id.clone()))?;
         let capacity_blocks = config.cache_capacity_tokens / config.block_tokens;
         let fault = config.fault;
+        let max_running = config.max_running;
         Ok(Self {
             id_header,
             cache: Mutex::new(PrefixCache::new(capacity_blocks)),
@@ -219,6 +228,8 @@ impl Engine {
             completed_total: AtomicU64::new(0),
             aborted_total: AtomicU64::new(0),
             fault: Mutex::new(fault),
+            slots: (max_running > 0).then(|| Arc::new(tokio::sync::Semaphore::new(max_running))),
+            waiting: AtomicU64::new(0),
         })
     }
 
@@ -300,7 +311,7 @@ impl Engine {
             "vllm:num_requests_waiting",
             "gauge",
             "Number of requests waiting to be processed.",
-            "0".to_owned(),
+            self.waiting.load(Ordering::Relaxed).to_string(),
         );
         metric(
             "vllm:kv_cache_usage_perc",
@@ -328,14 +339,36 @@ impl Engine {
 struct InFlight {
     engine: Arc<Engine>,
     completed: bool,
+    /// The running slot, when slots are limited; freed with the request.
+    _slot: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// Counts a request as waiting while it exists.
+struct Waiting(Arc<Engine>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl InFlight {
-    fn start(engine: Arc<Engine>) -> Self {
+    /// Waits (FIFO) for a running slot if they are limited, then counts
+    /// the request as running.
+    async fn start(engine: Arc<Engine>) -> Self {
+        let slot = match &engine.slots {
+            Some(slots) => {
+                engine.waiting.fetch_add(1, Ordering::Relaxed);
+                let _waiting = Waiting(engine.clone());
+                Arc::clone(slots).acquire_owned().await.ok()
+            }
+            None => None,
+        };
         engine.running.fetch_add(1, Ordering::Relaxed);
         Self {
             engine,
             completed: false,
+            _slot: slot,
         }
     }
 }
@@ -440,7 +473,19 @@ pub fn router(engine: Arc<Engine>) -> Router {
             engine.clone(),
             tag_engine_id,
         ))
+        .layer(axum::middleware::from_fn(echo_dp_rank))
         .with_state(engine)
+}
+
+/// The data-parallel rank a request asked for (vLLM's
+/// `x-data-parallel-rank`), echoed as `x-engine-dp-rank` so tests can see it.
+async fn echo_dp_rank(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let rank = req.headers().get("x-data-parallel-rank").cloned();
+    let mut res = next.run(req).await;
+    if let Some(rank) = rank {
+        res.headers_mut().insert("x-engine-dp-rank", rank);
+    }
+    res
 }
 
 async fn tag_engine_id(State(engine): State<Arc<Engine>>, mut res: Response) -> Response {
@@ -681,7 +726,7 @@ async fn generate(
         }
         Fault::None | Fault::Empty => {}
     }
-    let guard = InFlight::start(engine.clone());
+    let guard = InFlight::start(engine.clone()).await;
     let admission = engine.admit(&req.prompt);
     let config = &engine.config;
     let uncached = admission.prompt_tokens - admission.cached_tokens;
