@@ -80,3 +80,13 @@ fn every_shipped_envoy_config_validates() {
     }
     assert!(checked >= 1, "no Envoy config found under envoy/");
 }
+
+#[test]
+fn every_sidecar_setting_is_documented_in_the_readme() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let missing: Vec<String> = hearth_ext_proc::config::known_env_vars()
+        .into_iter()
+        .filter(|v| !readme.contains(&format!("`{v}`")))
+        .collect();
+    assert!(missing.is_empty(), "README settings table lacks {missing:?}");
+}
