@@ -21,6 +21,7 @@ pub mod health;
 pub mod journal;
 pub mod metrics;
 pub mod observe;
+pub mod picker;
 pub mod policy;
 pub mod probe;
 pub mod router;

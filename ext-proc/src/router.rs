@@ -351,6 +351,16 @@ impl Router {
 
     /// Chooses a replica for `req` and reserves load on it.
     pub fn decide(self: &Arc<Self>, req: &RequestInfo) -> Result<Decision, RouteError> {
+        self.decide_within(req, None)
+    }
+
+    /// As [`Router::decide`], but only among the replicas in `allowed`
+    /// when given (the Gateway API Inference Extension's subset hint).
+    pub fn decide_within(
+        self: &Arc<Self>,
+        req: &RequestInfo,
+        allowed: Option<&[usize]>,
+    ) -> Result<Decision, RouteError> {
         self.decisions.fetch_add(1, Ordering::Relaxed);
         if !req.hashes.is_empty() {
             self.hashed.fetch_add(1, Ordering::Relaxed);
@@ -360,6 +370,7 @@ impl Router {
         // Candidates: healthy replicas that serve the model and have room.
         let serving: Vec<usize> = (0..self.replicas.len())
             .filter(|&i| self.replicas[i].serves(req.model.as_deref()))
+            .filter(|i| allowed.is_none_or(|a| a.contains(i)))
             .collect();
         if serving.is_empty() {
             self.rejected.fetch_add(1, Ordering::Relaxed);

@@ -37,6 +37,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::body;
 use crate::health::{self, Failure, Outcome};
 use crate::observe::Observer;
+use crate::picker::{self, HeldBody, Side};
 use crate::router::{Decision, RequestInfo, RouteError, Router};
 
 /// The destination header and `envoy.lb` metadata key Envoy's override_host
@@ -105,13 +106,15 @@ impl ExternalProcessor for Processor {
                     }
                 };
                 let Ok(Some(msg)) = msg else { break };
-                let (reply, done) = exchange.handle(msg);
-                if let Some(reply) = reply {
+                let (replies, done) = exchange.handle(msg);
+                let mut gone = false;
+                for reply in replies {
                     if tx.send(Ok(reply)).await.is_err() {
+                        gone = true;
                         break;
                     }
                 }
-                if done {
+                if done || gone {
                     break;
                 }
             }
@@ -138,12 +141,31 @@ struct Exchange {
     /// Body-over-gRPC mode: whether Envoy sends bodies, and the request
     /// waiting for its body to be fingerprinted (see [`crate::body`]).
     body: BodyState,
+    /// The replicas the data plane allows (the endpoint-picker protocol's
+    /// subset hint), when it named any.
+    subset: Option<Vec<usize>>,
 }
+
+/// Type alias for the answers to one message (full-duplex mode answers
+/// the request headers and the whole body at once).
+type Replies = (Vec<ProcessingResponse>, bool);
 
 #[derive(Default)]
 struct BodyState {
+    /// Envoy sends whole request bodies (BUFFERED).
     sent: bool,
+    /// Envoy streams bodies full-duplex (see [`crate::picker`]).
+    duplex: picker::Duplex,
     pending: Option<hearth_fingerprint::Endpoint>,
+    /// Full duplex: the request body held, with the request headers still
+    /// unanswered, until the decision.
+    held: Option<HeldBody>,
+}
+
+impl BodyState {
+    fn request_bodies_come(&self) -> bool {
+        self.sent || self.duplex.request
+    }
 }
 
 struct ResponseSeen {
@@ -187,6 +209,7 @@ impl Exchange {
             response: None,
             timed_out: false,
             body: BodyState::default(),
+            subset: None,
         }
     }
 
@@ -208,19 +231,25 @@ impl Exchange {
     }
 
     /// Answers one message; `true` when the exchange is over.
-    fn handle(&mut self, msg: ProcessingRequest) -> (Option<ProcessingResponse>, bool) {
+    fn handle(&mut self, msg: ProcessingRequest) -> Replies {
         if msg.observability_mode {
-            return (None, false);
+            return (vec![], false);
         }
         if let Some(protocol) = &msg.protocol_config {
             self.body.sent = body::sends_request_bodies(protocol);
+            self.body.duplex = picker::Duplex::of(protocol);
         }
         match msg.request {
-            Some(processing_request::Request::RequestHeaders(h)) => self.on_request_headers(&h),
-            Some(processing_request::Request::ResponseHeaders(h)) => {
-                let served = attribute(&msg.attributes, "upstream.address");
+            Some(processing_request::Request::RequestHeaders(ref h)) => {
+                self.on_request_headers(&msg, h)
+            }
+            Some(processing_request::Request::ResponseHeaders(ref h)) => {
+                // The endpoint-picker protocol's report wins over Envoy's
+                // attribute (both name the endpoint really used).
+                let served = picker::served_endpoint(&msg)
+                    .or_else(|| attribute(&msg.attributes, "upstream.address"));
                 self.response = Some(ResponseSeen {
-                    status: header_value(&h, ":status").and_then(|s| s.parse().ok()),
+                    status: header_value(h, ":status").and_then(|s| s.parse().ok()),
                     details: attribute(&msg.attributes, "response.code_details")
                         .unwrap_or_default(),
                     served: served
@@ -228,7 +257,7 @@ impl Exchange {
                         .and_then(|a| self.router.replica_at(a, self.routed_to)),
                 });
                 let end = h.end_of_stream;
-                (Some(self.on_response_headers()), end)
+                (vec![self.on_response_headers()], end)
             }
             Some(processing_request::Request::ResponseTrailers(_)) => {
                 let reply = ProcessingResponse {
@@ -239,7 +268,23 @@ impl Exchange {
                 };
                 // Only when the engine sent trailers: the response is over.
                 self.decision = None;
-                (Some(reply), true)
+                (vec![reply], true)
+            }
+            // Full duplex: hold the body until its end, then decide.
+            Some(processing_request::Request::RequestBody(b)) if self.body.duplex.request => {
+                let Some(held) = self.body.held.as_mut() else {
+                    // Already routed: the chunk goes straight back.
+                    return (
+                        vec![picker::streamed(b.body, b.end_of_stream, Side::Request)],
+                        false,
+                    );
+                };
+                let within = held.push(&b.body);
+                if b.end_of_stream || !within {
+                    self.release_held(b.end_of_stream, within)
+                } else {
+                    (vec![], false)
+                }
             }
             // Body mode: the request waited for this body; route it now.
             Some(processing_request::Request::RequestBody(b))
@@ -258,55 +303,111 @@ impl Exchange {
             // Other bodies and request trailers are not requested by
             // Hearth's processing modes; answer them unchanged if sent.
             Some(processing_request::Request::RequestBody(_)) => (
-                Some(ProcessingResponse {
+                vec![ProcessingResponse {
                     response: Some(processing_response::Response::RequestBody(
                         Default::default(),
                     )),
                     ..Default::default()
-                }),
+                }],
                 false,
             ),
             Some(processing_request::Request::ResponseBody(b)) => {
                 if b.end_of_stream {
                     self.decision = None;
                 }
-                (
-                    Some(ProcessingResponse {
+                let reply = if self.body.duplex.response {
+                    picker::streamed(b.body, b.end_of_stream, Side::Response)
+                } else {
+                    ProcessingResponse {
                         response: Some(processing_response::Response::ResponseBody(
                             Default::default(),
                         )),
                         ..Default::default()
-                    }),
-                    false,
-                )
+                    }
+                };
+                (vec![reply], false)
             }
-            Some(processing_request::Request::RequestTrailers(_)) => (
-                Some(ProcessingResponse {
+            Some(processing_request::Request::RequestTrailers(_)) => {
+                // Full duplex: trailers mark the end of a held body.
+                let (mut replies, done) = if self.body.held.is_some() {
+                    self.release_held(false, true)
+                } else {
+                    (vec![], false)
+                };
+                if done {
+                    return (replies, true);
+                }
+                replies.push(ProcessingResponse {
                     response: Some(processing_response::Response::RequestTrailers(
                         TrailersResponse::default(),
                     )),
                     ..Default::default()
-                }),
-                false,
-            ),
-            None => (None, false),
+                });
+                (replies, false)
+            }
+            None => (vec![], false),
         }
     }
 
-    fn on_request_headers(&mut self, h: &HttpHeaders) -> (Option<ProcessingResponse>, bool) {
+    /// Full duplex: the held body is complete (or too big to hold): decide,
+    /// answer the request headers with the destination, then hand the body
+    /// back. A body past the cap is routed on load alone.
+    fn release_held(&mut self, end_of_stream: bool, fingerprint: bool) -> Replies {
+        let held = self.body.held.take().unwrap_or_default();
+        let info = match self.body.pending.take() {
+            Some(endpoint) if fingerprint => {
+                body::request_info(endpoint, held.bytes(), self.router.block_size())
+            }
+            _ => RequestInfo::default(),
+        };
+        let (mut replies, done) = self.route(&info, |common| {
+            processing_response::Response::RequestHeaders(HeadersResponse {
+                response: Some(common),
+            })
+        });
+        if !done {
+            replies.extend(held.into_responses(end_of_stream));
+        }
+        (replies, done)
+    }
+
+    fn on_request_headers(&mut self, msg: &ProcessingRequest, h: &HttpHeaders) -> Replies {
         // Bounded: a request id is an id, not a payload.
         self.request_id = header_value(h, REQUEST_ID)
             .filter(|id| !id.is_empty())
             .map(|id| id.chars().take(128).collect());
-        if self.body.sent {
+        if let Some(subset) = picker::subset_hint(msg, h) {
+            let allowed = picker::allowed_replicas(&self.router, &subset);
+            if allowed.is_empty() {
+                // The protocol: an empty subset, or none of ours, is a 503.
+                let e = RouteError::NoHealthyReplica(String::new());
+                self.observer.refused(
+                    self.request_id.as_deref(),
+                    &RequestInfo::default(),
+                    &e,
+                    Duration::ZERO,
+                );
+                return (vec![refusal(&e)], true);
+            }
+            self.subset = Some(allowed);
+        }
+        if self.body.duplex.request {
+            // Full duplex: a prompt request's headers are answered once its
+            // body is in and decided on.
+            self.body.pending = body::awaits_body(h);
+            if self.body.pending.is_some() {
+                self.body.held = Some(HeldBody::default());
+                return (vec![], false);
+            }
+        } else if self.body.sent {
             // Body mode: a prompt request is routed once its body is in.
             self.body.pending = body::awaits_body(h);
             if self.body.pending.is_some() {
                 let go_on = processing_response::Response::RequestHeaders(Default::default());
-                return (Some(reply(go_on, None)), false);
+                return (vec![reply(go_on, None)], false);
             }
         }
-        let info = if self.body.sent {
+        let info = if self.body.request_bodies_come() {
             // The body is the only truth here: no client-sent fingerprint.
             RequestInfo::default()
         } else {
@@ -325,9 +426,16 @@ impl Exchange {
         &mut self,
         info: &RequestInfo,
         wrap: impl FnOnce(CommonResponse) -> processing_response::Response,
-    ) -> (Option<ProcessingResponse>, bool) {
+    ) -> Replies {
         let started = std::time::Instant::now();
-        let decided = self.router.decide(info);
+        let decided = match self.router.decide_within(info, self.subset.as_deref()) {
+            // Within a subset, "no replica for the model" means none of the
+            // allowed endpoints is eligible: the protocol's 503.
+            Err(RouteError::NoReplicaForModel(m)) if self.subset.is_some() => {
+                Err(RouteError::NoHealthyReplica(m))
+            }
+            other => other,
+        };
         let elapsed = started.elapsed();
         let request_id = self.request_id.as_deref();
         match &decided {
@@ -336,7 +444,16 @@ impl Exchange {
         }
         match decided {
             Ok(decision) => {
-                let dest = self.router.destination(&decision.order);
+                // The endpoint-picker protocol's Envoy data planes dial the
+                // header with an ORIGINAL_DST cluster, which takes one
+                // address (a list fails as "no healthy upstream", measured
+                // on Envoy 1.40): in full-duplex mode, the primary only.
+                let order = if self.body.duplex.request {
+                    &decision.order[..1]
+                } else {
+                    &decision.order[..]
+                };
+                let dest = self.router.destination(order);
                 self.routed_to = Some(decision.primary());
                 tracing::debug!(
                     destination = %dest,
@@ -360,11 +477,16 @@ impl Exchange {
                 };
                 let common = CommonResponse {
                     header_mutation: Some(mutation),
+                    // Full duplex: Envoy may already have matched a route
+                    // while the headers waited for the body; match again
+                    // now that the destination header is set (the GIE
+                    // config's route requires it).
+                    clear_route_cache: self.body.duplex.request,
                     ..Default::default()
                 };
-                (Some(reply(wrap(common), Some(lb_metadata(&dest)))), false)
+                (vec![reply(wrap(common), Some(lb_metadata(&dest)))], false)
             }
-            Err(e) => (Some(refusal(&e)), true),
+            Err(e) => (vec![refusal(&e)], true),
         }
     }
 

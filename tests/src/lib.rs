@@ -33,6 +33,10 @@ pub struct FleetOptions {
     /// Body-over-gRPC mode: no wasm filter; the sidecar fingerprints the
     /// body ext_proc sends (`hearth-ext-proc envoy-config --mode body`).
     pub body_mode: bool,
+    /// The Gateway API Inference Extension's reference shape: no wasm
+    /// filter, FULL_DUPLEX_STREAMED bodies, an ORIGINAL_DST cluster
+    /// (`hearth-ext-proc envoy-config --mode gie`).
+    pub gie_mode: bool,
     /// Each engine's prefix cache, in tokens.
     pub cache_capacity_tokens: usize,
     /// Extra upstream options per engine index, e.g. `(2, ";tag=long")`.
@@ -49,6 +53,7 @@ impl Default for FleetOptions {
             decode_micros_per_token: 0.0,
             model_tag: false,
             body_mode: false,
+            gie_mode: false,
             cache_capacity_tokens: EngineConfig::default().cache_capacity_tokens,
             upstream_options: Vec::new(),
             max_running: 0,
@@ -79,6 +84,9 @@ pub struct Fleet {
     pub settings: Settings,
     pub envoy: Envoy,
     pub client: reqwest::Client,
+    /// What the gateway config was rendered from (for more Envoys in
+    /// front of the same sidecar and engines).
+    pub gateway: Gateway,
 }
 
 impl Fleet {
@@ -142,7 +150,9 @@ impl Fleet {
             max_prefix_bytes: hearth_fingerprint::DEFAULT_MAX_PREFIX_BYTES,
             max_body_bytes: 8 << 20,
         };
-        let config = if opts.body_mode {
+        let config = if opts.gie_mode {
+            hearth_ext_proc::envoy_config::render_gie(&gateway)
+        } else if opts.body_mode {
             hearth_ext_proc::envoy_config::render_body(&gateway)
         } else {
             render(&gateway)
@@ -154,7 +164,14 @@ impl Fleet {
             settings,
             envoy,
             client: reqwest::Client::new(),
+            gateway,
         })
+    }
+
+    /// Starts another Envoy with `config` (ports 0), e.g. a second gateway
+    /// in front of the same sidecar and engines.
+    pub async fn start_envoy(&self, config: &str) -> anyhow::Result<Envoy> {
+        Envoy::start(config, Duration::from_secs(60)).await
     }
 
     /// POSTs `body` (JSON) to `path` through the gateway.
@@ -174,9 +191,20 @@ impl Fleet {
         body: Vec<u8>,
         headers: &[(&str, &str)],
     ) -> anyhow::Result<Turn> {
+        self.post_via(&self.envoy, path, body, headers).await
+    }
+
+    /// POSTs raw bytes with extra headers through the given Envoy.
+    pub async fn post_via(
+        &self,
+        envoy: &Envoy,
+        path: &str,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> anyhow::Result<Turn> {
         let mut req = self
             .client
-            .post(format!("{}{}", self.envoy.url(), path))
+            .post(format!("{}{}", envoy.url(), path))
             .body(body);
         for (k, v) in headers {
             req = req.header(*k, *v);

@@ -55,6 +55,26 @@ fn shipped_body_mode_yaml_is_the_generated_default() {
 }
 
 #[test]
+fn shipped_gie_yaml_is_the_generated_default() {
+    let cli = Cli::try_parse_from([
+        "hearth-ext-proc",
+        "--upstreams=127.0.0.1:8001,127.0.0.1:8002,127.0.0.1:8003,127.0.0.1:8004",
+        "envoy-config",
+        "--mode=gie",
+    ])
+    .unwrap();
+    let Some(hearth_ext_proc::config::Command::EnvoyConfig(args)) = &cli.command else {
+        panic!("envoy-config did not parse")
+    };
+    let expected = args.render(&cli.settings);
+    let shipped = std::fs::read_to_string(root().join("envoy/gateway-gie.yaml")).unwrap();
+    assert!(
+        shipped == expected,
+        "envoy/gateway-gie.yaml is stale: regenerate it with scripts/gen-envoy-config"
+    );
+}
+
+#[test]
 fn every_shipped_envoy_config_validates() {
     // Configs name the wasm module relative to the repository root.
     let wasm = hearth_bench::gateway::find_wasm().expect("wasm built");
@@ -78,7 +98,10 @@ fn every_shipped_envoy_config_validates() {
             checked += 1;
         }
     }
-    assert!(checked >= 1, "no Envoy config found under envoy/");
+    assert!(
+        checked >= 3,
+        "expected the three gateway configs under envoy/"
+    );
 }
 
 #[test]
@@ -88,5 +111,8 @@ fn every_sidecar_setting_is_documented_in_the_readme() {
         .into_iter()
         .filter(|v| !readme.contains(&format!("`{v}`")))
         .collect();
-    assert!(missing.is_empty(), "README settings table lacks {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "README settings table lacks {missing:?}"
+    );
 }
