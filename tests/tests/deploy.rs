@@ -1,0 +1,527 @@
+//! The manifests under `deploy/`: every document parses as YAML and names
+//! only fields of the API version it declares, every Envoy configuration
+//! embedded in one passes `envoy --mode validate` (patch fragments wrapped
+//! into a minimal bootstrap), and the sidecar's ConfigMap carries every
+//! setting with a value the sidecar accepts.
+//!
+//! No registry package carries the CRD schemas of these kinds (Istio,
+//! Envoy Gateway, the Inference Extension, kustomize), so the field check
+//! is a schema of our own: for each kind shipped, the field paths its
+//! published API reference defines, limited to the parts the manifests use
+//! (free-form subtrees, such as Envoy configuration or ConfigMap data, end
+//! in `*`).
+
+use std::path::{Path, PathBuf};
+
+use hearth_bench::gateway::validate;
+use serde_json::{json, Value};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Every YAML document under `deploy/`, with the file it came from.
+fn documents() -> Vec<(PathBuf, Value)> {
+    let mut files = Vec::new();
+    let mut dirs = vec![root().join("deploy")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "yaml") {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    let mut docs = Vec::new();
+    for path in files {
+        let text = std::fs::read_to_string(&path).unwrap();
+        // Documents are separated by `---` lines.
+        let mut parts = vec![String::new()];
+        for line in text.lines() {
+            if line.trim_end() == "---" {
+                parts.push(String::new());
+            } else {
+                let last = parts.last_mut().unwrap();
+                last.push_str(line);
+                last.push('\n');
+            }
+        }
+        for part in parts {
+            let value: Value = serde_yaml::from_str(&part)
+                .unwrap_or_else(|e| panic!("{}: not YAML: {e}", path.display()));
+            if !value.is_null() {
+                docs.push((path.clone(), value));
+            }
+        }
+    }
+    docs
+}
+
+const OBJECT_META: &[&str] = &[
+    "metadata",
+    "metadata.name",
+    "metadata.namespace",
+    "metadata.labels.*",
+    "metadata.annotations.*",
+];
+
+/// Field paths per (apiVersion, kind); `[]` stands for any array element.
+fn schema(api_version: &str, kind: &str) -> Option<Vec<&'static str>> {
+    let own: &[&str] = match (api_version, kind) {
+        ("v1", "ConfigMap") => &["data.*", "binaryData.*", "immutable"],
+        ("v1", "Service") => &[
+            "spec",
+            "spec.selector.*",
+            "spec.type",
+            "spec.ports",
+            "spec.ports[]",
+            "spec.ports[].name",
+            "spec.ports[].port",
+            "spec.ports[].targetPort",
+            "spec.ports[].protocol",
+            "spec.ports[].appProtocol",
+        ],
+        ("apps/v1", "Deployment") => &[
+            "spec",
+            "spec.replicas",
+            "spec.strategy",
+            "spec.strategy.type",
+            "spec.selector",
+            "spec.selector.matchLabels.*",
+            "spec.template",
+            "spec.template.metadata",
+            "spec.template.metadata.labels.*",
+            "spec.template.metadata.annotations.*",
+            "spec.template.spec",
+            "spec.template.spec.terminationGracePeriodSeconds",
+            "spec.template.spec.containers",
+            "spec.template.spec.containers[]",
+            "spec.template.spec.containers[].name",
+            "spec.template.spec.containers[].image",
+            "spec.template.spec.containers[].args[]",
+            "spec.template.spec.containers[].envFrom",
+            "spec.template.spec.containers[].envFrom[]",
+            "spec.template.spec.containers[].envFrom[].configMapRef",
+            "spec.template.spec.containers[].envFrom[].configMapRef.name",
+            "spec.template.spec.containers[].ports",
+            "spec.template.spec.containers[].ports[]",
+            "spec.template.spec.containers[].ports[].name",
+            "spec.template.spec.containers[].ports[].containerPort",
+            "spec.template.spec.containers[].ports[].protocol",
+            "spec.template.spec.containers[].readinessProbe",
+            "spec.template.spec.containers[].readinessProbe.grpc",
+            "spec.template.spec.containers[].readinessProbe.grpc.port",
+            "spec.template.spec.containers[].readinessProbe.periodSeconds",
+            "spec.template.spec.containers[].livenessProbe",
+            "spec.template.spec.containers[].livenessProbe.httpGet",
+            "spec.template.spec.containers[].livenessProbe.httpGet.path",
+            "spec.template.spec.containers[].livenessProbe.httpGet.port",
+            "spec.template.spec.containers[].livenessProbe.periodSeconds",
+            "spec.template.spec.containers[].resources",
+            "spec.template.spec.containers[].resources.requests.*",
+            "spec.template.spec.containers[].resources.limits.*",
+            "spec.template.spec.containers[].securityContext",
+            "spec.template.spec.containers[].securityContext.allowPrivilegeEscalation",
+            "spec.template.spec.containers[].securityContext.readOnlyRootFilesystem",
+            "spec.template.spec.containers[].securityContext.runAsNonRoot",
+            "spec.template.spec.containers[].securityContext.capabilities",
+            "spec.template.spec.containers[].securityContext.capabilities.drop",
+            "spec.template.spec.containers[].securityContext.capabilities.drop[]",
+        ],
+        ("kustomize.config.k8s.io/v1beta1", "Kustomization") => &[
+            "namespace",
+            "labels",
+            "labels[]",
+            "labels[].pairs.*",
+            "labels[].includeSelectors",
+            "resources",
+            "resources[]",
+            "images",
+            "images[]",
+            "images[].name",
+            "images[].newName",
+            "images[].newTag",
+        ],
+        ("networking.istio.io/v1alpha3", "EnvoyFilter") => &[
+            "spec",
+            "spec.workloadSelector",
+            "spec.workloadSelector.labels.*",
+            "spec.configPatches",
+            "spec.configPatches[]",
+            "spec.configPatches[].applyTo",
+            "spec.configPatches[].match",
+            "spec.configPatches[].match.context",
+            "spec.configPatches[].match.listener",
+            "spec.configPatches[].match.listener.filterChain",
+            "spec.configPatches[].match.listener.filterChain.filter",
+            "spec.configPatches[].match.listener.filterChain.filter.name",
+            "spec.configPatches[].match.listener.filterChain.filter.subFilter",
+            "spec.configPatches[].match.listener.filterChain.filter.subFilter.name",
+            "spec.configPatches[].match.cluster",
+            "spec.configPatches[].match.cluster.service",
+            "spec.configPatches[].match.cluster.portNumber",
+            "spec.configPatches[].patch",
+            "spec.configPatches[].patch.operation",
+            "spec.configPatches[].patch.value.*",
+        ],
+        ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy") => &[
+            "spec",
+            "spec.targetRefs",
+            "spec.targetRefs[]",
+            "spec.targetRefs[].group",
+            "spec.targetRefs[].kind",
+            "spec.targetRefs[].name",
+            "spec.extProc",
+            "spec.extProc[]",
+            "spec.extProc[].backendRefs",
+            "spec.extProc[].backendRefs[]",
+            "spec.extProc[].backendRefs[].name",
+            "spec.extProc[].backendRefs[].namespace",
+            "spec.extProc[].backendRefs[].port",
+            "spec.extProc[].messageTimeout",
+            "spec.extProc[].failOpen",
+            "spec.extProc[].processingMode",
+            "spec.extProc[].processingMode.request",
+            "spec.extProc[].processingMode.request.body",
+            "spec.extProc[].processingMode.request.attributes",
+            "spec.extProc[].processingMode.request.attributes[]",
+            "spec.extProc[].processingMode.response",
+            "spec.extProc[].processingMode.response.body",
+            "spec.extProc[].processingMode.response.attributes",
+            "spec.extProc[].processingMode.response.attributes[]",
+            "spec.extProc[].metadata",
+            "spec.extProc[].metadata.accessibleNamespaces",
+            "spec.extProc[].metadata.accessibleNamespaces[]",
+            "spec.extProc[].metadata.writableNamespaces",
+            "spec.extProc[].metadata.writableNamespaces[]",
+        ],
+        ("gateway.envoyproxy.io/v1alpha1", "EnvoyPatchPolicy") => &[
+            "spec",
+            "spec.targetRef",
+            "spec.targetRef.group",
+            "spec.targetRef.kind",
+            "spec.targetRef.name",
+            "spec.type",
+            "spec.priority",
+            "spec.jsonPatches",
+            "spec.jsonPatches[]",
+            "spec.jsonPatches[].type",
+            "spec.jsonPatches[].name",
+            "spec.jsonPatches[].operation",
+            "spec.jsonPatches[].operation.op",
+            "spec.jsonPatches[].operation.path",
+            "spec.jsonPatches[].operation.from",
+            "spec.jsonPatches[].operation.value.*",
+        ],
+        ("inference.networking.k8s.io/v1", "InferencePool") => &[
+            "spec",
+            "spec.selector",
+            "spec.selector.matchLabels.*",
+            "spec.targetPorts",
+            "spec.targetPorts[]",
+            "spec.targetPorts[].number",
+            "spec.endpointPickerRef",
+            "spec.endpointPickerRef.group",
+            "spec.endpointPickerRef.kind",
+            "spec.endpointPickerRef.name",
+            "spec.endpointPickerRef.port",
+            "spec.endpointPickerRef.port.number",
+            "spec.endpointPickerRef.failureMode",
+        ],
+        ("gateway.networking.k8s.io/v1", "HTTPRoute") => &[
+            "spec",
+            "spec.parentRefs",
+            "spec.parentRefs[]",
+            "spec.parentRefs[].name",
+            "spec.parentRefs[].namespace",
+            "spec.rules",
+            "spec.rules[]",
+            "spec.rules[].matches",
+            "spec.rules[].matches[]",
+            "spec.rules[].matches[].path",
+            "spec.rules[].matches[].path.type",
+            "spec.rules[].matches[].path.value",
+            "spec.rules[].backendRefs",
+            "spec.rules[].backendRefs[]",
+            "spec.rules[].backendRefs[].group",
+            "spec.rules[].backendRefs[].kind",
+            "spec.rules[].backendRefs[].name",
+        ],
+        _ => return None,
+    };
+    let mut all = vec!["apiVersion", "kind"];
+    // Kustomization has no object metadata.
+    if kind != "Kustomization" {
+        all.extend_from_slice(OBJECT_META);
+    }
+    all.extend_from_slice(own);
+    Some(all)
+}
+
+/// Field paths of `v` that `allowed` does not define.
+fn unknown_fields(v: &Value, allowed: &[&str]) -> Vec<String> {
+    fn walk(v: &Value, path: &str, allowed: &[&str], out: &mut Vec<String>) {
+        let free = |p: &str| {
+            allowed.iter().any(|a| {
+                a.strip_suffix(".*")
+                    .is_some_and(|base| p.starts_with(&format!("{base}.")) || p == base)
+            })
+        };
+        if !path.is_empty() && free(path) {
+            return;
+        }
+        if !path.is_empty() && !allowed.contains(&path) {
+            out.push(path.to_string());
+            return;
+        }
+        match v {
+            Value::Object(map) => {
+                for (k, child) in map {
+                    let p = if path.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{path}.{k}")
+                    };
+                    walk(child, &p, allowed, out);
+                }
+            }
+            Value::Array(items) => {
+                for child in items {
+                    walk(child, &format!("{path}[]"), allowed, out);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(v, "", allowed, &mut out);
+    out
+}
+
+#[test]
+fn every_manifest_names_only_fields_of_its_api_version() {
+    let docs = documents();
+    let mut kinds = Vec::new();
+    for (path, doc) in &docs {
+        let api = doc["apiVersion"].as_str().unwrap_or("");
+        let kind = doc["kind"].as_str().unwrap_or("");
+        let allowed = schema(api, kind)
+            .unwrap_or_else(|| panic!("{}: no schema for {api} {kind}", path.display()));
+        let unknown = unknown_fields(doc, &allowed);
+        assert!(
+            unknown.is_empty(),
+            "{}: {api} {kind} has no field(s) {unknown:?}",
+            path.display()
+        );
+        kinds.push(kind.to_string());
+    }
+    for kind in [
+        "EnvoyFilter",
+        "EnvoyExtensionPolicy",
+        "EnvoyPatchPolicy",
+        "InferencePool",
+        "Deployment",
+        "Service",
+        "ConfigMap",
+        "Kustomization",
+    ] {
+        assert!(kinds.iter().any(|k| k == kind), "no {kind} under deploy/");
+    }
+    // The checker catches a misspelt field and a field of another version.
+    let bad = json!({"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": "x"}, "spec": {"targetPortNumber": 8000, "selector": {"app": "x"}}});
+    let allowed = schema("inference.networking.k8s.io/v1", "InferencePool").unwrap();
+    assert_eq!(
+        unknown_fields(&bad, &allowed),
+        ["spec.selector.app", "spec.targetPortNumber"]
+    );
+}
+
+#[test]
+fn the_inference_pool_states_its_failure_mode_and_picks_with_hearth() {
+    let docs = documents();
+    let pool = docs
+        .iter()
+        .map(|(_, d)| d)
+        .find(|d| d["kind"] == "InferencePool")
+        .unwrap();
+    let picker = &pool["spec"]["endpointPickerRef"];
+    assert_eq!(picker["failureMode"], "FailClose");
+    assert_eq!(picker["kind"], "Service");
+    let service = docs
+        .iter()
+        .map(|(_, d)| d)
+        .find(|d| d["kind"] == "Service" && d["metadata"]["name"] == picker["name"])
+        .expect("the picker's Service is shipped");
+    let ports: Vec<&Value> = service["spec"]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| &p["port"])
+        .collect();
+    assert!(ports.contains(&&picker["port"]["number"]));
+}
+
+#[test]
+fn the_sidecar_configmap_sets_every_setting_to_a_value_it_accepts() {
+    let docs = documents();
+    let cm = docs
+        .iter()
+        .map(|(_, d)| d)
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "hearth-settings")
+        .expect("hearth-settings ConfigMap");
+    let data = cm["data"].as_object().unwrap();
+    let mut known = hearth_ext_proc::config::known_env_vars();
+    known.sort();
+    let mut shipped: Vec<String> = data.keys().cloned().collect();
+    shipped.sort();
+    assert_eq!(
+        shipped, known,
+        "deploy/sidecar/configmap.yaml vs the sidecar's settings"
+    );
+    // The values parse and validate as the sidecar's own settings.
+    let mut args = vec!["hearth-ext-proc".to_string()];
+    for (k, v) in data {
+        let v = v.as_str().expect("ConfigMap values are strings");
+        if !v.is_empty() {
+            let flag = k
+                .trim_start_matches("HEARTH_")
+                .to_lowercase()
+                .replace('_', "-");
+            args.push(format!("--{flag}={v}"));
+        }
+    }
+    let cli = <hearth_ext_proc::config::Cli as clap::Parser>::try_parse_from(&args)
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    cli.settings
+        .validate()
+        .unwrap_or_else(|p| panic!("ConfigMap settings refused: {p:?}"));
+}
+
+/// A minimal bootstrap around HTTP filters and clusters: one listener whose
+/// connection manager runs `filters` then the router to `engines`.
+fn bootstrap(filters: Vec<Value>, mut clusters: Vec<Value>, engines: Value) -> Value {
+    let mut chain = filters;
+    chain.push(
+        json!({"name": "envoy.filters.http.router", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}),
+    );
+    clusters.push(engines);
+    json!({
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+        "static_resources": {
+            "listeners": [{
+                "name": "http",
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                        "stat_prefix": "manifest",
+                        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"],
+                            "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "engines"}}]}]},
+                        "http_filters": chain
+                    }
+                }]}]
+            }],
+            "clusters": clusters
+        }
+    })
+}
+
+/// A stand-in for the cluster a mesh generates for the engines, with a
+/// manifest's patch merged in.
+fn engines_cluster(patch: &serde_json::Map<String, Value>) -> Value {
+    let mut c = json!({
+        "name": "engines",
+        "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": "engines", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 8000}}}}]}]}
+    });
+    for (k, v) in patch {
+        c[k] = v.clone();
+    }
+    c
+}
+
+fn validate_bootstrap(name: &str, config: &Value) {
+    let wasm = hearth_bench::gateway::find_wasm()
+        .expect("wasm built")
+        .canonicalize()
+        .unwrap();
+    let mut text = serde_json::to_string_pretty(config).unwrap();
+    // Manifests name the module where the pod mounts it.
+    text = text.replace("/var/lib/hearth/plugin.wasm", &wasm.display().to_string());
+    let path =
+        std::env::temp_dir().join(format!("hearth-deploy-{}-{name}.json", std::process::id()));
+    std::fs::write(&path, &text).unwrap();
+    let result = validate(&path);
+    let _ = std::fs::remove_file(&path);
+    result.unwrap_or_else(|e| panic!("{name}: {e:#}\n{text}"));
+}
+
+#[test]
+fn every_envoy_configuration_in_a_manifest_validates() {
+    let mut checked = 0;
+    for (path, doc) in documents() {
+        let name = path.file_stem().unwrap().to_string_lossy().to_string();
+        match doc["kind"].as_str() {
+            Some("EnvoyFilter") => {
+                let mut filters = Vec::new();
+                let mut clusters = Vec::new();
+                let mut engines = serde_json::Map::new();
+                for p in doc["spec"]["configPatches"].as_array().unwrap() {
+                    let value = p["patch"]["value"].clone();
+                    match (p["applyTo"].as_str(), p["patch"]["operation"].as_str()) {
+                        (Some("HTTP_FILTER"), Some("INSERT_BEFORE")) => filters.push(value),
+                        (Some("CLUSTER"), Some("ADD")) => clusters.push(value),
+                        (Some("CLUSTER"), Some("MERGE")) => {
+                            engines.extend(value.as_object().unwrap().clone())
+                        }
+                        other => panic!("{}: unexpected patch {other:?}", path.display()),
+                    }
+                }
+                assert!(!filters.is_empty() && !clusters.is_empty());
+                let config = bootstrap(filters, clusters, engines_cluster(&engines));
+                validate_bootstrap(&name, &config);
+                checked += 1;
+            }
+            Some("EnvoyPatchPolicy") => {
+                let mut filters = Vec::new();
+                let mut clusters = Vec::new();
+                let mut engines = serde_json::Map::new();
+                for p in doc["spec"]["jsonPatches"].as_array().unwrap() {
+                    let op = &p["operation"];
+                    let value = op["value"].clone();
+                    let kind = p["type"].as_str().unwrap();
+                    let target = op["path"].as_str().unwrap();
+                    if kind.ends_with("Listener") && target.contains("/http_filters/") {
+                        filters.push(value);
+                    } else if kind.ends_with("Cluster") && target.is_empty() {
+                        clusters.push(value);
+                    } else if kind.ends_with("Cluster") {
+                        let field = target.trim_start_matches('/');
+                        assert!(
+                            !field.contains('/'),
+                            "{target}: only top-level cluster fields"
+                        );
+                        engines.insert(field.to_string(), value);
+                    } else {
+                        panic!("{}: unexpected patch {p}", path.display());
+                    }
+                }
+                let config = bootstrap(filters, clusters, engines_cluster(&engines));
+                validate_bootstrap(&name, &config);
+                checked += 1;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(checked, 2, "the Istio and Envoy Gateway patches");
+}
