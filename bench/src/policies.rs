@@ -100,17 +100,34 @@ impl PolicyKind {
 pub struct HearthKnobs {
     pub affinity_cap: u32,
     pub alpha: f64,
+    pub first_turn_cap: u32,
     pub load_unit_bytes: u64,
     pub warmth_blocks: usize,
+    /// The last this many replicas are tagged `long`.
+    pub long_replicas: usize,
+    pub long_lane: hearth_ext_proc::config::LongLane,
+    pub long_prompt_bytes: u64,
 }
 
 impl Default for HearthKnobs {
+    /// The sidecar's own defaults, read from its parser.
     fn default() -> Self {
+        use clap::Parser;
+        let s = hearth_ext_proc::config::Cli::try_parse_from([
+            "hearth-ext-proc",
+            "--upstreams=127.0.0.1:1",
+        ])
+        .expect("sidecar defaults parse")
+        .settings;
         HearthKnobs {
-            affinity_cap: 128,
-            alpha: 8.0,
-            load_unit_bytes: 65_536,
-            warmth_blocks: 100_000,
+            affinity_cap: s.affinity_cap,
+            alpha: s.alpha,
+            first_turn_cap: s.first_turn_cap,
+            load_unit_bytes: s.load_unit_bytes,
+            warmth_blocks: s.warmth_blocks,
+            long_replicas: 0,
+            long_lane: s.long_lane,
+            long_prompt_bytes: s.long_prompt_bytes,
         }
     }
 }
@@ -122,7 +139,14 @@ impl HearthKnobs {
     pub fn settings(&self, basis: AffinityBasis, replicas: usize) -> hearth_ext_proc::Settings {
         use clap::Parser;
         let upstreams: Vec<String> = (0..replicas)
-            .map(|i| format!("127.0.0.1:{};id=engine-{i}", 20_000 + i))
+            .map(|i| {
+                let tag = if i + self.long_replicas >= replicas {
+                    ";tag=long"
+                } else {
+                    ""
+                };
+                format!("127.0.0.1:{};id=engine-{i}{tag}", 20_000 + i)
+            })
             .collect();
         let args = [
             "hearth-ext-proc".to_string(),
@@ -130,6 +154,9 @@ impl HearthKnobs {
             format!("--affinity-basis={basis}"),
             format!("--affinity-cap={}", self.affinity_cap),
             format!("--alpha={}", self.alpha),
+            format!("--first-turn-cap={}", self.first_turn_cap),
+            format!("--long-lane={}", self.long_lane.as_str()),
+            format!("--long-prompt-bytes={}", self.long_prompt_bytes),
             format!("--load-unit-bytes={}", self.load_unit_bytes),
             format!("--warmth-blocks={}", self.warmth_blocks),
         ];

@@ -20,6 +20,10 @@ pub struct RequestRecord {
     pub output_tokens: u32,
     /// Same replica as the session's previous turn (None: first turn).
     pub stayed: Option<bool>,
+    /// The prompt does not extend the session's previous one.
+    pub restart: bool,
+    /// At or over the sidecar's long-prompt threshold.
+    pub long: bool,
     pub failed: bool,
 }
 
@@ -33,6 +37,8 @@ pub struct RunResult {
     pub records: Vec<RequestRecord>,
     /// Time-averaged requests in flight per replica.
     pub mean_inflight: Vec<f64>,
+    /// Long-prompt requests still unanswered when the run ended.
+    pub long_unfinished: usize,
 }
 
 /// The summary row of one cell.
@@ -56,6 +62,9 @@ pub struct Row {
     pub fresh_prefill_tok_s: f64,
     pub mean_prompt_tokens: f64,
     pub stay_rate: Option<f64>,
+    /// Stay rate of the turns that extend their session's previous prompt
+    /// (where moving costs a re-read of the history).
+    pub continuing_stay_rate: Option<f64>,
     pub ttft_p50_s: f64,
     pub ttft_p90_s: f64,
     pub ttft_p99_s: f64,
@@ -67,6 +76,14 @@ pub struct Row {
     /// Share of turns served by each replica.
     pub replica_split: Vec<f64>,
     pub failures: usize,
+    /// Turns with a long prompt, and TTFT split by prompt size.
+    pub long_turns: usize,
+    /// Long-prompt requests still unanswered when the run ended.
+    pub long_unfinished: usize,
+    pub short_ttft_p50_s: f64,
+    pub short_ttft_p99_s: f64,
+    pub long_ttft_p50_s: Option<f64>,
+    pub long_ttft_p99_s: Option<f64>,
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -89,6 +106,25 @@ impl RunResult {
         ttft.sort_by(f64::total_cmp);
         e2e.sort_by(f64::total_cmp);
         let stays: Vec<bool> = ok.iter().filter_map(|r| r.stayed).collect();
+        let continuing: Vec<bool> = ok
+            .iter()
+            .filter(|r| !r.restart)
+            .filter_map(|r| r.stayed)
+            .collect();
+        let rate = |v: &[bool]| {
+            (!v.is_empty()).then(|| v.iter().filter(|s| **s).count() as f64 / v.len() as f64)
+        };
+        let ttft_of = |long: bool| {
+            let mut v: Vec<f64> = ok
+                .iter()
+                .filter(|r| r.long == long)
+                .map(|r| r.ttft_s)
+                .collect();
+            v.sort_by(f64::total_cmp);
+            v
+        };
+        let (short_ttft, long_ttft) = (ttft_of(false), ttft_of(true));
+        let long_pct = |q: f64| (!long_ttft.is_empty()).then(|| percentile(&long_ttft, q));
         let mut split = vec![0usize; self.replicas];
         for r in &ok {
             split[r.replica] += 1;
@@ -115,8 +151,8 @@ impl RunResult {
             } else {
                 prompt / ok.len() as f64
             },
-            stay_rate: (!stays.is_empty())
-                .then(|| stays.iter().filter(|s| **s).count() as f64 / stays.len() as f64),
+            stay_rate: rate(&stays),
+            continuing_stay_rate: rate(&continuing),
             ttft_p50_s: percentile(&ttft, 0.5),
             ttft_p90_s: percentile(&ttft, 0.9),
             ttft_p99_s: percentile(&ttft, 0.99),
@@ -133,6 +169,12 @@ impl RunResult {
                 .map(|&c| c as f64 / ok.len().max(1) as f64)
                 .collect(),
             failures: self.records.len() - ok.len(),
+            long_turns: long_ttft.len(),
+            long_unfinished: self.long_unfinished,
+            short_ttft_p50_s: percentile(&short_ttft, 0.5),
+            short_ttft_p99_s: percentile(&short_ttft, 0.99),
+            long_ttft_p50_s: long_pct(0.5),
+            long_ttft_p99_s: long_pct(0.99),
         }
     }
 }
@@ -165,13 +207,13 @@ fn opt(v: Option<f64>, scale: f64, digits: usize) -> String {
 /// The table printed on stdout.
 pub fn table(rows: &[Row]) -> String {
     let mut out = format!(
-        "{:<28} {:>6} {:>4} {:>9} {:>8} {:>7} {:>7} {:>7} {:>9} {:>6} {:>7} {:>7} {:>7} {:>7} {:>6} {:>5}\n",
+        "{:<28} {:>6} {:>4} {:>9} {:>8} {:>7} {:>7} {:>7} {:>9} {:>6} {:>6} {:>7} {:>7} {:>7} {:>7} {:>6} {:>5}\n",
         "policy", "agents", "reps", "turns/min", "out tok/s", "cached%", "vs orc%", "ideal%",
-        "fresh t/s", "stay%", "ttft50", "ttft99", "e2e50", "e2e99", "ld max", "fail"
+        "fresh t/s", "stay%", "cont%", "ttft50", "ttft99", "e2e50", "e2e99", "ld max", "fail"
     );
     for r in rows {
         out.push_str(&format!(
-            "{:<28} {:>6} {:>4} {:>9.1} {:>8.0} {:>7.1} {:>7} {:>7.1} {:>9.0} {:>6} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>6.2} {:>5}\n",
+            "{:<28} {:>6} {:>4} {:>9.1} {:>8.0} {:>7.1} {:>7} {:>7.1} {:>9.0} {:>6} {:>6} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>6.2} {:>5}\n",
             r.policy,
             r.agents,
             r.replicas,
@@ -182,12 +224,45 @@ pub fn table(rows: &[Row]) -> String {
             r.ideal_cached_fraction * 100.0,
             r.fresh_prefill_tok_s,
             opt(r.stay_rate, 100.0, 1),
+            opt(r.continuing_stay_rate, 100.0, 1),
             r.ttft_p50_s,
             r.ttft_p99_s,
             r.e2e_p50_s,
             r.e2e_p99_s,
             r.load_max_over_mean,
             r.failures
+        ));
+    }
+    out
+}
+
+/// TTFT by prompt size, for runs with long prompts: what the long-prompt
+/// lane is for.
+pub fn long_table(rows: &[Row]) -> String {
+    let mut out = format!(
+        "{:<28} {:>6} {:>6} {:>10} {:>9} {:>12} {:>12} {:>11} {:>11}\n",
+        "policy",
+        "agents",
+        "long",
+        "unfinished",
+        "turns/min",
+        "short ttft50",
+        "short ttft99",
+        "long ttft50",
+        "long ttft99"
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "{:<28} {:>6} {:>6} {:>10} {:>9.1} {:>12.2} {:>12.2} {:>11} {:>11}\n",
+            r.policy,
+            r.agents,
+            r.long_turns,
+            r.long_unfinished,
+            r.turns_per_min,
+            r.short_ttft_p50_s,
+            r.short_ttft_p99_s,
+            opt(r.long_ttft_p50_s, 1.0, 2),
+            opt(r.long_ttft_p99_s, 1.0, 2),
         ));
     }
     out
@@ -321,6 +396,8 @@ mod tests {
             ideal_cached_tokens: 90,
             output_tokens: 10,
             stayed,
+            restart: false,
+            long: false,
             failed: false,
         }
     }
@@ -338,6 +415,7 @@ mod tests {
                 rec(1, 0, Some(false), 0.3),
             ],
             mean_inflight: vec![3.0, 1.0],
+            long_unfinished: 0,
         };
         let mut rows = vec![run.row("s", "sim")];
         let r = &rows[0];

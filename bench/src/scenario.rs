@@ -31,13 +31,14 @@ pub struct Scenario {
     pub duration_s: f64,
 }
 
-pub const NAMES: [&str; 6] = [
+pub const NAMES: [&str; 7] = [
     "cache-never-fills",
     "cache-runs-out",
     "fleet",
     "shared-prefix",
     "unique",
     "long-context",
+    "long-lane",
 ];
 
 /// The warmth index an operator would configure for a replica whose KV
@@ -93,6 +94,27 @@ impl Scenario {
                 &[16, 64],
                 4_900_000,
             ),
+            // The long-context mix with the last of four replicas tagged
+            // `long`: prompts over HEARTH_LONG_PROMPT_BYTES go only there,
+            // short ones per HEARTH_LONG_LANE (`--long-lane`). Long
+            // documents are 0.5% of requests, which one replica can read
+            // (at 2%, 1.1 MB each, they are 40% of all prompt tokens and
+            // swamp any lane smaller than half the fleet); 900 s measured
+            // so that a few dozen of them finish.
+            "long-lane" => {
+                let mut s = scenario(
+                    Workload::LongContext(LongContext {
+                        long_share: 0.005,
+                        ..LongContext::default()
+                    }),
+                    4,
+                    &[16, 64],
+                    4_900_000,
+                );
+                s.hearth.long_replicas = 1;
+                s.duration_s = 900.0;
+                s
+            }
             _ => return None,
         })
     }

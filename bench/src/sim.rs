@@ -50,6 +50,8 @@ struct Pending {
     ideal_cached_tokens: u32,
     output_tokens: u32,
     stayed: Option<bool>,
+    restart: bool,
+    long: bool,
     routed: Routed,
 }
 
@@ -161,6 +163,10 @@ pub fn run(spec: &RunSpec) -> RunResult {
                         ideal_cached_tokens: ideal_cached,
                         output_tokens: turn.output_tokens,
                         stayed,
+                        restart: turn.restart,
+                        long: fp
+                            .as_ref()
+                            .is_some_and(|f| f.prompt_bytes >= sc.hearth.long_prompt_bytes),
                         routed,
                     },
                 );
@@ -205,6 +211,8 @@ pub fn run(spec: &RunSpec) -> RunResult {
                                     ideal_cached_tokens: p.ideal_cached_tokens,
                                     output_tokens: p.output_tokens,
                                     stayed: p.stayed,
+                                    restart: p.restart,
+                                    long: p.long,
                                     failed: false,
                                 });
                             }
@@ -233,6 +241,7 @@ pub fn run(spec: &RunSpec) -> RunResult {
         duration_s: sc.duration_s,
         records,
         mean_inflight: load_area.iter().map(|a| a / window).collect(),
+        long_unfinished: pending.values().filter(|p| p.long).count(),
     }
 }
 
@@ -256,8 +265,8 @@ fn start_step(
 /// count, on the same seeded workload.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SimArgs {
-    /// cache-never-fills, cache-runs-out, fleet, shared-prefix, unique or
-    /// long-context.
+    /// cache-never-fills, cache-runs-out, fleet, shared-prefix, unique,
+    /// long-context or long-lane.
     #[arg(long, default_value = "cache-never-fills")]
     pub scenario: String,
     /// Agent (client) counts, comma separated (default: the scenario's).
@@ -288,6 +297,22 @@ pub struct SimArgs {
     pub alpha: Option<f64>,
     #[arg(long)]
     pub affinity_cap: Option<u32>,
+    #[arg(long)]
+    pub first_turn_cap: Option<u32>,
+    /// Replicas tagged `long` for the sidecar (the last ones; default:
+    /// the scenario's).
+    #[arg(long)]
+    pub long_replicas: Option<usize>,
+    /// The sidecar's HEARTH_LONG_LANE: shared, exclusive, avoid or
+    /// avoid-unless-warm.
+    #[arg(long)]
+    pub long_lane: Option<hearth_ext_proc::config::LongLane>,
+    #[arg(long)]
+    pub long_prompt_bytes: Option<u64>,
+    /// Share of long-document requests in the long-context mix (default:
+    /// the scenario's).
+    #[arg(long)]
+    pub long_share: Option<f64>,
     #[arg(long)]
     pub load_unit_bytes: Option<u64>,
     #[arg(long)]
@@ -335,6 +360,25 @@ impl SimArgs {
         if let Some(c) = self.affinity_cap {
             sc.hearth.affinity_cap = c;
         }
+        if let Some(c) = self.first_turn_cap {
+            sc.hearth.first_turn_cap = c;
+        }
+        if let Some(n) = self.long_replicas {
+            sc.hearth.long_replicas = n;
+        }
+        if let Some(l) = self.long_lane {
+            sc.hearth.long_lane = l;
+        }
+        if let Some(b) = self.long_prompt_bytes {
+            sc.hearth.long_prompt_bytes = b;
+        }
+        if let Some(share) = self.long_share {
+            let crate::workload::Workload::LongContext(l) = &mut sc.workload else {
+                anyhow::bail!("--long-share applies to the long-context mix only");
+            };
+            anyhow::ensure!((0.0..=1.0).contains(&share), "--long-share must be 0 to 1");
+            l.long_share = share;
+        }
         if let Some(l) = self.load_unit_bytes {
             sc.hearth.load_unit_bytes = l;
         }
@@ -342,6 +386,10 @@ impl SimArgs {
             sc.hearth.warmth_blocks = w;
         }
         anyhow::ensure!((1..=64).contains(&sc.replicas), "replicas must be 1 to 64");
+        anyhow::ensure!(
+            sc.hearth.long_replicas < sc.replicas,
+            "long replicas must be fewer than replicas"
+        );
         anyhow::ensure!(
             sc.agents.iter().all(|a| (1..=1024).contains(a)),
             "agents must be 1 to 1024"
@@ -458,6 +506,17 @@ pub fn main(args: SimArgs) -> anyhow::Result<()> {
         results.iter().map(|r| r.row(&sc.name, "sim")).collect();
     crate::report::attach_oracle(&mut rows);
     print!("{}", crate::report::table(&rows));
+    if sc.hearth.long_replicas > 0
+        || matches!(sc.workload, crate::workload::Workload::LongContext(_))
+    {
+        println!(
+            "# TTFT by prompt size (long: >= {} prompt bytes; {} replica(s) tagged long, lane {})",
+            sc.hearth.long_prompt_bytes,
+            sc.hearth.long_replicas,
+            sc.hearth.long_lane.as_str()
+        );
+        print!("{}", crate::report::long_table(&rows));
+    }
     println!(
         "# {} runs in {:.1} s wall-clock",
         rows.len(),

@@ -189,6 +189,10 @@ pub struct Turn {
     pub session: u64,
     /// First turn of its session (not counted for the stay rate).
     pub first_of_session: bool,
+    /// The prompt does not extend the session's previous one (a first
+    /// turn, a new task, a compaction, an independent request): staying
+    /// on the session's replica saves at most its shared prefix.
+    pub restart: bool,
     pub output_tokens: u32,
 }
 
@@ -367,6 +371,7 @@ impl Client {
                     body: body(&self.shared.model, &messages, None, u.output_tokens),
                     session: 0x0F1E_0000_0000_0000 ^ key,
                     first_of_session: true,
+                    restart: true,
                     output_tokens: u.output_tokens,
                 }
             }
@@ -419,8 +424,10 @@ impl Client {
     fn agent_turn(&mut self, a: &AgentSwarm) -> Turn {
         let sh = Arc::clone(&self.shared);
         let key = (self.index << 40) ^ (self.task << 20) ^ self.turn;
+        let mut restart = false;
         if self.messages.is_empty() || self.rng.chance(a.new_task_share) {
             self.start_task(a, None);
+            restart = true;
         } else {
             // The previous turn's output (a tool call) and its result.
             let out = text(
@@ -445,6 +452,7 @@ impl Client {
             if self.prompt_tokens >= a.compact_at_tokens {
                 let summary = text(sh.salt, key ^ 0x0C, a.summary_tokens * BYTES_PER_TOKEN);
                 self.start_task(a, Some(summary));
+                restart = true;
             }
         }
         self.turn += 1;
@@ -460,6 +468,7 @@ impl Client {
             body: body(&sh.model, &self.messages, Some(tools), output),
             session: (self.index << 24) ^ self.task,
             first_of_session: self.session_turns == 1,
+            restart,
             output_tokens: output,
         }
     }
@@ -473,6 +482,7 @@ impl Client {
                 body: body(&sh.model, &messages, None, s.output_tokens),
                 session: key,
                 first_of_session: true,
+                restart: true,
                 output_tokens: s.output_tokens,
             };
         }
@@ -491,6 +501,7 @@ impl Client {
             body: body(&sh.model, &messages, None, s.output_tokens),
             session: app as u64,
             first_of_session: false,
+            restart: true,
             output_tokens: s.output_tokens,
         }
     }

@@ -70,8 +70,15 @@ pub struct Settings {
     pub affinity_cap: u32,
 
     /// Blocks of credit that one unit of in-flight load outweighs.
-    #[arg(long, env = "HEARTH_ALPHA", default_value_t = 8.0)]
+    #[arg(long, env = "HEARTH_ALPHA", default_value_t = 1.0)]
     pub alpha: f64,
+
+    /// Credit cap, in blocks, for a request that continues no earlier
+    /// prompt (a conversation's first turn, or its first after compaction):
+    /// its overlap is a prefix other conversations share, so load decides
+    /// where it starts.
+    #[arg(long, env = "HEARTH_FIRST_TURN_CAP", default_value_t = 4)]
+    pub first_turn_cap: u32,
 
     /// Uncached prompt bytes that weigh one extra load unit (every request
     /// weighs at least one).
@@ -267,6 +274,7 @@ impl Settings {
             basis: self.affinity_basis,
             cap: self.affinity_cap,
             alpha: self.alpha,
+            first_turn_cap: self.first_turn_cap,
         }
     }
 
@@ -374,6 +382,18 @@ pub enum LongLane {
     Exclusive,
     Avoid,
     AvoidUnlessWarm,
+}
+
+impl LongLane {
+    /// The setting's value as HEARTH_LONG_LANE spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LongLane::Shared => "shared",
+            LongLane::Exclusive => "exclusive",
+            LongLane::Avoid => "avoid",
+            LongLane::AvoidUnlessWarm => "avoid-unless-warm",
+        }
+    }
 }
 
 /// Seconds as a Duration; settings are validated to be finite and >= 0.

@@ -1,8 +1,12 @@
 //! The scoring rule, as pure functions over numbers.
 //!
 //! `score(r) = credit(r) - alpha * load(r)`; the highest score wins, ties go
-//! to the deeper raw overlap, then round-robin. The benchmark's simulator
-//! calls this same code, so what it measures is what the sidecar runs.
+//! to the deeper raw overlap, then round-robin. A request that continues no
+//! earlier prompt (a first turn) has its credit capped lower
+//! ([`ScoreParams::first_turn_cap`]): what it shares with a replica is a
+//! prefix other conversations share, which any replica reads once, so load
+//! decides where a conversation starts. The benchmark's simulator calls this
+//! same code, so what it measures is what the sidecar runs.
 
 use std::fmt;
 use std::str::FromStr;
@@ -65,6 +69,27 @@ pub struct ScoreParams {
     pub cap: u32,
     /// Blocks of credit that one unit of load outweighs.
     pub alpha: f64,
+    /// Credit cap, in blocks, for a request that continues no earlier
+    /// prompt (the lower of this and `cap` applies).
+    pub first_turn_cap: u32,
+}
+
+impl ScoreParams {
+    /// The parameters for one request: `continues` is whether its prompt
+    /// extends an earlier one (a later turn of a conversation). A first
+    /// turn overlaps only with prefixes other conversations sent (harness
+    /// and system prompts), which a replica reads once and then keeps, while
+    /// the conversation's placement holds its load for its whole life.
+    pub fn for_request(&self, continues: bool) -> ScoreParams {
+        if continues {
+            *self
+        } else {
+            ScoreParams {
+                cap: self.cap.min(self.first_turn_cap),
+                ..*self
+            }
+        }
+    }
 }
 
 /// One replica as the scoring rule sees it.
@@ -155,6 +180,7 @@ mod tests {
             basis,
             cap: 100,
             alpha: 1.0,
+            first_turn_cap: 100,
         }
     }
 
@@ -211,6 +237,7 @@ mod tests {
             basis: AffinityBasis::Marginal,
             cap: 100,
             alpha: 4.0,
+            first_turn_cap: 100,
         };
         let warm_idle = [
             Candidate {
@@ -261,6 +288,40 @@ mod tests {
         assert_eq!(rank(&p, &cold, 1), [1, 2, 0]);
         assert_eq!(rank(&p, &cold, 5), [2, 0, 1]);
         assert!(rank(&p, &[], 3).is_empty());
+    }
+
+    #[test]
+    fn a_first_turn_is_placed_by_load_not_by_a_shared_prefix() {
+        let p = ScoreParams {
+            basis: AffinityBasis::Relative,
+            cap: 128,
+            alpha: 2.0,
+            first_turn_cap: 4,
+        };
+        // Only replica 0 has read the 32-block harness prompt, and it runs
+        // three more requests than replica 1.
+        let c = [
+            Candidate {
+                overlap: 32,
+                load: 3.0,
+            },
+            Candidate {
+                overlap: 0,
+                load: 0.0,
+            },
+        ];
+        // A later turn whose history is on replica 0 stays there...
+        assert_eq!(rank(&p.for_request(true), &c, 0)[0], 0);
+        // ...a first turn starts on the idle replica: 4 blocks of credit
+        // are less than 3 load units at alpha 2.
+        assert_eq!(rank(&p.for_request(false), &c, 0)[0], 1);
+        assert_eq!(p.for_request(false).cap, 4);
+        // With equal load the shared prefix still breaks the tie.
+        let idle = [c[0], Candidate { load: 3.0, ..c[1] }];
+        assert_eq!(rank(&p.for_request(false), &idle, 0)[0], 0);
+        // The first-turn cap never raises the cap.
+        let low = ScoreParams { cap: 2, ..p };
+        assert_eq!(low.for_request(false).cap, 2);
     }
 
     #[test]

@@ -64,6 +64,9 @@ pub struct Decision {
     pub order: Vec<usize>,
     /// Leading blocks the chosen replica already held.
     pub overlap: u32,
+    /// The prompt extends an earlier one (else it was scored as a first
+    /// turn, under `HEARTH_FIRST_TURN_CAP`).
+    pub continues: bool,
     /// Every candidate as it was scored, in replica order (for the
     /// decision journal and metrics; built from numbers the decision
     /// computed anyway).
@@ -217,6 +220,10 @@ pub struct Router {
     engine_load_weight: f64,
     max_queue: u64,
     state: Mutex<Vec<ReplicaState>>,
+    /// Last full block of recent prompts, fleet-wide (bounded LRU): a
+    /// request whose overlap reaches one continues an earlier prompt.
+    /// Locked after `state`, never before.
+    tips: Mutex<LruBlocks>,
     rr: AtomicUsize,
     decisions: AtomicU64,
     hashed: AtomicU64,
@@ -273,6 +280,7 @@ impl Router {
             engine_load_weight: settings.engine_load_weight,
             max_queue: settings.max_queue,
             state: Mutex::new(state),
+            tips: Mutex::new(LruBlocks::new(settings.warmth_blocks)),
             rr: AtomicUsize::new(0),
             decisions: AtomicU64::new(0),
             hashed: AtomicU64::new(0),
@@ -434,6 +442,12 @@ impl Router {
         let sets: Vec<&LruBlocks> = candidates.iter().map(|&i| &state[i].warmth).collect();
         let overlaps = LruBlocks::leading_overlaps(&sets, &req.hashes);
         let (candidates, overlaps) = self.warm_long_only(candidates, overlaps, long_request);
+        let warmest = overlaps.iter().copied().max().unwrap_or(0);
+        let mut tips = self.tips.lock().unwrap_or_else(|p| p.into_inner());
+        let continues = req.hashes[..warmest.min(req.hashes.len())]
+            .iter()
+            .rev()
+            .any(|&h| tips.contains(h));
         let scored: Vec<Candidate> = candidates
             .iter()
             .zip(overlaps)
@@ -446,7 +460,7 @@ impl Router {
         // top of the ranking was a tie, so regular traffic patterns cannot
         // keep landing ties on the same replica.
         let rr = self.rr.load(Ordering::Relaxed);
-        let ranking = policy::rank_scored(&self.params, &scored, rr);
+        let ranking = policy::rank_scored(&self.params.for_request(continues), &scored, rr);
         let ranked = &ranking.order;
         if let [first, second, ..] = ranked[..] {
             let tied = ranking.scores[first] == ranking.scores[second]
@@ -486,11 +500,25 @@ impl Router {
         r.load += weight;
         r.routed += 1;
         r.warmth.record_prompt(&req.hashes);
+        // The prompt's last full block (a trailing partial block changes as
+        // the conversation grows, so the next turn never matches it).
+        let full = if req.prompt_bytes == 0 {
+            req.hashes.len()
+        } else {
+            req.hashes
+                .len()
+                .min((req.prompt_bytes / self.block_size as u64) as usize)
+        };
+        if let Some(&tip) = full.checked_sub(1).and_then(|k| req.hashes.get(k)) {
+            tips.touch(tip);
+        }
+        drop(tips);
         drop(state);
 
         Ok(Decision {
             order,
             overlap,
+            continues,
             candidates: traced,
             reservation: Reservation {
                 router: Arc::clone(self),
@@ -674,6 +702,32 @@ mod tests {
             assert_eq!(d.primary(), home);
             assert_eq!(d.overlap, (turn - 1) as u32);
         }
+    }
+
+    #[test]
+    fn first_turns_spread_by_load_and_later_turns_follow_their_history() {
+        let router = router(&["--alpha", "2", "--first-turn-cap", "4"]);
+        // 32 shared harness blocks, then each conversation's own.
+        let harness: Vec<u64> = (1..=32).collect();
+        let turn = |conv: u64, len: u64| {
+            let mut h = harness.clone();
+            h.extend((0..len).map(|k| 1000 * conv + k));
+            req(&h)
+        };
+        let a = router.decide(&turn(1, 4)).unwrap();
+        assert!(!a.continues);
+        // A second conversation on the same harness starts elsewhere: the
+        // harness is worth 4 blocks of credit, the load 2 x 3 units.
+        let b = router.decide(&turn(2, 4)).unwrap();
+        assert!(!b.continues);
+        assert_ne!(a.primary(), b.primary());
+        assert_eq!(b.overlap, 0);
+        // The first conversation's next turn continues its prompt and
+        // returns to its replica, busy as it is.
+        let a2 = router.decide(&turn(1, 8)).unwrap();
+        assert!(a2.continues);
+        assert_eq!(a2.primary(), a.primary());
+        assert_eq!(a2.overlap, 36);
     }
 
     #[test]
