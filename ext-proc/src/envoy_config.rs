@@ -583,7 +583,8 @@ mod gie_mode_tests {
         assert_eq!(args.mode, Mode::Gie);
         let yaml = args.render(&cli.settings);
         assert!(!yaml.contains("filters.http.wasm"));
-        assert_eq!(yaml.matches("FULL_DUPLEX_STREAMED").count(), 2);
+        assert!(yaml.contains("request_body_mode: FULL_DUPLEX_STREAMED"));
+        assert!(yaml.contains("response_body_mode: FULL_DUPLEX_STREAMED"));
         assert!(yaml.contains("request_trailer_mode: SEND"));
         assert!(yaml.contains("type: ORIGINAL_DST"));
         assert!(yaml.contains("http_header_name: x-gateway-destination-endpoint"));
