@@ -299,6 +299,7 @@ impl Policy {
                         hashes: fp.hashes.clone(),
                         prompt_bytes: fp.prompt_bytes,
                         model: Some(fp.model.clone()),
+                        max_output_tokens: fp.max_output_tokens,
                     },
                     None => RequestInfo::default(),
                 };

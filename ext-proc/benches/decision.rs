@@ -39,6 +39,7 @@ fn session(s: u64) -> RequestInfo {
         prompt_bytes: hashes.len() as u64 * 2048,
         hashes,
         model: Some("m".into()),
+        max_output_tokens: None,
     }
 }
 

@@ -147,6 +147,12 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_LONG_LANE", default_value = "shared")]
     pub long_lane: LongLane,
 
+    /// Requests asking for at most this many output tokens prefer replicas
+    /// tagged `profile=short-output` when cache and load tie; longer ones
+    /// prefer the others.
+    #[arg(long, env = "HEARTH_SHORT_OUTPUT_TOKENS", default_value_t = 256)]
+    pub short_output_tokens: u64,
+
     /// Seconds between two scrapes of each engine's Prometheus `/metrics`
     /// (vLLM or SGLang names; 0 disables).
     #[arg(long, env = "HEARTH_ENGINE_METRICS_SECONDS", default_value_t = 2.0)]
@@ -199,6 +205,8 @@ pub struct UpstreamSpec {
     /// Data-parallel ranks behind this address (1 = none): each rank is its
     /// own routing target, chosen with the `x-data-parallel-rank` header.
     pub dp_ranks: u32,
+    /// `profile=short-output`: preferred for short outputs on ties.
+    pub short_output: bool,
 }
 
 impl FromStr for UpstreamSpec {
@@ -217,6 +225,7 @@ impl FromStr for UpstreamSpec {
             models: Vec::new(),
             long: false,
             dp_ranks: 1,
+            short_output: false,
         };
         for part in parts {
             let (key, value) = part
@@ -232,6 +241,14 @@ impl FromStr for UpstreamSpec {
                 "tag" => match value {
                     "long" => spec.long = true,
                     other => return Err(format!("unknown upstream tag {other:?} (known: long)")),
+                },
+                "profile" => match value {
+                    "short-output" => spec.short_output = true,
+                    other => {
+                        return Err(format!(
+                            "unknown upstream profile {other:?} (known: short-output)"
+                        ))
+                    }
                 },
                 "dp" => {
                     spec.dp_ranks = value

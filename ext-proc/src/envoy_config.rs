@@ -160,7 +160,7 @@ static_resources:
               - match: {{ prefix: "/" }}
                 # The fingerprint never reaches an engine, even when the
                 # sidecar is down and could not strip it.
-                request_headers_to_remove: ["x-hearth-fp", "x-hearth-prompt-bytes", "x-hearth-model"]
+                request_headers_to_remove: ["x-hearth-fp", "x-hearth-prompt-bytes", "x-hearth-model", "x-hearth-max-tokens"]
                 route:
                   cluster: engines
                   timeout: 0s
@@ -394,6 +394,7 @@ const STRIP_RESERVED: &str = r#"          # Body mode has no wasm filter to drop
                 - remove: x-hearth-fp
                 - remove: x-hearth-prompt-bytes
                 - remove: x-hearth-model
+                - remove: x-hearth-max-tokens
                 - remove: x-gateway-destination-endpoint
                 - remove: x-gateway-destination-endpoint-subset
 "#;
@@ -478,7 +479,7 @@ static_resources:
                   headers:
                   - name: x-gateway-destination-endpoint
                     present_match: true
-                request_headers_to_remove: ["x-hearth-fp", "x-hearth-prompt-bytes", "x-hearth-model"]
+                request_headers_to_remove: ["x-hearth-fp", "x-hearth-prompt-bytes", "x-hearth-model", "x-hearth-max-tokens"]
                 route:
                   cluster: engines
                   timeout: 0s
@@ -499,6 +500,7 @@ static_resources:
                 - remove: x-hearth-fp
                 - remove: x-hearth-prompt-bytes
                 - remove: x-hearth-model
+                - remove: x-hearth-max-tokens
                 - remove: x-gateway-destination-endpoint
                 - remove: x-gateway-destination-endpoint-subset
                 - remove: x-gateway-destination-endpoint-served

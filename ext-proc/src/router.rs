@@ -25,6 +25,9 @@ pub struct Replica {
     pub long: bool,
     /// The data-parallel rank this target is, behind a shared address.
     pub dp_rank: Option<u32>,
+    /// Suited to short outputs (e.g. speculative decoding): preferred for
+    /// them when cache and load tie.
+    pub short_output: bool,
 }
 
 impl Replica {
@@ -44,6 +47,8 @@ pub struct RequestInfo {
     /// Canonical prompt length in bytes (0 when unknown).
     pub prompt_bytes: u64,
     pub model: Option<String>,
+    /// The request's output cap, when the client set one.
+    pub max_output_tokens: Option<u64>,
 }
 
 /// Why a request could not be routed.
@@ -219,6 +224,7 @@ pub struct Router {
     engine_stale: Duration,
     engine_load_weight: f64,
     max_queue: u64,
+    short_output_tokens: u64,
     state: Mutex<Vec<ReplicaState>>,
     /// Last full block of recent prompts, fleet-wide (bounded LRU): a
     /// request whose overlap reaches one continues an earlier prompt.
@@ -251,6 +257,7 @@ impl Router {
                     models: u.models.clone(),
                     long: u.long,
                     dp_rank: (u.dp_ranks > 1).then_some(rank),
+                    short_output: u.short_output,
                 })
             })
             .collect();
@@ -279,6 +286,7 @@ impl Router {
             engine_stale: config::seconds(settings.engine_metrics_stale_seconds),
             engine_load_weight: settings.engine_load_weight,
             max_queue: settings.max_queue,
+            short_output_tokens: settings.short_output_tokens,
             state: Mutex::new(state),
             tips: Mutex::new(LruBlocks::new(settings.warmth_blocks)),
             rr: AtomicUsize::new(0),
@@ -461,7 +469,7 @@ impl Router {
         // keep landing ties on the same replica.
         let rr = self.rr.load(Ordering::Relaxed);
         let ranking = policy::rank_scored(&self.params.for_request(continues), &scored, rr);
-        let ranked = &ranking.order;
+        let ranked = &self.prefer_profile(ranking.order.clone(), &ranking.scores, &candidates, req);
         if let [first, second, ..] = ranked[..] {
             let tied = ranking.scores[first] == ranking.scores[second]
                 && scored[first].overlap == scored[second].overlap;
@@ -526,6 +534,30 @@ impl Router {
                 weight,
             },
         })
+    }
+
+    /// Among the candidates tied for the top score, those whose output
+    /// profile suits the request go first (short outputs to replicas tagged
+    /// `profile=short-output`, longer ones elsewhere); the rest of the order
+    /// is kept.
+    fn prefer_profile(
+        &self,
+        mut order: Vec<usize>,
+        scores: &[f64],
+        candidates: &[usize],
+        req: &RequestInfo,
+    ) -> Vec<usize> {
+        let Some(tokens) = req.max_output_tokens else {
+            return order;
+        };
+        if !self.replicas.iter().any(|r| r.short_output) || order.is_empty() {
+            return order;
+        }
+        let short = tokens <= self.short_output_tokens;
+        let top = scores[order[0]];
+        let tied = order.iter().take_while(|&&k| scores[k] == top).count();
+        order[..tied].sort_by_key(|&k| self.replicas[candidates[k]].short_output != short);
+        order
     }
 
     /// Under `avoid-unless-warm`, a short prompt keeps a `long` replica
@@ -687,6 +719,7 @@ mod tests {
             hashes: hashes.to_vec(),
             prompt_bytes: hashes.len() as u64 * 2048,
             model: Some("m".into()),
+            max_output_tokens: None,
         }
     }
 
@@ -836,6 +869,7 @@ mod tests {
             hashes: hashes.to_vec(),
             prompt_bytes: bytes,
             model: None,
+            max_output_tokens: None,
         }
     }
 
@@ -949,6 +983,41 @@ mod tests {
         r.set_engine_signals(a, busy(4.0, 0.0, 0));
         r.set_engine_signals("127.0.0.1:2".parse().unwrap(), busy(9.0, 0.0, 0));
         assert_eq!(r.decide(&req(&[300])).unwrap_err(), RouteError::Saturated);
+    }
+
+    #[test]
+    fn output_profiles_break_ties() {
+        let r = Router::new(
+            &Cli::try_parse_from([
+                "x",
+                "--upstreams",
+                "127.0.0.1:1,127.0.0.1:2;profile=short-output",
+            ])
+            .unwrap()
+            .settings,
+        );
+        let with_cap = |hashes: &[u64], cap: Option<u64>| RequestInfo {
+            max_output_tokens: cap,
+            ..req(hashes)
+        };
+        for k in 0..4 {
+            assert_eq!(
+                r.decide(&with_cap(&[10 + k], Some(16))).unwrap().primary(),
+                1
+            );
+            assert_eq!(
+                r.decide(&with_cap(&[20 + k], Some(4096)))
+                    .unwrap()
+                    .primary(),
+                0
+            );
+        }
+        // Warmth still beats the profile.
+        drop(r.decide(&with_cap(&[30], Some(4096))).unwrap());
+        assert_eq!(
+            r.decide(&with_cap(&[30, 31], Some(16))).unwrap().primary(),
+            0
+        );
     }
 
     #[test]

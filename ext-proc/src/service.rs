@@ -546,6 +546,7 @@ pub fn request_info(h: &HttpHeaders, block_size: usize) -> RequestInfo {
             }
             k if k == header::PROMPT_BYTES => info.prompt_bytes = value.trim().parse().unwrap_or(0),
             k if k == header::MODEL => info.model = Some(value.to_string()),
+            k if k == header::MAX_TOKENS => info.max_output_tokens = value.trim().parse().ok(),
             _ => {}
         }
     }

@@ -95,11 +95,15 @@ pub fn fingerprint_headers(fp: &Fingerprint) -> Option<Vec<(&'static str, String
     if fp.model.len() > MAX_MODEL_BYTES || !is_header_safe(&fp.model) {
         return None;
     }
-    Some(vec![
+    let mut headers = vec![
         (header::FP, fp.header_value()),
         (header::PROMPT_BYTES, fp.prompt_bytes.to_string()),
         (header::MODEL, fp.model.clone()),
-    ])
+    ];
+    if let Some(n) = fp.max_output_tokens {
+        headers.push((header::MAX_TOKENS, n.to_string()));
+    }
+    Some(headers)
 }
 
 /// Visible ASCII and inner spaces only: survives every codec unchanged.

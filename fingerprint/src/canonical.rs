@@ -33,6 +33,14 @@ const TAG_INPUT_ITEM: u8 = b'E';
 ///
 /// Never panics; every failure is a [`SkipReason`].
 pub fn canonical_prompt(endpoint: Endpoint, body: &[u8]) -> Result<(String, Vec<u8>), SkipReason> {
+    canonical_request(endpoint, body).map(|(model, bytes, _)| (model, bytes))
+}
+
+/// [`canonical_prompt`], plus the request's output cap when it has one.
+pub(crate) fn canonical_request(
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<(String, Vec<u8>, Option<u64>), SkipReason> {
     let mut de = serde_json::Deserializer::from_slice(body);
     let top = TopSeed(endpoint)
         .deserialize(&mut de)
@@ -54,7 +62,7 @@ pub fn canonical_prompt(endpoint: Endpoint, body: &[u8]) -> Result<(String, Vec<
     if out.is_empty() {
         return Err(SkipReason::NoPrompt);
     }
-    Ok((model, out))
+    Ok((model, out, fields.max_output_tokens))
 }
 
 // ---------------------------------------------------------------------------
@@ -241,6 +249,10 @@ struct Fields<'a> {
     prompt: Option<Lenient<StrOrArray<'a>>>,
     instructions: Option<Lenient<Cow<'a, str>>>,
     input: Option<Lenient<StrOrArray<'a>>>,
+    /// The request's output cap (`max_tokens`, `max_completion_tokens` or
+    /// `max_output_tokens`), when it is a plain integer. Not part of the
+    /// canonical bytes.
+    max_output_tokens: Option<u64>,
 }
 
 #[derive(Default)]
@@ -483,6 +495,12 @@ impl<'de> Visitor<'de> for TopSeed {
                 ("prompt", Completions) => f.prompt = Some(map.next_value()?),
                 ("instructions", Responses) => f.instructions = Some(map.next_value()?),
                 ("input", Responses) => f.input = Some(map.next_value()?),
+                ("max_tokens", ChatCompletions | Completions)
+                | ("max_completion_tokens", ChatCompletions)
+                | ("max_output_tokens", Responses) => {
+                    let v: Value = map.next_value()?;
+                    f.max_output_tokens = v.as_u64().or(f.max_output_tokens);
+                }
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }

@@ -14,6 +14,8 @@ pub const FP: &str = "x-hearth-fp";
 pub const PROMPT_BYTES: &str = "x-hearth-prompt-bytes";
 /// The request's model.
 pub const MODEL: &str = "x-hearth-model";
+/// The request's output cap, when it has one (`max_tokens` and equivalents).
+pub const MAX_TOKENS: &str = "x-hearth-max-tokens";
 /// Every header starting with this prefix is Hearth's; clients may not send them.
 pub const PREFIX: &str = "x-hearth-";
 

@@ -208,6 +208,10 @@ pub struct Fingerprint {
     pub block_size: u32,
     /// Chained block hashes of the bounded prefix, never empty.
     pub hashes: Vec<u64>,
+    /// The request's output cap (`max_tokens` and its API's equivalents),
+    /// when given as an integer: routing may prefer replicas suited to it.
+    /// It never changes the hashes.
+    pub max_output_tokens: Option<u64>,
 }
 
 impl Fingerprint {
@@ -274,12 +278,13 @@ pub fn fingerprint(
     body: &[u8],
     params: &Params,
 ) -> Result<Fingerprint, SkipReason> {
-    let (model, canonical) = canonical_prompt(endpoint, body)?;
+    let (model, canonical, max_output_tokens) = canonical::canonical_request(endpoint, body)?;
     let hashes = chain_hashes(&model, &canonical, params);
     Ok(Fingerprint {
         model,
         prompt_bytes: canonical.len() as u64,
         block_size: hash::effective_block_size(params) as u32,
         hashes,
+        max_output_tokens,
     })
 }

@@ -84,3 +84,30 @@ fn related_cases_agree() {
     assert_eq!(multi["prompt_bytes"], cut["prompt_bytes"]);
     assert_eq!(hex_hashes(cut), hex_hashes(multi)[..4].to_vec());
 }
+
+#[test]
+fn the_output_cap_is_read_but_never_hashed() {
+    use hearth_fingerprint::{fingerprint, Endpoint, Params};
+    let p = Params::default();
+    let with = br#"{"model":"m","max_tokens":64,"messages":[{"role":"user","content":"hi"}]}"#;
+    let newer =
+        br#"{"model":"m","max_completion_tokens":9,"messages":[{"role":"user","content":"hi"}]}"#;
+    let without = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+    let odd = br#"{"model":"m","max_tokens":"lots","messages":[{"role":"user","content":"hi"}]}"#;
+    let a = fingerprint(Endpoint::ChatCompletions, with, &p).unwrap();
+    let b = fingerprint(Endpoint::ChatCompletions, without, &p).unwrap();
+    assert_eq!(a.max_output_tokens, Some(64));
+    assert_eq!(b.max_output_tokens, None);
+    assert_eq!(a.hashes, b.hashes);
+    let c = fingerprint(Endpoint::ChatCompletions, newer, &p).unwrap();
+    assert_eq!(c.max_output_tokens, Some(9));
+    let d = fingerprint(Endpoint::ChatCompletions, odd, &p).unwrap();
+    assert_eq!(d.max_output_tokens, None);
+    let r = br#"{"model":"m","max_output_tokens":5,"input":"hi"}"#;
+    assert_eq!(
+        fingerprint(Endpoint::Responses, r, &p)
+            .unwrap()
+            .max_output_tokens,
+        Some(5)
+    );
+}

@@ -196,3 +196,27 @@ async fn engine_queues_steer_new_work_and_full_queues_shed_with_429() {
     }
     fleet.assert_wasm_healthy();
 }
+
+#[tokio::test]
+async fn short_outputs_prefer_short_output_replicas_when_cache_and_load_tie() {
+    let fleet = Fleet::start(FleetOptions {
+        engines: 2,
+        upstream_options: vec![(1, ";profile=short-output".into())],
+        sidecar_flags: vec!["--probe-interval-seconds=0".into()],
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    for s in 0..4u64 {
+        let mut short = Conversation::new(MODEL, &filler(s + 500, 2048), false, 2500 + s);
+        let mut body = short.next_turn(500, false);
+        body["max_tokens"] = 16.into();
+        assert_eq!(fleet.chat(&body).await.engine.as_deref(), Some("engine-1"));
+        let mut long = Conversation::new(MODEL, &filler(s + 600, 2048), false, 2600 + s);
+        let mut body = long.next_turn(500, false);
+        body["max_completion_tokens"] = 2000.into();
+        body.as_object_mut().unwrap().remove("max_tokens");
+        assert_eq!(fleet.chat(&body).await.engine.as_deref(), Some("engine-0"));
+    }
+    fleet.assert_wasm_healthy();
+}
