@@ -214,7 +214,7 @@ pub fn served_endpoint(msg: &ProcessingRequest) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+    use envoy_types::pb::envoy::config::core::v3::Metadata;
     use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};
     use std::collections::HashMap;
 
@@ -240,19 +240,7 @@ mod tests {
     }
 
     fn headers(pairs: &[(&str, &str)]) -> HttpHeaders {
-        HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: pairs
-                    .iter()
-                    .map(|(k, v)| HeaderValue {
-                        key: k.to_string(),
-                        raw_value: v.as_bytes().to_vec(),
-                        ..Default::default()
-                    })
-                    .collect(),
-            }),
-            ..Default::default()
-        }
+        crate::service::http_headers(pairs)
     }
 
     #[test]

@@ -562,6 +562,24 @@ fn header_value<'a>(h: &'a HttpHeaders, name: &str) -> Option<&'a str> {
         .map(header_text)
 }
 
+/// A header map as Envoy sends it (values in `raw_value`), from pairs: for
+/// tests and tools that speak to the sidecar.
+pub fn http_headers(pairs: &[(&str, &str)]) -> HttpHeaders {
+    HttpHeaders {
+        headers: Some(envoy_types::pb::envoy::config::core::v3::HeaderMap {
+            headers: pairs
+                .iter()
+                .map(|(k, v)| HeaderValue {
+                    key: k.to_string(),
+                    raw_value: v.as_bytes().to_vec(),
+                    ..Default::default()
+                })
+                .collect(),
+        }),
+        ..Default::default()
+    }
+}
+
 fn header_text(hv: &HeaderValue) -> &str {
     if hv.raw_value.is_empty() {
         &hv.value
@@ -650,22 +668,9 @@ fn refusal(e: &RouteError) -> ProcessingResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use envoy_types::pb::envoy::config::core::v3::HeaderMap;
 
     fn headers(pairs: &[(&str, &str)]) -> HttpHeaders {
-        HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: pairs
-                    .iter()
-                    .map(|(k, v)| HeaderValue {
-                        key: k.to_string(),
-                        raw_value: v.as_bytes().to_vec(),
-                        ..Default::default()
-                    })
-                    .collect(),
-            }),
-            ..Default::default()
-        }
+        http_headers(pairs)
     }
 
     #[test]

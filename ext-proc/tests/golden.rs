@@ -2,25 +2,13 @@
 //! the wasm filter: the header the filter sends decodes, on this side, to
 //! exactly the hashes the vectors pin.
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::HttpHeaders;
-use hearth_ext_proc::service::request_info;
+use hearth_ext_proc::service::{http_headers, request_info};
 use hearth_fingerprint::header;
 
 fn headers(pairs: &[(&str, String)]) -> HttpHeaders {
-    HttpHeaders {
-        headers: Some(HeaderMap {
-            headers: pairs
-                .iter()
-                .map(|(k, v)| HeaderValue {
-                    key: k.to_string(),
-                    raw_value: v.clone().into_bytes(),
-                    ..Default::default()
-                })
-                .collect(),
-        }),
-        ..Default::default()
-    }
+    let pairs: Vec<(&str, &str)> = pairs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    http_headers(&pairs)
 }
 
 #[test]
