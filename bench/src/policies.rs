@@ -48,6 +48,10 @@ pub enum PolicyKind {
     GieDefaultEmulated,
     SglangCacheAwareEmulated,
     Oracle,
+    /// Two independent sidecars (relative basis) behind two gateways, each
+    /// request reaching one of them at random: warmth and load are not
+    /// shared. Not in the default set; name it with `--policies`.
+    HearthRelativeTwoSidecars,
 }
 
 impl PolicyKind {
@@ -76,11 +80,18 @@ impl PolicyKind {
             PolicyKind::GieDefaultEmulated => "gie_default_emulated",
             PolicyKind::SglangCacheAwareEmulated => "sglang_cache_aware_emulated",
             PolicyKind::Oracle => "oracle",
+            PolicyKind::HearthRelativeTwoSidecars => "hearth_relative_two_sidecars",
         }
     }
 
+    /// Policies run only when named.
+    pub const EXTRA: [PolicyKind; 1] = [PolicyKind::HearthRelativeTwoSidecars];
+
     pub fn parse(s: &str) -> Option<PolicyKind> {
-        PolicyKind::ALL.into_iter().find(|p| p.name() == s)
+        PolicyKind::ALL
+            .into_iter()
+            .chain(PolicyKind::EXTRA)
+            .find(|p| p.name() == s)
     }
 
     /// The sidecar's credit basis, for the Hearth policies.
@@ -195,6 +206,8 @@ pub enum Policy {
     LeastRequest(Rng),
     RingHash(Vec<(u64, usize)>),
     Hearth(Arc<Router>),
+    /// Independent sidecars; each request goes to one picked at random.
+    HearthSplit(Vec<Arc<Router>>, Rng),
     Oracle(usize),
     Gie(GieState),
     Sglang(SglangState),
@@ -234,6 +247,10 @@ impl Policy {
         let rng = Rng::derive(seed, 0x9011C7);
         if let Some(basis) = kind.hearth_basis() {
             return Policy::Hearth(Router::new(&knobs.settings(basis, replicas)));
+        }
+        if kind == PolicyKind::HearthRelativeTwoSidecars {
+            let settings = knobs.settings(AffinityBasis::Relative, replicas);
+            return Policy::HearthSplit(vec![Router::new(&settings), Router::new(&settings)], rng);
         }
         match kind {
             PolicyKind::RoundRobin => Policy::RoundRobin(0),
@@ -293,7 +310,14 @@ impl Policy {
                 let i = ring.partition_point(|(p, _)| *p < h);
                 ring[i % ring.len()].1
             }
-            Policy::Hearth(router) => {
+            Policy::Hearth(_) | Policy::HearthSplit(..) => {
+                let router = match self {
+                    Policy::Hearth(router) => Arc::clone(router),
+                    Policy::HearthSplit(routers, rng) => {
+                        Arc::clone(&routers[rng.below(routers.len())])
+                    }
+                    _ => unreachable!("matched above"),
+                };
                 let info = match req.fingerprint {
                     Some(fp) => RequestInfo {
                         hashes: fp.hashes.clone(),
