@@ -107,17 +107,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     // 2. The sidecar, then Envoy pointed at it.
     let (grpc, admin) = (free_port()?, free_port()?);
     let sidecar = SidecarProcess::start(&upstreams, grpc, admin, &[]).await?;
-    let gateway = Gateway {
-        listen: SocketAddr::from(([127, 0, 0, 1], args.port)),
-        admin: "127.0.0.1:0".parse()?,
-        sidecar: grpc,
-        sidecar_admin: sidecar.admin,
-        upstreams: addrs.clone(),
-        wasm: find_wasm()?.canonicalize()?,
-        block_size: hearth_fingerprint::DEFAULT_BLOCK_SIZE,
-        max_prefix_bytes: hearth_fingerprint::DEFAULT_MAX_PREFIX_BYTES,
-        max_body_bytes: 8 << 20,
-    };
+    let gateway = Gateway::local(
+        SocketAddr::from(([127, 0, 0, 1], args.port)),
+        grpc,
+        sidecar.admin,
+        addrs.clone(),
+        find_wasm()?.canonicalize()?,
+    );
     let envoy = Envoy::start(&render(&gateway), Duration::from_secs(30)).await?;
     let client = reqwest::Client::new();
     let model = match (&args.upstream_model, engines.is_empty()) {

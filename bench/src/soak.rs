@@ -236,17 +236,13 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         ("HEARTH_FIRST_BYTE_TIMEOUT_SECONDS", "5".to_string()),
     ];
     let mut sidecar = SidecarProcess::start(&upstreams, grpc, admin, &sidecar_settings).await?;
-    let gateway = Gateway {
-        listen: "127.0.0.1:0".parse()?,
-        admin: "127.0.0.1:0".parse()?,
-        sidecar: grpc,
-        sidecar_admin: admin,
-        upstreams: addrs.clone(),
-        wasm: find_wasm()?.canonicalize()?,
-        block_size: hearth_fingerprint::DEFAULT_BLOCK_SIZE,
-        max_prefix_bytes: hearth_fingerprint::DEFAULT_MAX_PREFIX_BYTES,
-        max_body_bytes: 8 << 20,
-    };
+    let gateway = Gateway::local(
+        "127.0.0.1:0".parse()?,
+        grpc,
+        admin,
+        addrs.clone(),
+        find_wasm()?.canonicalize()?,
+    );
     let envoy = Envoy::start(&render(&gateway), Duration::from_secs(30)).await?;
     let url = format!("{}/v1/chat/completions", envoy.url());
     note(

@@ -94,6 +94,31 @@ pub struct Gateway {
     pub max_body_bytes: usize,
 }
 
+impl Gateway {
+    /// A gateway on loopback with an ephemeral admin port and the default
+    /// block size, prefix bound and body limit (the demo, the soak and the
+    /// end-to-end tests).
+    pub fn local(
+        listen: SocketAddr,
+        sidecar: SocketAddr,
+        sidecar_admin: SocketAddr,
+        upstreams: Vec<SocketAddr>,
+        wasm: PathBuf,
+    ) -> Gateway {
+        Gateway {
+            listen,
+            admin: SocketAddr::from(([127, 0, 0, 1], 0)),
+            sidecar,
+            sidecar_admin,
+            upstreams,
+            wasm,
+            block_size: hearth_fingerprint::DEFAULT_BLOCK_SIZE,
+            max_prefix_bytes: hearth_fingerprint::DEFAULT_MAX_PREFIX_BYTES,
+            max_body_bytes: 8 << 20,
+        }
+    }
+}
+
 fn socket(addr: &SocketAddr) -> String {
     format!(
         "{{ socket_address: {{ address: \"{}\", port_value: {} }} }}",

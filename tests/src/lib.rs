@@ -140,15 +140,14 @@ impl Fleet {
         settings.admin_listen = sidecar.admin_addr;
 
         let gateway = Gateway {
-            listen: "127.0.0.1:0".parse()?,
-            admin: "127.0.0.1:0".parse()?,
-            sidecar: sidecar.grpc_addr,
-            sidecar_admin: sidecar.admin_addr,
-            upstreams: engines.iter().map(|e| e.addr).collect(),
-            wasm: find_wasm()?.canonicalize()?,
             block_size: settings.block_size,
-            max_prefix_bytes: hearth_fingerprint::DEFAULT_MAX_PREFIX_BYTES,
-            max_body_bytes: 8 << 20,
+            ..Gateway::local(
+                "127.0.0.1:0".parse()?,
+                sidecar.grpc_addr,
+                sidecar.admin_addr,
+                engines.iter().map(|e| e.addr).collect(),
+                find_wasm()?.canonicalize()?,
+            )
         };
         let config = if opts.gie_mode {
             hearth_ext_proc::envoy_config::render_gie(&gateway)
