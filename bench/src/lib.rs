@@ -9,6 +9,8 @@
 //! - [`demo`]: the `hearth-bench demo` subcommand.
 //! - [`sidecar`]: the sidecar binary as a child process.
 //! - [`soak`]: the `hearth-bench soak` subcommand (faults under load).
+//! - [`live`]: a scenario through the real Envoy, filter and sidecar,
+//!   beside the same cell simulated.
 //! - [`workload`] (seeded clients), [`scenario`] (presets), [`policies`]
 //!   (every policy compared), [`sim`] (the discrete-event driver),
 //!   [`report`] (table, JSON, SVG): the routing-quality benchmark.
@@ -17,6 +19,7 @@ pub mod conversation;
 pub mod demo;
 pub mod engine;
 pub mod gateway;
+pub mod live;
 pub mod overhead;
 pub mod policies;
 pub mod report;

@@ -29,6 +29,9 @@ enum Command {
     /// is killed and restarted, and the sidecar is restarted; checks that
     /// nothing leaks.
     Soak(hearth_bench::soak::SoakArgs),
+    /// A scenario's workload through the real Envoy, filter, sidecar and
+    /// HTTP engines (time-scaled), beside the same cell in the simulator.
+    Live(hearth_bench::live::LiveArgs),
 }
 
 #[tokio::main]
@@ -45,6 +48,7 @@ async fn main() -> ExitCode {
         Command::Overhead(args) => hearth_bench::overhead::run(args).await,
         Command::Demo(args) => hearth_bench::demo::run(args).await,
         Command::Soak(args) => hearth_bench::soak::run(args).await,
+        Command::Live(args) => hearth_bench::live::run(args).await,
         Command::Sim(args) => tokio::task::spawn_blocking(move || hearth_bench::sim::main(args))
             .await
             .map_err(anyhow::Error::from)

@@ -14,17 +14,25 @@ pub fn free_port() -> anyhow::Result<SocketAddr> {
     Ok(StdListener::bind("127.0.0.1:0")?.local_addr()?)
 }
 
-/// The sidecar binary next to this one (same cargo target directory).
+/// The sidecar binary next to this one (same cargo target directory; a
+/// test binary lives one level down, in `deps/`).
 pub fn binary() -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe()?;
-    let path = exe.with_file_name("hearth-ext-proc");
-    if path.is_file() {
-        Ok(path)
-    } else {
-        bail!(
+    let here = exe.with_file_name("hearth-ext-proc");
+    let above = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .map(|d| d.join("hearth-ext-proc"));
+    match [Some(here.clone()), above]
+        .into_iter()
+        .flatten()
+        .find(|p| p.is_file())
+    {
+        Some(path) => Ok(path),
+        None => bail!(
             "{} not found: build it with `cargo build --release -p hearth-ext-proc`",
-            path.display()
-        )
+            here.display()
+        ),
     }
 }
 
