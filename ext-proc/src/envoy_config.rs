@@ -119,6 +119,15 @@ impl Gateway {
     }
 }
 
+impl Gateway {
+    /// Listener and cluster buffer limit: Envoy buffers a whole body (for
+    /// the wasm filter, or for ext_proc in the body modes), so the
+    /// connection buffer must hold the largest body plus its headers.
+    fn buffer_limit(&self) -> usize {
+        self.max_body_bytes + (1 << 20)
+    }
+}
+
 fn socket(addr: &SocketAddr) -> String {
     format!(
         "{{ socket_address: {{ address: \"{}\", port_value: {} }} }}",
@@ -140,9 +149,7 @@ pub fn render(g: &Gateway) -> String {
         "max_body_bytes": g.max_body_bytes,
     })
     .to_string();
-    // Envoy buffers the whole body for the wasm filter; the connection
-    // buffer must hold it plus headers.
-    let buffer = g.max_body_bytes + (1 << 20);
+    let buffer = g.buffer_limit();
     format!(
         r#"# Hearth standalone gateway: filter-wasm fingerprints the prompt, the
 # ext_proc sidecar picks the replica, override_host routes to it (falling
@@ -467,7 +474,7 @@ mod body_mode_tests {
 /// reaches the router without a destination gets a 503 instead of being
 /// sent to the listener's own address.
 pub fn render_gie(g: &Gateway) -> String {
-    let buffer = g.max_body_bytes + (1 << 20);
+    let buffer = g.buffer_limit();
     format!(
         r#"# Hearth as a Gateway API Inference Extension endpoint picker, in the
 # extension's reference data-plane shape: ext_proc with FULL_DUPLEX_STREAMED
