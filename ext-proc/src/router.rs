@@ -231,6 +231,9 @@ pub struct Router {
     /// Locked after `state`, never before.
     tips: Mutex<LruBlocks>,
     rr: AtomicUsize,
+    /// The replica list's version: bumped each time the list changes, so
+    /// the endpoint-discovery stream knows to push it to Envoy.
+    version: tokio::sync::watch::Sender<u64>,
     decisions: AtomicU64,
     hashed: AtomicU64,
     rejected: AtomicU64,
@@ -290,6 +293,7 @@ impl Router {
             state: Mutex::new(state),
             tips: Mutex::new(LruBlocks::new(settings.warmth_blocks)),
             rr: AtomicUsize::new(0),
+            version: tokio::sync::watch::Sender::new(1),
             decisions: AtomicU64::new(0),
             hashed: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
@@ -646,6 +650,18 @@ impl Router {
             }
         }
         out
+    }
+
+    /// Each serving address once, in replica order: what Envoy's `engines`
+    /// cluster should hold (endpoint discovery).
+    pub fn endpoints(&self) -> Vec<SocketAddr> {
+        self.engines().into_iter().map(|(a, _)| a).collect()
+    }
+
+    /// The replica list's version; changes whenever [`Router::endpoints`]
+    /// may have.
+    pub fn watch_endpoints(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.version.subscribe()
     }
 
     pub fn fleet_health(&self) -> FleetHealth {
