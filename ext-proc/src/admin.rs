@@ -118,14 +118,16 @@ async fn series(
     Query(q): Query<SeriesQuery>,
 ) -> Json<SeriesView> {
     let n = q.seconds.unwrap_or(120).min(SERIES_SECONDS);
+    let replicas: Vec<String> = observer
+        .router()
+        .snapshot()
+        .replicas
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
     Json(SeriesView {
-        replicas: observer
-            .router()
-            .replicas()
-            .iter()
-            .map(|r| r.id.clone())
-            .collect(),
-        seconds: observer.series.last(n),
+        seconds: observer.series.last_for(n, &replicas),
+        replicas,
     })
 }
 

@@ -50,8 +50,25 @@ pub struct Settings {
     /// Engine replicas, comma separated: `ip:port[;id=NAME][;model=M]...`.
     /// `id` is the opaque name shown to clients (default `replica-N`);
     /// `model` (repeatable) limits the replica to those models.
-    #[arg(long, env = "HEARTH_UPSTREAMS", value_delimiter = ',', required = true)]
+    #[arg(
+        long,
+        env = "HEARTH_UPSTREAMS",
+        value_delimiter = ',',
+        required_unless_present = "upstreams_file",
+        conflicts_with = "upstreams_file"
+    )]
     pub upstreams: Vec<UpstreamSpec>,
+
+    /// Read the replica list from this file instead (one upstream per line,
+    /// the `HEARTH_UPSTREAMS` syntax, `#` comments), and reload it when it
+    /// changes or on SIGHUP, without a restart.
+    #[arg(long, env = "HEARTH_UPSTREAMS_FILE")]
+    pub upstreams_file: Option<std::path::PathBuf>,
+
+    /// Seconds between two checks of `HEARTH_UPSTREAMS_FILE` for changes
+    /// (0 = reload on SIGHUP only).
+    #[arg(long, env = "HEARTH_UPSTREAMS_POLL_SECONDS", default_value_t = 2.0)]
+    pub upstreams_poll_seconds: f64,
 
     /// Fingerprint block size in bytes; must match the wasm filter's.
     #[arg(long, env = "HEARTH_BLOCK_SIZE", default_value_t = hearth_fingerprint::DEFAULT_BLOCK_SIZE)]
@@ -259,7 +276,7 @@ impl FromStr for UpstreamSpec {
                 }
                 other => {
                     return Err(format!(
-                        "unknown upstream option {other:?} (known: id, model)"
+                        "unknown upstream option {other:?} (known: id, model, tag, profile, dp)"
                     ))
                 }
             }
@@ -329,6 +346,7 @@ impl Settings {
                 self.eject_max_backoff_seconds,
             ),
             ("HEARTH_BUSY_GRACE_SECONDS", self.busy_grace_seconds),
+            ("HEARTH_UPSTREAMS_POLL_SECONDS", self.upstreams_poll_seconds),
             (
                 "HEARTH_FIRST_BYTE_TIMEOUT_SECONDS",
                 self.first_byte_timeout_seconds,
@@ -355,19 +373,9 @@ impl Settings {
         if self.load_unit_bytes == 0 {
             problems.push("HEARTH_LOAD_UNIT_BYTES must be at least 1".into());
         }
-        if self.upstreams.is_empty() {
-            problems.push("HEARTH_UPSTREAMS names no replica".into());
-        }
-        let mut addrs = HashSet::new();
-        let mut ids = HashSet::new();
-        for (i, u) in self.upstreams.iter().enumerate() {
-            if !addrs.insert(u.addr) {
-                problems.push(format!("HEARTH_UPSTREAMS lists {} twice", u.addr));
-            }
-            let id = u.id.clone().unwrap_or_else(|| default_replica_id(i));
-            if !ids.insert(id.clone()) {
-                problems.push(format!("HEARTH_UPSTREAMS uses the id {id:?} twice"));
-            }
+        // A file-based list is read and checked when the sidecar starts.
+        if self.upstreams_file.is_none() {
+            problems.extend(check_upstreams(&self.upstreams, "HEARTH_UPSTREAMS"));
         }
         if self.listen == self.admin_listen && self.listen.port() != 0 {
             problems.push("HEARTH_LISTEN and HEARTH_ADMIN_LISTEN must differ".into());
@@ -416,6 +424,27 @@ impl LongLane {
 /// Seconds as a Duration; settings are validated to be finite and >= 0.
 pub fn seconds(s: f64) -> Duration {
     Duration::try_from_secs_f64(s).unwrap_or_default()
+}
+
+/// Problems with a replica list (named `source` in the messages): it must
+/// name at least one replica, each address and id once.
+pub fn check_upstreams(upstreams: &[UpstreamSpec], source: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    if upstreams.is_empty() {
+        problems.push(format!("{source} names no replica"));
+    }
+    let mut addrs = HashSet::new();
+    let mut ids = HashSet::new();
+    for (i, u) in upstreams.iter().enumerate() {
+        if !addrs.insert(u.addr) {
+            problems.push(format!("{source} lists {} twice", u.addr));
+        }
+        let id = u.id.clone().unwrap_or_else(|| default_replica_id(i));
+        if !ids.insert(id.clone()) {
+            problems.push(format!("{source} uses the id {id:?} twice"));
+        }
+    }
+    problems
 }
 
 pub fn default_replica_id(index: usize) -> String {

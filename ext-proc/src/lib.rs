@@ -28,6 +28,7 @@ pub mod router;
 pub mod series;
 pub mod service;
 pub mod signals;
+pub mod upstreams;
 pub mod warmth;
 
 use std::future::Future;
@@ -37,7 +38,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinHandle;
 
 pub use config::Settings;
@@ -50,6 +51,11 @@ pub struct Sidecar {
     pub router: Arc<Router>,
     /// Metrics, decision journal and the dashboard's history.
     pub observer: Arc<observe::Observer>,
+    /// Set when the replica list comes from `HEARTH_UPSTREAMS_FILE`:
+    /// notify it to reload now (SIGHUP).
+    reload: Option<Arc<Notify>>,
+    /// The task that reloads it.
+    watcher: Option<JoinHandle<()>>,
     stop: Option<oneshot::Sender<()>>,
     drain: Duration,
     task: JoinHandle<anyhow::Result<()>>,
@@ -57,7 +63,19 @@ pub struct Sidecar {
 
 impl Sidecar {
     /// Binds both listeners (port 0 picks a free one) and starts serving.
+    /// With `HEARTH_UPSTREAMS_FILE`, the replica list is read from the file
+    /// now (a bad file is an error) and reloaded as it changes.
     pub async fn start(settings: &Settings) -> anyhow::Result<Sidecar> {
+        let mut settings = settings.clone();
+        let reload = match &settings.upstreams_file {
+            Some(path) => {
+                settings.upstreams = upstreams::read(path)
+                    .map_err(|problems| anyhow::anyhow!(problems.join("; ")))?;
+                Some(Arc::new(Notify::new()))
+            }
+            None => None,
+        };
+        let settings = &settings;
         let grpc = TcpListener::bind(settings.listen)
             .await
             .with_context(|| format!("binding the gRPC listener on {}", settings.listen))?;
@@ -72,6 +90,14 @@ impl Sidecar {
                 .context("opening HEARTH_JOURNAL_FILE")?;
         let observer =
             observe::Observer::new(Arc::clone(&router), settings.affinity_basis, journal);
+        let watcher = match (&settings.upstreams_file, &reload) {
+            (Some(path), Some(asked)) => Some(tokio::spawn(upstreams::watch(
+                upstreams::Reloader::new(Arc::clone(&router), path.clone()),
+                config::seconds(settings.upstreams_poll_seconds),
+                Arc::clone(asked),
+            ))),
+            _ => None,
+        };
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(serve(
             Arc::clone(&observer),
@@ -89,10 +115,26 @@ impl Sidecar {
             admin_addr,
             router,
             observer,
+            reload,
+            watcher,
             stop: Some(stop),
             drain: Duration::from_secs(settings.drain_seconds),
             task,
         })
+    }
+
+    /// Asks for the replica list to be reloaded from `HEARTH_UPSTREAMS_FILE`
+    /// now (what SIGHUP does). False when the list does not come from a
+    /// file, so there is nothing to reload.
+    pub fn reload_upstreams(&self) -> bool {
+        self.reload_trigger()
+            .map(|asked| asked.notify_one())
+            .is_some()
+    }
+
+    /// What [`Sidecar::reload_upstreams`] notifies, for a signal handler.
+    pub fn reload_trigger(&self) -> Option<Arc<Notify>> {
+        self.reload.clone()
     }
 
     /// Stops accepting and gives open streams `drain` to finish; streams
@@ -100,6 +142,9 @@ impl Sidecar {
     pub async fn shutdown(mut self) -> anyhow::Result<()> {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
+        }
+        if let Some(w) = self.watcher.take() {
+            w.abort();
         }
         match tokio::time::timeout(self.drain, &mut self.task).await {
             Ok(joined) => joined?,
@@ -132,6 +177,9 @@ impl Sidecar {
 impl Drop for Sidecar {
     fn drop(&mut self) {
         self.task.abort();
+        if let Some(w) = &self.watcher {
+            w.abort();
+        }
     }
 }
 

@@ -1,4 +1,5 @@
-//! `hearth-ext-proc`: parse and check settings, serve until SIGINT/SIGTERM.
+//! `hearth-ext-proc`: parse and check settings, serve until SIGINT/SIGTERM;
+//! SIGHUP reloads the replica list from `HEARTH_UPSTREAMS_FILE`.
 
 use clap::Parser;
 use hearth_ext_proc::config::{check_env, Cli, Command};
@@ -17,6 +18,14 @@ async fn main() -> anyhow::Result<()> {
         }
         std::process::exit(2);
     }
+    if let Some(path) = &cli.settings.upstreams_file {
+        if let Err(problems) = hearth_ext_proc::upstreams::read(path) {
+            for p in problems {
+                eprintln!("hearth-ext-proc: HEARTH_UPSTREAMS_FILE: {p}");
+            }
+            std::process::exit(2);
+        }
+    }
     if let Some(Command::EnvoyConfig(args)) = &cli.command {
         print!("{}", args.render(&cli.settings));
         return Ok(());
@@ -24,16 +33,33 @@ async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.settings.log)?)
         .with_writer(std::io::stderr)
+        // Colour codes only on a terminal, never in a collected log.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 
+    // SIGHUP never ends the sidecar: it reloads the replica list, or says
+    // why it cannot. (Handled from before the listeners open.)
+    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let sidecar = Sidecar::start(&cli.settings).await?;
     tracing::info!(
         grpc = %sidecar.grpc_addr,
         state = %sidecar.admin_addr,
-        replicas = cli.settings.upstreams.len(),
+        replicas = sidecar.router.snapshot().replicas.len(),
         basis = %cli.settings.affinity_basis,
         "hearth-ext-proc serving"
     );
+    let reload = sidecar.reload_trigger();
+    tokio::spawn(async move {
+        while hangup.recv().await.is_some() {
+            match &reload {
+                Some(asked) => asked.notify_one(),
+                None => tracing::warn!(
+                    "SIGHUP: the replica list comes from HEARTH_UPSTREAMS, which cannot change \
+                     while the sidecar runs; set HEARTH_UPSTREAMS_FILE to reload it"
+                ),
+            }
+        }
+    });
     sidecar.run_until(wait_for_signal()).await
 }
 

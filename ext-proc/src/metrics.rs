@@ -346,6 +346,24 @@ impl Collector for FleetCollector {
         )?;
         plain(
             &mut encoder,
+            "hearth_upstream_reloads",
+            "Reloads of the replica list applied (from HEARTH_UPSTREAMS_FILE)",
+            &ConstCounter::new(snap.upstreams.reloads_total),
+        )?;
+        plain(
+            &mut encoder,
+            "hearth_upstream_reload_errors",
+            "Reloads of the replica list refused (the file did not read, parse or check; the list stayed)",
+            &ConstCounter::new(snap.upstreams.reload_errors_total),
+        )?;
+        plain(
+            &mut encoder,
+            "hearth_draining_in_flight",
+            "Requests still running on replicas a reload removed",
+            &ConstGauge::new(i64::from(snap.upstreams.draining_in_flight)),
+        )?;
+        plain(
+            &mut encoder,
             "hearth_session_stay_ratio",
             "Stays / (stays + moves) of returning sessions over the last 60 s (NaN when none returned)",
             &ConstGauge::new(self.series.stay_ratio(60)),

@@ -168,7 +168,7 @@ impl Observer {
             .record(DecisionOutcome::Routed, elapsed, blocks, session);
         self.series
             .record(now as u64, DecisionOutcome::Routed, blocks, session);
-        let ids = self.router.replicas();
+        let ids = &decision.replicas;
         let id = |i: usize| ids.get(i).map(|r| r.id.clone()).unwrap_or_default();
         let mut record = self.record(now, request_id, info, elapsed, DecisionOutcome::Routed);
         record.chosen = Some(id(chosen));
@@ -250,6 +250,7 @@ impl Observer {
         let snap = self.router.snapshot();
         self.series.sample(
             unix_now() as u64,
+            snap.replicas.iter().map(|r| r.id.clone()).collect(),
             snap.replicas.iter().map(|r| r.in_flight).collect(),
             snap.replicas.iter().map(|r| r.load).collect(),
         );

@@ -190,7 +190,7 @@ pub fn allowed_replicas(router: &Router, subset: &[String]) -> Vec<usize> {
         .replicas()
         .iter()
         .enumerate()
-        .filter(|(_, r)| wanted.contains(&r.addr))
+        .filter(|(_, r)| !r.retired && wanted.contains(&r.addr))
         .map(|(i, _)| i)
         .collect()
 }

@@ -8,13 +8,13 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{self, default_replica_id, LongLane, Settings};
+use crate::config::{self, default_replica_id, LongLane, Settings, UpstreamSpec};
 use crate::health::{FleetHealth, HealthParams, HealthSnapshot, Outcome, ReplicaHealth};
 use crate::policy::{self, AffinityBasis, Candidate, ScoreParams};
 use crate::warmth::LruBlocks;
 
-/// A configured engine replica.
-#[derive(Clone, Debug)]
+/// A configured engine replica: one routing target.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Replica {
     /// Opaque name shown to clients in `x-hearth-upstream`.
     pub id: String,
@@ -28,6 +28,64 @@ pub struct Replica {
     /// Suited to short outputs (e.g. speculative decoding): preferred for
     /// them when cache and load tie.
     pub short_output: bool,
+    /// Removed from the replica list by a reload: never a candidate again;
+    /// its slot is reused once the requests it still runs have ended.
+    pub retired: bool,
+}
+
+/// The routing targets an upstream list names, in order: a data-parallel
+/// endpoint becomes one target per rank.
+pub fn targets(upstreams: &[UpstreamSpec]) -> Vec<Replica> {
+    upstreams
+        .iter()
+        .enumerate()
+        .flat_map(|(i, u)| {
+            let id = u.id.clone().unwrap_or_else(|| default_replica_id(i));
+            (0..u.dp_ranks).map(move |rank| Replica {
+                id: if u.dp_ranks > 1 {
+                    format!("{id}/rank{rank}")
+                } else {
+                    id.clone()
+                },
+                addr: u.addr,
+                models: u.models.clone(),
+                long: u.long,
+                dp_rank: (u.dp_ranks > 1).then_some(rank),
+                short_output: u.short_output,
+                retired: false,
+            })
+        })
+        .collect()
+}
+
+/// What a reload of the replica list changed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReloadSummary {
+    /// New targets (fresh warmth and load).
+    pub added: usize,
+    /// Targets no longer listed (retired; their running requests finish).
+    pub removed: usize,
+    /// Targets at the same address and rank whose id, models or tags
+    /// changed: they keep their warmth, load and health.
+    pub updated: usize,
+    /// Targets listed exactly as before.
+    pub unchanged: usize,
+}
+
+impl ReloadSummary {
+    pub fn changed(&self) -> bool {
+        self.added + self.removed + self.updated > 0
+    }
+}
+
+impl std::fmt::Display for ReloadSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} added, {} removed, {} updated, {} unchanged",
+            self.added, self.removed, self.updated, self.unchanged
+        )
+    }
 }
 
 impl Replica {
@@ -76,6 +134,9 @@ pub struct Decision {
     /// decision journal and metrics; built from numbers the decision
     /// computed anyway).
     pub candidates: Vec<ScoredCandidate>,
+    /// The replica table the indices above refer to (a reload may reuse a
+    /// retired slot later; this table is the one the decision saw).
+    pub replicas: Arc<[Replica]>,
     pub reservation: Reservation,
 }
 
@@ -97,6 +158,22 @@ pub struct ScoredCandidate {
 impl Decision {
     pub fn primary(&self) -> usize {
         self.order[0]
+    }
+
+    /// `ip:port,ip:port,...` for the first `limit` entries of the order,
+    /// each address once (data-parallel ranks share one).
+    pub fn destination(&self, limit: usize) -> String {
+        let mut seen: Vec<SocketAddr> = Vec::with_capacity(self.order.len());
+        for &i in self.order.iter().take(limit) {
+            let a = self.replicas[i].addr;
+            if !seen.contains(&a) {
+                seen.push(a);
+            }
+        }
+        seen.iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
     }
 }
 
@@ -120,8 +197,8 @@ impl std::fmt::Debug for Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        let mut state = self.router.lock();
-        let r = &mut state[self.replica];
+        let mut fleet = self.router.lock();
+        let r = &mut fleet.state[self.replica];
         r.in_flight = r.in_flight.saturating_sub(1);
         r.load -= self.weight;
         // Sums of floats drift; an idle replica carries exactly no load.
@@ -141,6 +218,113 @@ struct ReplicaState {
     health: ReplicaHealth,
     /// The engine's own figures (for this target's share of its address).
     engine: Option<EngineSignals>,
+}
+
+impl ReplicaState {
+    fn new(warmth_blocks: usize) -> ReplicaState {
+        ReplicaState {
+            warmth: LruBlocks::new(warmth_blocks),
+            in_flight: 0,
+            load: 0.0,
+            routed: 0,
+            health: ReplicaHealth::default(),
+            engine: None,
+        }
+    }
+}
+
+/// The replica table and each slot's state, under one lock. Slot indices
+/// are stable: a removed replica's slot is retired (kept while requests it
+/// runs hold reservations on it) and reused for a later new replica.
+struct Fleet {
+    replicas: Arc<[Replica]>,
+    state: Vec<ReplicaState>,
+    /// The serving slots, in the order the replica list names them.
+    listed: Vec<usize>,
+    /// Some serving replica is tagged `long` (else the lane is off).
+    any_long: bool,
+    /// Some serving replica has `profile=short-output`.
+    any_short_output: bool,
+}
+
+impl Fleet {
+    /// The serving replicas, in list order.
+    fn serving(&self) -> impl Iterator<Item = (usize, &Replica)> {
+        self.listed.iter().map(|&i| (i, &self.replicas[i]))
+    }
+
+    /// Replaces the replica list with `targets`. A target at the address
+    /// and rank of a serving replica keeps that slot and its state; one
+    /// no longer listed is retired; a new one takes a drained retired slot,
+    /// or a new one.
+    fn apply(&mut self, targets: Vec<Replica>, warmth_blocks: usize) -> ReloadSummary {
+        let mut table: Vec<Replica> = self.replicas.to_vec();
+        let mut listed = vec![false; table.len()];
+        let mut summary = ReloadSummary::default();
+        // New targets, with their place in the list.
+        let mut fresh = Vec::new();
+        let mut order: Vec<Option<usize>> = Vec::with_capacity(targets.len());
+        for t in targets {
+            let same = (0..table.len()).find(|&i| {
+                !table[i].retired
+                    && !listed[i]
+                    && table[i].addr == t.addr
+                    && table[i].dp_rank == t.dp_rank
+            });
+            match same {
+                Some(i) => {
+                    listed[i] = true;
+                    order.push(Some(i));
+                    if table[i] == t {
+                        summary.unchanged += 1;
+                    } else {
+                        summary.updated += 1;
+                        table[i] = t;
+                    }
+                }
+                None => {
+                    fresh.push((order.len(), t));
+                    order.push(None);
+                }
+            }
+        }
+        for (i, r) in table.iter_mut().enumerate() {
+            if !r.retired && !listed[i] {
+                r.retired = true;
+                summary.removed += 1;
+                // Its warmth and engine figures mean nothing any more; its
+                // in-flight count drains as its requests end.
+                let s = &mut self.state[i];
+                s.warmth = LruBlocks::new(1);
+                s.engine = None;
+            }
+        }
+        for (place, t) in fresh {
+            summary.added += 1;
+            let reusable = (0..table.len())
+                .find(|&i| table[i].retired && !listed[i] && self.state[i].in_flight == 0);
+            let i = match reusable {
+                Some(i) => {
+                    table[i] = t;
+                    self.state[i] = ReplicaState::new(warmth_blocks);
+                    i
+                }
+                None => {
+                    table.push(t);
+                    listed.push(false);
+                    self.state.push(ReplicaState::new(warmth_blocks));
+                    table.len() - 1
+                }
+            };
+            listed[i] = true;
+            order[place] = Some(i);
+        }
+        self.listed = order.into_iter().flatten().collect();
+        self.any_long = table.iter().any(|r| !r.retired && r.long);
+        self.any_short_output = table.iter().any(|r| !r.retired && r.short_output);
+        self.replicas = table.into();
+        summary
+    }
 }
 
 /// What an engine's Prometheus metrics said, when.
@@ -204,13 +388,29 @@ pub struct Snapshot {
     /// Routed requests that ended before any response headers (client
     /// gave up first, or the upstream failed).
     pub unanswered_total: u64,
+    pub upstreams: UpstreamsSnapshot,
+    /// The serving replicas (removed ones are not listed).
     pub replicas: Vec<ReplicaSnapshot>,
+}
+
+/// The replica list's history on the state endpoint.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct UpstreamsSnapshot {
+    /// Bumped each time a reload changed the list.
+    pub version: u64,
+    /// Reloads applied (changed or not).
+    pub reloads_total: u64,
+    /// Reloads refused: the file did not parse or check; the list stayed.
+    pub reload_errors_total: u64,
+    /// Why the last reload was refused, until one is applied.
+    pub reload_error: Option<String>,
+    /// Requests still running on replicas a reload removed.
+    pub draining_in_flight: u32,
 }
 
 /// Shared routing state: the replica registry, each replica's warmth and
 /// in-flight load. One mutex guards it; a decision is a few microseconds.
 pub struct Router {
-    replicas: Vec<Replica>,
     params: ScoreParams,
     block_size: usize,
     load_unit_bytes: u64,
@@ -219,13 +419,12 @@ pub struct Router {
     health_params: HealthParams,
     long_prompt_bytes: u64,
     long_lane: LongLane,
-    /// Some replica is tagged `long` (else the lane is off).
-    any_long: bool,
+    warmth_blocks: usize,
     engine_stale: Duration,
     engine_load_weight: f64,
     max_queue: u64,
     short_output_tokens: u64,
-    state: Mutex<Vec<ReplicaState>>,
+    fleet: Mutex<Fleet>,
     /// Last full block of recent prompts, fleet-wide (bounded LRU): a
     /// request whose overlap reaches one continues an earlier prompt.
     /// Locked after `state`, never before.
@@ -234,6 +433,10 @@ pub struct Router {
     /// The replica list's version: bumped each time the list changes, so
     /// the endpoint-discovery stream knows to push it to Envoy.
     version: tokio::sync::watch::Sender<u64>,
+    /// Reloads of the replica list: applied, refused, and the last refusal.
+    reloads: AtomicU64,
+    reload_errors: AtomicU64,
+    reload_error: Mutex<Option<String>>,
     decisions: AtomicU64,
     hashed: AtomicU64,
     rejected: AtomicU64,
@@ -243,41 +446,15 @@ pub struct Router {
 
 impl Router {
     pub fn new(settings: &Settings) -> Arc<Router> {
-        // A data-parallel endpoint becomes one target per rank.
-        let replicas: Vec<Replica> = settings
-            .upstreams
-            .iter()
-            .enumerate()
-            .flat_map(|(i, u)| {
-                let id = u.id.clone().unwrap_or_else(|| default_replica_id(i));
-                (0..u.dp_ranks).map(move |rank| Replica {
-                    id: if u.dp_ranks > 1 {
-                        format!("{id}/rank{rank}")
-                    } else {
-                        id.clone()
-                    },
-                    addr: u.addr,
-                    models: u.models.clone(),
-                    long: u.long,
-                    dp_rank: (u.dp_ranks > 1).then_some(rank),
-                    short_output: u.short_output,
-                })
-            })
-            .collect();
-        let state = replicas
-            .iter()
-            .map(|_| ReplicaState {
-                warmth: LruBlocks::new(settings.warmth_blocks),
-                in_flight: 0,
-                load: 0.0,
-                routed: 0,
-                health: ReplicaHealth::default(),
-                engine: None,
-            })
-            .collect();
+        let mut fleet = Fleet {
+            replicas: Arc::new([]),
+            state: Vec::new(),
+            listed: Vec::new(),
+            any_long: false,
+            any_short_output: false,
+        };
+        fleet.apply(targets(&settings.upstreams), settings.warmth_blocks);
         Arc::new(Router {
-            any_long: replicas.iter().any(|r| r.long),
-            replicas,
             params: settings.score_params(),
             block_size: settings.block_size,
             load_unit_bytes: settings.load_unit_bytes,
@@ -286,14 +463,18 @@ impl Router {
             health_params: settings.health_params(),
             long_prompt_bytes: settings.long_prompt_bytes,
             long_lane: settings.long_lane,
+            warmth_blocks: settings.warmth_blocks,
             engine_stale: config::seconds(settings.engine_metrics_stale_seconds),
             engine_load_weight: settings.engine_load_weight,
             max_queue: settings.max_queue,
             short_output_tokens: settings.short_output_tokens,
-            state: Mutex::new(state),
+            fleet: Mutex::new(fleet),
             tips: Mutex::new(LruBlocks::new(settings.warmth_blocks)),
             rr: AtomicUsize::new(0),
             version: tokio::sync::watch::Sender::new(1),
+            reloads: AtomicU64::new(0),
+            reload_errors: AtomicU64::new(0),
+            reload_error: Mutex::new(None),
             decisions: AtomicU64::new(0),
             hashed: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
@@ -302,8 +483,30 @@ impl Router {
         })
     }
 
-    pub fn replicas(&self) -> &[Replica] {
-        &self.replicas
+    /// The replica table: every slot, retired ones included (indices in
+    /// decisions and snapshots point into it).
+    pub fn replicas(&self) -> Arc<[Replica]> {
+        Arc::clone(&self.lock().replicas)
+    }
+
+    /// Replaces the replica list (a reload). Replicas at an address and
+    /// rank already listed keep their warmth, load and health; others start
+    /// fresh; unlisted ones stop taking requests at once, and the requests
+    /// they run finish.
+    pub fn set_upstreams(&self, upstreams: &[UpstreamSpec]) -> ReloadSummary {
+        let summary = self.lock().apply(targets(upstreams), self.warmth_blocks);
+        self.reloads.fetch_add(1, Ordering::Relaxed);
+        *self.reload_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        if summary.changed() {
+            self.version.send_modify(|v| *v += 1);
+        }
+        summary
+    }
+
+    /// A reload that was refused (the list stays as it was).
+    pub fn note_reload_error(&self, error: String) {
+        self.reload_errors.fetch_add(1, Ordering::Relaxed);
+        *self.reload_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error);
     }
 
     pub fn block_size(&self) -> usize {
@@ -313,40 +516,26 @@ impl Router {
     /// Index of the replica at `addr`, if it is one of ours (`prefer` when
     /// it is at that address: data-parallel ranks share one).
     pub fn replica_at(&self, addr: &str, prefer: Option<usize>) -> Option<usize> {
-        if let Some(p) = prefer.filter(|&p| self.replicas[p].addr.to_string() == addr) {
+        let fleet = self.lock();
+        let at = |r: &Replica| r.addr.to_string() == addr;
+        if let Some(p) = prefer.filter(|&p| fleet.replicas.get(p).is_some_and(at)) {
             return Some(p);
         }
-        self.replicas
-            .iter()
-            .position(|r| r.addr.to_string() == addr)
-    }
-
-    /// `ip:port,ip:port,...` for the decision's order (each address once).
-    pub fn destination(&self, order: &[usize]) -> String {
-        let mut seen: Vec<SocketAddr> = Vec::with_capacity(order.len());
-        for &i in order {
-            let a = self.replicas[i].addr;
-            if !seen.contains(&a) {
-                seen.push(a);
-            }
-        }
-        seen.iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join(",")
+        let found = fleet.serving().find(|(_, r)| at(r)).map(|(i, _)| i);
+        found
     }
 
     /// Engine figures scraped from `addr`'s metrics, shared by its ranks.
     pub fn set_engine_signals(&self, addr: SocketAddr, signals: EngineSignals) {
-        let ranks = self
-            .replicas
-            .iter()
-            .filter(|r| r.addr == addr)
+        let mut guard = self.lock();
+        let fleet = &mut *guard;
+        let ranks = fleet
+            .serving()
+            .filter(|(_, r)| r.addr == addr)
             .count()
             .max(1) as f64;
-        let mut state = self.lock();
-        for (r, s) in self.replicas.iter().zip(state.iter_mut()) {
-            if r.addr == addr {
+        for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
+            if r.addr == addr && !r.retired {
                 s.engine = Some(EngineSignals {
                     waiting: signals.waiting / ranks,
                     running: signals.running / ranks,
@@ -363,10 +552,10 @@ impl Router {
             .filter(|e| now.duration_since(e.at) <= self.engine_stale)
     }
 
-    fn lock(&self) -> MutexGuard<'_, Vec<ReplicaState>> {
+    fn lock(&self) -> MutexGuard<'_, Fleet> {
         // A panic while holding the lock cannot leave the state torn in a
         // way that matters more than losing routing altogether.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.fleet.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Chooses a replica for `req` and reserves load on it.
@@ -385,11 +574,19 @@ impl Router {
         if !req.hashes.is_empty() {
             self.hashed.fetch_add(1, Ordering::Relaxed);
         }
-        let mut state = self.lock();
+        let mut guard = self.lock();
+        let fleet = &mut *guard;
+        let replicas = Arc::clone(&fleet.replicas);
+        let any_long = fleet.any_long;
+        let any_short_output = fleet.any_short_output;
+        let state = &mut fleet.state;
 
         // Candidates: healthy replicas that serve the model and have room.
-        let serving: Vec<usize> = (0..self.replicas.len())
-            .filter(|&i| self.replicas[i].serves(req.model.as_deref()))
+        let serving: Vec<usize> = fleet
+            .listed
+            .iter()
+            .copied()
+            .filter(|&i| replicas[i].serves(req.model.as_deref()))
             .filter(|i| allowed.is_none_or(|a| a.contains(i)))
             .collect();
         if serving.is_empty() {
@@ -401,31 +598,31 @@ impl Router {
         // The long-prompt lane: long prompts only on `long` replicas; short
         // ones per HEARTH_LONG_LANE (avoid-unless-warm is settled below,
         // once overlaps are known).
-        let long_request = self.any_long && req.prompt_bytes >= self.long_prompt_bytes;
+        let long_request = any_long && req.prompt_bytes >= self.long_prompt_bytes;
         let in_lane: Vec<usize> = serving
             .into_iter()
             .filter(|&i| state[i].health.is_serving())
-            .filter(|&i| match (long_request, self.any_long, self.long_lane) {
-                (true, _, _) => self.replicas[i].long,
-                (false, true, LongLane::Exclusive) => !self.replicas[i].long,
+            .filter(|&i| match (long_request, any_long, self.long_lane) {
+                (true, _, _) => replicas[i].long,
+                (false, true, LongLane::Exclusive) => !replicas[i].long,
                 _ => true,
             })
             .collect();
-        let healthy: Vec<usize> =
-            if !long_request && self.any_long && self.long_lane == LongLane::Avoid {
-                let short_only: Vec<usize> = in_lane
-                    .iter()
-                    .copied()
-                    .filter(|&i| !self.replicas[i].long)
-                    .collect();
-                if short_only.is_empty() {
-                    in_lane
-                } else {
-                    short_only
-                }
-            } else {
+        let healthy: Vec<usize> = if !long_request && any_long && self.long_lane == LongLane::Avoid
+        {
+            let short_only: Vec<usize> = in_lane
+                .iter()
+                .copied()
+                .filter(|&i| !replicas[i].long)
+                .collect();
+            if short_only.is_empty() {
                 in_lane
-            };
+            } else {
+                short_only
+            }
+        } else {
+            in_lane
+        };
         if healthy.is_empty() {
             self.rejected.fetch_add(1, Ordering::Relaxed);
             return Err(RouteError::NoHealthyReplica(
@@ -453,7 +650,11 @@ impl Router {
         // candidates run together), then the scoring rule.
         let sets: Vec<&LruBlocks> = candidates.iter().map(|&i| &state[i].warmth).collect();
         let overlaps = LruBlocks::leading_overlaps(&sets, &req.hashes);
-        let (candidates, overlaps) = self.warm_long_only(candidates, overlaps, long_request);
+        let (candidates, overlaps) = if long_request || !any_long {
+            (candidates, overlaps)
+        } else {
+            self.warm_long_only(&replicas, candidates, overlaps)
+        };
         let warmest = overlaps.iter().copied().max().unwrap_or(0);
         let mut tips = self.tips.lock().unwrap_or_else(|p| p.into_inner());
         let continues = req.hashes[..warmest.min(req.hashes.len())]
@@ -473,7 +674,17 @@ impl Router {
         // keep landing ties on the same replica.
         let rr = self.rr.load(Ordering::Relaxed);
         let ranking = policy::rank_scored(&self.params.for_request(continues), &scored, rr);
-        let ranked = &self.prefer_profile(ranking.order.clone(), &ranking.scores, &candidates, req);
+        let ranked = &if any_short_output {
+            self.prefer_profile(
+                &replicas,
+                ranking.order.clone(),
+                &ranking.scores,
+                &candidates,
+                req,
+            )
+        } else {
+            ranking.order.clone()
+        };
         if let [first, second, ..] = ranked[..] {
             let tied = ranking.scores[first] == ranking.scores[second]
                 && scored[first].overlap == scored[second].overlap;
@@ -525,13 +736,14 @@ impl Router {
             tips.touch(tip);
         }
         drop(tips);
-        drop(state);
+        drop(guard);
 
         Ok(Decision {
             order,
             overlap,
             continues,
             candidates: traced,
+            replicas,
             reservation: Reservation {
                 router: Arc::clone(self),
                 replica: chosen,
@@ -546,6 +758,7 @@ impl Router {
     /// is kept.
     fn prefer_profile(
         &self,
+        replicas: &[Replica],
         mut order: Vec<usize>,
         scores: &[f64],
         candidates: &[usize],
@@ -554,13 +767,13 @@ impl Router {
         let Some(tokens) = req.max_output_tokens else {
             return order;
         };
-        if !self.replicas.iter().any(|r| r.short_output) || order.is_empty() {
+        if order.is_empty() {
             return order;
         }
         let short = tokens <= self.short_output_tokens;
         let top = scores[order[0]];
         let tied = order.iter().take_while(|&&k| scores[k] == top).count();
-        order[..tied].sort_by_key(|&k| self.replicas[candidates[k]].short_output != short);
+        order[..tied].sort_by_key(|&k| replicas[candidates[k]].short_output != short);
         order
     }
 
@@ -569,18 +782,18 @@ impl Router {
     /// candidate (unless no other replica is left).
     fn warm_long_only(
         &self,
+        replicas: &[Replica],
         candidates: Vec<usize>,
         overlaps: Vec<usize>,
-        long_request: bool,
     ) -> (Vec<usize>, Vec<usize>) {
-        if long_request || !self.any_long || self.long_lane != LongLane::AvoidUnlessWarm {
+        if self.long_lane != LongLane::AvoidUnlessWarm {
             return (candidates, overlaps);
         }
         let least = overlaps.iter().copied().min().unwrap_or(0);
         let kept: (Vec<usize>, Vec<usize>) = candidates
             .iter()
             .zip(&overlaps)
-            .filter(|(&i, &o)| !self.replicas[i].long || o > least)
+            .filter(|(&i, &o)| !replicas[i].long || o > least)
             .map(|(&i, &o)| (i, o))
             .unzip();
         if kept.0.is_empty() {
@@ -617,13 +830,14 @@ impl Router {
     /// engine behind an address is one, so all its ranks share it).
     pub fn record_request(&self, i: usize, outcome: Outcome) {
         let params = self.health_params;
-        let Some(addr) = self.replicas.get(i).map(|r| r.addr) else {
+        let now = Instant::now();
+        let mut guard = self.lock();
+        let fleet = &mut *guard;
+        let Some(addr) = fleet.replicas.get(i).map(|r| r.addr) else {
             return;
         };
-        let now = Instant::now();
-        let mut state = self.lock();
-        for (r, s) in self.replicas.iter().zip(state.iter_mut()) {
-            if r.addr == addr {
+        for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
+            if r.addr == addr && !r.retired {
                 s.health.record_request(outcome, &params, now);
             }
         }
@@ -633,9 +847,10 @@ impl Router {
     pub fn record_probe(&self, addr: SocketAddr, outcome: Outcome) {
         let params = self.health_params;
         let now = Instant::now();
-        let mut state = self.lock();
-        for (r, s) in self.replicas.iter().zip(state.iter_mut()) {
-            if r.addr == addr {
+        let mut guard = self.lock();
+        let fleet = &mut *guard;
+        for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
+            if r.addr == addr && !r.retired {
                 s.health.record_probe(outcome, &params, now);
             }
         }
@@ -644,7 +859,7 @@ impl Router {
     /// Each engine address once, with the model to probe it with.
     pub fn engines(&self) -> Vec<(SocketAddr, Option<String>)> {
         let mut out: Vec<(SocketAddr, Option<String>)> = Vec::new();
-        for r in &self.replicas {
+        for (_, r) in self.lock().serving() {
             if !out.iter().any(|(a, _)| *a == r.addr) {
                 out.push((r.addr, r.models.first().cloned()));
             }
@@ -665,12 +880,14 @@ impl Router {
     }
 
     pub fn fleet_health(&self) -> FleetHealth {
-        FleetHealth::of(self.lock().iter().map(|r| r.health.state()))
+        let fleet = self.lock();
+        FleetHealth::of(fleet.serving().map(|(i, _)| fleet.state[i].health.state()))
     }
 
     pub fn snapshot(&self) -> Snapshot {
         let now = Instant::now();
-        let state = self.lock();
+        let fleet = self.lock();
+        let state = &fleet.state;
         let decisions = self.decisions.load(Ordering::Relaxed);
         let hashed = self.hashed.load(Ordering::Relaxed);
         Snapshot {
@@ -678,17 +895,33 @@ impl Router {
             affinity_cap: self.params.cap,
             alpha: self.params.alpha,
             block_size: self.block_size,
-            health: FleetHealth::of(state.iter().map(|r| r.health.state())),
+            health: FleetHealth::of(fleet.serving().map(|(i, _)| state[i].health.state())),
             decisions_total: decisions,
             hashed_total: hashed,
             unhashed_total: decisions - hashed,
             rejected_total: self.rejected.load(Ordering::Relaxed),
             answered_total: self.answered.load(Ordering::Relaxed),
             unanswered_total: self.unanswered.load(Ordering::Relaxed),
-            replicas: self
-                .replicas
-                .iter()
-                .zip(state.iter())
+            upstreams: UpstreamsSnapshot {
+                version: *self.version.borrow(),
+                reloads_total: self.reloads.load(Ordering::Relaxed),
+                reload_errors_total: self.reload_errors.load(Ordering::Relaxed),
+                reload_error: self
+                    .reload_error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone(),
+                draining_in_flight: fleet
+                    .replicas
+                    .iter()
+                    .zip(state)
+                    .filter(|(r, _)| r.retired)
+                    .map(|(_, s)| s.in_flight)
+                    .sum(),
+            },
+            replicas: fleet
+                .serving()
+                .map(|(i, r)| (r, &state[i]))
                 .map(|(r, s)| ReplicaSnapshot {
                     id: r.id.clone(),
                     address: r.addr.to_string(),
@@ -941,11 +1174,16 @@ mod tests {
                 .unwrap()
                 .settings,
         );
-        let ids: Vec<_> = r.replicas().iter().map(|x| x.id.as_str()).collect();
+        let table = r.replicas();
+        let ids: Vec<_> = table.iter().map(|x| x.id.as_str()).collect();
         assert_eq!(ids, ["e/rank0", "e/rank1", "replica-1"]);
         assert_eq!(r.replicas()[1].dp_rank, Some(1));
         // The destination names each address once.
-        assert_eq!(r.destination(&[0, 1, 2]), "127.0.0.1:1,127.0.0.1:2");
+        let mut d = r.decide(&req(&[1])).unwrap();
+        d.order = vec![0, 1, 2];
+        assert_eq!(d.destination(3), "127.0.0.1:1,127.0.0.1:2");
+        assert_eq!(d.destination(1), "127.0.0.1:1");
+        drop(d);
         assert_eq!(r.replica_at("127.0.0.1:1", Some(1)), Some(1));
         // Warmth is per rank: a session returns to its rank.
         let first = r.decide(&req(&[4, 5])).unwrap();
@@ -1041,11 +1279,122 @@ mod tests {
         let router = router(&["--fallbacks", "1"]);
         let d = router.decide(&req(&[5])).unwrap();
         assert_eq!(d.order.len(), 2);
-        let dest = router.destination(&d.order);
+        let dest = d.destination(usize::MAX);
         assert_eq!(dest.split(',').count(), 2);
         assert_eq!(
             router.replica_at(dest.split(',').next().unwrap(), None),
             Some(d.primary())
         );
+    }
+
+    fn specs(list: &str) -> Vec<UpstreamSpec> {
+        list.split(',').map(|u| u.parse().unwrap()).collect()
+    }
+
+    #[test]
+    fn a_reload_keeps_listed_replicas_warm_and_loaded() {
+        let r = Router::new(
+            &Cli::try_parse_from([
+                "x",
+                "--upstreams",
+                "127.0.0.1:1001;id=a,127.0.0.1:1002;id=b,127.0.0.1:1003;id=c",
+                "--alpha",
+                "0",
+            ])
+            .unwrap()
+            .settings,
+        );
+        // A session on some replica, with a request still running there.
+        drop(r.decide(&req(&[1, 2, 3])).unwrap());
+        let running = r.decide(&req(&[1, 2, 3, 4])).unwrap();
+        let home = running.primary();
+        let home_addr = r.replicas()[home].addr;
+        let before = r.snapshot();
+        let version = *r.watch_endpoints().borrow();
+
+        // The list now names the home replica (under a new id), drops one
+        // other and adds a new one.
+        let other = (0..3).find(|&i| i != home).unwrap();
+        let kept_other = (0..3).find(|&i| i != home && i != other).unwrap();
+        let addr = |i: usize| r.replicas()[i].addr;
+        let list = format!(
+            "{home_addr};id=home,{};id={},127.0.0.1:1009;id=new",
+            addr(kept_other),
+            r.replicas()[kept_other].id
+        );
+        let summary = r.set_upstreams(&specs(&list));
+        assert_eq!(
+            (
+                summary.added,
+                summary.removed,
+                summary.updated,
+                summary.unchanged
+            ),
+            (1, 1, 1, 1),
+            "{summary}"
+        );
+        assert_ne!(*r.watch_endpoints().borrow(), version);
+        let after = r.snapshot();
+        let ids: Vec<&str> = after.replicas.iter().map(|x| x.id.as_str()).collect();
+        assert_eq!(ids.len(), 3);
+        assert_eq!(ids[0], "home");
+        assert_eq!(ids[2], "new", "listed in the file's order");
+        let home_now = after.replicas.iter().find(|x| x.id == "home").unwrap();
+        let home_before = &before.replicas[home];
+        assert_eq!(home_now.warmth_blocks, home_before.warmth_blocks);
+        assert_eq!(home_now.in_flight, 1);
+        assert_eq!(home_now.load, home_before.load);
+        assert_eq!(
+            r.endpoints(),
+            [
+                home_addr,
+                addr(kept_other),
+                "127.0.0.1:1009".parse().unwrap()
+            ]
+        );
+
+        // The session's next turn stays home; the removed replica is never
+        // offered again.
+        let removed_addr = before.replicas[other].address.clone();
+        let d = r.decide(&req(&[1, 2, 3, 4, 5])).unwrap();
+        assert_eq!(r.replicas()[d.primary()].addr, home_addr);
+        for k in 0..10 {
+            let d = r.decide(&req(&[500 + k])).unwrap();
+            let dest = d.destination(usize::MAX);
+            assert!(!dest.contains(&removed_addr), "{dest}");
+        }
+        drop(d);
+        drop(running);
+        assert!(r.snapshot().replicas.iter().all(|x| x.in_flight == 0));
+    }
+
+    #[test]
+    fn a_removed_replica_drains_before_its_slot_is_reused() {
+        let r = Router::new(
+            &Cli::try_parse_from(["x", "--upstreams", "127.0.0.1:1,127.0.0.1:2"])
+                .unwrap()
+                .settings,
+        );
+        let held = r.decide(&req(&[7])).unwrap();
+        let slot = held.primary();
+        let addr = r.replicas()[slot].addr;
+        let remaining = r.replicas()[1 - slot].addr;
+        r.set_upstreams(&specs(&remaining.to_string()));
+        assert_eq!(r.snapshot().upstreams.draining_in_flight, 1);
+        // A new replica cannot take the slot while a request runs on it.
+        r.set_upstreams(&specs(&format!("{remaining},127.0.0.1:3")));
+        assert_eq!(r.replicas().len(), 3);
+        assert!(r.replicas()[slot].retired);
+        // The running request ends: its reservation releases the old slot
+        // (not the new replica), which the next new replica reuses.
+        drop(held);
+        assert_eq!(r.snapshot().upstreams.draining_in_flight, 0);
+        assert!(r.snapshot().replicas.iter().all(|x| x.in_flight == 0));
+        r.set_upstreams(&specs(&format!("{remaining},127.0.0.1:3,127.0.0.1:4")));
+        assert_eq!(r.replicas().len(), 3);
+        assert_eq!(r.replicas()[slot].addr.port(), 4);
+        assert_ne!(r.replicas()[slot].addr, addr);
+        // Re-adding a removed address starts it fresh, not from old state.
+        assert_eq!(r.snapshot().replicas.len(), 3);
     }
 }

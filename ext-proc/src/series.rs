@@ -4,7 +4,7 @@
 //! as sampled once a second. Bounded: the last [`SERIES_SECONDS`] seconds.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -34,6 +34,10 @@ pub struct Second {
     /// until sampled.
     pub in_flight: Vec<u32>,
     pub load: Vec<f64>,
+    /// The replica ids the two lists were sampled for (the list may change
+    /// with a reload; [`Series::last_for`] aligns old seconds to new ids).
+    #[serde(skip)]
+    pub sampled_ids: Option<Arc<[String]>>,
 }
 
 #[derive(Debug, Default)]
@@ -100,11 +104,19 @@ impl Series {
         });
     }
 
-    /// Records each replica's in-flight count and load at second `t`.
-    pub fn sample(&self, t: u64, in_flight: Vec<u32>, load: Vec<f64>) {
+    /// Records the in-flight count and load of each replica in `ids` at
+    /// second `t`.
+    pub fn sample(&self, t: u64, ids: Vec<String>, in_flight: Vec<u32>, load: Vec<f64>) {
+        let last_ids = self.last(1).pop().and_then(|s| s.sampled_ids);
+        // Seconds share one id list while the replica list stays the same.
+        let ids = match last_ids {
+            Some(known) if *known == *ids => known,
+            _ => ids.into(),
+        };
         self.with_second(t, |s| {
             s.in_flight = in_flight;
             s.load = load;
+            s.sampled_ids = Some(ids);
         });
     }
 
@@ -112,6 +124,36 @@ impl Series {
     pub fn last(&self, n: usize) -> Vec<Second> {
         let q = self.seconds.lock().unwrap_or_else(|p| p.into_inner());
         q.iter().skip(q.len().saturating_sub(n)).cloned().collect()
+    }
+
+    /// The last `n` seconds with each sampled second's lists in the order
+    /// of `ids`: a replica added later reads 0 before it was listed, one
+    /// removed is left out.
+    pub fn last_for(&self, n: usize, ids: &[String]) -> Vec<Second> {
+        let mut seconds = self.last(n);
+        for s in &mut seconds {
+            let Some(sampled) = s.sampled_ids.take() else {
+                continue;
+            };
+            if *sampled == *ids {
+                continue;
+            }
+            let at = |id: &String| sampled.iter().position(|x| x == id);
+            s.in_flight = ids
+                .iter()
+                .map(|id| {
+                    at(id)
+                        .and_then(|k| s.in_flight.get(k))
+                        .copied()
+                        .unwrap_or(0)
+                })
+                .collect();
+            s.load = ids
+                .iter()
+                .map(|id| at(id).and_then(|k| s.load.get(k)).copied().unwrap_or(0.0))
+                .collect();
+        }
+        seconds
     }
 
     /// Stays / (stays + moves) over the last `n` seconds; NaN when no
@@ -148,7 +190,7 @@ mod tests {
             Some((0, 4)),
             Some(SessionResult::Move),
         );
-        s.sample(103, vec![1, 0], vec![1.5, 0.0]);
+        s.sample(103, ids(&["a", "b"]), vec![1, 0], vec![1.5, 0.0]);
         let all = s.last(10);
         assert_eq!(
             all.iter().map(|x| x.t).collect::<Vec<_>>(),
@@ -166,5 +208,25 @@ mod tests {
         s.record(100_000, DecisionOutcome::Routed, None, None);
         assert!(s.last(usize::MAX).len() <= SERIES_SECONDS);
         assert!(Series::default().stay_ratio(60).is_nan());
+    }
+
+    fn ids(names: &[&str]) -> Vec<String> {
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn sampled_lists_follow_the_replica_ids_across_a_reload() {
+        let s = Series::default();
+        s.sample(10, ids(&["a", "b"]), vec![1, 2], vec![1.0, 2.0]);
+        // "a" was removed and "c" added.
+        s.sample(11, ids(&["b", "c"]), vec![3, 4], vec![3.0, 4.0]);
+        let now = ids(&["b", "c"]);
+        let view = s.last_for(10, &now);
+        assert_eq!(view[0].in_flight, [2, 0]);
+        assert_eq!(view[0].load, [2.0, 0.0]);
+        assert_eq!(view[1].in_flight, [3, 4]);
+        // Unsampled seconds stay empty.
+        s.record(13, DecisionOutcome::Routed, None, None);
+        assert!(s.last_for(10, &now)[3].in_flight.is_empty());
     }
 }

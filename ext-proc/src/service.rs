@@ -448,12 +448,12 @@ impl Exchange {
                 // header with an ORIGINAL_DST cluster, which takes one
                 // address (a list fails as "no healthy upstream", measured
                 // on Envoy 1.40): in full-duplex mode, the primary only.
-                let order = if self.body.duplex.request {
-                    &decision.order[..1]
+                let limit = if self.body.duplex.request {
+                    1
                 } else {
-                    &decision.order[..]
+                    decision.order.len()
                 };
-                let dest = self.router.destination(order);
+                let dest = decision.destination(limit);
                 self.routed_to = Some(decision.primary());
                 tracing::debug!(
                     destination = %dest,
@@ -462,7 +462,7 @@ impl Exchange {
                     "routed"
                 );
                 // A data-parallel target: tell the engine which rank.
-                let rank = self.router.replicas()[decision.primary()].dp_rank;
+                let rank = decision.replicas[decision.primary()].dp_rank;
                 self.decision = Some(decision);
                 let mut set_headers = vec![set_header(DESTINATION, &dest)];
                 let mut remove_headers = vec![header::FP.to_string()];
