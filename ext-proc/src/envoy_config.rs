@@ -13,6 +13,10 @@ use crate::config::Settings;
 /// repository root, where `scripts/setup` builds it).
 pub const DEFAULT_WASM: &str = "target/wasm32-wasip1/wasm-release/hearth_filter.wasm";
 
+/// The Envoy cluster of the engines: the one override_host picks in, and
+/// the resource the sidecar serves over endpoint discovery.
+pub const ENGINES_CLUSTER: &str = "engines";
+
 /// Flags of `hearth-ext-proc envoy-config`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct EnvoyConfigArgs {

@@ -10,12 +10,13 @@
 //! Modules, in the order a request meets them: [`service`] (the gRPC
 //! stream), [`router`] (the decision), [`policy`] (the scoring rule),
 //! [`warmth`] (per-replica LRU of block hashes). [`config`] holds the
-//! settings, [`admin`] the state endpoint, [`envoy_config`] the Envoy
-//! bootstrap generator.
+//! settings, [`admin`] the state endpoint, [`eds`] the engines' endpoints
+//! for Envoy, [`envoy_config`] the Envoy bootstrap generator.
 
 pub mod admin;
 pub mod body;
 pub mod config;
+pub mod eds;
 pub mod envoy_config;
 pub mod health;
 pub mod journal;
@@ -199,10 +200,14 @@ async fn serve(
     // The standard gRPC health service mirrors the fleet: SERVING while at
     // least one replica serves.
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    // Endpoint-discovery streams last as long as Envoy does: they are told
+    // to end, or the graceful shutdown would wait for them.
+    let (eds_stop, eds_stopping) = tokio::sync::watch::channel(false);
     let health_task = tokio::spawn(report_grpc_health(Arc::clone(&router), health_reporter));
     let grpc_server = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(service::server(Arc::clone(&observer), first_byte_timeout))
+        .add_service(eds::server(Arc::clone(&router), eds_stopping))
         // TCP_NODELAY: without it, Envoy's small ext_proc messages meet
         // Nagle and delayed ACKs and a decision waits ~40 ms (measured by
         // `hearth-bench overhead`).
@@ -227,6 +232,7 @@ async fn serve(
     let admin_task = tokio::spawn(async move { admin_server.await });
     shutdown.await;
     let _ = tx.send(());
+    let _ = eds_stop.send(true);
     grpc_task.await?.context("gRPC server")?;
     admin_task.await?.context("state endpoint")?;
     prober.abort();
