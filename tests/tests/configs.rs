@@ -104,6 +104,38 @@ fn every_shipped_envoy_config_validates() {
     );
 }
 
+/// The bootstraps whose engines come from the sidecar over EDS (not
+/// shipped as files: `envoy-config --endpoints eds` makes them).
+#[test]
+fn eds_bootstraps_validate() {
+    let wasm = hearth_bench::gateway::find_wasm().expect("wasm built");
+    let wasm = wasm.canonicalize().unwrap().display().to_string();
+    for mode in ["filter", "body"] {
+        let cli = Cli::try_parse_from([
+            "hearth-ext-proc",
+            "--upstreams=127.0.0.1:8001,127.0.0.1:8002,127.0.0.1:8003,127.0.0.1:8004",
+            "envoy-config",
+            &format!("--mode={mode}"),
+            "--endpoints=eds",
+            &format!("--wasm={wasm}"),
+        ])
+        .unwrap();
+        let Some(hearth_ext_proc::config::Command::EnvoyConfig(args)) = &cli.command else {
+            panic!("envoy-config did not parse")
+        };
+        let yaml = args.render(&cli.settings);
+        assert!(yaml.contains("type: EDS"), "{mode}: {yaml}");
+        let tmp = std::env::temp_dir().join(format!(
+            "hearth-validate-eds-{}-{mode}.yaml",
+            std::process::id()
+        ));
+        std::fs::write(&tmp, yaml).unwrap();
+        let result = validate(&tmp);
+        let _ = std::fs::remove_file(&tmp);
+        result.unwrap_or_else(|e| panic!("{mode} with --endpoints eds: {e:#}"));
+    }
+}
+
 #[test]
 fn every_sidecar_setting_is_documented_in_the_readme() {
     let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
