@@ -2,6 +2,7 @@
 //! sidecar in-process on ephemeral loopback ports, the real Envoy (with the
 //! real wasm filter) as a child process in front of them.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -43,6 +44,10 @@ pub struct FleetOptions {
     pub upstream_options: Vec<(usize, String)>,
     /// Each engine's running-request limit (0 = none; beyond it, a queue).
     pub max_running: usize,
+    /// Envoy learns the engines cluster's endpoints from the sidecar over
+    /// EDS (`hearth-ext-proc envoy-config --endpoints eds`) instead of a
+    /// static list.
+    pub eds: bool,
 }
 
 impl Default for FleetOptions {
@@ -57,8 +62,38 @@ impl Default for FleetOptions {
             cache_capacity_tokens: EngineConfig::default().cache_capacity_tokens,
             upstream_options: Vec::new(),
             max_running: 0,
+            eds: false,
         }
     }
+}
+
+/// The addresses Envoy's admin `/clusters` lists for `cluster`, in its
+/// order.
+pub async fn cluster_hosts(envoy: &Envoy, cluster: &str) -> anyhow::Result<Vec<SocketAddr>> {
+    let v: Value = reqwest::get(format!("http://{}/clusters?format=json", envoy.admin))
+        .await?
+        .json()
+        .await?;
+    let statuses = v["cluster_statuses"]
+        .as_array()
+        .context("no cluster_statuses in /clusters")?;
+    let status = statuses
+        .iter()
+        .find(|c| c["name"] == cluster)
+        .with_context(|| format!("no cluster {cluster} in /clusters"))?;
+    let hosts = status["host_statuses"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    hosts
+        .iter()
+        .map(|h| {
+            let sa = &h["address"]["socket_address"];
+            let ip = sa["address"].as_str().context("host without an address")?;
+            let port = sa["port_value"].as_u64().context("host without a port")?;
+            Ok(SocketAddr::new(ip.parse()?, u16::try_from(port)?))
+        })
+        .collect()
 }
 
 /// One response as a test sees it.
@@ -141,6 +176,7 @@ impl Fleet {
 
         let gateway = Gateway {
             block_size: settings.block_size,
+            eds: opts.eds,
             ..Gateway::local(
                 "127.0.0.1:0".parse()?,
                 sidecar.grpc_addr,
