@@ -45,10 +45,12 @@ pub struct EnvoyConfigArgs {
     pub mode: Mode,
     /// Where the engines cluster gets its endpoints. `static`: listed in
     /// the bootstrap. `eds`: streamed by the sidecar (endpoint discovery),
-    /// which pushes each change of its replica list. Not used by `--mode
-    /// gie`, whose ORIGINAL_DST cluster has no endpoint list.
-    #[arg(long, value_enum, default_value_t = Endpoints::Static)]
-    pub endpoints: Endpoints,
+    /// which pushes each change of its replica list. Default: `eds` when
+    /// the list comes from `HEARTH_UPSTREAMS_FILE` (it can change while
+    /// Envoy runs), else `static`. Not used by `--mode gie`, whose
+    /// ORIGINAL_DST cluster has no endpoint list.
+    #[arg(long, value_enum)]
+    pub endpoints: Option<Endpoints>,
 }
 
 /// Where the engines cluster's endpoints come from.
@@ -94,7 +96,14 @@ impl EnvoyConfigArgs {
             block_size: settings.block_size,
             max_prefix_bytes: self.max_prefix_bytes,
             max_body_bytes: self.max_body_bytes,
-            eds: self.endpoints == Endpoints::Eds,
+            eds: self
+                .endpoints
+                .unwrap_or(if settings.upstreams_file.is_some() {
+                    Endpoints::Eds
+                } else {
+                    Endpoints::Static
+                })
+                == Endpoints::Eds,
         }
     }
 }
@@ -445,8 +454,24 @@ mod tests {
             (args, cli.settings)
         };
         let (args, settings) = parse(&[]);
-        assert_eq!(args.endpoints, Endpoints::Static);
+        assert_eq!(args.endpoints, None);
         assert!(!args.gateway(&settings).eds);
+        // A replica list from a file can change: EDS unless told otherwise.
+        let file_args = |extra: &[&str]| {
+            let mut a = vec![
+                "hearth-ext-proc",
+                "--upstreams-file=/etc/hearth/upstreams",
+                "envoy-config",
+            ];
+            a.extend_from_slice(extra);
+            let cli = crate::config::Cli::try_parse_from(a).unwrap();
+            let Some(crate::config::Command::EnvoyConfig(args)) = cli.command else {
+                panic!("envoy-config did not parse")
+            };
+            args.gateway(&cli.settings).eds
+        };
+        assert!(file_args(&[]));
+        assert!(!file_args(&["--endpoints=static"]));
         let (args, settings) = parse(&["--endpoints=eds"]);
         let g = args.gateway(&settings);
         assert!(g.eds);

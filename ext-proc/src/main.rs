@@ -18,17 +18,25 @@ async fn main() -> anyhow::Result<()> {
         }
         std::process::exit(2);
     }
-    if let Some(path) = &cli.settings.upstreams_file {
-        if let Err(problems) = hearth_ext_proc::upstreams::read(path) {
-            for p in problems {
-                eprintln!("hearth-ext-proc: HEARTH_UPSTREAMS_FILE: {p}");
-            }
-            std::process::exit(2);
-        }
-    }
+    let from_file = cli
+        .settings
+        .upstreams_file
+        .as_deref()
+        .map(hearth_ext_proc::upstreams::read);
     if let Some(Command::EnvoyConfig(args)) = &cli.command {
-        print!("{}", args.render(&cli.settings));
+        // With endpoint discovery the bootstrap lists no engines, so the
+        // file need not be readable where the config is rendered.
+        let mut settings = cli.settings.clone();
+        match from_file {
+            Some(Ok(list)) => settings.upstreams = list,
+            Some(Err(problems)) if !args.gateway(&settings).eds => exit_with(&problems),
+            _ => {}
+        }
+        print!("{}", args.render(&settings));
         return Ok(());
+    }
+    if let Some(Err(problems)) = from_file {
+        exit_with(&problems);
     }
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.settings.log)?)
@@ -61,6 +69,14 @@ async fn main() -> anyhow::Result<()> {
         }
     });
     sidecar.run_until(wait_for_signal()).await
+}
+
+/// Reports problems with `HEARTH_UPSTREAMS_FILE` and exits with status 2.
+fn exit_with(problems: &[String]) -> ! {
+    for p in problems {
+        eprintln!("hearth-ext-proc: HEARTH_UPSTREAMS_FILE: {p}");
+    }
+    std::process::exit(2);
 }
 
 async fn wait_for_signal() -> anyhow::Result<()> {

@@ -48,6 +48,10 @@ pub struct FleetOptions {
     /// EDS (`hearth-ext-proc envoy-config --endpoints eds`) instead of a
     /// static list.
     pub eds: bool,
+    /// The sidecar reads its replica list from a file
+    /// (`HEARTH_UPSTREAMS_FILE`, checked every 0.2 s), which
+    /// [`Fleet::list_engines`] rewrites.
+    pub upstreams_file: bool,
 }
 
 impl Default for FleetOptions {
@@ -63,6 +67,7 @@ impl Default for FleetOptions {
             upstream_options: Vec::new(),
             max_running: 0,
             eds: false,
+            upstreams_file: false,
         }
     }
 }
@@ -122,6 +127,10 @@ pub struct Fleet {
     /// What the gateway config was rendered from (for more Envoys in
     /// front of the same sidecar and engines).
     pub gateway: Gateway,
+    /// Each engine's upstream spec, as listed to the sidecar.
+    specs: Vec<String>,
+    /// The directory of the replica-list file, when there is one.
+    upstreams_file: Option<std::path::PathBuf>,
 }
 
 impl Fleet {
@@ -141,7 +150,7 @@ impl Fleet {
         }
         // Replica ids equal the engine ids, so `x-hearth-upstream` can be
         // checked against the engine that really answered.
-        let upstreams = engines
+        let specs: Vec<String> = engines
             .iter()
             .enumerate()
             .map(|(i, e)| {
@@ -155,15 +164,31 @@ impl Fleet {
                 }
                 format!("{};id={}{tag}", e.addr, e.engine.config().id)
             })
-            .collect::<Vec<_>>()
-            .join(",");
+            .collect();
+        let upstreams_file = opts.upstreams_file.then(|| {
+            static FLEETS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            let n = FLEETS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            std::env::temp_dir().join(format!("hearth-e2e-{}-{n}", std::process::id()))
+        });
+        let list = match &upstreams_file {
+            Some(dir) => {
+                std::fs::create_dir_all(dir)?;
+                let file = dir.join("upstreams");
+                std::fs::write(&file, specs.join("\n"))?;
+                vec![
+                    format!("--upstreams-file={}", file.display()),
+                    "--upstreams-poll-seconds=0.2".into(),
+                ]
+            }
+            None => vec![format!("--upstreams={}", specs.join(","))],
+        };
         let mut args = vec![
             "hearth-ext-proc".to_string(),
             "--listen=127.0.0.1:0".into(),
             "--admin-listen=127.0.0.1:0".into(),
-            format!("--upstreams={upstreams}"),
             "--drain-seconds=1".into(),
         ];
+        args.extend(list);
         args.extend(opts.sidecar_flags.iter().cloned());
         let mut settings = Cli::try_parse_from(args)?.settings;
         settings
@@ -200,7 +225,47 @@ impl Fleet {
             envoy,
             client: reqwest::Client::new(),
             gateway,
+            specs,
+            upstreams_file,
         })
+    }
+
+    /// Rewrites the replica-list file to name only the engines at
+    /// `indices` (atomically: a new file renamed over the old one), and
+    /// waits (up to 10 s) until the sidecar lists exactly them. Needs
+    /// [`FleetOptions::upstreams_file`].
+    pub async fn list_engines(&self, indices: &[usize]) -> anyhow::Result<Snapshot> {
+        let text: Vec<&str> = indices.iter().map(|&i| self.specs[i].as_str()).collect();
+        self.write_upstreams(&text.join("\n")).await?;
+        let want: Vec<String> = indices
+            .iter()
+            .map(|&i| self.engines[i].engine.config().id.clone())
+            .collect();
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let s = self.state().await?;
+            let ids: Vec<String> = s.replicas.iter().map(|r| r.id.clone()).collect();
+            if ids == want {
+                return Ok(s);
+            }
+            anyhow::ensure!(
+                std::time::Instant::now() < until,
+                "the sidecar lists {ids:?}, not {want:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Replaces the replica-list file's text (atomically).
+    pub async fn write_upstreams(&self, text: &str) -> anyhow::Result<()> {
+        let dir = self
+            .upstreams_file
+            .as_ref()
+            .context("the fleet was started without an upstreams file")?;
+        let next = dir.join("upstreams.next");
+        std::fs::write(&next, text)?;
+        std::fs::rename(&next, dir.join("upstreams"))?;
+        Ok(())
     }
 
     /// Starts another Envoy with `config` (ports 0), e.g. a second gateway
@@ -336,6 +401,14 @@ impl Fleet {
                 return Ok(s);
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        if let Some(dir) = &self.upstreams_file {
+            let _ = std::fs::remove_dir_all(dir);
         }
     }
 }
