@@ -5,8 +5,24 @@ use clap::Parser;
 use hearth_ext_proc::config::{check_env, Cli, Command};
 use hearth_ext_proc::Sidecar;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    // An empty HEARTH_* variable means "unset" (the setting's default), as
+    // a ConfigMap listing every setting needs. Done before any thread
+    // starts, while changing the environment is sound.
+    let empty: Vec<String> = std::env::vars_os()
+        .filter(|(k, v)| k.to_string_lossy().starts_with("HEARTH_") && v.is_empty())
+        .map(|(k, _)| k.to_string_lossy().into_owned())
+        .collect();
+    for k in empty {
+        std::env::remove_var(k);
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run())
+}
+
+async fn run() -> anyhow::Result<()> {
     if let Err(e) = check_env(std::env::vars().map(|(k, _)| k)) {
         eprintln!("hearth-ext-proc: {e}");
         std::process::exit(2);

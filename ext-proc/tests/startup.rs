@@ -218,3 +218,16 @@ fn sighup_reloads_the_replica_file_and_never_ends_the_sidecar() {
     std::thread::sleep(std::time::Duration::from_millis(200));
     assert_eq!(fixed.ids(), ["e"]);
 }
+
+#[test]
+fn an_empty_setting_means_its_default() {
+    // As a ConfigMap listing every setting sets them.
+    let sidecar = Running::start(&[
+        ("HEARTH_UPSTREAMS", "127.0.0.1:7201;id=a"),
+        ("HEARTH_UPSTREAMS_FILE", ""),
+        ("HEARTH_JOURNAL_FILE", ""),
+        ("HEARTH_ALPHA", ""),
+    ]);
+    assert_eq!(sidecar.ids(), ["a"]);
+    assert_eq!(sidecar.state()["alpha"], 1.0);
+}
