@@ -10,8 +10,9 @@
 //! Modules, in the order a request meets them: [`service`] (the gRPC
 //! stream), [`router`] (the decision), [`policy`] (the scoring rule),
 //! [`warmth`] (per-replica LRU of block hashes). [`config`] holds the
-//! settings, [`admin`] the state endpoint, [`eds`] the engines' endpoints
-//! for Envoy, [`envoy_config`] the Envoy bootstrap generator.
+//! settings, [`upstreams`] the replica list's file and its reloads,
+//! [`admin`] the state endpoint, [`eds`] the engines' endpoints for Envoy,
+//! [`envoy_config`] the Envoy bootstrap generator.
 
 pub mod admin;
 pub mod body;
