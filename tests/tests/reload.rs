@@ -160,3 +160,75 @@ async fn a_reloaded_replica_list_reaches_envoy_and_listed_replicas_stay_warm() {
     );
     fleet.assert_wasm_healthy();
 }
+
+#[tokio::test]
+async fn reloads_under_traffic_lose_no_request_and_no_load() {
+    let fleet = Fleet::start(FleetOptions {
+        engines: 3,
+        eds: true,
+        upstreams_file: true,
+        // Streams last a while, so reloads land while requests run.
+        decode_micros_per_token: 2000.0,
+        sidecar_flags: vec!["--probe-interval-seconds=0".into()],
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+
+    // How long one reload takes to reach Envoy, asked for at once (as
+    // SIGHUP does), not waiting for the poll.
+    fleet
+        .write_upstreams(&fleet_list(&fleet, &[0, 1]))
+        .await
+        .unwrap();
+    let asked = Instant::now();
+    assert!(fleet.sidecar.as_ref().unwrap().reload_upstreams());
+    wait_for_envoy_hosts(&fleet, &[0, 1]).await;
+    eprintln!(
+        "reload asked -> Envoy holds the new endpoints: {:.1} ms",
+        asked.elapsed().as_secs_f64() * 1e3
+    );
+
+    // Four clients run conversations while the list flips between
+    // {0, 1} and {0, 2}: every request is answered, by the engine the
+    // gateway names.
+    let clients = (0..4u64).map(|c| {
+        let fleet = &fleet;
+        async move {
+            let mut conv = Conversation::new(MODEL, &format!("flip tenant {c}"), false, 950 + c);
+            for _ in 0..8 {
+                let turn = fleet.chat(&conv.next_turn(1500, true)).await;
+                assert!(turn.engine.is_some(), "{:?}", turn.body);
+                conv.push_assistant("ok");
+            }
+        }
+    });
+    let flips = async {
+        for k in 0..6 {
+            let list: &[usize] = if k % 2 == 0 { &[0, 2] } else { &[0, 1] };
+            fleet.list_engines(list).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        }
+    };
+    tokio::join!(futures::future::join_all(clients), flips);
+
+    let end = fleet.settle(Duration::from_secs(10)).await.unwrap();
+    assert!(
+        end.replicas
+            .iter()
+            .all(|r| r.in_flight == 0 && r.load == 0.0),
+        "{end:?}"
+    );
+    assert_eq!(end.upstreams.draining_in_flight, 0, "{:?}", end.upstreams);
+    assert_eq!(end.upstreams.reload_errors_total, 0);
+    fleet.assert_wasm_healthy();
+}
+
+/// The replica-file text naming the engines at `indices`.
+fn fleet_list(fleet: &Fleet, indices: &[usize]) -> String {
+    indices
+        .iter()
+        .map(|&i| format!("{};id=engine-{i}", fleet.engines[i].addr))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
