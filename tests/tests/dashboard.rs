@@ -102,6 +102,11 @@ async fn the_dashboard_renders_the_fleet_in_a_headless_browser() {
     assert!(dom.contains(r#"data-replicas="4""#), "{dom}");
     // What the script rendered (the script's own text is left out).
     let rendered = dom.split("<script>").next().unwrap();
+    assert!(rendered.contains("replica list v1<"), "{rendered}");
+    assert!(
+        rendered.contains(r#"<div class="warnbar" id="reload" hidden="">"#),
+        "no reload was refused, yet the warning shows:\n{rendered}"
+    );
     for e in &fleet.engines {
         let id = e.engine.config().id.clone();
         assert!(
@@ -162,4 +167,50 @@ async fn the_dashboard_renders_the_fleet_in_a_headless_browser() {
     );
     println!("dashboard screenshot: {}", shot.display());
     std::fs::remove_dir_all(&work).unwrap();
+}
+
+#[tokio::test]
+async fn a_refused_reload_shows_on_the_dashboard() {
+    let fleet = Fleet::start(FleetOptions {
+        engines: 2,
+        upstreams_file: true,
+        eds: true,
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    fleet
+        .write_upstreams("127.0.0.1:9;id=a\n127.0.0.1:9;id=b\n")
+        .await
+        .unwrap();
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while fleet
+        .state()
+        .await
+        .unwrap()
+        .upstreams
+        .reload_error
+        .is_none()
+    {
+        assert!(
+            std::time::Instant::now() < until,
+            "the bad file was not refused"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let url = format!("http://{}/", fleet.settings.admin_listen);
+    let work = std::env::temp_dir().join(format!("hearth-dashboard-reload-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).unwrap();
+    let (dom, stderr) = browse(&url, "--dump-dom", &work.join("profile")).await;
+    let rendered = dom.split("<script>").next().unwrap();
+    assert!(
+        rendered.contains(r#"<div class="warnbar" id="reload">Replica list not reloaded"#),
+        "stderr:\n{stderr}\n{rendered}"
+    );
+    assert!(rendered.contains("lists 127.0.0.1:9 twice"), "{rendered}");
+    // The fleet is still the one listed before.
+    assert!(dom.contains(r#"data-replicas="2""#), "{dom}");
+    assert!(console_lines(&stderr).is_empty(), "{stderr}");
+    let _ = std::fs::remove_dir_all(&work);
 }
