@@ -528,56 +528,18 @@ fn start_sidecar(upstreams: &str, grpc: SocketAddr, admin: SocketAddr) -> anyhow
 
 /// Plain Envoy: the same listener limits and timeouts as the gateway, no
 /// Hearth filter, `least_request` over the engines.
+/// Plain Envoy in front of `upstreams`: the gateway's listener without
+/// Hearth.
 fn plain_config(upstreams: &[SocketAddr]) -> String {
-    let endpoints: String = upstreams
-        .iter()
-        .map(|u| {
-            format!(
-                "        - endpoint: {{ address: {{ socket_address: {{ address: \"{}\", port_value: {} }} }} }}\n",
-                u.ip(),
-                u.port()
-            )
-        })
-        .collect();
-    let buffer = (8 << 20) + (1 << 20);
-    format!(
-        r#"admin:
-  address: {{ socket_address: {{ address: "127.0.0.1", port_value: 0 }} }}
-static_resources:
-  listeners:
-  - name: plain
-    address: {{ socket_address: {{ address: "127.0.0.1", port_value: 0 }} }}
-    per_connection_buffer_limit_bytes: {buffer}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: plain
-          request_timeout: 0s
-          stream_idle_timeout: 600s
-          route_config:
-            virtual_hosts:
-            - name: engines
-              domains: ["*"]
-              routes:
-              - match: {{ prefix: "/" }}
-                route: {{ cluster: engines, timeout: 0s }}
-          http_filters:
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: engines
-    connect_timeout: 2s
-    per_connection_buffer_limit_bytes: {buffer}
-    lb_policy: LEAST_REQUEST
-    load_assignment:
-      cluster_name: engines
-      endpoints:
-      - lb_endpoints:
-{endpoints}"#
-    )
+    // An ephemeral loopback listener; the sidecar addresses go unused.
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    hearth_ext_proc::envoy_config::render_plain(&hearth_ext_proc::envoy_config::Gateway::local(
+        loopback,
+        loopback,
+        loopback,
+        upstreams.to_vec(),
+        std::path::PathBuf::new(),
+    ))
 }
 
 /// `(Envoy, sidecar)` CPU seconds so far.

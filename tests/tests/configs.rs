@@ -137,6 +137,29 @@ fn eds_bootstraps_validate() {
 }
 
 #[test]
+fn the_plain_baseline_validates() {
+    // What `hearth-bench overhead` compares the gateway with.
+    let g = hearth_ext_proc::envoy_config::Gateway::local(
+        "127.0.0.1:0".parse().unwrap(),
+        "127.0.0.1:50051".parse().unwrap(),
+        "127.0.0.1:9190".parse().unwrap(),
+        vec![
+            "127.0.0.1:8001".parse().unwrap(),
+            "127.0.0.1:8002".parse().unwrap(),
+        ],
+        std::path::PathBuf::new(),
+    );
+    let yaml = hearth_ext_proc::envoy_config::render_plain(&g);
+    assert!(yaml.contains("port_value: 8002") && !yaml.contains("ext_proc"));
+    let tmp =
+        std::env::temp_dir().join(format!("hearth-validate-plain-{}.yaml", std::process::id()));
+    std::fs::write(&tmp, yaml).unwrap();
+    let result = validate(&tmp);
+    let _ = std::fs::remove_file(&tmp);
+    result.unwrap_or_else(|e| panic!("plain baseline: {e:#}"));
+}
+
+#[test]
 fn every_sidecar_setting_is_documented_in_the_readme() {
     let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
     let missing: Vec<String> = hearth_ext_proc::config::known_env_vars()
