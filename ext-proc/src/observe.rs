@@ -36,7 +36,7 @@ use crate::metrics::{
     DecisionMetrics, DecisionOutcome, FleetCollector, ProbeMetrics, SessionResult,
 };
 use crate::policy::AffinityBasis;
-use crate::router::{Decision, RequestInfo, RouteError, Router};
+use crate::router::{Decision, ReplicaKey, RequestInfo, RouteError, Router};
 use crate::series::{unix_now, Series};
 
 /// Conversations remembered for the stay ratio.
@@ -44,14 +44,25 @@ pub const TIP_CAPACITY: usize = 65_536;
 /// Blocks looked back from the warmest overlap for a previous turn's tip.
 pub const TIP_SCAN: usize = 64;
 
-/// The last full block of recent requests → the replica chosen for them.
-#[derive(Debug, Default)]
-pub struct SessionTips {
-    tips: HashMap<u64, usize>,
+/// The last full block of recent requests → the replica chosen for them
+/// (the sidecar names a replica by [`crate::router::Replica::key`], which a
+/// reload keeps for an engine still listed and never gives another).
+#[derive(Debug)]
+pub struct SessionTips<R = usize> {
+    tips: HashMap<u64, R>,
     order: VecDeque<u64>,
 }
 
-impl SessionTips {
+impl<R> Default for SessionTips<R> {
+    fn default() -> Self {
+        SessionTips {
+            tips: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+}
+
+impl<R: Copy + PartialEq> SessionTips<R> {
     /// Classifies a routed request and remembers its tip. `full_blocks`:
     /// blocks entirely inside the prompt; `warmest`: the deepest overlap
     /// of any candidate. Returns the result and the previous turn's
@@ -61,8 +72,8 @@ impl SessionTips {
         hashes: &[u64],
         full_blocks: usize,
         warmest: usize,
-        chosen: usize,
-    ) -> (SessionResult, Option<usize>) {
+        chosen: R,
+    ) -> (SessionResult, Option<R>) {
         let full = full_blocks.min(hashes.len());
         let top = warmest.min(full);
         // A tip is consumed by the turn that follows it: a conversation
@@ -105,7 +116,7 @@ pub struct Observer {
     registry: Registry,
     decisions: DecisionMetrics,
     probes: ProbeMetrics,
-    tips: Mutex<SessionTips>,
+    tips: Mutex<SessionTips<ReplicaKey>>,
     pub series: Arc<Series>,
     pub journal: Journal,
 }
@@ -158,7 +169,7 @@ impl Observer {
                 (info.prompt_bytes / block) as usize
             };
             let mut tips = self.tips.lock().unwrap_or_else(|p| p.into_inner());
-            let (s, p) = tips.observe(&info.hashes, full, warmest, chosen);
+            let (s, p) = tips.observe(&info.hashes, full, warmest, decision.replicas[chosen].key());
             (Some(s), p)
         } else {
             (None, None)
@@ -175,7 +186,13 @@ impl Observer {
         record.fallbacks = decision.order[1..].iter().map(|&i| id(i)).collect();
         record.overlap = decision.overlap;
         record.session = session.map(|s| s.as_str().to_string());
-        record.previous = previous.map(id);
+        // The previous turn's replica, by the id it has now (it may have
+        // been renamed, or removed, by a reload since).
+        record.previous = previous.map(|key| {
+            ids.iter()
+                .find(|r| !r.retired && r.key() == key)
+                .map_or_else(|| "(removed)".to_string(), |r| r.id.clone())
+        });
         record.candidates = decision
             .candidates
             .iter()
@@ -333,5 +350,65 @@ mod tests {
         assert_eq!(tips.tips.len(), TIP_CAPACITY);
         assert!(!tips.tips.contains_key(&2), "oldest forgotten first");
         assert_eq!(tips.order.len(), TIP_CAPACITY);
+    }
+
+    #[test]
+    fn a_turn_on_a_new_replica_in_a_reused_slot_is_a_move() {
+        use clap::Parser;
+        let settings = crate::config::Cli::try_parse_from([
+            "x",
+            "--upstreams",
+            "127.0.0.1:1;id=a,127.0.0.1:2;id=b",
+            "--alpha",
+            "100",
+        ])
+        .unwrap()
+        .settings;
+        let router = Router::new(&settings);
+        let observer = Observer::new(
+            Arc::clone(&router),
+            settings.affinity_basis,
+            Journal::open(16, None).unwrap(),
+        );
+        let info = |hashes: Vec<u64>| RequestInfo {
+            prompt_bytes: hashes.len() as u64 * 2048,
+            hashes,
+            model: None,
+            max_output_tokens: None,
+        };
+        // Turn 1 lands on replica x, as the observer sees it.
+        let first = info(chain(1, 0, 3));
+        let d = router.decide(&first).unwrap();
+        observer.routed(Some("t1"), &first, &d, Duration::ZERO);
+        let x = d.primary();
+        let y = 1 - x;
+        drop(d);
+        // Replica y reads the same prompt too (unseen by the observer).
+        drop(router.decide_within(&first, Some(&[y])).unwrap());
+        // x's engine is replaced: the new one takes x's drained slot.
+        let keep = router.replicas()[y].clone();
+        router.set_upstreams(&[
+            "127.0.0.1:3;id=c".parse().unwrap(),
+            format!("{};id={}", keep.addr, keep.id).parse().unwrap(),
+        ]);
+        assert_eq!(router.replicas()[x].id, "c");
+        // y is busy, so turn 2 goes to the new replica in x's slot.
+        let busy: Vec<_> = (0..3)
+            .map(|k| {
+                router
+                    .decide_within(&info(vec![900 + k]), Some(&[y]))
+                    .unwrap()
+            })
+            .collect();
+        let mut next = chain(1, 0, 3);
+        next.extend([50, 51]);
+        let second = info(next);
+        let d = router.decide(&second).unwrap();
+        assert_eq!(d.primary(), x);
+        observer.routed(Some("t2"), &second, &d, Duration::ZERO);
+        let record = &observer.journal.find("t2")[0];
+        assert_eq!(record.session.as_deref(), Some("move"));
+        assert_eq!(record.previous.as_deref(), Some("(removed)"));
+        drop(busy);
     }
 }

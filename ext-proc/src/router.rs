@@ -88,7 +88,15 @@ impl std::fmt::Display for ReloadSummary {
     }
 }
 
+/// What names the engine behind a routing target across reloads: its
+/// address and data-parallel rank.
+pub type ReplicaKey = (SocketAddr, Option<u32>);
+
 impl Replica {
+    pub fn key(&self) -> ReplicaKey {
+        (self.addr, self.dp_rank)
+    }
+
     fn serves(&self, model: Option<&str>) -> bool {
         match model {
             Some(m) if !self.models.is_empty() => self.models.iter().any(|x| x == m),
@@ -265,12 +273,8 @@ impl Fleet {
         let mut fresh = Vec::new();
         let mut order: Vec<Option<usize>> = Vec::with_capacity(targets.len());
         for t in targets {
-            let same = (0..table.len()).find(|&i| {
-                !table[i].retired
-                    && !listed[i]
-                    && table[i].addr == t.addr
-                    && table[i].dp_rank == t.dp_rank
-            });
+            let same = (0..table.len())
+                .find(|&i| !table[i].retired && !listed[i] && table[i].key() == t.key());
             match same {
                 Some(i) => {
                     listed[i] = true;
