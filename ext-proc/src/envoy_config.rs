@@ -496,12 +496,9 @@ mod tests {
     #[test]
     fn eds_mode_streams_the_engines_from_the_sidecar() {
         use clap::Parser;
-        let parse = |extra: &[&str]| {
-            let mut args = vec![
-                "hearth-ext-proc",
-                "--upstreams=127.0.0.1:8001",
-                "envoy-config",
-            ];
+        // `envoy-config` with the replica list from `source`.
+        let parse = |source: &str, extra: &[&str]| {
+            let mut args = vec!["hearth-ext-proc", source, "envoy-config"];
             args.extend_from_slice(extra);
             let cli = crate::config::Cli::try_parse_from(args).unwrap();
             let Some(crate::config::Command::EnvoyConfig(args)) = cli.command else {
@@ -509,26 +506,19 @@ mod tests {
             };
             (args, cli.settings)
         };
-        let (args, settings) = parse(&[]);
+        let listed = "--upstreams=127.0.0.1:8001";
+        let (args, settings) = parse(listed, &[]);
         assert_eq!(args.endpoints, None);
         assert!(!args.gateway(&settings).eds);
         // A replica list from a file can change: EDS unless told otherwise.
-        let file_args = |extra: &[&str]| {
-            let mut a = vec![
-                "hearth-ext-proc",
-                "--upstreams-file=/etc/hearth/upstreams",
-                "envoy-config",
-            ];
-            a.extend_from_slice(extra);
-            let cli = crate::config::Cli::try_parse_from(a).unwrap();
-            let Some(crate::config::Command::EnvoyConfig(args)) = cli.command else {
-                panic!("envoy-config did not parse")
-            };
-            args.gateway(&cli.settings).eds
+        let file = "--upstreams-file=/etc/hearth/upstreams";
+        let file_eds = |extra: &[&str]| {
+            let (args, settings) = parse(file, extra);
+            args.gateway(&settings).eds
         };
-        assert!(file_args(&[]));
-        assert!(!file_args(&["--endpoints=static"]));
-        let (args, settings) = parse(&["--endpoints=eds"]);
+        assert!(file_eds(&[]));
+        assert!(!file_eds(&["--endpoints=static"]));
+        let (args, settings) = parse(listed, &["--endpoints=eds"]);
         let g = args.gateway(&settings);
         assert!(g.eds);
 

@@ -358,13 +358,18 @@ impl Fleet {
 
     /// The sidecar's `/state` over HTTP, as an operator would read it.
     pub async fn state(&self) -> anyhow::Result<Snapshot> {
-        Ok(self
+        let (_, body) = self.admin_get("/state").await?;
+        Ok(serde_json::from_str(&body)?)
+    }
+
+    /// GETs `path` from the sidecar's HTTP endpoint: the status and body.
+    pub async fn admin_get(&self, path: &str) -> anyhow::Result<(u16, String)> {
+        let r = self
             .client
-            .get(format!("http://{}/state", self.settings.admin_listen))
+            .get(format!("http://{}{path}", self.settings.admin_listen))
             .send()
-            .await?
-            .json()
-            .await?)
+            .await?;
+        Ok((r.status().as_u16(), r.text().await?))
     }
 
     pub async fn stop_sidecar(&mut self) -> anyhow::Result<()> {

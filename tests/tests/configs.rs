@@ -74,6 +74,19 @@ fn shipped_gie_yaml_is_the_generated_default() {
     );
 }
 
+/// `envoy --mode validate` on a bootstrap's text (through a scratch file
+/// named after `name`).
+fn validate_text(name: &str, yaml: &str) -> anyhow::Result<()> {
+    let tmp = std::env::temp_dir().join(format!(
+        "hearth-validate-{}-{name}.yaml",
+        std::process::id()
+    ));
+    std::fs::write(&tmp, yaml)?;
+    let result = validate(&tmp);
+    let _ = std::fs::remove_file(&tmp);
+    result
+}
+
 #[test]
 fn every_shipped_envoy_config_validates() {
     // Configs name the wasm module relative to the repository root.
@@ -87,14 +100,8 @@ fn every_shipped_envoy_config_validates() {
                 hearth_ext_proc::envoy_config::DEFAULT_WASM,
                 &wasm.canonicalize().unwrap().display().to_string(),
             );
-            let tmp = std::env::temp_dir().join(format!(
-                "hearth-validate-{}-{checked}.yaml",
-                std::process::id()
-            ));
-            std::fs::write(&tmp, text).unwrap();
-            let result = validate(&tmp);
-            let _ = std::fs::remove_file(&tmp);
-            result.unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+            validate_text(&format!("shipped-{checked}"), &text)
+                .unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
             checked += 1;
         }
     }
@@ -125,14 +132,8 @@ fn eds_bootstraps_validate() {
         };
         let yaml = args.render(&cli.settings);
         assert!(yaml.contains("type: EDS"), "{mode}: {yaml}");
-        let tmp = std::env::temp_dir().join(format!(
-            "hearth-validate-eds-{}-{mode}.yaml",
-            std::process::id()
-        ));
-        std::fs::write(&tmp, yaml).unwrap();
-        let result = validate(&tmp);
-        let _ = std::fs::remove_file(&tmp);
-        result.unwrap_or_else(|e| panic!("{mode} with --endpoints eds: {e:#}"));
+        validate_text(&format!("eds-{mode}"), &yaml)
+            .unwrap_or_else(|e| panic!("{mode} with --endpoints eds: {e:#}"));
     }
 }
 
@@ -151,12 +152,7 @@ fn the_plain_baseline_validates() {
     );
     let yaml = hearth_ext_proc::envoy_config::render_plain(&g);
     assert!(yaml.contains("port_value: 8002") && !yaml.contains("ext_proc"));
-    let tmp =
-        std::env::temp_dir().join(format!("hearth-validate-plain-{}.yaml", std::process::id()));
-    std::fs::write(&tmp, yaml).unwrap();
-    let result = validate(&tmp);
-    let _ = std::fs::remove_file(&tmp);
-    result.unwrap_or_else(|e| panic!("plain baseline: {e:#}"));
+    validate_text("plain", &yaml).unwrap_or_else(|e| panic!("plain baseline: {e:#}"));
 }
 
 #[test]

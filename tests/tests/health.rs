@@ -16,14 +16,8 @@ fn flags(extra: &[&str]) -> FleetOptions {
 }
 
 async fn sidecar_health(fleet: &Fleet) -> (u16, String) {
-    let r = fleet
-        .client
-        .get(format!("http://{}/health", fleet.settings.admin_listen))
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    let v: Value = r.json().await.unwrap();
+    let (status, body) = fleet.admin_get("/health").await.unwrap();
+    let v: Value = serde_json::from_str(&body).unwrap();
     (status, v["status"].as_str().unwrap_or_default().to_string())
 }
 

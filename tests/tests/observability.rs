@@ -16,13 +16,7 @@ fn sample(text: &str, series: &str) -> Option<f64> {
 }
 
 async fn get(fleet: &Fleet, path: &str) -> (u16, String) {
-    let r = fleet
-        .client
-        .get(format!("http://{}{path}", fleet.settings.admin_listen))
-        .send()
-        .await
-        .unwrap();
-    (r.status().as_u16(), r.text().await.unwrap())
+    fleet.admin_get(path).await.unwrap()
 }
 
 /// Polls `path` until `done` holds for its body, up to 20 s (a readiness

@@ -145,15 +145,7 @@ async fn a_reloaded_replica_list_reaches_envoy_and_listed_replicas_stay_warm() {
         turn.engine.as_deref(),
         Some(format!("engine-{home}").as_str())
     );
-    let metrics = fleet
-        .client
-        .get(format!("http://{}/metrics", fleet.settings.admin_listen))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let (_, metrics) = fleet.admin_get("/metrics").await.unwrap();
     assert!(
         metrics.contains("hearth_upstream_reload_errors_total 1"),
         "{metrics}"
