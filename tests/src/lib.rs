@@ -118,6 +118,56 @@ impl Turn {
     }
 }
 
+/// A conversation's home: the engine that served its first checked turn.
+/// Every turn checked must be a 200 served by the engine the gateway names
+/// in `x-hearth-upstream`, all by the home engine, and every turn after the
+/// first must read more than a given number of prompt tokens from cache.
+pub struct Home {
+    label: String,
+    engine: Option<String>,
+    turns: usize,
+}
+
+impl Home {
+    /// `label` names the conversation in failure messages.
+    pub fn new(label: impl Into<String>) -> Home {
+        Home {
+            label: label.into(),
+            engine: None,
+            turns: 0,
+        }
+    }
+
+    /// Checks the next turn; after the first, it must have read more than
+    /// `cached_above` tokens from cache.
+    pub fn check(&mut self, t: &Turn, cached_above: u64) {
+        self.turns += 1;
+        let (label, n) = (&self.label, self.turns);
+        assert_eq!(t.status, 200, "{label} turn {n} failed: {:?}", t.body);
+        let engine = t.engine.clone().expect("x-engine-id");
+        assert_eq!(
+            t.upstream.as_deref(),
+            Some(engine.as_str()),
+            "{label} turn {n}: x-hearth-upstream names another engine than the one that served"
+        );
+        let home = self.engine.get_or_insert_with(|| engine.clone());
+        assert_eq!(&engine, home, "{label} moved in turn {n}");
+        if n > 1 {
+            assert!(
+                t.cached_tokens() > cached_above,
+                "{label} turn {n} read {} cached tokens, not more than {cached_above}: {:?}",
+                t.cached_tokens(),
+                t.body["usage"]
+            );
+        }
+    }
+
+    /// The home engine's id, once a turn was checked.
+    pub fn engine(&self) -> Option<&str> {
+        self.engine.as_deref()
+    }
+}
+
 pub struct Fleet {
     pub engines: Vec<EngineHandle>,
     pub sidecar: Option<Sidecar>,

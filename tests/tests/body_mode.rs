@@ -3,7 +3,7 @@
 //! shared code and routes. Sessions must stay on their warm replica, as in
 //! filter mode, and a forged fingerprint must change nothing.
 
-use hearth_e2e::{filler, reply_text, Conversation, Fleet, FleetOptions, MODEL};
+use hearth_e2e::{filler, reply_text, Conversation, Fleet, FleetOptions, Home, MODEL};
 
 #[tokio::test]
 async fn sessions_stay_on_their_warm_replica_in_body_mode() {
@@ -17,8 +17,8 @@ async fn sessions_stay_on_their_warm_replica_in_body_mode() {
     let mut homes = Vec::new();
     for s in 0..4u64 {
         let mut conv = Conversation::new(MODEL, &format!("{system} tenant {s}"), true, 300 + s);
-        let mut home = None;
-        for turn in 1..=4 {
+        let mut home = Home::new(format!("session {s}"));
+        for _ in 1..=4 {
             let body = conv.next_turn(4000, false);
             // A client-sent fingerprint and destination must not steer.
             let t = fleet
@@ -33,22 +33,11 @@ async fn sessions_stay_on_their_warm_replica_in_body_mode() {
                 )
                 .await
                 .unwrap();
-            assert_eq!(t.status, 200, "turn failed: {:?}", t.body);
-            let engine = t.engine.clone().expect("x-engine-id");
-            let home = home.get_or_insert_with(|| engine.clone());
-            assert_eq!(&engine, home, "session {s} moved in turn {turn}");
-            assert_eq!(t.upstream.as_ref(), Some(&engine));
-            if turn > 1 {
-                assert!(
-                    t.cached_tokens() > 0,
-                    "session {s} turn {turn} read no cached tokens: {:?}",
-                    t.body["usage"]
-                );
-            }
+            home.check(&t, 0);
             conv.push_assistant(&reply_text(&t.body));
             conv.push_tool_round(2000);
         }
-        homes.push(home.unwrap());
+        homes.push(home.engine().unwrap().to_string());
     }
     // Every turn was fingerprinted by the sidecar (no filter in this mode).
     // Streams close just after the last byte: wait for the load to drain.

@@ -7,7 +7,9 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use hearth_bench::gateway::Envoy;
-use hearth_e2e::{cluster_hosts, filler, reply_text, Conversation, Fleet, FleetOptions, MODEL};
+use hearth_e2e::{
+    cluster_hosts, filler, reply_text, Conversation, Fleet, FleetOptions, Home, MODEL,
+};
 use hearth_ext_proc::envoy_config::ENGINES_CLUSTER;
 
 /// Envoy's gauge of its EDS stream to the sidecar (1 = connected).
@@ -67,24 +69,10 @@ async fn wait_for_stat(envoy: &Envoy, stat: &str, want: u64, deadline: Duration)
 async fn conversation_stays(fleet: &Fleet, seed: u64) {
     let system = format!("{} eds tenant {seed}", filler(1, 4096));
     let mut conv = Conversation::new(MODEL, &system, true, seed);
-    let mut home: Option<String> = None;
-    for i in 1..=4 {
+    let mut home = Home::new(format!("conversation {seed}"));
+    for _ in 1..=4 {
         let turn = fleet.chat(&conv.next_turn(3000, false)).await;
-        let engine = turn.engine.clone().expect("x-engine-id");
-        assert_eq!(
-            turn.upstream.as_deref(),
-            Some(engine.as_str()),
-            "turn {i}: x-hearth-upstream names the serving engine"
-        );
-        let home = home.get_or_insert_with(|| engine.clone());
-        assert_eq!(&engine, home, "conversation {seed} moved in turn {i}");
-        if i > 1 {
-            assert!(
-                turn.cached_tokens() > 0,
-                "conversation {seed} turn {i} read no cached tokens: {:?}",
-                turn.body["usage"]
-            );
-        }
+        home.check(&turn, 0);
         conv.push_assistant(&reply_text(&turn.body));
         conv.push_tool_round(3000);
     }

@@ -2,7 +2,7 @@
 //! engines. Warmth and load live in the sidecar, so a session whose turns
 //! alternate between the two gateways still stays on its warm replica.
 
-use hearth_e2e::{filler, reply_text, Conversation, Fleet, FleetOptions, MODEL};
+use hearth_e2e::{filler, reply_text, Conversation, Fleet, FleetOptions, Home, MODEL};
 
 #[tokio::test]
 async fn sessions_stay_put_when_turns_alternate_between_two_gateways() {
@@ -16,7 +16,7 @@ async fn sessions_stay_put_when_turns_alternate_between_two_gateways() {
     let mut served_by = [0u32; 2];
     for s in 0..6u64 {
         let mut conv = Conversation::new(MODEL, &format!("{system} team {s}"), true, 900 + s);
-        let mut home = None;
+        let mut home = Home::new(format!("session {s}"));
         for turn in 0..4usize {
             // Sessions start on alternating gateways and switch every turn.
             let g = (turn + s as usize) % 2;
@@ -30,21 +30,8 @@ async fn sessions_stay_put_when_turns_alternate_between_two_gateways() {
                 )
                 .await
                 .unwrap();
-            assert_eq!(t.status, 200, "{:?}", t.body);
             served_by[g] += 1;
-            let engine = t.engine.clone().expect("x-engine-id");
-            let home = home.get_or_insert_with(|| engine.clone());
-            assert_eq!(
-                &engine, home,
-                "session {s} moved in turn {turn} (gateway {g})"
-            );
-            if turn > 0 {
-                assert!(
-                    t.cached_tokens() > 16_384 / 4,
-                    "session {s} turn {turn} missed the cache: {:?}",
-                    t.body["usage"]
-                );
-            }
+            home.check(&t, 16_384 / 4);
             conv.push_assistant(&reply_text(&t.body));
             conv.push_tool_round(1500);
         }

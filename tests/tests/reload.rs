@@ -7,7 +7,9 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use hearth_e2e::{cluster_hosts, filler, reply_text, Conversation, Fleet, FleetOptions, MODEL};
+use hearth_e2e::{
+    cluster_hosts, filler, reply_text, Conversation, Fleet, FleetOptions, Home, MODEL,
+};
 use hearth_ext_proc::envoy_config::ENGINES_CLUSTER;
 
 /// Waits (up to 10 s) until Envoy's engines cluster holds exactly the
@@ -58,16 +60,14 @@ async fn a_reloaded_replica_list_reaches_envoy_and_listed_replicas_stay_warm() {
     // A conversation settles on one of the two.
     let system = format!("{} reload tenant", filler(3, 4096));
     let mut conv = Conversation::new(MODEL, &system, true, 900);
-    let mut home = None;
+    let mut home = Home::new("the conversation");
     for _ in 0..3 {
         let turn = fleet.chat(&conv.next_turn(3000, false)).await;
-        let engine = turn.engine.clone().expect("x-engine-id");
-        assert_eq!(turn.upstream.as_deref(), Some(engine.as_str()));
-        assert_eq!(home.get_or_insert_with(|| engine.clone()), &engine);
+        home.check(&turn, 0);
         conv.push_assistant(&reply_text(&turn.body));
         conv.push_tool_round(3000);
     }
-    let home = engine_index(&fleet, &home.unwrap());
+    let home = engine_index(&fleet, home.engine().unwrap());
     let gone = 1 - home;
     let before = fleet.settle(Duration::from_secs(5)).await.unwrap();
     let home_before = before
