@@ -4,11 +4,10 @@
 //! simulator, side by side, so the simulation is checked against the real
 //! path.
 //!
-//! The HTTP engine is simpler than the simulator's scheduler: each request
-//! pays its own prefill (per uncached token) and a per-token decode time,
-//! with at most `max_running` at once, but running requests do not share
-//! step time. Throughput and latency therefore differ by construction; the
-//! routing figures (cached fraction, stay rate) are what should agree.
+//! The HTTP engines run the simulator's own scheduler and cost model
+//! ([`crate::engine::scheduled`]), time-scaled, so what differs between
+//! the two columns is the real path itself: HTTP, Envoy and the filter,
+//! the sidecar process, and timers at the scaled rate.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -209,8 +208,9 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
         sc.name, args.agents, sc.replicas, args.seconds, scale, args.seed
     );
 
-    // Engines with the simulator's per-token costs, and the sidecar with
-    // the knobs the simulator gives its Router.
+    // Engines running the simulator's own scheduler and cost model
+    // (time-scaled), and the sidecar with the knobs the simulator gives its
+    // Router.
     let mut engines: Vec<EngineHandle> = Vec::new();
     for i in 0..sc.replicas {
         let cfg = EngineConfig {
@@ -218,10 +218,8 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
             model: MODEL.into(),
             block_tokens: sc.engine.block_tokens,
             cache_capacity_tokens: sc.engine.cache_capacity_tokens,
-            prefill_micros_per_token: sc.engine.cost.prefill_us_per_token,
-            decode_micros_per_token: sc.engine.cost.step_base_us,
             time_scale: scale,
-            max_running: sc.engine.cost.max_running,
+            scheduler: Some(sc.engine.cost.clone()),
             ..EngineConfig::default()
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

@@ -64,6 +64,11 @@ pub struct EngineArgs {
     /// Requests generated at once per replica; the rest queue (0 = no limit).
     #[arg(long, default_value_t = 0)]
     pub max_running: usize,
+    /// Run requests through the engine scheduler the simulator uses (its
+    /// default cost model: batched steps, chunked prefill, a FIFO queue)
+    /// instead of the per-token costs and `--max-running`.
+    #[arg(long)]
+    pub scheduled: bool,
 }
 
 impl EngineArgs {
@@ -80,6 +85,7 @@ impl EngineArgs {
             time_scale: self.time_scale,
             default_output_tokens: self.output_tokens,
             max_running: self.max_running,
+            scheduler: self.scheduled.then(crate::engine::core::CostModel::default),
             fault: self
                 .fault
                 .iter()

@@ -8,12 +8,15 @@
 //!
 //! Cost model: before the first token, `uncached prompt tokens ×
 //! prefill_micros_per_token`; then `decode_micros_per_token` per output token;
-//! both divided by `time_scale`.
+//! both divided by `time_scale`. Or, with [`EngineConfig::scheduler`], the
+//! engine scheduler the simulator runs ([`scheduled`]): batched steps,
+//! chunked prefill, a FIFO queue, time-scaled the same way.
 
 pub mod cache;
 pub mod core;
 pub mod faults;
 pub mod request;
+pub mod scheduled;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -82,6 +85,11 @@ pub struct EngineConfig {
     /// `vllm:num_requests_waiting` (default 0: no limit).
     #[serde(default)]
     pub max_running: usize,
+    /// Run requests through the engine scheduler with this cost model
+    /// instead of the per-token costs above (which, with `max_running`, it
+    /// then replaces); `time_scale` still applies (default: off).
+    #[serde(default)]
+    pub scheduler: Option<self::core::CostModel>,
 }
 
 impl Default for EngineConfig {
@@ -98,6 +106,7 @@ impl Default for EngineConfig {
             default_output_tokens: 16,
             fault: Fault::None,
             max_running: 0,
+            scheduler: None,
         }
     }
 }
@@ -122,6 +131,9 @@ pub enum EngineConfigError {
     /// `time_scale` is not a finite positive number.
     #[error("time_scale must be a finite number > 0 (got {0})")]
     TimeScale(f64),
+    /// The scheduler's cost model cannot work.
+    #[error("scheduler: {0}")]
+    Scheduler(String),
 }
 
 impl EngineConfig {
@@ -146,6 +158,9 @@ impl EngineConfig {
         }
         if !self.time_scale.is_finite() || self.time_scale <= 0.0 {
             return Err(EngineConfigError::TimeScale(self.time_scale));
+        }
+        if let Some(cost) = &self.scheduler {
+            cost.validate().map_err(EngineConfigError::Scheduler)?;
         }
         Ok(())
     }
@@ -196,6 +211,9 @@ pub struct Engine {
     /// Slots for running requests (when `max_running` is set).
     slots: Option<Arc<tokio::sync::Semaphore>>,
     waiting: AtomicU64,
+    /// The scheduler task, started by the first request (with
+    /// [`EngineConfig::scheduler`]).
+    scheduler: std::sync::OnceLock<Arc<scheduled::Scheduler>>,
 }
 
 /// What admission decided for one request.
@@ -215,7 +233,12 @@ impl Engine {
             .map_err(|_| EngineConfigError::Id(config.id.clone()))?;
         let capacity_blocks = config.cache_capacity_tokens / config.block_tokens;
         let fault = config.fault;
-        let max_running = config.max_running;
+        // The scheduler has its own running limit.
+        let max_running = if config.scheduler.is_some() {
+            0
+        } else {
+            config.max_running
+        };
         Ok(Self {
             id_header,
             cache: Mutex::new(PrefixCache::new(capacity_blocks)),
@@ -230,6 +253,7 @@ impl Engine {
             fault: Mutex::new(fault),
             slots: (max_running > 0).then(|| Arc::new(tokio::sync::Semaphore::new(max_running))),
             waiting: AtomicU64::new(0),
+            scheduler: std::sync::OnceLock::new(),
         })
     }
 
@@ -251,15 +275,29 @@ impl Engine {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> EngineStats {
-        let cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        let (running, cache_blocks, cache_capacity_blocks) = match self.scheduler.get() {
+            Some(s) => (
+                s.running.load(Ordering::Relaxed),
+                s.cache_blocks.load(Ordering::Relaxed),
+                s.cache_capacity_blocks,
+            ),
+            None => {
+                let cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+                (
+                    self.running.load(Ordering::Relaxed),
+                    cache.len() as u64,
+                    cache.capacity_blocks() as u64,
+                )
+            }
+        };
         EngineStats {
             id: self.config.id.clone(),
             requests_total: self.requests_total.load(Ordering::Relaxed),
             prompt_tokens_total: self.prompt_tokens_total.load(Ordering::Relaxed),
             cached_tokens_total: self.cached_tokens_total.load(Ordering::Relaxed),
-            running: self.running.load(Ordering::Relaxed),
-            cache_blocks: cache.len() as u64,
-            cache_capacity_blocks: cache.capacity_blocks() as u64,
+            running,
+            cache_blocks,
+            cache_capacity_blocks,
             completed_total: self.completed_total.load(Ordering::Relaxed),
             aborted_total: self.aborted_total.load(Ordering::Relaxed),
         }
@@ -311,7 +349,11 @@ impl Engine {
             "vllm:num_requests_waiting",
             "gauge",
             "Number of requests waiting to be processed.",
-            self.waiting.load(Ordering::Relaxed).to_string(),
+            self.scheduler
+                .get()
+                .map_or(&self.waiting, |s| &s.waiting)
+                .load(Ordering::Relaxed)
+                .to_string(),
         );
         metric(
             "vllm:kv_cache_usage_perc",
@@ -726,34 +768,32 @@ async fn generate(
         }
         Fault::None | Fault::Empty => {}
     }
+    let config = &engine.config;
+    if let Some(cost) = &config.scheduler {
+        let scheduler = engine.scheduler.get_or_init(|| {
+            scheduled::Scheduler::start(
+                cost.clone(),
+                config.block_tokens,
+                config.cache_capacity_tokens,
+                config.time_scale,
+            )
+        });
+        let scheduler = Arc::clone(scheduler);
+        // The cache hit is known once the scheduler admits the request.
+        let admission = Admission {
+            prompt_tokens: req.prompt.len().div_ceil(config.bytes_per_token),
+            cached_tokens: 0,
+        };
+        let (seq, gen) = generation(&engine, kind, &req, fault, admission);
+        return scheduled::respond(engine.clone(), scheduler, seq, gen, &req.prompt, req.stream)
+            .await;
+    }
     let guard = InFlight::start(engine.clone()).await;
     let admission = engine.admit(&req.prompt);
-    let config = &engine.config;
     let uncached = admission.prompt_tokens - admission.cached_tokens;
-    let seq = engine.next_id.fetch_add(1, Ordering::Relaxed);
-    let prefix = match kind {
-        ApiKind::Chat => "chatcmpl",
-        ApiKind::Completions => "cmpl",
-    };
-    let gen = Generation {
-        kind,
-        id: format!("{prefix}-{}-{seq}", config.id),
-        created: unix_now(),
-        model: req.model.unwrap_or_else(|| config.model.clone()),
-        admission,
-        output_tokens: if fault == Fault::Empty {
-            0
-        } else {
-            req.max_tokens.unwrap_or(config.default_output_tokens)
-        },
-        finish_reason: if req.max_tokens.is_some() {
-            "length"
-        } else {
-            "stop"
-        },
-        prefill: config.wall(uncached as f64 * config.prefill_micros_per_token),
-        decode: config.wall(config.decode_micros_per_token),
-    };
+    let (_, mut gen) = generation(&engine, kind, &req, fault, admission);
+    gen.prefill = config.wall(uncached as f64 * config.prefill_micros_per_token);
+    gen.decode = config.wall(config.decode_micros_per_token);
     tracing::debug!(
         engine = %config.id,
         prompt_tokens = admission.prompt_tokens,
@@ -767,6 +807,43 @@ async fn generate(
     } else {
         full_response(gen, guard).await
     }
+}
+
+/// The response's shape for an admitted request (costs zero), and the
+/// engine's sequence number for it.
+fn generation(
+    engine: &Engine,
+    kind: ApiKind,
+    req: &GenerationRequest,
+    fault: Fault,
+    admission: Admission,
+) -> (u64, Generation) {
+    let config = &engine.config;
+    let seq = engine.next_id.fetch_add(1, Ordering::Relaxed);
+    let prefix = match kind {
+        ApiKind::Chat => "chatcmpl",
+        ApiKind::Completions => "cmpl",
+    };
+    let gen = Generation {
+        kind,
+        id: format!("{prefix}-{}-{seq}", config.id),
+        created: unix_now(),
+        model: req.model.clone().unwrap_or_else(|| config.model.clone()),
+        admission,
+        output_tokens: if fault == Fault::Empty {
+            0
+        } else {
+            req.max_tokens.unwrap_or(config.default_output_tokens)
+        },
+        finish_reason: if req.max_tokens.is_some() {
+            "length"
+        } else {
+            "stop"
+        },
+        prefill: Duration::ZERO,
+        decode: Duration::ZERO,
+    };
+    (seq, gen)
 }
 
 async fn full_response(gen: Generation, mut guard: InFlight) -> Response {

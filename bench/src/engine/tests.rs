@@ -84,9 +84,26 @@ async fn wait_for(engine: &Engine, what: &str, ok: impl Fn(&EngineStats) -> bool
     }
 }
 
+/// An engine run by the scheduler with `cost`.
+fn scheduled(cost: core::CostModel) -> EngineConfig {
+    EngineConfig {
+        scheduler: Some(cost),
+        ..EngineConfig::default()
+    }
+}
+
 #[tokio::test]
 async fn second_turn_of_a_conversation_hits_the_cache() {
-    let engine = start(EngineConfig::default()).await;
+    second_turn_hits_the_cache(EngineConfig::default()).await;
+}
+
+#[tokio::test]
+async fn second_turn_hits_the_cache_under_the_scheduler() {
+    second_turn_hits_the_cache(scheduled(core::CostModel::instant())).await;
+}
+
+async fn second_turn_hits_the_cache(config: EngineConfig) {
+    let engine = start(config).await;
     let system = "You are a careful coding agent. ".repeat(40);
     let turn1 = json!({
         "model": "hearth-sim",
@@ -133,7 +150,16 @@ async fn second_turn_of_a_conversation_hits_the_cache() {
 
 #[tokio::test]
 async fn streaming_chat_ends_with_usage_and_done() {
-    let engine = start(EngineConfig::default()).await;
+    streaming_chat(EngineConfig::default()).await;
+}
+
+#[tokio::test]
+async fn streaming_chat_under_the_scheduler_ends_with_usage_and_done() {
+    streaming_chat(scheduled(core::CostModel::instant())).await;
+}
+
+async fn streaming_chat(config: EngineConfig) {
+    let engine = start(config).await;
     let body = json!({
         "messages": [{"role": "user", "content": "hello ".repeat(50)}],
         "stream": true,
@@ -176,7 +202,16 @@ async fn streaming_chat_ends_with_usage_and_done() {
 
 #[tokio::test]
 async fn streaming_completions_send_text_chunks() {
-    let engine = start(EngineConfig::default()).await;
+    streaming_completions(EngineConfig::default()).await;
+}
+
+#[tokio::test]
+async fn streaming_completions_under_the_scheduler_send_text_chunks() {
+    streaming_completions(scheduled(core::CostModel::instant())).await;
+}
+
+async fn streaming_completions(config: EngineConfig) {
+    let engine = start(config).await;
     let body = json!({"prompt": "x".repeat(200), "stream": true});
     let res = client()
         .post(format!("{}/v1/completions", engine.url()))
@@ -207,11 +242,24 @@ async fn streaming_completions_send_text_chunks() {
 
 #[tokio::test]
 async fn client_dropping_a_stream_counts_as_aborted() {
-    let engine = start(EngineConfig {
+    dropped_stream(EngineConfig {
         decode_micros_per_token: 5_000.0,
         ..EngineConfig::default()
     })
     .await;
+}
+
+#[tokio::test]
+async fn client_dropping_a_stream_cancels_it_in_the_scheduler() {
+    dropped_stream(scheduled(core::CostModel {
+        step_base_us: 5_000.0,
+        ..core::CostModel::instant()
+    }))
+    .await;
+}
+
+async fn dropped_stream(config: EngineConfig) {
+    let engine = start(config).await;
     let body = json!({"prompt": "abort me", "stream": true, "max_tokens": 200});
     let res = client()
         .post(format!("{}/v1/completions", engine.url()))
@@ -441,9 +489,65 @@ fn bad_config_is_refused() {
             id: "bad\nid".to_owned(),
             ..EngineConfig::default()
         },
+        scheduled(core::CostModel {
+            max_running: 0,
+            ..core::CostModel::default()
+        }),
     ];
     for config in bad {
         assert!(Engine::new(config.clone()).is_err(), "{config:?} accepted");
     }
     assert!(EngineConfig::default().validate().is_ok());
+}
+
+#[tokio::test]
+async fn the_scheduler_queues_beyond_max_running_and_reports_it() {
+    let engine = start(scheduled(core::CostModel {
+        max_running: 1,
+        step_base_us: 5_000.0,
+        ..core::CostModel::instant()
+    }))
+    .await;
+    let body = json!({"prompt": "queue me", "stream": true, "max_tokens": 400});
+    let mut streams = Vec::new();
+    for _ in 0..2 {
+        let res = client()
+            .post(format!("{}/v1/completions", engine.url()))
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
+        streams.push(res.bytes_stream());
+    }
+    let metrics = || async {
+        client()
+            .get(format!("{}/metrics", engine.url()))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("metrics text")
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = metrics().await;
+        if m.contains("vllm:num_requests_waiting{model_name=\"hearth-sim\"} 1")
+            && m.contains("vllm:num_requests_running{model_name=\"hearth-sim\"} 1")
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never one running and one waiting:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(streams);
+    let stats = wait_for(&engine.engine, "both cancelled", |s| s.running == 0).await;
+    assert_eq!(stats.aborted_total, 2);
+    assert!(metrics()
+        .await
+        .contains("vllm:num_requests_waiting{model_name=\"hearth-sim\"} 0"));
+    engine.shutdown().await;
 }
