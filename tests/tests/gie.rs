@@ -178,3 +178,45 @@ async fn the_subset_hint_limits_the_choice_and_an_empty_one_is_a_503() {
     let after: u64 = fleet.engine_stats().iter().map(|e| e.requests_total).sum();
     assert_eq!(before, after);
 }
+
+#[tokio::test]
+async fn the_pool_follows_a_reloaded_replica_list() {
+    // The endpoint-picker shape has no endpoint list in Envoy: the
+    // ORIGINAL_DST cluster dials whatever the sidecar picks, so the
+    // sidecar's reloaded list is the pool.
+    let fleet = Fleet::start(FleetOptions {
+        engines: 3,
+        gie_mode: true,
+        upstreams_file: true,
+        sidecar_flags: vec!["--probe-interval-seconds=0".into()],
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    fleet.list_engines(&[0, 1]).await.unwrap();
+    let mut conv = Conversation::new(MODEL, &filler(5, 20_000), true, 760);
+    let mut home = Home::new("the session");
+    for _ in 0..2 {
+        let t = fleet.chat(&conv.next_turn(2000, false)).await;
+        home.check(&t, 0);
+        conv.push_assistant(&reply_text(&t.body));
+        conv.push_tool_round(2000);
+    }
+    let kept: usize = home.engine().unwrap()["engine-".len()..].parse().unwrap();
+    let gone = 1 - kept;
+    fleet.list_engines(&[kept, 2]).await.unwrap();
+    let gone_served = fleet.engine_stats()[gone].requests_total;
+    // The session stays warm; new sessions reach the added engine; none
+    // reaches the removed one.
+    let t = fleet.chat(&conv.next_turn(2000, false)).await;
+    home.check(&t, 0);
+    let mut on_new = 0;
+    for seed in 0..6u64 {
+        let mut c = Conversation::new(MODEL, &format!("pool tenant {seed}"), false, 770 + seed);
+        let t = fleet.chat(&c.next_turn(2000, false)).await;
+        Home::new(format!("pool tenant {seed}")).check(&t, 0);
+        on_new += usize::from(t.engine.as_deref() == Some("engine-2"));
+    }
+    assert!(on_new > 0, "no new session reached the added engine");
+    assert_eq!(fleet.engine_stats()[gone].requests_total, gone_served);
+}
