@@ -133,6 +133,16 @@ fn schema(api_version: &str, kind: &str) -> Option<Vec<&'static str>> {
             "spec.template.spec.containers[].securityContext.capabilities",
             "spec.template.spec.containers[].securityContext.capabilities.drop",
             "spec.template.spec.containers[].securityContext.capabilities.drop[]",
+            "spec.template.spec.containers[].volumeMounts",
+            "spec.template.spec.containers[].volumeMounts[]",
+            "spec.template.spec.containers[].volumeMounts[].name",
+            "spec.template.spec.containers[].volumeMounts[].mountPath",
+            "spec.template.spec.containers[].volumeMounts[].readOnly",
+            "spec.template.spec.volumes",
+            "spec.template.spec.volumes[]",
+            "spec.template.spec.volumes[].name",
+            "spec.template.spec.volumes[].configMap",
+            "spec.template.spec.volumes[].configMap.name",
         ],
         ("kustomize.config.k8s.io/v1beta1", "Kustomization") => &[
             "namespace",
@@ -402,6 +412,34 @@ fn the_sidecar_configmap_sets_every_setting_to_a_value_it_accepts() {
     cli.settings
         .validate()
         .unwrap_or_else(|p| panic!("ConfigMap settings refused: {p:?}"));
+}
+
+#[test]
+fn the_mounted_replica_list_parses_where_the_settings_point() {
+    let docs = documents();
+    let find = |kind: &str, name: &str| {
+        docs.iter()
+            .map(|(_, d)| d)
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name}"))
+            .clone()
+    };
+    let list = find("ConfigMap", "hearth-upstreams");
+    let text = list["data"]["upstreams"].as_str().expect("data.upstreams");
+    let specs = hearth_ext_proc::upstreams::parse(text, "hearth-upstreams")
+        .unwrap_or_else(|p| panic!("the shipped replica list is refused: {p:?}"));
+    assert!(!specs.is_empty());
+    // The Deployment mounts it where the settings' comment says.
+    let pod = &find("Deployment", "hearth-ext-proc")["spec"]["template"]["spec"];
+    assert_eq!(pod["volumes"][0]["configMap"]["name"], "hearth-upstreams");
+    let mount = &pod["containers"][0]["volumeMounts"][0];
+    assert_eq!(mount["name"], pod["volumes"][0]["name"]);
+    let path = format!("{}/upstreams", mount["mountPath"].as_str().unwrap());
+    let settings = std::fs::read_to_string(root().join("deploy/sidecar/configmap.yaml")).unwrap();
+    assert!(
+        settings.contains(&path),
+        "configmap.yaml does not name {path}"
+    );
 }
 
 /// A minimal bootstrap around HTTP filters and clusters: one listener whose
