@@ -306,6 +306,20 @@ impl Fleet {
         }
     }
 
+    /// Sends the first turns of `n` new conversations (seeds from `seed`),
+    /// each checked as a [`Home`]'s first turn (a 200 served by the engine
+    /// the gateway names); returns the engines that served them.
+    pub async fn first_turns(&self, n: u64, seed: u64) -> Vec<String> {
+        let mut engines = Vec::new();
+        for s in seed..seed + n {
+            let mut c = Conversation::new(MODEL, &format!("new tenant {s}"), false, s);
+            let t = self.chat(&c.next_turn(2000, false)).await;
+            Home::new(format!("new tenant {s}")).check(&t, 0);
+            engines.extend(t.engine);
+        }
+        engines
+    }
+
     /// Replaces the replica-list file's text (atomically).
     pub async fn write_upstreams(&self, text: &str) -> anyhow::Result<()> {
         let dir = self
