@@ -7,6 +7,8 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use hearth_fingerprint::header;
+
 use crate::config::Settings;
 
 /// The wasm module's path in the shipped config (relative to the
@@ -302,7 +304,7 @@ pub fn render(g: &Gateway) -> String {
               - match: {{ prefix: "/" }}
                 # The fingerprint never reaches an engine, even when the
                 # sidecar is down and could not strip it.
-                request_headers_to_remove: ["x-hearth-fp", "x-hearth-prompt-bytes", "x-hearth-model", "x-hearth-max-tokens"]
+                request_headers_to_remove: {hearth_headers}
                 route:
                   cluster: {ENGINES_CLUSTER}
                   timeout: 0s
@@ -411,6 +413,7 @@ pub fn render(g: &Gateway) -> String {
         - endpoint: {{ address: {sidecar_admin} }}
 "#,
         head = listener_head(g, &node),
+        hearth_headers = hearth_headers(),
         sidecar = sidecar_cluster(g),
         sidecar_admin = socket(&g.sidecar_admin),
         wasm = g.wasm.display(),
@@ -577,7 +580,12 @@ pub fn render_body(g: &Gateway) -> String {
         if line.starts_with("          - name: ") {
             skipping = line.contains("hearth.filter_wasm");
             if line.ends_with("envoy.filters.http.ext_proc") {
-                out.push_str(STRIP_RESERVED);
+                out.push_str(&strip_reserved(
+                    "          # Body mode has no wasm filter to drop client-sent routing headers:
+          # remove them before ext_proc, so a client cannot steer routing.
+",
+                    &[],
+                ));
             }
         } else if !line.starts_with("           ") {
             skipping = false;
@@ -613,20 +621,41 @@ const BODY_HEADER: &str = "\
 # generator, not this.
 ";
 
-const STRIP_RESERVED: &str = r#"          # Body mode has no wasm filter to drop client-sent routing headers:
-          # remove them before ext_proc, so a client cannot steer routing.
-          - name: envoy.filters.http.header_mutation
+/// The headers the filter sets for the sidecar: never from a client, never
+/// to an engine.
+const HEARTH_HEADERS: [&str; 4] = [
+    header::FP,
+    header::PROMPT_BYTES,
+    header::MODEL,
+    header::MAX_TOKENS,
+];
+
+/// `["x-hearth-fp", ...]`: [`HEARTH_HEADERS`] as a YAML flow list.
+fn hearth_headers() -> String {
+    let quoted: Vec<String> = HEARTH_HEADERS.iter().map(|h| format!("\"{h}\"")).collect();
+    format!("[{}]", quoted.join(", "))
+}
+
+/// Where no wasm filter drops client-sent routing headers, a header_mutation
+/// filter removes them before ext_proc: Hearth's own headers, the
+/// destination and subset, and `extra` ones. `comment`: the lines that say
+/// why, indented as filters are.
+fn strip_reserved(comment: &str, extra: &[&str]) -> String {
+    let removals: String = HEARTH_HEADERS
+        .iter()
+        .chain(&[crate::service::DESTINATION, crate::picker::SUBSET_KEY])
+        .chain(extra)
+        .map(|h| format!("                - remove: {h}\n"))
+        .collect();
+    format!(
+        r#"{comment}          - name: envoy.filters.http.header_mutation
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation
               mutations:
                 request_mutations:
-                - remove: x-hearth-fp
-                - remove: x-hearth-prompt-bytes
-                - remove: x-hearth-model
-                - remove: x-hearth-max-tokens
-                - remove: x-gateway-destination-endpoint
-                - remove: x-gateway-destination-endpoint-subset
-"#;
+{removals}"#
+    )
+}
 
 #[cfg(test)]
 mod body_mode_tests {
@@ -693,7 +722,7 @@ pub fn render_gie(g: &Gateway) -> String {
                   headers:
                   - name: x-gateway-destination-endpoint
                     present_match: true
-                request_headers_to_remove: ["x-hearth-fp", "x-hearth-prompt-bytes", "x-hearth-model", "x-hearth-max-tokens"]
+                request_headers_to_remove: {hearth_headers}
                 route:
                   cluster: engines
                   timeout: 0s
@@ -703,22 +732,7 @@ pub fn render_gie(g: &Gateway) -> String {
                   status: 503
                   body: {{ inline_string: '{{"error":{{"message":"no endpoint was picked","type":"service_unavailable","code":"no_endpoint"}}}}' }}
           http_filters:
-          # No wasm filter here to drop client-sent routing headers: remove
-          # them before ext_proc, so a client can neither steer routing nor
-          # name an arbitrary host for the ORIGINAL_DST cluster.
-          - name: envoy.filters.http.header_mutation
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation
-              mutations:
-                request_mutations:
-                - remove: x-hearth-fp
-                - remove: x-hearth-prompt-bytes
-                - remove: x-hearth-model
-                - remove: x-hearth-max-tokens
-                - remove: x-gateway-destination-endpoint
-                - remove: x-gateway-destination-endpoint-subset
-                - remove: x-gateway-destination-endpoint-served
-          - name: envoy.filters.http.ext_proc
+{strip_reserved}          - name: envoy.filters.http.ext_proc
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
               grpc_service:
@@ -763,6 +777,14 @@ pub fn render_gie(g: &Gateway) -> String {
       http_header_name: x-gateway-destination-endpoint
 {sidecar}"#,
         head = listener_head(g, ""),
+        hearth_headers = hearth_headers(),
+        strip_reserved = strip_reserved(
+            "          # No wasm filter here to drop client-sent routing headers: remove
+          # them before ext_proc, so a client can neither steer routing nor
+          # name an arbitrary host for the ORIGINAL_DST cluster.
+",
+            &["x-gateway-destination-endpoint-served"],
+        ),
         sidecar = sidecar_cluster(g),
     )
 }
