@@ -699,6 +699,29 @@ impl Generation {
         body
     }
 
+    /// The role-only first delta a chat stream opens with, as OpenAI sends
+    /// it (completions streams have none).
+    fn role_event(&self) -> Option<Bytes> {
+        (self.kind == ApiKind::Chat)
+            .then(|| sse(&self.chunk(json!({ "role": "assistant", "content": "" }), None, None)))
+    }
+
+    /// Output token `i` (0-based) as a stream event.
+    fn token_event(&self, i: usize) -> Bytes {
+        let w = word(i);
+        sse(&self.chunk(json!({ "content": w }), Some(w), None))
+    }
+
+    /// The event after the last token: the finish reason (then comes
+    /// [`Generation::usage_event`], then [`DONE_EVENT`]).
+    fn finish_event(&self) -> Bytes {
+        sse(&self.chunk(json!({}), None, Some(self.finish_reason)))
+    }
+
+    fn usage_event(&self) -> Bytes {
+        sse(&self.usage_chunk())
+    }
+
     /// When output token `i` (0-based) is ready, counted from the first token's start.
     fn token_deadline(&self, decode_start: Instant, i: usize) -> Instant {
         let n = u32::try_from(i + 1).unwrap_or(u32::MAX);
@@ -879,6 +902,9 @@ struct StreamState {
     decode_start: Instant,
 }
 
+/// A stream's last event.
+const DONE_EVENT: &[u8] = b"data: [DONE]\n\n";
+
 fn sse(value: &Value) -> Bytes {
     Bytes::from(format!("data: {value}\n\n"))
 }
@@ -914,14 +940,9 @@ async fn next_event(mut s: StreamState) -> Option<(Result<Bytes, Infallible>, St
                 } else {
                     Phase::Token(0)
                 };
-                match s.gen.kind {
-                    // The role-only first delta, as OpenAI sends it.
-                    ApiKind::Chat => {
-                        sse(&s
-                            .gen
-                            .chunk(json!({ "role": "assistant", "content": "" }), None, None))
-                    }
-                    ApiKind::Completions => continue,
+                match s.gen.role_event() {
+                    Some(role) => role,
+                    None => continue,
                 }
             }
             Phase::Token(i) => {
@@ -931,22 +952,21 @@ async fn next_event(mut s: StreamState) -> Option<(Result<Bytes, Infallible>, St
                 } else {
                     Phase::Token(i + 1)
                 };
-                let w = word(i);
-                sse(&s.gen.chunk(json!({ "content": w }), Some(w), None))
+                s.gen.token_event(i)
             }
             Phase::Finish => {
                 s.phase = Phase::Usage;
-                sse(&s.gen.chunk(json!({}), None, Some(s.gen.finish_reason)))
+                s.gen.finish_event()
             }
             Phase::Usage => {
                 s.phase = Phase::Done;
-                sse(&s.gen.usage_chunk())
+                s.gen.usage_event()
             }
             Phase::Done => {
                 // Everything the client needs has been produced.
                 s.guard.completed = true;
                 s.phase = Phase::End;
-                Bytes::from_static(b"data: [DONE]\n\n")
+                Bytes::from_static(DONE_EVENT)
             }
             Phase::End => return None,
         };

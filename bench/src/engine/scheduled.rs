@@ -20,13 +20,11 @@ use axum::body::{Body, Bytes};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::json;
 use tokio::sync::mpsc;
 
 use super::cache::block_hashes;
 use super::core::{CostModel, EngineCore, SeqEvent};
-use super::request::ApiKind;
-use super::{sse, word, Admission, Engine, Generation, InFlight};
+use super::{Admission, Engine, Generation, InFlight, DONE_EVENT};
 
 enum Command {
     Submit {
@@ -316,38 +314,26 @@ async fn next_chunk(mut s: Streaming) -> Option<(Result<Bytes, Infallible>, Stre
                 ..
             } => {
                 admitted(&s.engine, &mut s.gen, prompt_tokens, cached_tokens);
-                if s.gen.kind == ApiKind::Chat {
-                    // The role-only first delta, as OpenAI sends it.
-                    let role =
-                        s.gen
-                            .chunk(json!({ "role": "assistant", "content": "" }), None, None);
-                    s.pending.push_back(sse(&role));
-                }
+                s.pending.extend(s.gen.role_event());
                 if words > 0 {
-                    s.pending.push_back(token(&s.gen, 0));
+                    s.pending.push_back(s.gen.token_event(0));
                 }
             }
             SeqEvent::Token { index, .. } => {
                 if (index as usize) < words {
-                    s.pending.push_back(token(&s.gen, index as usize));
+                    s.pending.push_back(s.gen.token_event(index as usize));
                 }
             }
             SeqEvent::Finished { .. } => {
                 if words > 1 {
-                    s.pending.push_back(token(&s.gen, words - 1));
+                    s.pending.push_back(s.gen.token_event(words - 1));
                 }
-                let finish = s.gen.chunk(json!({}), None, Some(s.gen.finish_reason));
-                s.pending.push_back(sse(&finish));
-                s.pending.push_back(sse(&s.gen.usage_chunk()));
-                s.pending.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                s.pending.push_back(s.gen.finish_event());
+                s.pending.push_back(s.gen.usage_event());
+                s.pending.push_back(Bytes::from_static(DONE_EVENT));
                 s.guard.completed = true;
                 s.done = true;
             }
         }
     }
-}
-
-fn token(gen: &Generation, i: usize) -> Bytes {
-    let w = word(i);
-    sse(&gen.chunk(json!({ "content": w }), Some(w), None))
 }
