@@ -69,6 +69,13 @@ pub struct EngineArgs {
     /// instead of the per-token costs and `--max-running`.
     #[arg(long)]
     pub scheduled: bool,
+    /// Answer like a reasoning model: the first N output tokens of each
+    /// chat answer go to `reasoning_content`, the rest to `content`.
+    #[arg(long, default_value_t = 0)]
+    pub reasoning_tokens: usize,
+    /// Require this bearer key on `/v1/*` and `/metrics` (401 without it).
+    #[arg(long)]
+    pub api_key: Option<String>,
 }
 
 impl EngineArgs {
@@ -86,6 +93,8 @@ impl EngineArgs {
             default_output_tokens: self.output_tokens,
             max_running: self.max_running,
             scheduler: self.scheduled.then(crate::engine::core::CostModel::default),
+            reasoning_tokens: self.reasoning_tokens,
+            api_key: self.api_key.clone(),
             fault: self
                 .fault
                 .iter()

@@ -111,9 +111,17 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_FALLBACKS", default_value_t = 2)]
     pub fallbacks: usize,
 
-    /// Seconds between two active probes of a replica (0 disables probes).
-    #[arg(long, env = "HEARTH_PROBE_INTERVAL_SECONDS", default_value_t = 5.0)]
+    /// A replica with no successful real request for this many seconds
+    /// gets an active probe, and at most one per interval while it stays
+    /// idle; real traffic that succeeds is the proof of health and sends
+    /// no probe (0 disables probes).
+    #[arg(long, env = "HEARTH_PROBE_INTERVAL_SECONDS", default_value_t = 30.0)]
     pub probe_interval_seconds: f64,
+
+    /// Seconds between two probes of a replica that failed since its last
+    /// success, or is fenced with its backoff over.
+    #[arg(long, env = "HEARTH_PROBE_RETRY_SECONDS", default_value_t = 2.0)]
+    pub probe_retry_seconds: f64,
 
     /// Deadline of each probe request, in seconds.
     #[arg(long, env = "HEARTH_PROBE_TIMEOUT_SECONDS", default_value_t = 5.0)]
@@ -144,14 +152,40 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_BUSY_GRACE_SECONDS", default_value_t = 30.0)]
     pub busy_grace_seconds: f64,
 
-    /// A routed request with no response headers after this many seconds
-    /// counts as a timeout against its replica (0 disables).
+    /// A routed request with no response headers after this many seconds,
+    /// plus its prefill allowance, counts as a timeout against its replica
+    /// (0 disables).
     #[arg(
         long,
         env = "HEARTH_FIRST_BYTE_TIMEOUT_SECONDS",
         default_value_t = 60.0
     )]
     pub first_byte_timeout_seconds: f64,
+
+    /// The first-byte deadline grows by one second per this many prompt
+    /// bytes the chosen replica does not hold (a cold long prompt takes
+    /// long to prefill; 0 = no allowance).
+    #[arg(
+        long,
+        env = "HEARTH_PREFILL_BYTES_PER_SECOND",
+        default_value_t = 16_384
+    )]
+    pub prefill_bytes_per_second: u64,
+
+    /// Bearer key the sidecar sends to engines with its probes and metrics
+    /// scrapes (never logged). Prefer HEARTH_ENGINE_API_KEY_FILE.
+    #[arg(
+        long,
+        env = "HEARTH_ENGINE_API_KEY",
+        hide_env_values = true,
+        conflicts_with = "engine_api_key_file"
+    )]
+    pub engine_api_key: Option<Secret>,
+
+    /// A file holding the engines' bearer key (surrounding whitespace
+    /// ignored); read at start-up.
+    #[arg(long, env = "HEARTH_ENGINE_API_KEY_FILE")]
+    pub engine_api_key_file: Option<std::path::PathBuf>,
 
     /// Canonical prompt bytes from which a request is "long" and goes only
     /// to replicas tagged `long` (when any are).
@@ -209,6 +243,39 @@ pub struct Settings {
     /// Log filter (tracing env-filter syntax).
     #[arg(long, env = "HEARTH_LOG", default_value = "info")]
     pub log: String,
+}
+
+/// A credential: printed as `<redacted>` by `Debug`, so that neither the
+/// settings dump nor a log line can show it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The value itself, for the one header that carries it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl FromStr for Secret {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let key = s.trim();
+        if key.is_empty() {
+            return Err("the key is empty".into());
+        }
+        // It goes into an HTTP header as is.
+        if !key.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err("the key has characters an HTTP header cannot carry".into());
+        }
+        Ok(Secret(key.to_string()))
+    }
 }
 
 /// One replica as configured.
@@ -292,12 +359,33 @@ impl Settings {
             backoff: seconds(self.eject_backoff_seconds),
             max_backoff: seconds(self.eject_max_backoff_seconds),
             busy_grace: seconds(self.busy_grace_seconds),
+            probe_interval: seconds(self.probe_interval_seconds),
+            probe_retry: seconds(self.probe_retry_seconds),
         }
+    }
+
+    /// The engines' bearer key: the setting, or the file's contents.
+    pub fn engine_api_key(&self) -> Result<Option<Secret>, String> {
+        if let Some(key) = &self.engine_api_key {
+            return Ok(Some(key.clone()));
+        }
+        let Some(path) = &self.engine_api_key_file else {
+            return Ok(None);
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            format!(
+                "HEARTH_ENGINE_API_KEY_FILE: cannot read {}: {e}",
+                path.display()
+            )
+        })?;
+        text.parse()
+            .map(Some)
+            .map_err(|e| format!("HEARTH_ENGINE_API_KEY_FILE: {}: {e}", path.display()))
     }
 
     pub fn probe_params(&self) -> ProbeParams {
         ProbeParams {
-            interval: seconds(self.probe_interval_seconds),
+            enabled: self.probe_interval_seconds > 0.0,
             timeout: seconds(self.probe_timeout_seconds),
             concurrency: self.probe_concurrency.max(1),
         }
@@ -340,6 +428,7 @@ impl Settings {
             ),
             ("HEARTH_PROBE_INTERVAL_SECONDS", self.probe_interval_seconds),
             ("HEARTH_PROBE_TIMEOUT_SECONDS", self.probe_timeout_seconds),
+            ("HEARTH_PROBE_RETRY_SECONDS", self.probe_retry_seconds),
             ("HEARTH_EJECT_BACKOFF_SECONDS", self.eject_backoff_seconds),
             (
                 "HEARTH_EJECT_MAX_BACKOFF_SECONDS",
@@ -366,6 +455,9 @@ impl Settings {
                 "HEARTH_ENGINE_LOAD_WEIGHT must be a finite number >= 0, got {}",
                 self.engine_load_weight
             ));
+        }
+        if let Err(e) = self.engine_api_key() {
+            problems.push(e);
         }
         if self.eject_after == 0 {
             problems.push("HEARTH_EJECT_AFTER must be at least 1".into());

@@ -8,9 +8,25 @@
 //! models and asks for a one-token completion, so an engine that answers
 //! `/health` and `/v1/models` but never generates is never re-admitted.
 //!
-//! Probe failures count as failures too, except a probe *timeout* on a
-//! replica that completed a real request recently: a busy replica is slow,
-//! not broken.
+//! Probe failures count as failures too, except a *timeout* (a probe's, or
+//! a real request's first-byte deadline) on a replica that completed a real
+//! request recently: a busy replica is slow, not broken.
+//!
+//! **Evidence before probes.** A real generation that succeeded is the
+//! proof of health, and it costs the engine nothing; a probe costs a
+//! generation and, on slot-based engines, possibly a paused conversation's
+//! cache. [`ReplicaHealth::probe_due`] therefore asks for a probe only
+//! where no real success proves the replica within the probe interval: a
+//! fenced replica whose backoff is over (to re-admit it), a suspect one (a
+//! failure since its last success, to confirm or clear it quickly), and an
+//! idle one (at most once per interval).
+//!
+//! **Credentials.** An engine that refuses the sidecar's own requests
+//! (401/403 to a probe or a metrics scrape) has a credentials problem, not
+//! a health problem: it is reported, never fenced for it. A fenced replica
+//! whose probe is refused for credentials cannot prove itself by probe, so
+//! after its backoff it is let back on trial: serving, one failure away
+//! from being fenced again.
 
 use std::time::{Duration, Instant};
 
@@ -24,8 +40,14 @@ pub struct HealthParams {
     /// First fencing lasts this long; each fencing in a row doubles it.
     pub backoff: Duration,
     pub max_backoff: Duration,
-    /// A real success this recent excuses a probe timeout.
+    /// A real success this recent excuses a timeout.
     pub busy_grace: Duration,
+    /// A replica with no real success for this long gets a probe, and at
+    /// most one per interval while it stays idle (zero: never probed).
+    pub probe_interval: Duration,
+    /// A suspect replica (failed since its last success) is probed again
+    /// this soon after its last probe.
+    pub probe_retry: Duration,
 }
 
 impl Default for HealthParams {
@@ -35,6 +57,8 @@ impl Default for HealthParams {
             backoff: Duration::from_secs(5),
             max_backoff: Duration::from_secs(120),
             busy_grace: Duration::from_secs(30),
+            probe_interval: Duration::from_secs(30),
+            probe_retry: Duration::from_secs(1),
         }
     }
 }
@@ -78,6 +102,9 @@ pub enum Outcome {
     Failure(Failure),
     /// Nothing to learn (client gave up first, 4xx, ...).
     Neutral,
+    /// The engine refused the sidecar's own credentials (401 or 403 to a
+    /// probe): a configuration problem, never a reason to fence.
+    Unauthorized(u16),
 }
 
 /// A replica's health as shown on `/state` and `/health`.
@@ -97,7 +124,14 @@ pub struct ReplicaHealth {
     fencings: u32,
     fenced_until: Option<Instant>,
     last_failure: Option<Failure>,
-    last_success: Option<Instant>,
+    /// The last real request that generated (not a probe).
+    last_served: Option<Instant>,
+    /// The last probe's end, whatever it found.
+    last_probe: Option<Instant>,
+    /// The status with which the engine refused the sidecar's probes, and
+    /// its metrics scrapes, until one is accepted.
+    probe_refused: Option<u16>,
+    metrics_refused: Option<u16>,
     pub fenced_total: u64,
 }
 
@@ -109,7 +143,10 @@ impl Default for ReplicaHealth {
             fencings: 0,
             fenced_until: None,
             last_failure: None,
-            last_success: None,
+            last_served: None,
+            last_probe: None,
+            probe_refused: None,
+            metrics_refused: None,
             fenced_total: 0,
         }
     }
@@ -124,6 +161,22 @@ pub struct HealthSnapshot {
     /// Seconds until a probe may re-admit the replica (fenced only).
     pub fenced_for_s: Option<f64>,
     pub fenced_total: u64,
+    /// Seconds since a real request last succeeded on it (none yet: null).
+    pub last_served_s_ago: Option<f64>,
+    /// Set while the engine refuses the sidecar's credentials: what it
+    /// refused and with which status (see `HEARTH_ENGINE_API_KEY`).
+    pub credentials_error: Option<String>,
+}
+
+/// Why a probe is due.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProbeReason {
+    /// Fenced, backoff over: a success re-admits it.
+    Readmit,
+    /// Failed since its last success: confirm or clear.
+    Suspect,
+    /// No real success within the probe interval.
+    Idle,
 }
 
 impl ReplicaHealth {
@@ -135,12 +188,17 @@ impl ReplicaHealth {
         self.state == HealthState::Serving
     }
 
-    /// A real request's outcome.
+    /// A real request's outcome. A timeout is excused on a replica that
+    /// served a real request within `busy_grace`.
     pub fn record_request(&mut self, outcome: Outcome, p: &HealthParams, now: Instant) {
         match outcome {
-            Outcome::Success => self.succeed(now),
+            Outcome::Success => {
+                self.last_served = Some(now);
+                self.succeed();
+            }
+            Outcome::Failure(Failure::Timeout) if self.busy(p, now) => {}
             Outcome::Failure(f) => self.fail(f, p, now),
-            Outcome::Neutral => {}
+            Outcome::Neutral | Outcome::Unauthorized(_) => {}
         }
     }
 
@@ -148,29 +206,66 @@ impl ReplicaHealth {
     /// its backoff has run out; a timeout is excused on a replica that
     /// served a real request within `busy_grace`.
     pub fn record_probe(&mut self, outcome: Outcome, p: &HealthParams, now: Instant) {
+        self.last_probe = Some(now);
+        let backoff_over = self.fenced_until.is_none_or(|t| now >= t);
+        if !matches!(outcome, Outcome::Unauthorized(_)) {
+            self.probe_refused = None;
+        }
         match outcome {
             Outcome::Success => {
-                let backoff_over = self.fenced_until.is_none_or(|t| now >= t);
                 if self.state == HealthState::Fenced && !backoff_over {
                     return;
                 }
-                self.succeed(now);
+                self.succeed();
             }
-            Outcome::Failure(Failure::Timeout)
-                if self
-                    .last_success
-                    .is_some_and(|t| now.duration_since(t) < p.busy_grace) => {}
+            Outcome::Failure(Failure::Timeout) if self.busy(p, now) => {}
             Outcome::Failure(f) => self.fail(f, p, now),
             Outcome::Neutral => {}
+            Outcome::Unauthorized(status) => {
+                self.probe_refused = Some(status);
+                if self.state == HealthState::Fenced && backoff_over {
+                    // On trial: one more failure fences it again.
+                    self.state = HealthState::Serving;
+                    self.fenced_until = None;
+                    self.consecutive_failures = p.eject_after.saturating_sub(1);
+                }
+            }
         }
     }
 
-    fn succeed(&mut self, now: Instant) {
+    /// A metrics scrape's answer: refused with this status, or accepted.
+    pub fn record_scrape(&mut self, refused: Option<u16>) {
+        self.metrics_refused = refused;
+    }
+
+    /// Whether a probe is due now, and why (see the module's notes).
+    pub fn probe_due(&self, p: &HealthParams, now: Instant) -> Option<ProbeReason> {
+        if p.probe_interval.is_zero() {
+            return None;
+        }
+        let since = |t: Option<Instant>| t.map(|t| now.saturating_duration_since(t));
+        let probed_within = |d: Duration| since(self.last_probe).is_some_and(|s| s < d);
+        if self.state == HealthState::Fenced {
+            let backoff_over = self.fenced_until.is_none_or(|t| now >= t);
+            return (backoff_over && !probed_within(p.probe_retry)).then_some(ProbeReason::Readmit);
+        }
+        if self.consecutive_failures > 0 {
+            return (!probed_within(p.probe_retry)).then_some(ProbeReason::Suspect);
+        }
+        let served_within = since(self.last_served).is_some_and(|s| s < p.probe_interval);
+        (!served_within && !probed_within(p.probe_interval)).then_some(ProbeReason::Idle)
+    }
+
+    fn busy(&self, p: &HealthParams, now: Instant) -> bool {
+        self.last_served
+            .is_some_and(|t| now.saturating_duration_since(t) < p.busy_grace)
+    }
+
+    fn succeed(&mut self) {
         self.state = HealthState::Serving;
         self.consecutive_failures = 0;
         self.fencings = 0;
         self.fenced_until = None;
-        self.last_success = Some(now);
     }
 
     fn fail(&mut self, f: Failure, p: &HealthParams, now: Instant) {
@@ -211,7 +306,29 @@ impl ReplicaHealth {
                 _ => None,
             },
             fenced_total: self.fenced_total,
+            last_served_s_ago: self
+                .last_served
+                .map(|t| now.saturating_duration_since(t).as_secs_f64()),
+            credentials_error: self.credentials_error(),
         }
+    }
+
+    /// What the engine refuses of the sidecar's own requests, if anything.
+    pub fn credentials_error(&self) -> Option<String> {
+        let what = [
+            ("probe", self.probe_refused),
+            ("metrics", self.metrics_refused),
+        ];
+        let refused: Vec<String> = what
+            .iter()
+            .filter_map(|(w, s)| s.map(|s| format!("{w}: HTTP {s}")))
+            .collect();
+        (!refused.is_empty()).then(|| {
+            format!(
+                "the engine refuses the sidecar's credentials ({}); set HEARTH_ENGINE_API_KEY",
+                refused.join(", ")
+            )
+        })
     }
 }
 
@@ -318,7 +435,99 @@ mod tests {
             backoff: Duration::from_secs(10),
             max_backoff: Duration::from_secs(40),
             busy_grace: Duration::from_secs(30),
+            probe_interval: Duration::from_secs(30),
+            probe_retry: Duration::from_secs(2),
         }
+    }
+
+    #[test]
+    fn real_traffic_replaces_probes_and_idle_replicas_are_probed_once_per_interval() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut h = ReplicaHealth::default();
+        // Never served, never probed: idle.
+        assert_eq!(h.probe_due(&p(), t0), Some(ProbeReason::Idle));
+        h.record_probe(Outcome::Success, &p(), t0);
+        assert_eq!(h.probe_due(&p(), t0 + s(29)), None);
+        assert_eq!(h.probe_due(&p(), t0 + s(30)), Some(ProbeReason::Idle));
+        // Real successes keep proving it: no probe however long it runs.
+        for k in 1..10 {
+            h.record_request(Outcome::Success, &p(), t0 + s(20 * k));
+            assert_eq!(h.probe_due(&p(), t0 + s(20 * k + 25)), None);
+        }
+        // A failure makes it suspect: probed again after the retry delay.
+        let t1 = t0 + s(200);
+        h.record_request(Outcome::Failure(Failure::ServerError), &p(), t1);
+        assert_eq!(h.probe_due(&p(), t1), Some(ProbeReason::Suspect));
+        h.record_probe(Outcome::Failure(Failure::ServerError), &p(), t1);
+        assert_eq!(h.probe_due(&p(), t1 + s(1)), None);
+        assert_eq!(h.probe_due(&p(), t1 + s(2)), Some(ProbeReason::Suspect));
+        h.record_probe(Outcome::Failure(Failure::ServerError), &p(), t1 + s(2));
+        // Fenced: no probe until the backoff (10 s) is over.
+        assert_eq!(h.state(), HealthState::Fenced);
+        assert_eq!(h.probe_due(&p(), t1 + s(11)), None);
+        assert_eq!(h.probe_due(&p(), t1 + s(12)), Some(ProbeReason::Readmit));
+        // Probes off.
+        let off = HealthParams {
+            probe_interval: Duration::ZERO,
+            ..p()
+        };
+        assert_eq!(ReplicaHealth::default().probe_due(&off, t0), None);
+    }
+
+    #[test]
+    fn refused_credentials_never_fence_and_let_a_fenced_replica_back_on_trial() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut h = ReplicaHealth::default();
+        for k in 0..10 {
+            h.record_probe(Outcome::Unauthorized(401), &p(), t0 + s(k));
+        }
+        assert!(h.is_serving());
+        let snap = h.snapshot(t0);
+        assert!(snap.credentials_error.unwrap().contains("probe: HTTP 401"));
+        // Real requests still prove it.
+        h.record_request(Outcome::Success, &p(), t0 + s(11));
+        assert_eq!(h.probe_due(&p(), t0 + s(12)), None);
+        // Fenced by real failures, with the probe refused: after the
+        // backoff it serves again, one failure away from another fencing.
+        for _ in 0..3 {
+            h.record_request(Outcome::Failure(Failure::ServerError), &p(), t0 + s(12));
+        }
+        assert_eq!(h.state(), HealthState::Fenced);
+        h.record_probe(Outcome::Unauthorized(401), &p(), t0 + s(15));
+        assert_eq!(h.state(), HealthState::Fenced, "backoff not over");
+        h.record_probe(Outcome::Unauthorized(401), &p(), t0 + s(23));
+        assert!(h.is_serving());
+        h.record_request(Outcome::Failure(Failure::ServerError), &p(), t0 + s(24));
+        assert_eq!(h.state(), HealthState::Fenced);
+        // An accepted probe clears the report; a refused scrape sets it.
+        h.record_probe(Outcome::Success, &p(), t0 + s(100));
+        assert_eq!(h.credentials_error(), None);
+        h.record_scrape(Some(403));
+        assert!(h.credentials_error().unwrap().contains("metrics: HTTP 403"));
+        h.record_scrape(None);
+        assert_eq!(h.credentials_error(), None);
+    }
+
+    #[test]
+    fn a_busy_replica_is_not_struck_for_a_first_byte_timeout() {
+        let t0 = Instant::now();
+        let mut h = ReplicaHealth::default();
+        h.record_request(Outcome::Success, &p(), t0);
+        for i in 0..5 {
+            let at = t0 + Duration::from_secs(i);
+            h.record_request(Outcome::Failure(Failure::Timeout), &p(), at);
+        }
+        assert!(h.is_serving());
+        assert_eq!(h.snapshot(t0).consecutive_failures, 0);
+        // Other failures still count, and timeouts do once the grace is
+        // over.
+        let later = t0 + Duration::from_secs(31);
+        for _ in 0..3 {
+            h.record_request(Outcome::Failure(Failure::Timeout), &p(), later);
+        }
+        assert_eq!(h.state(), HealthState::Fenced);
     }
 
     #[test]

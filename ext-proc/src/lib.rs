@@ -18,6 +18,7 @@ pub mod admin;
 pub mod body;
 pub mod config;
 pub mod eds;
+pub mod engines;
 pub mod envoy_config;
 pub mod health;
 pub mod journal;
@@ -100,12 +101,21 @@ impl Sidecar {
             ))),
             _ => None,
         };
+        let engines =
+            engines::EngineClient::new(settings.engine_api_key().map_err(|e| anyhow::anyhow!(e))?);
         let (stop, stopped) = oneshot::channel::<()>();
+        let feeds = Feeds {
+            engines,
+            probes: settings.probe_params(),
+            engine_metrics: config::seconds(settings.engine_metrics_seconds),
+        };
         let task = tokio::spawn(serve(
             Arc::clone(&observer),
-            settings.probe_params(),
-            config::seconds(settings.first_byte_timeout_seconds),
-            config::seconds(settings.engine_metrics_seconds),
+            feeds,
+            service::FirstByte {
+                timeout: config::seconds(settings.first_byte_timeout_seconds),
+                prefill_bytes_per_second: settings.prefill_bytes_per_second,
+            },
             grpc,
             admin,
             async {
@@ -185,11 +195,18 @@ impl Drop for Sidecar {
     }
 }
 
+/// What the sidecar asks of the engines itself: probes and metrics
+/// scrapes, with the engines' credentials.
+struct Feeds {
+    engines: engines::EngineClient,
+    probes: probe::ProbeParams,
+    engine_metrics: Duration,
+}
+
 async fn serve(
     observer: Arc<observe::Observer>,
-    probe_params: probe::ProbeParams,
-    first_byte_timeout: Duration,
-    engine_metrics: Duration,
+    feeds: Feeds,
+    first_byte: service::FirstByte,
     grpc: TcpListener,
     admin: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -207,7 +224,7 @@ async fn serve(
     let health_task = tokio::spawn(report_grpc_health(Arc::clone(&router), health_reporter));
     let grpc_server = tonic::transport::Server::builder()
         .add_service(health_service)
-        .add_service(service::server(Arc::clone(&observer), first_byte_timeout))
+        .add_service(service::server(Arc::clone(&observer), first_byte))
         .add_service(eds::server(Arc::clone(&router), eds_stopping))
         // TCP_NODELAY: without it, Envoy's small ext_proc messages meet
         // Nagle and delayed ACKs and a decision waits ~40 ms (measured by
@@ -225,10 +242,15 @@ async fn serve(
     let prober = tokio::spawn(probe::run(
         Arc::clone(&router),
         Arc::clone(&observer),
-        probe_params,
+        feeds.engines.clone(),
+        feeds.probes,
     ));
     let sampler = tokio::spawn(observe::sample_every_second(Arc::clone(&observer)));
-    let scraper = tokio::spawn(signals::run(Arc::clone(&router), engine_metrics));
+    let scraper = tokio::spawn(signals::run(
+        Arc::clone(&router),
+        feeds.engines,
+        feeds.engine_metrics,
+    ));
     let grpc_task = tokio::spawn(grpc_server);
     let admin_task = tokio::spawn(async move { admin_server.await });
     shutdown.await;

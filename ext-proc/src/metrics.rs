@@ -182,7 +182,7 @@ impl ProbeMetrics {
         };
         reg.register(
             "hearth_probes",
-            "Active probes by engine address and result (success, or the failure: timeout, connect_failure, server_error, empty_answer, probe_models)",
+            "Active probes by engine address and result (success; unauthorized, the engine refused the sidecar's credentials; or the failure: timeout, connect_failure, server_error, empty_answer, probe_models)",
             m.probes.clone(),
         );
         m
@@ -192,6 +192,7 @@ impl ProbeMetrics {
         let result = match outcome {
             Outcome::Success => "success",
             Outcome::Neutral => "neutral",
+            Outcome::Unauthorized(_) => "unauthorized",
             Outcome::Failure(f) => f.as_str(),
         };
         self.probes
@@ -301,6 +302,14 @@ impl Collector for FleetCollector {
             "Replica health: 1 serving, 0 fenced",
             None,
             each(&|r| f64::from(u8::from(r.health.state == HealthState::Serving))),
+            G,
+        )?;
+        per_replica(
+            &mut encoder,
+            "hearth_replica_credentials_rejected",
+            "1 while the replica's engine refuses the sidecar's credentials (401/403 to its probes or metrics scrapes; see HEARTH_ENGINE_API_KEY); never a reason to fence",
+            None,
+            each(&|r| f64::from(u8::from(r.health.credentials_error.is_some()))),
             G,
         )?;
         per_replica(

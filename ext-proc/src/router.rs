@@ -105,6 +105,15 @@ impl Replica {
     }
 }
 
+/// A routing target to probe: its engine address and rank, its id (for
+/// logs), and the model to ask for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProbeTarget {
+    pub key: ReplicaKey,
+    pub id: String,
+    pub model: Option<String>,
+}
+
 /// What the sidecar knows about one request before it is routed.
 #[derive(Clone, Debug, Default)]
 pub struct RequestInfo {
@@ -830,34 +839,64 @@ impl Router {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A finished request's outcome on replica `i` (passive health; the
-    /// engine behind an address is one, so all its ranks share it).
+    /// A finished request's outcome on replica `i` (passive health). Each
+    /// data-parallel rank has its own: a stuck rank is fenced alone.
     pub fn record_request(&self, i: usize, outcome: Outcome) {
+        let params = self.health_params;
+        let now = Instant::now();
+        let mut fleet = self.lock();
+        if fleet.replicas.get(i).is_some_and(|r| !r.retired) {
+            fleet.state[i].health.record_request(outcome, &params, now);
+        }
+    }
+
+    /// A probe's outcome on the routing target `key` (active health).
+    pub fn record_probe(&self, key: ReplicaKey, outcome: Outcome) {
         let params = self.health_params;
         let now = Instant::now();
         let mut guard = self.lock();
         let fleet = &mut *guard;
-        let Some(addr) = fleet.replicas.get(i).map(|r| r.addr) else {
-            return;
-        };
         for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
-            if r.addr == addr && !r.retired {
-                s.health.record_request(outcome, &params, now);
+            if r.key() == key && !r.retired {
+                s.health.record_probe(outcome, &params, now);
             }
         }
     }
 
-    /// A probe's outcome on the engine at `addr` (active health).
-    pub fn record_probe(&self, addr: SocketAddr, outcome: Outcome) {
-        let params = self.health_params;
-        let now = Instant::now();
+    /// A metrics scrape of the engine at `addr`: refused with this status,
+    /// or not. True when the refusal is new (worth a log line).
+    pub fn record_scrape(&self, addr: SocketAddr, refused: Option<u16>) -> bool {
         let mut guard = self.lock();
         let fleet = &mut *guard;
+        let mut new = false;
         for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
             if r.addr == addr && !r.retired {
-                s.health.record_probe(outcome, &params, now);
+                new |= refused.is_some() && s.health.credentials_error().is_none();
+                s.health.record_scrape(refused);
             }
         }
+        new
+    }
+
+    /// The routing targets due for an active probe now (see
+    /// [`crate::health::ReplicaHealth::probe_due`]).
+    pub fn probe_targets(&self) -> Vec<ProbeTarget> {
+        let now = Instant::now();
+        let fleet = self.lock();
+        fleet
+            .serving()
+            .filter(|&(i, _)| {
+                fleet.state[i]
+                    .health
+                    .probe_due(&self.health_params, now)
+                    .is_some()
+            })
+            .map(|(_, r)| ProbeTarget {
+                key: r.key(),
+                id: r.id.clone(),
+                model: r.models.first().cloned(),
+            })
+            .collect()
     }
 
     /// Each engine address once, with the model to probe it with.
@@ -1194,15 +1233,22 @@ mod tests {
         let rank = first.primary();
         drop(first);
         assert_eq!(r.decide(&req(&[4, 5, 6])).unwrap().primary(), rank);
-        // Health is per engine: both ranks are fenced together.
+        // Health is per rank: a stuck rank is fenced alone.
         for _ in 0..3 {
-            r.record_request(0, Outcome::Failure(crate::health::Failure::ServerError));
+            r.record_request(0, Outcome::Failure(crate::health::Failure::Timeout));
         }
         let snap = r.snapshot();
-        assert_eq!(
-            snap.replicas[1].health.state,
-            crate::health::HealthState::Fenced
+        let states: Vec<_> = snap.replicas.iter().map(|x| x.health.state).collect();
+        use crate::health::HealthState::{Fenced, Serving};
+        assert_eq!(states, [Fenced, Serving, Serving]);
+        // Probes go to the fenced rank (backoff over) with its rank, and
+        // to the idle others; a probe's outcome lands on its rank only.
+        r.record_probe(
+            (table[1].addr, Some(1)),
+            Outcome::Failure(crate::health::Failure::ServerError),
         );
+        assert_eq!(r.snapshot().replicas[1].health.consecutive_failures, 1);
+        assert_eq!(r.snapshot().replicas[0].health.consecutive_failures, 3);
     }
 
     #[test]

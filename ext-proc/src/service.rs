@@ -58,12 +58,12 @@ const EXT_PROC_ATTRIBUTES: &str = "envoy.filters.http.ext_proc";
 /// reports every decision to the observer.
 pub fn server(
     observer: Arc<Observer>,
-    first_byte_timeout: Duration,
+    first_byte: FirstByte,
 ) -> ExternalProcessorServer<Processor> {
     ExternalProcessorServer::new(Processor {
         router: Arc::clone(observer.router()),
         observer,
-        first_byte_timeout,
+        first_byte,
     })
     // Body mode sends whole request bodies (up to the gateway's 8 MiB).
     .max_decoding_message_size(16 << 20)
@@ -72,8 +72,33 @@ pub fn server(
 pub struct Processor {
     router: Arc<Router>,
     observer: Arc<Observer>,
-    /// No response headers this long after routing: a timeout strike.
-    first_byte_timeout: Duration,
+    first_byte: FirstByte,
+}
+
+/// How long a routed request may wait for its response headers before
+/// the wait counts as a timeout against its replica: a base, plus an
+/// allowance for the prompt bytes the replica has to prefill.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FirstByte {
+    /// Zero disables the deadline.
+    pub timeout: Duration,
+    /// One more second per this many uncached bytes (0: no allowance).
+    pub prefill_bytes_per_second: u64,
+}
+
+impl FirstByte {
+    /// The deadline for a request whose chosen replica lacks `uncached`
+    /// prompt bytes; `None` when disabled.
+    pub fn deadline(&self, uncached: u64) -> Option<Duration> {
+        if self.timeout.is_zero() {
+            return None;
+        }
+        let allowance = match self.prefill_bytes_per_second {
+            0 => Duration::ZERO,
+            rate => Duration::from_secs_f64(uncached as f64 / rate as f64),
+        };
+        Some(self.timeout + allowance)
+    }
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
@@ -89,18 +114,18 @@ impl ExternalProcessor for Processor {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(4);
         let mut exchange = Exchange::new(Arc::clone(&self.router), Arc::clone(&self.observer));
-        let first_byte_timeout = self.first_byte_timeout;
+        let first_byte = self.first_byte;
         tokio::spawn(async move {
             loop {
                 // Armed while a routed request waits for its response.
-                let waiting = exchange
+                let deadline = exchange
                     .waiting_for_response()
-                    .filter(|_| !first_byte_timeout.is_zero());
+                    .and_then(|_| first_byte.deadline(exchange.uncached_bytes));
                 let msg = tokio::select! {
                     msg = inbound.message() => msg,
                     // Envoy reset the stream: nobody reads our answers.
                     () = tx.closed() => break,
-                    () = tokio::time::sleep(first_byte_timeout), if waiting.is_some() => {
+                    () = tokio::time::sleep(deadline.unwrap_or_default()), if deadline.is_some() => {
                         exchange.first_byte_timed_out();
                         continue;
                     }
@@ -138,6 +163,8 @@ struct Exchange {
     response: Option<ResponseSeen>,
     /// The first-byte timeout already counted against the replica.
     timed_out: bool,
+    /// Prompt bytes the chosen replica did not hold (its prefill work).
+    uncached_bytes: u64,
     /// Body-over-gRPC mode: whether Envoy sends bodies, and the request
     /// waiting for its body to be fingerprinted (see [`crate::body`]).
     body: BodyState,
@@ -208,6 +235,7 @@ impl Exchange {
             routed_to: None,
             response: None,
             timed_out: false,
+            uncached_bytes: 0,
             body: BodyState::default(),
             subset: None,
         }
@@ -455,6 +483,8 @@ impl Exchange {
                 };
                 let dest = decision.destination(limit);
                 self.routed_to = Some(decision.primary());
+                let held = u64::from(decision.overlap) * self.router.block_size() as u64;
+                self.uncached_bytes = info.prompt_bytes.saturating_sub(held);
                 tracing::debug!(
                     destination = %dest,
                     overlap = decision.overlap,
@@ -668,6 +698,27 @@ fn refusal(e: &RouteError) -> ProcessingResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_first_byte_deadline_grows_with_the_prompt_left_to_prefill() {
+        let fb = FirstByte {
+            timeout: Duration::from_secs(60),
+            prefill_bytes_per_second: 16_384,
+        };
+        assert_eq!(fb.deadline(0), Some(Duration::from_secs(60)));
+        // A cold 200k-token prompt (~800 KB): close to another minute.
+        assert_eq!(fb.deadline(800 * 1024), Some(Duration::from_secs(110)));
+        let flat = FirstByte {
+            prefill_bytes_per_second: 0,
+            ..fb
+        };
+        assert_eq!(flat.deadline(800 * 1024), Some(Duration::from_secs(60)));
+        let off = FirstByte {
+            timeout: Duration::ZERO,
+            ..fb
+        };
+        assert_eq!(off.deadline(1), None);
+    }
 
     fn headers(pairs: &[(&str, &str)]) -> HttpHeaders {
         http_headers(pairs)

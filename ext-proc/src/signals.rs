@@ -1,17 +1,20 @@
 //! Engine load signals: each engine's own Prometheus metrics, scraped every
-//! few seconds, in vLLM's or SGLang's names (the model-server protocol of
-//! the Gateway API Inference Extension): queued and running requests, KV
-//! cache utilisation. The router adds what an engine reports beyond this
+//! few seconds, in vLLM's, SGLang's or llama.cpp's names (the first two are
+//! the model-server protocol of the Gateway API Inference Extension):
+//! queued and running requests, KV cache utilisation. The router adds what an engine reports beyond this
 //! sidecar's own reservations (queued requests, and requests other gateways
 //! sent it) to its load, and ignores figures older than the staleness bound.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::engines::EngineClient;
 use crate::router::{EngineSignals, Router};
 
 /// Metric names, per engine family: (waiting, running, KV utilisation).
-const FAMILIES: [(&str, &str, &[&str]); 2] = [
+/// llama.cpp (`--metrics`) counts requests waiting for a free slot as
+/// deferred, and busy slots as processing.
+const FAMILIES: [(&str, &str, &[&str]); 3] = [
     (
         "vllm:num_requests_waiting",
         "vllm:num_requests_running",
@@ -21,6 +24,11 @@ const FAMILIES: [(&str, &str, &[&str]); 2] = [
         "sglang:num_queue_reqs",
         "sglang:num_running_reqs",
         &["sglang:token_usage"],
+    ),
+    (
+        "llamacpp:requests_deferred",
+        "llamacpp:requests_processing",
+        &["llamacpp:kv_cache_usage_ratio"],
     ),
 ];
 
@@ -70,16 +78,14 @@ fn mean(text: &str, name: &str) -> Option<f64> {
     (n > 0).then(|| total / f64::from(n))
 }
 
-/// Scrapes every engine every `interval` until the task is dropped.
-pub async fn run(router: Arc<Router>, interval: Duration) {
+/// Scrapes every engine every `interval` until the task is dropped. An
+/// engine that refuses the sidecar's credentials (401/403) is reported on
+/// its replicas (`/state`, metrics) and logged when that starts.
+pub async fn run(router: Arc<Router>, client: EngineClient, interval: Duration) {
     if interval.is_zero() {
         return;
     }
-    let client = reqwest::Client::builder()
-        .timeout(interval.min(Duration::from_secs(2)))
-        .pool_max_idle_per_host(1)
-        .build()
-        .unwrap_or_default();
+    let timeout = interval.min(Duration::from_secs(2));
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -88,10 +94,24 @@ pub async fn run(router: Arc<Router>, interval: Duration) {
         for (addr, _) in router.engines() {
             let (client, router) = (client.clone(), Arc::clone(&router));
             round.spawn(async move {
-                let text = match client.get(format!("http://{addr}/metrics")).send().await {
+                let url = format!("http://{addr}/metrics");
+                let text = match client.get(&url, timeout).await {
+                    Ok(r) if matches!(r.status().as_u16(), 401 | 403) => {
+                        let status = r.status().as_u16();
+                        if router.record_scrape(addr, Some(status)) {
+                            tracing::warn!(
+                                engine = %addr,
+                                status,
+                                "the engine refuses the sidecar's metrics scrape \
+                                 (HEARTH_ENGINE_API_KEY)"
+                            );
+                        }
+                        return;
+                    }
                     Ok(r) if r.status().is_success() => r.text().await.ok(),
                     _ => None,
                 };
+                router.record_scrape(addr, None);
                 if let Some(signals) = text.and_then(|t| parse(&t, Instant::now())) {
                     router.set_engine_signals(addr, signals);
                 }
@@ -124,5 +144,21 @@ mod tests {
         assert_eq!((s.waiting, s.running, s.kv_usage), (4.0, 1.0, Some(0.25)));
         assert!(parse("process_cpu_seconds_total 4\n", Instant::now()).is_none());
         assert!(parse("vllm:num_requests_waiting NaN\n", Instant::now()).is_none());
+    }
+
+    #[test]
+    fn reads_llama_cpp_names() {
+        let page = "# HELP llamacpp:requests_processing Number of requests processing\n\
+            # TYPE llamacpp:requests_processing gauge\n\
+            llamacpp:requests_processing 2\n\
+            llamacpp:requests_deferred 3\n\
+            llamacpp:prompt_tokens_total 900\n";
+        let s = parse(page, Instant::now()).unwrap();
+        assert_eq!((s.waiting, s.running, s.kv_usage), (3.0, 2.0, None));
+        let with_kv = format!("{page}llamacpp:kv_cache_usage_ratio 0.75\n");
+        assert_eq!(
+            parse(&with_kv, Instant::now()).unwrap().kv_usage,
+            Some(0.75)
+        );
     }
 }

@@ -2,9 +2,12 @@
 //! replica that produced it, found by scanning the body as it streams past
 //! (no buffering, no JSON parse).
 //!
-//! A 200 answer *carried text* when some `"content"`, `"text"`,
-//! `"reasoning_content"` or `"arguments"` string is non-empty, and *ended*
-//! when it shows `[DONE]`, a `"finish_reason"` string or a `"usage"` object.
+//! A 200 answer *generated* (reported as `text=1`) when some `"content"`,
+//! `"text"`, `"reasoning_content"`, `"reasoning"` or `"arguments"` string
+//! is non-empty, its usage counts at least one `"completion_tokens"`, or it
+//! finished for reaching its token limit (`"finish_reason": "length"`): a
+//! reasoning model's first tokens are not visible text. It *ended* when it
+//! shows `[DONE]`, a `"finish_reason"` string or a `"usage"` object.
 //! The verdict goes to the sidecar in an asynchronous `POST /outcome` on
 //! its state endpoint: `upstream=IP:PORT;text=0|1;done=0|1`. (A response
 //! trailer would be cheaper, but Envoy 1.40 does not let a wasm filter add
@@ -19,10 +22,11 @@ pub fn report_body(upstream: &str, scanner: &Scanner) -> String {
 }
 
 /// Keys whose non-empty string value is generated text.
-const TEXT_KEYS: [&[u8]; 4] = [
+const TEXT_KEYS: [&[u8]; 5] = [
     b"\"content\"",
     b"\"text\"",
     b"\"reasoning_content\"",
+    b"\"reasoning\"",
     b"\"arguments\"",
 ];
 /// Bytes kept from one chunk to the next so a pattern split across chunks
@@ -45,7 +49,9 @@ impl Scanner {
         let mut window = std::mem::take(&mut self.carry);
         window.extend_from_slice(chunk);
         if !self.text {
-            self.text = TEXT_KEYS.iter().any(|k| has_nonempty_string(&window, k));
+            self.text = TEXT_KEYS.iter().any(|k| has_nonempty_string(&window, k))
+                || has_positive_count(&window, b"\"completion_tokens\"")
+                || has_string(&window, b"\"finish_reason\"", b"\"length\"");
         }
         if !self.done {
             self.done = find(&window, b"[DONE]").is_some()
@@ -100,6 +106,20 @@ fn has_nonempty_string(hay: &[u8], key: &[u8]) -> bool {
     values_after(hay, key).any(|v| v.len() >= 2 && v[0] == b'"' && v[1] != b'"')
 }
 
+/// `key` has a number value above zero.
+fn has_positive_count(hay: &[u8], key: &[u8]) -> bool {
+    values_after(hay, key).any(|v| {
+        let digits: Vec<u8> = v.iter().copied().take_while(u8::is_ascii_digit).collect();
+        // A value cut at the chunk's end is judged with the next chunk.
+        digits.len() < v.len() && digits.iter().any(|&d| d != b'0')
+    })
+}
+
+/// `key` has exactly the string value `value` (quotes included).
+fn has_string(hay: &[u8], key: &[u8], value: &[u8]) -> bool {
+    values_after(hay, key).any(|v| v.starts_with(value))
+}
+
 fn value_starts_with(hay: &[u8], key: &[u8], first: u8) -> bool {
     values_after(hay, key).any(|v| v.first() == Some(&first))
 }
@@ -144,6 +164,27 @@ mod tests {
         assert!(s.text());
         // A key that merely ends in `content` is not `content`.
         let s = scan(&["{\"x_content\":\"a\"}"]);
+        assert!(!s.text());
+    }
+
+    #[test]
+    fn a_reasoning_model_that_generated_only_hidden_tokens_generated() {
+        // One token, spent on reasoning the engine did not show.
+        let s = scan(&[
+            "{\"choices\":[{\"message\":{\"content\":\"\"},\"finish_reason\":\"length\"}]}",
+        ]);
+        assert!(s.text() && s.done());
+        let s = scan(&[
+            "data: {\"choices\":[{\"delta\":{\"content\":\"\"},\"finish_reason\":\"stop\"}],",
+            "\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":12}}\n\ndata: [DONE]\n\n",
+        ]);
+        assert!(s.text() && s.done());
+        let s = scan(&["data: {\"delta\":{\"reasoning\":\"so\"}}"]);
+        assert!(s.text());
+        // A count cut at the chunk's end waits for its next digits.
+        let s = scan(&["{\"usage\":{\"completion_tokens\":1", "2}}"]);
+        assert!(s.text());
+        let s = scan(&["{\"usage\":{\"completion_tokens\":0", "}}"]);
         assert!(!s.text());
     }
 

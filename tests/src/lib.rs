@@ -52,6 +52,11 @@ pub struct FleetOptions {
     /// (`HEARTH_UPSTREAMS_FILE`, checked every 0.2 s), which
     /// [`Fleet::list_engines`] rewrites.
     pub upstreams_file: bool,
+    /// Engines answer like reasoning models: this many leading output
+    /// tokens of a chat answer go to `reasoning_content`.
+    pub reasoning_tokens: usize,
+    /// Engines require this bearer key on `/v1/*` and `/metrics`.
+    pub engine_api_key: Option<String>,
 }
 
 impl Default for FleetOptions {
@@ -68,8 +73,17 @@ impl Default for FleetOptions {
             max_running: 0,
             eds: false,
             upstreams_file: false,
+            reasoning_tokens: 0,
+            engine_api_key: None,
         }
     }
+}
+
+/// The value of one sample line `series value` in Prometheus text.
+pub fn metric_sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
 }
 
 /// The addresses Envoy's admin `/clusters` lists for `cluster`, in its
@@ -193,6 +207,8 @@ impl Fleet {
                 decode_micros_per_token: opts.decode_micros_per_token,
                 cache_capacity_tokens: opts.cache_capacity_tokens,
                 max_running: opts.max_running,
+                reasoning_tokens: opts.reasoning_tokens,
+                api_key: opts.engine_api_key.clone(),
                 ..EngineConfig::default()
             };
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

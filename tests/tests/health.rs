@@ -234,3 +234,212 @@ async fn an_upstream_reset_mid_answer_releases_the_load() {
     assert_eq!(s.decisions_total, 6);
     fleet.assert_wasm_healthy();
 }
+
+/// Probes the sidecar sent to the engine at `addr`, by result.
+async fn probes(fleet: &Fleet, addr: std::net::SocketAddr, result: &str) -> f64 {
+    let (_, m) = fleet.admin_get("/metrics").await.unwrap();
+    let series = format!(r#"hearth_probes_total{{engine="{addr}",result="{result}"}}"#);
+    hearth_e2e::metric_sample(&m, &series).unwrap_or(0.0)
+}
+
+fn probes_total(m: &str, addr: std::net::SocketAddr) -> f64 {
+    m.lines()
+        .filter(|l| l.starts_with(&format!(r#"hearth_probes_total{{engine="{addr}""#)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test]
+async fn real_traffic_is_the_proof_of_health_and_only_idle_replicas_are_probed() {
+    // engine-2 serves another model, so it gets no traffic: idle.
+    let fleet = Fleet::start(FleetOptions {
+        engines: 3,
+        sidecar_flags: vec!["--probe-interval-seconds=1.5".into()],
+        upstream_options: vec![(2, ";model=other".into())],
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    // Six seconds of traffic, a turn every ~100 ms, over four conversations.
+    let mut convs: Vec<Conversation> = (0..4u64)
+        .map(|s| Conversation::new(MODEL, &filler(s + 70, 2048), false, 1100 + s))
+        .collect();
+    let start = Instant::now();
+    let mut turns = 0;
+    while start.elapsed() < Duration::from_secs(6) && turns < 200 {
+        let conv = &mut convs[turns % 4];
+        fleet.chat(&conv.next_turn(300, false)).await;
+        turns += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (_, m) = fleet.admin_get("/metrics").await.unwrap();
+    let stats = fleet.engine_stats();
+    let mut busy = 0;
+    for (i, e) in fleet.engines.iter().enumerate().take(2) {
+        if stats[i].completed_total > 0 {
+            busy += 1;
+            // The start-up round at most: its own answers prove it since.
+            assert!(
+                probes_total(&m, e.addr) <= 1.0,
+                "engine-{i} served traffic and was probed anyway:\n{m}"
+            );
+        }
+    }
+    assert!(busy >= 1, "no engine served: {stats:?}");
+    assert!(
+        probes_total(&m, fleet.engines[2].addr) >= 3.0,
+        "the idle engine was not probed every interval:\n{m}"
+    );
+    let s = fleet.state().await.unwrap();
+    assert!(s
+        .replicas
+        .iter()
+        .all(|r| r.health.state == hearth_ext_proc::health::HealthState::Serving));
+    let served: Vec<_> = s
+        .replicas
+        .iter()
+        .map(|r| r.health.last_served_s_ago)
+        .collect();
+    assert!(served[..2].iter().any(Option::is_some), "{served:?}");
+    assert_eq!(served[2], None, "the idle engine never served");
+    fleet.assert_wasm_healthy();
+}
+
+#[tokio::test]
+async fn engines_that_need_a_key_keep_serving_and_the_sidecar_reports_its_missing_key() {
+    let fleet = Fleet::start(FleetOptions {
+        engines: 2,
+        engine_api_key: Some("team-key".into()),
+        sidecar_flags: vec![
+            "--probe-interval-seconds=0.3".into(),
+            "--probe-retry-seconds=0.2".into(),
+            "--engine-metrics-seconds=0.3".into(),
+        ],
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let auth = [
+        ("content-type", "application/json"),
+        ("authorization", "Bearer team-key"),
+    ];
+    let mut conv = Conversation::new(MODEL, &filler(80, 2048), false, 1200);
+    // Traffic, an idle period far longer than the fencing needs (probes
+    // every 0.3 s, three strikes), then traffic again: never a 503.
+    for round in 0..2 {
+        for _ in 0..5 {
+            let body = serde_json::to_vec(&conv.next_turn(300, false)).unwrap();
+            let t = fleet
+                .post("/v1/chat/completions", body, &auth)
+                .await
+                .unwrap();
+            assert_eq!(t.status, 200, "round {round}: {:?}", t.body);
+        }
+        if round == 0 {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+        }
+    }
+    let s = fleet.state().await.unwrap();
+    for r in &s.replicas {
+        assert_eq!(
+            r.health.state,
+            hearth_ext_proc::health::HealthState::Serving,
+            "{s:?}"
+        );
+        assert_eq!(r.health.fenced_total, 0, "{s:?}");
+        let why = r.health.credentials_error.as_deref().unwrap_or_default();
+        assert!(
+            why.contains("HTTP 401") && why.contains("HEARTH_ENGINE_API_KEY"),
+            "{s:?}"
+        );
+    }
+    let (_, m) = fleet.admin_get("/metrics").await.unwrap();
+    assert!(
+        probes(&fleet, fleet.engines[0].addr, "unauthorized").await >= 1.0,
+        "{m}"
+    );
+    assert_eq!(
+        hearth_e2e::metric_sample(
+            &m,
+            r#"hearth_replica_credentials_rejected{replica="engine-0"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert!(!m.contains("team-key"));
+    drop(fleet);
+
+    // With the key (from a file), probes and scrapes are accepted.
+    let dir = std::env::temp_dir().join(format!("hearth-key-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let key_file = dir.join("engine-key");
+    std::fs::write(&key_file, "team-key\n").unwrap();
+    let fleet = Fleet::start(FleetOptions {
+        engines: 2,
+        engine_api_key: Some("team-key".into()),
+        sidecar_flags: vec![
+            "--probe-interval-seconds=0.3".into(),
+            "--engine-metrics-seconds=0.3".into(),
+            format!("--engine-api-key-file={}", key_file.display()),
+        ],
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let addr = fleet.engines[1].addr;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while probes(&fleet, addr, "success").await < 2.0 {
+        assert!(Instant::now() < deadline, "no accepted probe");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let s = fleet.state().await.unwrap();
+    assert!(
+        s.replicas
+            .iter()
+            .all(|r| r.health.credentials_error.is_none()),
+        "{s:?}"
+    );
+    // Its metrics scrapes get through too: the engine's own figures.
+    assert!(s.replicas.iter().all(|r| r.engine.is_some()), "{s:?}");
+    assert_eq!(probes(&fleet, addr, "unauthorized").await, 0.0);
+    let (_, text) = fleet.admin_get("/state").await.unwrap();
+    assert!(!text.contains("team-key"));
+    drop(fleet);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[tokio::test]
+async fn reasoning_engines_with_no_visible_text_are_healthy() {
+    // Every output token is reasoning: `content` is always empty.
+    let fleet = Fleet::start(FleetOptions {
+        engines: 2,
+        reasoning_tokens: 1_000,
+        sidecar_flags: vec![
+            "--probe-interval-seconds=0.3".into(),
+            "--eject-after=2".into(),
+        ],
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    for s in 0..12u64 {
+        let mut conv = Conversation::new(MODEL, &filler(s + 90, 1024), s % 2 == 0, 1300 + s);
+        let t = fleet.chat(&conv.next_turn(300, false)).await;
+        assert_eq!(reply_text(&t.body), "", "a reasoning answer has no content");
+    }
+    // Probes ran too (the engines idle between the turns above and after).
+    let addr = fleet.engines[0].addr;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while probes(&fleet, addr, "success").await < 2.0 {
+        assert!(Instant::now() < deadline, "no successful probe");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let s = fleet.state().await.unwrap();
+    for r in &s.replicas {
+        assert_eq!(r.health.fenced_total, 0, "{s:?}");
+        assert_eq!(r.health.consecutive_failures, 0, "{s:?}");
+        assert_eq!(r.health.last_failure, None, "{s:?}");
+    }
+    assert_eq!(probes(&fleet, addr, "empty_answer").await, 0.0);
+    fleet.assert_wasm_healthy();
+}

@@ -4,16 +4,11 @@
 
 use std::time::{Duration, Instant};
 
-use hearth_e2e::{filler, reply_text, Conversation, Fleet, FleetOptions, MODEL};
+use hearth_e2e::{
+    filler, metric_sample as sample, reply_text, Conversation, Fleet, FleetOptions, MODEL,
+};
 use hearth_ext_proc::admin::{Decisions, SeriesView};
 use hearth_ext_proc::journal::DecisionRecord;
-
-/// The value of one sample line `series value` in Prometheus text.
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-}
 
 async fn get(fleet: &Fleet, path: &str) -> (u16, String) {
     fleet.admin_get(path).await.unwrap()

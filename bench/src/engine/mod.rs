@@ -90,6 +90,16 @@ pub struct EngineConfig {
     /// then replaces); `time_scale` still applies (default: off).
     #[serde(default)]
     pub scheduler: Option<self::core::CostModel>,
+    /// A reasoning model's answers: the first this many output tokens of
+    /// a chat answer go to `reasoning_content`, the rest to `content`
+    /// (default 0).
+    #[serde(default)]
+    pub reasoning_tokens: usize,
+    /// Require `Authorization: Bearer <key>` on `/v1/*` and `/metrics`
+    /// (401 without it), as engines started with an API key do; `/health`
+    /// stays open (default: none).
+    #[serde(default)]
+    pub api_key: Option<String>,
 }
 
 impl Default for EngineConfig {
@@ -107,6 +117,8 @@ impl Default for EngineConfig {
             fault: Fault::None,
             max_running: 0,
             scheduler: None,
+            reasoning_tokens: 0,
+            api_key: None,
         }
     }
 }
@@ -516,7 +528,39 @@ pub fn router(engine: Arc<Engine>) -> Router {
             tag_engine_id,
         ))
         .layer(axum::middleware::from_fn(echo_dp_rank))
+        .layer(axum::middleware::from_fn_with_state(
+            engine.clone(),
+            require_api_key,
+        ))
         .with_state(engine)
+}
+
+/// 401 for a request without the engine's key (when it has one), except
+/// on the open paths: `/health` and the simulator's own `/stats` and
+/// `/admin/*`.
+async fn require_api_key(
+    State(engine): State<Arc<Engine>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(key) = &engine.config.api_key else {
+        return next.run(req).await;
+    };
+    let path = req.uri().path();
+    let open = path == "/health" || path == "/stats" || path.starts_with("/admin/");
+    let given = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if open || given == Some(key.as_str()) {
+        return next.run(req).await;
+    }
+    error_response(
+        StatusCode::UNAUTHORIZED,
+        "authentication_error",
+        "invalid or missing API key",
+    )
 }
 
 /// The data-parallel rank a request asked for (vLLM's
@@ -626,6 +670,8 @@ struct Generation {
     output_tokens: usize,
     /// `length` when the client capped the output, else `stop`.
     finish_reason: &'static str,
+    /// Leading output tokens that are reasoning (chat only).
+    reasoning_tokens: usize,
     prefill: Duration,
     decode: Duration,
 }
@@ -658,16 +704,31 @@ impl Generation {
         })
     }
 
+    /// Output tokens that are reasoning.
+    fn reasoning(&self) -> usize {
+        match self.kind {
+            ApiKind::Chat => self.reasoning_tokens.min(self.output_tokens),
+            ApiKind::Completions => 0,
+        }
+    }
+
     /// The whole response body of a non-streaming request.
     fn full_response(&self) -> Value {
-        let text: String = (0..self.output_tokens).map(word).collect();
+        let split = self.reasoning();
+        let text: String = (split..self.output_tokens).map(word).collect();
         let choice = match self.kind {
-            ApiKind::Chat => json!({
-                "index": 0,
-                "message": { "role": "assistant", "content": text },
-                "logprobs": null,
-                "finish_reason": self.finish_reason,
-            }),
+            ApiKind::Chat => {
+                let mut message = json!({ "role": "assistant", "content": text });
+                if split > 0 {
+                    message["reasoning_content"] = (0..split).map(word).collect::<String>().into();
+                }
+                json!({
+                    "index": 0,
+                    "message": message,
+                    "logprobs": null,
+                    "finish_reason": self.finish_reason,
+                })
+            }
             ApiKind::Completions => json!({
                 "index": 0,
                 "text": text,
@@ -709,7 +770,12 @@ impl Generation {
     /// Output token `i` (0-based) as a stream event.
     fn token_event(&self, i: usize) -> Bytes {
         let w = word(i);
-        sse(&self.chunk(json!({ "content": w }), Some(w), None))
+        let field = if i < self.reasoning() {
+            "reasoning_content"
+        } else {
+            "content"
+        };
+        sse(&self.chunk(json!({ field: w }), Some(w), None))
     }
 
     /// The event after the last token: the finish reason (then comes
@@ -858,11 +924,13 @@ fn generation(
         } else {
             req.max_tokens.unwrap_or(config.default_output_tokens)
         },
-        finish_reason: if req.max_tokens.is_some() {
+        // An engine that generated nothing did not reach a token limit.
+        finish_reason: if req.max_tokens.is_some() && fault != Fault::Empty {
             "length"
         } else {
             "stop"
         },
+        reasoning_tokens: config.reasoning_tokens,
         prefill: Duration::ZERO,
         decode: Duration::ZERO,
     };

@@ -201,6 +201,137 @@ async fn streaming_chat(config: EngineConfig) {
 }
 
 #[tokio::test]
+async fn a_reasoning_engine_reasons_before_it_answers() {
+    reasoning(EngineConfig::default()).await;
+}
+
+#[tokio::test]
+async fn a_reasoning_engine_reasons_before_it_answers_under_the_scheduler() {
+    reasoning(scheduled(core::CostModel::instant())).await;
+}
+
+async fn reasoning(config: EngineConfig) {
+    let engine = start(EngineConfig {
+        reasoning_tokens: 3,
+        ..config
+    })
+    .await;
+    let ask = |max_tokens: usize, stream: bool| {
+        json!({
+            "messages": [{"role": "user", "content": "why?"}],
+            "max_tokens": max_tokens,
+            "stream": stream,
+        })
+    };
+    let r = post(&engine, "/v1/chat/completions", &ask(5, false)).await;
+    let message = &r["choices"][0]["message"];
+    assert_eq!(
+        message["reasoning_content"]
+            .as_str()
+            .unwrap()
+            .split_whitespace()
+            .count(),
+        3
+    );
+    assert_eq!(
+        message["content"]
+            .as_str()
+            .unwrap()
+            .split_whitespace()
+            .count(),
+        2
+    );
+    // One token: all reasoning, no visible text, one token generated.
+    let r = post(&engine, "/v1/chat/completions", &ask(1, false)).await;
+    assert_eq!(r["choices"][0]["message"]["content"], "");
+    assert_eq!(r["usage"]["completion_tokens"], 1);
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    // Streamed: reasoning deltas first, then content.
+    let text = client()
+        .post(format!("{}/v1/chat/completions", engine.url()))
+        .json(&ask(5, true))
+        .send()
+        .await
+        .expect("send")
+        .text()
+        .await
+        .expect("body");
+    let fields: Vec<String> = sse_events(&text)
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|c| {
+            let delta = c["choices"][0]["delta"].as_object()?.clone();
+            delta
+                .into_iter()
+                .find(|(k, v)| k != "role" && v.as_str().is_some_and(|s| !s.is_empty()))
+                .map(|(k, _)| k)
+        })
+        .collect();
+    let expected = [
+        "reasoning_content",
+        "reasoning_content",
+        "reasoning_content",
+        "content",
+        "content",
+    ];
+    assert_eq!(fields, expected);
+    // Completions have no reasoning.
+    let r = post(
+        &engine,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(
+        r["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .split_whitespace()
+            .count(),
+        2
+    );
+    engine.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_engine_with_a_key_refuses_requests_without_it() {
+    let engine = start(EngineConfig {
+        api_key: Some("s3cret".into()),
+        ..EngineConfig::default()
+    })
+    .await;
+    let body = json!({"prompt": "x", "max_tokens": 1});
+    let url = |p: &str| format!("{}{p}", engine.url());
+    let without = client()
+        .post(url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(without.status(), 401);
+    let wrong = client()
+        .get(url("/metrics"))
+        .bearer_auth("nope")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    let with = client()
+        .post(url("/v1/completions"))
+        .bearer_auth("s3cret")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(with.status(), 200);
+    assert_eq!(
+        client().get(url("/health")).send().await.unwrap().status(),
+        200
+    );
+    engine.shutdown().await;
+}
+
+#[tokio::test]
 async fn streaming_completions_send_text_chunks() {
     streaming_completions(EngineConfig::default()).await;
 }
