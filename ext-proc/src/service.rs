@@ -35,10 +35,11 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::body;
-use crate::health::{self, Failure, Outcome};
+use crate::health::{self, Answer, Failure, Outcome};
 use crate::observe::Observer;
 use crate::picker::{self, HeldBody, Side};
 use crate::router::{Decision, RequestInfo, RouteError, Router};
+use hearth_fingerprint::outcome::Scanner;
 
 /// The destination header and `envoy.lb` metadata key Envoy's override_host
 /// policy reads (the Gateway API Inference Extension's name).
@@ -171,6 +172,11 @@ struct Exchange {
     /// The replicas the data plane allows (the endpoint-picker protocol's
     /// subset hint), when it named any.
     subset: Option<Vec<usize>>,
+    /// Where ext_proc sends response bodies (body and endpoint-picker
+    /// modes, which have no wasm outcome filter): a generation's answer,
+    /// scanned as it passes; judged once its last chunk has come.
+    answer: Option<Scanner>,
+    answer_ended: bool,
 }
 
 /// Type alias for the answers to one message (full-duplex mode answers
@@ -184,6 +190,9 @@ struct BodyState {
     /// Envoy streams bodies full-duplex (see [`crate::picker`]).
     duplex: picker::Duplex,
     pending: Option<hearth_fingerprint::Endpoint>,
+    /// The request is a generation (a prompt request whose body Envoy
+    /// sends).
+    generation: bool,
     /// Full duplex: the request body held, with the request headers still
     /// unanswered, until the decision.
     held: Option<HeldBody>,
@@ -212,7 +221,15 @@ impl Drop for Exchange {
         // replica. (Whether a 200 answer carried text arrives separately,
         // from the outcome filter; see `admin`.)
         if let Some(r) = &self.response {
-            let outcome = health::classify(Some(r.status.unwrap_or(0)), &r.details, None);
+            let answer = self
+                .answer
+                .as_ref()
+                .filter(|_| self.answer_ended)
+                .map(|a| Answer {
+                    text: a.text(),
+                    done: a.done(),
+                });
+            let outcome = health::classify(Some(r.status.unwrap_or(0)), &r.details, answer);
             self.router
                 .record_request(r.served.unwrap_or(primary), outcome);
             // Served by another replica than the one chosen: Envoy retried
@@ -238,6 +255,8 @@ impl Exchange {
             uncached_bytes: 0,
             body: BodyState::default(),
             subset: None,
+            answer: None,
+            answer_ended: false,
         }
     }
 
@@ -284,6 +303,15 @@ impl Exchange {
                         .as_deref()
                         .and_then(|a| self.router.replica_at(a, self.routed_to)),
                 });
+                // A generation's 200 answer: its body tells whether the
+                // engine generated (when ext_proc sends it).
+                let ok = self
+                    .response
+                    .as_ref()
+                    .is_some_and(|r| r.status == Some(200));
+                if self.body.generation && ok && !h.end_of_stream {
+                    self.answer = Some(Scanner::default());
+                }
                 let end = h.end_of_stream;
                 (vec![self.on_response_headers()], end)
             }
@@ -340,6 +368,10 @@ impl Exchange {
                 false,
             ),
             Some(processing_request::Request::ResponseBody(b)) => {
+                if let Some(scan) = self.answer.as_mut() {
+                    scan.feed(&b.body);
+                    self.answer_ended |= b.end_of_stream;
+                }
                 if b.end_of_stream {
                     self.decision = None;
                 }
@@ -423,6 +455,7 @@ impl Exchange {
             // Full duplex: a prompt request's headers are answered once its
             // body is in and decided on.
             self.body.pending = body::awaits_body(h);
+            self.body.generation = self.body.pending.is_some();
             if self.body.pending.is_some() {
                 self.body.held = Some(HeldBody::default());
                 return (vec![], false);
@@ -430,6 +463,7 @@ impl Exchange {
         } else if self.body.sent {
             // Body mode: a prompt request is routed once its body is in.
             self.body.pending = body::awaits_body(h);
+            self.body.generation = self.body.pending.is_some();
             if self.body.pending.is_some() {
                 let go_on = processing_response::Response::RequestHeaders(Default::default());
                 return (vec![reply(go_on, None)], false);

@@ -18,8 +18,10 @@
 
 pub mod config;
 pub mod metrics;
-pub mod outcome;
 pub mod policy;
+/// The outcome scan, shared with the sidecar (which runs it on response
+/// bodies in the shapes that have no wasm filter).
+pub use hearth_fingerprint::outcome;
 
 #[cfg(target_arch = "wasm32")]
 mod glue;

@@ -81,6 +81,7 @@ mod canonical;
 mod hash;
 pub mod header;
 mod json;
+pub mod outcome;
 
 pub use canonical::canonical_prompt;
 pub use hash::{chain_hashes, fnv1a64};

@@ -93,18 +93,41 @@ async fn a_replica_that_never_generates_is_fenced_by_probes_and_readmitted_when_
 
 #[tokio::test]
 async fn empty_answers_fence_a_replica_through_real_traffic() {
+    empty_answers_fence(FleetOptions::default()).await;
+}
+
+#[tokio::test]
+async fn empty_answers_fence_a_replica_in_the_endpoint_picker_shape() {
+    // No wasm filter: the sidecar scans the response bodies itself.
+    empty_answers_fence(FleetOptions {
+        gie_mode: true,
+        ..FleetOptions::default()
+    })
+    .await;
+}
+
+async fn empty_answers_fence(shape: FleetOptions) {
     // Probes off: only the outcome of real requests can find it.
-    let fleet = Fleet::start(flags(&["--probe-interval-seconds=0", "--eject-after=3"]))
-        .await
-        .unwrap();
+    let fleet = Fleet::start(FleetOptions {
+        engines: 3,
+        sidecar_flags: vec![
+            "--probe-interval-seconds=0".into(),
+            "--eject-after=3".into(),
+        ],
+        ..shape
+    })
+    .await
+    .unwrap();
     fleet.engines[2].engine.set_fault(Fault::Empty);
     let mut served_by_2 = Vec::new();
     for s in 0..30u64 {
         let mut conv = Conversation::new(MODEL, &filler(s + 50, 1024), false, 1000 + s);
-        let t = fleet.chat(&conv.next_turn(500, false)).await;
+        let t = fleet.chat(&conv.next_turn(500, s % 2 == 1)).await;
         if t.engine.as_deref() == Some("engine-2") {
             served_by_2.push(s);
-            assert_eq!(reply_text(&t.body), "");
+            if s % 2 == 0 {
+                assert_eq!(reply_text(&t.body), "");
+            }
         }
     }
     // Outcome reports travel asynchronously, so one more request may slip
@@ -121,12 +144,11 @@ async fn empty_answers_fence_a_replica_through_real_traffic() {
         e2.health.last_failure,
         Some(hearth_ext_proc::health::Failure::EmptyAnswer)
     );
-    // Healthy replicas' answers were judged fine.
-    assert!(s
-        .replicas
-        .iter()
-        .filter(|r| r.id != "engine-2")
-        .all(|r| r.health.consecutive_failures == 0));
+    // Healthy replicas' answers were judged fine, and proved them.
+    for r in s.replicas.iter().filter(|r| r.id != "engine-2") {
+        assert_eq!(r.health.consecutive_failures, 0, "{s:?}");
+        assert!(r.health.last_served_s_ago.is_some(), "{s:?}");
+    }
     fleet.assert_wasm_healthy();
 }
 

@@ -1,6 +1,9 @@
-//! The outcome role: what a generation's response body says about the
-//! replica that produced it, found by scanning the body as it streams past
-//! (no buffering, no JSON parse).
+//! What a generation's response body says about the replica that produced
+//! it, found by scanning the body as it streams past (no buffering, no JSON
+//! parse). The wasm filter's outcome role runs it and reports to the
+//! sidecar; the sidecar runs it itself on the response bodies ext_proc
+//! sends it where no wasm filter is installed (body and endpoint-picker
+//! modes).
 //!
 //! A 200 answer *generated* (reported as `text=1`) when some `"content"`,
 //! `"text"`, `"reasoning_content"`, `"reasoning"` or `"arguments"` string
@@ -8,8 +11,8 @@
 //! finished for reaching its token limit (`"finish_reason": "length"`): a
 //! reasoning model's first tokens are not visible text. It *ended* when it
 //! shows `[DONE]`, a `"finish_reason"` string or a `"usage"` object.
-//! The verdict goes to the sidecar in an asynchronous `POST /outcome` on
-//! its state endpoint: `upstream=IP:PORT;text=0|1;done=0|1`. (A response
+//! The wasm filter sends the verdict to the sidecar in an asynchronous
+//! `POST /outcome` on its state endpoint: `upstream=IP:PORT;text=0|1;done=0|1`. (A response
 //! trailer would be cheaper, but Envoy 1.40 does not let a wasm filter add
 //! trailers to a response that has a content-length.)
 
