@@ -118,6 +118,8 @@ pub struct HearthKnobs {
     pub long_replicas: usize,
     pub long_lane: hearth_ext_proc::config::LongLane,
     pub long_prompt_bytes: u64,
+    /// Load units a resident, paused conversation adds for newcomers.
+    pub resident_load: f64,
 }
 
 impl Default for HearthKnobs {
@@ -139,6 +141,7 @@ impl Default for HearthKnobs {
             long_replicas: 0,
             long_lane: s.long_lane,
             long_prompt_bytes: s.long_prompt_bytes,
+            resident_load: s.resident_load,
         }
     }
 }
@@ -170,6 +173,7 @@ impl HearthKnobs {
             format!("--long-prompt-bytes={}", self.long_prompt_bytes),
             format!("--load-unit-bytes={}", self.load_unit_bytes),
             format!("--warmth-blocks={}", self.warmth_blocks),
+            format!("--resident-load={}", self.resident_load),
         ];
         let settings = hearth_ext_proc::config::Cli::try_parse_from(args)
             .expect("benchmark sidecar settings parse")

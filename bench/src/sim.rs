@@ -299,6 +299,8 @@ pub struct SimArgs {
     pub affinity_cap: Option<u32>,
     #[arg(long)]
     pub first_turn_cap: Option<u32>,
+    #[arg(long)]
+    pub resident_load: Option<f64>,
     /// Replicas tagged `long` for the sidecar (the last ones; default:
     /// the scenario's).
     #[arg(long)]
@@ -362,6 +364,9 @@ impl SimArgs {
         }
         if let Some(c) = self.first_turn_cap {
             sc.hearth.first_turn_cap = c;
+        }
+        if let Some(r) = self.resident_load {
+            sc.hearth.resident_load = r;
         }
         if let Some(n) = self.long_replicas {
             sc.hearth.long_replicas = n;

@@ -97,6 +97,20 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_FIRST_TURN_CAP", default_value_t = 4)]
     pub first_turn_cap: u32,
 
+    /// Load units each resident conversation (its latest turn went to the
+    /// replica within HEARTH_RESIDENT_SECONDS, and it is not running now)
+    /// adds when a new conversation is placed. Above
+    /// HEARTH_FIRST_TURN_CAP / HEARTH_ALPHA, an idle replica wins a new
+    /// conversation over one holding a paused conversation and the
+    /// newcomer's shared prefix (0 = paused conversations weigh nothing).
+    #[arg(long, env = "HEARTH_RESIDENT_LOAD", default_value_t = 5.0)]
+    pub resident_load: f64,
+
+    /// Seconds after its latest turn that a conversation still counts as
+    /// resident on its replica.
+    #[arg(long, env = "HEARTH_RESIDENT_SECONDS", default_value_t = 120.0)]
+    pub resident_seconds: f64,
+
     /// Uncached prompt bytes that weigh one extra load unit (every request
     /// weighs at least one).
     #[arg(long, env = "HEARTH_LOAD_UNIT_BYTES", default_value_t = 65_536)]
@@ -435,6 +449,7 @@ impl Settings {
                 self.eject_max_backoff_seconds,
             ),
             ("HEARTH_BUSY_GRACE_SECONDS", self.busy_grace_seconds),
+            ("HEARTH_RESIDENT_SECONDS", self.resident_seconds),
             ("HEARTH_UPSTREAMS_POLL_SECONDS", self.upstreams_poll_seconds),
             (
                 "HEARTH_FIRST_BYTE_TIMEOUT_SECONDS",
@@ -449,6 +464,12 @@ impl Settings {
         }
         if self.probe_interval_seconds > 0.0 && self.probe_timeout_seconds <= 0.0 {
             problems.push("HEARTH_PROBE_TIMEOUT_SECONDS must be above 0 when probes run".into());
+        }
+        if !(self.resident_load.is_finite() && self.resident_load >= 0.0) {
+            problems.push(format!(
+                "HEARTH_RESIDENT_LOAD must be a finite number >= 0, got {}",
+                self.resident_load
+            ));
         }
         if !(self.engine_load_weight.is_finite() && self.engine_load_weight >= 0.0) {
             problems.push(format!(

@@ -13,6 +13,10 @@ use crate::health::{FleetHealth, HealthParams, HealthSnapshot, Outcome, ReplicaH
 use crate::policy::{self, AffinityBasis, Candidate, ScoreParams};
 use crate::warmth::LruBlocks;
 
+/// Resident conversations a replica holds before the old ones are dropped
+/// at the next decision rather than at the next first turn.
+const RESIDENT_PRUNE_AT: usize = 4096;
+
 /// A configured engine replica: one routing target.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Replica {
@@ -235,6 +239,9 @@ struct ReplicaState {
     health: ReplicaHealth,
     /// The engine's own figures (for this target's share of its address).
     engine: Option<EngineSignals>,
+    /// Conversations whose latest turn went here: their tip (last full
+    /// block) and when that turn was routed.
+    resident: std::collections::HashMap<u64, Instant>,
 }
 
 impl ReplicaState {
@@ -246,6 +253,7 @@ impl ReplicaState {
             routed: 0,
             health: ReplicaHealth::default(),
             engine: None,
+            resident: std::collections::HashMap::new(),
         }
     }
 }
@@ -437,6 +445,8 @@ pub struct Router {
     engine_load_weight: f64,
     max_queue: u64,
     short_output_tokens: u64,
+    resident_window: Duration,
+    resident_load: f64,
     fleet: Mutex<Fleet>,
     /// Last full block of recent prompts, fleet-wide (bounded LRU): a
     /// request whose overlap reaches one continues an earlier prompt.
@@ -481,6 +491,8 @@ impl Router {
             engine_load_weight: settings.engine_load_weight,
             max_queue: settings.max_queue,
             short_output_tokens: settings.short_output_tokens,
+            resident_window: config::seconds(settings.resident_seconds),
+            resident_load: settings.resident_load,
             fleet: Mutex::new(fleet),
             tips: Mutex::new(LruBlocks::new(settings.warmth_blocks)),
             rr: AtomicUsize::new(0),
@@ -670,16 +682,29 @@ impl Router {
         };
         let warmest = overlaps.iter().copied().max().unwrap_or(0);
         let mut tips = self.tips.lock().unwrap_or_else(|p| p.into_inner());
-        let continues = req.hashes[..warmest.min(req.hashes.len())]
+        let continued = req.hashes[..warmest.min(req.hashes.len())]
             .iter()
             .rev()
-            .any(|&h| tips.contains(h));
+            .find(|&&h| tips.contains(h))
+            .copied();
+        let continues = continued.is_some();
+        if !continues {
+            for &i in &candidates {
+                self.forget_departed(&mut state[i], now);
+            }
+        }
         let scored: Vec<Candidate> = candidates
             .iter()
             .zip(overlaps)
             .map(|(&i, overlap)| Candidate {
                 overlap: overlap as u32,
-                load: state[i].load + self.engine_load(&state[i], now),
+                load: state[i].load
+                    + self.engine_load(&state[i], now)
+                    + if continues {
+                        0.0
+                    } else {
+                        self.resident_load(&state[i])
+                    },
             })
             .collect();
         // Round-robin among exact ties: the turn advances only when the
@@ -747,6 +772,18 @@ impl Router {
         };
         if let Some(&tip) = full.checked_sub(1).and_then(|k| req.hashes.get(k)) {
             tips.touch(tip);
+            // The conversation now lives here (and no longer where its
+            // previous turn went).
+            if let Some(previous) = continued {
+                for s in state.iter_mut() {
+                    s.resident.remove(&previous);
+                }
+            }
+            let r = &mut state[chosen];
+            r.resident.insert(tip, now);
+            if r.resident.len() > RESIDENT_PRUNE_AT {
+                self.forget_departed(r, now);
+            }
         }
         drop(tips);
         drop(guard);
@@ -814,6 +851,23 @@ impl Router {
         } else {
             kept
         }
+    }
+
+    /// Drops conversations whose latest turn is older than the resident
+    /// window (they ended, or pause long enough to be evicted anyway).
+    fn forget_departed(&self, s: &mut ReplicaState, now: Instant) {
+        let window = self.resident_window;
+        s.resident
+            .retain(|_, at| now.saturating_duration_since(*at) < window);
+    }
+
+    /// Load that a new conversation sees on a replica for the
+    /// conversations resident there and not running now: they will come
+    /// back, and a slot-based engine evicts one of them for each newcomer
+    /// beyond its slots.
+    fn resident_load(&self, s: &ReplicaState) -> f64 {
+        let idle = s.resident.len().saturating_sub(s.in_flight as usize);
+        self.resident_load * idle as f64
     }
 
     /// Load the engine reports beyond this sidecar's own reservations:
@@ -1252,6 +1306,47 @@ mod tests {
     }
 
     #[test]
+    fn paused_conversations_count_against_their_replica_for_new_ones() {
+        // Four new conversations share a 32-block system prompt; each
+        // runs its first turn and pauses (its reservation dropped).
+        let four = |resident_load: &str| {
+            let list = "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3,127.0.0.1:4";
+            let args = ["x", "--upstreams", list, "--resident-load", resident_load];
+            Router::new(&Cli::try_parse_from(args).unwrap().settings)
+        };
+        let place = |resident_load: &str| {
+            let r = four(resident_load);
+            let mut homes = Vec::new();
+            for c in 0..4u64 {
+                let mut h: Vec<u64> = (1..=32).collect();
+                h.extend((0..4).map(|k| 1000 * (c + 1) + k));
+                homes.push(r.decide(&req(&h)).unwrap().primary());
+            }
+            homes
+        };
+        // Paused conversations weigh nothing: the prompt's holder takes
+        // every newcomer (its credit beats no load anywhere).
+        let packed = place("0");
+        assert!(packed.iter().all(|&h| h == packed[0]), "{packed:?}");
+        // Resident conversations count: one per replica.
+        let mut spread = place("5");
+        spread.sort();
+        assert_eq!(spread, [0, 1, 2, 3]);
+        // A conversation's next turn still goes home, whatever resides
+        // there; and it does not count against the home twice.
+        let r = four("5");
+        let mut turn: Vec<u64> = (1..=32).collect();
+        turn.extend([7001, 7002]);
+        let home = r.decide(&req(&turn)).unwrap().primary();
+        for k in 0..5u64 {
+            turn.extend([8000 + 2 * k, 8001 + 2 * k]);
+            assert_eq!(r.decide(&req(&turn)).unwrap().primary(), home);
+        }
+        let snap_resident = r.lock().state[home].resident.len();
+        assert_eq!(snap_resident, 1, "one conversation, one resident entry");
+    }
+
+    #[test]
     fn engine_figures_add_load_until_they_go_stale() {
         let r = Router::new(
             &Cli::try_parse_from([
@@ -1262,6 +1357,9 @@ mod tests {
                 "5",
                 "--max-queue",
                 "4",
+                // Only the engine's figures weigh here.
+                "--resident-load",
+                "0",
             ])
             .unwrap()
             .settings,
