@@ -76,8 +76,8 @@ pub struct LlamaConfig {
     pub ctx_size: u32,
     /// CPU threads for generation and prompt processing (`-t`, `-tb`).
     pub threads: u32,
-    /// Requests other than `/health` and `/v1/models` need
-    /// `Authorization: Bearer KEY` (`--api-key`).
+    /// Every request but `GET /health` needs `Authorization: Bearer KEY`
+    /// (`--api-key`; `/v1/models` and `/metrics` too).
     pub api_key: Option<String>,
     /// More flags, appended as given.
     pub extra_args: Vec<String>,
