@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use hearth_bench::llama::LlamaConfig;
+use hearth_bench::llama::{LlamaConfig, LlamaServer};
 use hearth_e2e::{cached_and_prompt_tokens, filler, reply_text, Conversation, Fleet, LlamaFleet};
 use hearth_ext_proc::health::HealthState;
 use hearth_ext_proc::router::Snapshot;
@@ -244,4 +244,48 @@ async fn a_killed_engine_is_fenced_and_readmitted_when_it_comes_back_on_its_port
         "no new conversation reached the re-admitted engine: {served:?}"
     );
     lf.fleet.assert_wasm_healthy();
+}
+
+#[tokio::test]
+async fn an_engine_restarts_on_its_port_and_its_key_guards_all_but_health() {
+    let mut engine = LlamaServer::start(LlamaConfig {
+        alias: "keyed".into(),
+        slots: 1,
+        ctx_size: 1024,
+        api_key: Some("engine-key".into()),
+        ..LlamaConfig::default()
+    })
+    .await
+    .unwrap();
+    let client = reqwest::Client::new();
+    let base = engine.url();
+    let get = |path: &str, key: Option<&str>| {
+        let mut req = client.get(format!("{base}{path}"));
+        if let Some(k) = key {
+            req = req.bearer_auth(k);
+        }
+        req.send()
+    };
+    assert_eq!(get("/health", None).await.unwrap().status(), 200);
+    assert_eq!(get("/v1/models", None).await.unwrap().status(), 401);
+    assert_eq!(get("/metrics", None).await.unwrap().status(), 401);
+    let models: Value = get("/v1/models", Some("engine-key"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "keyed", "{models}");
+    // The launcher sends the key with its own scrapes.
+    assert_eq!(engine.metric("requests_processing").await.unwrap(), 0.0);
+
+    let addr = engine.addr;
+    engine.stop();
+    assert!(!engine.is_running());
+    assert!(get("/health", None).await.is_err(), "{addr} still answers");
+    engine.restart().await.unwrap();
+    assert_eq!(engine.addr, addr);
+    assert!(engine.is_running());
+    assert_eq!(get("/health", None).await.unwrap().status(), 200);
+    assert_eq!(engine.log().matches("--- hearth: start ").count(), 2);
 }
