@@ -49,7 +49,9 @@ pub fn find_wasm() -> anyhow::Result<PathBuf> {
         .context("the wasm filter is not built: run scripts/setup (cargo build -p hearth-filter --target wasm32-wasip1 --profile wasm-release)")
 }
 
-fn search_roots() -> Vec<PathBuf> {
+/// Where the project's files are looked for: the executable's directory
+/// and the current directory (each with its ancestors, by the callers).
+pub(crate) fn search_roots() -> Vec<PathBuf> {
     let mut roots = Vec::new();
     if let Ok(exe) = std::env::current_exe() {
         roots.extend(exe.parent().map(Path::to_path_buf));

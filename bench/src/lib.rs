@@ -6,6 +6,8 @@
 //! - [`serve`]: the `hearth-bench serve` subcommand (a fleet of engines).
 //! - [`conversation`]: agent-style conversations as request bodies.
 //! - [`gateway`]: running the real Envoy (shared with the e2e tests).
+//! - [`llama`]: running a real engine, llama.cpp's `llama-server`
+//!   (shared with the e2e tests).
 //! - [`demo`]: the `hearth-bench demo` subcommand.
 //! - [`sidecar`]: the sidecar binary as a child process.
 //! - [`soak`]: the `hearth-bench soak` subcommand (faults under load).
@@ -20,6 +22,7 @@ pub mod demo;
 pub mod engine;
 pub mod gateway;
 pub mod live;
+pub mod llama;
 pub mod overhead;
 pub mod policies;
 pub mod report;

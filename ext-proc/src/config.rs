@@ -14,7 +14,15 @@ use crate::probe::ProbeParams;
 
 /// `HEARTH_*` variables read by Hearth's other tools (scripts, tests, the
 /// benchmark), not by the sidecar; accepted so a shared environment works.
-pub const OTHER_TOOLS_VARS: &[&str] = &["HEARTH_ENVOY", "HEARTH_DEMO_PORT"];
+pub const OTHER_TOOLS_VARS: &[&str] = &[
+    "HEARTH_ENVOY",
+    "HEARTH_DEMO_PORT",
+    "HEARTH_SETUP_RELEASE",
+    "HEARTH_SETUP_LLAMA",
+    "HEARTH_CACHE_DIR",
+    "HEARTH_LLAMA_SERVER",
+    "HEARTH_LLAMA_MODEL",
+];
 
 #[derive(Parser, Debug, Clone)]
 #[command(

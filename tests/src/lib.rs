@@ -1,6 +1,8 @@
 //! Shared harness for the end-to-end tests: simulated engines and the
 //! sidecar in-process on ephemeral loopback ports, the real Envoy (with the
-//! real wasm filter) as a child process in front of them.
+//! real wasm filter) as a child process in front of them; or real engines
+//! (llama.cpp's `llama-server`, [`LlamaFleet`]) in place of the simulated
+//! ones.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -9,6 +11,7 @@ use anyhow::Context;
 use clap::Parser;
 use hearth_bench::engine::{self, EngineConfig, EngineHandle, EngineStats};
 use hearth_bench::gateway::{find_wasm, Envoy};
+use hearth_bench::llama::{LlamaConfig, LlamaServer};
 use hearth_ext_proc::config::Cli;
 use hearth_ext_proc::envoy_config::{render, Gateway};
 use hearth_ext_proc::router::Snapshot;
@@ -57,6 +60,11 @@ pub struct FleetOptions {
     pub reasoning_tokens: usize,
     /// Engines require this bearer key on `/v1/*` and `/metrics`.
     pub engine_api_key: Option<String>,
+    /// Engines the test runs itself (real ones), as (replica id, address):
+    /// when set, no simulated engine is started and `engines` is ignored.
+    /// Such engines send no `x-engine-id`; a turn's engine is the `model`
+    /// the response names (see [`LlamaFleet`]).
+    pub external_engines: Vec<(String, SocketAddr)>,
 }
 
 impl Default for FleetOptions {
@@ -75,6 +83,7 @@ impl Default for FleetOptions {
             upstreams_file: false,
             reasoning_tokens: 0,
             engine_api_key: None,
+            external_engines: Vec::new(),
         }
     }
 }
@@ -119,7 +128,8 @@ pub async fn cluster_hosts(envoy: &Envoy, cluster: &str) -> anyhow::Result<Vec<S
 #[derive(Debug)]
 pub struct Turn {
     pub status: u16,
-    /// `x-engine-id`: the engine that really served it.
+    /// The engine that really served it: `x-engine-id` from a simulated
+    /// engine, the response's `model` from a real one.
     pub engine: Option<String>,
     /// `x-hearth-upstream`: the replica the gateway says served it.
     pub upstream: Option<String>,
@@ -158,7 +168,10 @@ impl Home {
         self.turns += 1;
         let (label, n) = (&self.label, self.turns);
         assert_eq!(t.status, 200, "{label} turn {n} failed: {:?}", t.body);
-        let engine = t.engine.clone().expect("x-engine-id");
+        let engine = t
+            .engine
+            .clone()
+            .expect("the engine that served (x-engine-id)");
         assert_eq!(
             t.upstream.as_deref(),
             Some(engine.as_str()),
@@ -195,12 +208,16 @@ pub struct Fleet {
     specs: Vec<String>,
     /// The directory of the replica-list file, when there is one.
     upstreams_file: Option<std::path::PathBuf>,
+    /// The engines are the test's own (real) ones.
+    external: bool,
 }
 
 impl Fleet {
     pub async fn start(opts: FleetOptions) -> anyhow::Result<Fleet> {
+        let external = !opts.external_engines.is_empty();
         let mut engines = Vec::new();
-        for i in 0..opts.engines {
+        let simulated = if external { 0 } else { opts.engines };
+        for i in 0..simulated {
             let config = EngineConfig {
                 id: format!("engine-{i}"),
                 model: MODEL.into(),
@@ -216,10 +233,18 @@ impl Fleet {
         }
         // Replica ids equal the engine ids, so `x-hearth-upstream` can be
         // checked against the engine that really answered.
-        let specs: Vec<String> = engines
+        let addrs: Vec<(String, SocketAddr)> = if external {
+            opts.external_engines.clone()
+        } else {
+            engines
+                .iter()
+                .map(|e| (e.engine.config().id.clone(), e.addr))
+                .collect()
+        };
+        let specs: Vec<String> = addrs
             .iter()
             .enumerate()
-            .map(|(i, e)| {
+            .map(|(i, (id, addr))| {
                 let mut tag = if opts.model_tag {
                     format!(";model={MODEL}")
                 } else {
@@ -228,7 +253,7 @@ impl Fleet {
                 for (_, extra) in opts.upstream_options.iter().filter(|(k, _)| *k == i) {
                     tag.push_str(extra);
                 }
-                format!("{};id={}{tag}", e.addr, e.engine.config().id)
+                format!("{addr};id={id}{tag}")
             })
             .collect();
         let upstreams_file = opts.upstreams_file.then(|| {
@@ -272,7 +297,7 @@ impl Fleet {
                 "127.0.0.1:0".parse()?,
                 sidecar.grpc_addr,
                 sidecar.admin_addr,
-                engines.iter().map(|e| e.addr).collect(),
+                addrs.iter().map(|(_, addr)| *addr).collect(),
                 find_wasm()?.canonicalize()?,
             )
         };
@@ -293,6 +318,7 @@ impl Fleet {
             gateway,
             specs,
             upstreams_file,
+            external,
         })
     }
 
@@ -397,10 +423,13 @@ impl Fleet {
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_string)
         };
-        let engine = header("x-engine-id");
+        let mut engine = header("x-engine-id");
         let upstream = header("x-hearth-upstream");
         let text = resp.text().await?;
         let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        if self.external && engine.is_none() {
+            engine = body["model"].as_str().map(str::to_string);
+        }
         Ok(Turn {
             status,
             engine,
@@ -495,5 +524,61 @@ impl Drop for Fleet {
         if let Some(dir) = &self.upstreams_file {
             let _ = std::fs::remove_dir_all(dir);
         }
+    }
+}
+
+/// Real engines behind the gateway: one llama.cpp `llama-server` per
+/// replica (the binary and model `scripts/setup` installs), each with its
+/// replica id as its model alias, so every answer's `model` names the
+/// engine that really produced it (a single-model server answers any
+/// requested model name with its own).
+pub struct LlamaFleet {
+    /// Dropped first: Envoy and the sidecar go before the engines.
+    pub fleet: Fleet,
+    pub engines: Vec<LlamaServer>,
+}
+
+impl LlamaFleet {
+    /// Starts `n` engines (replica ids `llama-0`, `llama-1`, ...) with
+    /// `config` (its alias is replaced by the id), then the sidecar with
+    /// `sidecar_flags` and Envoy in front of them.
+    pub async fn start(
+        n: usize,
+        config: &LlamaConfig,
+        sidecar_flags: &[&str],
+    ) -> anyhow::Result<LlamaFleet> {
+        let engines = futures::future::try_join_all((0..n).map(|i| {
+            LlamaServer::start(LlamaConfig {
+                alias: format!("llama-{i}"),
+                ..config.clone()
+            })
+        }))
+        .await?;
+        let fleet = Fleet::start(FleetOptions {
+            sidecar_flags: sidecar_flags.iter().map(|s| s.to_string()).collect(),
+            external_engines: engines
+                .iter()
+                .map(|e| (e.config().alias.clone(), e.addr))
+                .collect(),
+            ..FleetOptions::default()
+        })
+        .await?;
+        Ok(LlamaFleet { fleet, engines })
+    }
+
+    /// The engine whose replica id is `id`.
+    pub fn engine(&self, id: &str) -> &LlamaServer {
+        self.engines
+            .iter()
+            .find(|e| e.config().alias == id)
+            .unwrap_or_else(|| panic!("no engine {id}"))
+    }
+
+    /// Index of the engine whose replica id is `id`.
+    pub fn index(&self, id: &str) -> usize {
+        self.engines
+            .iter()
+            .position(|e| e.config().alias == id)
+            .unwrap_or_else(|| panic!("no engine {id}"))
     }
 }

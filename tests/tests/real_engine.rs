@@ -1,0 +1,291 @@
+//! Real engines behind the gateway: two llama.cpp `llama-server`s (two
+//! slots each, SmolLM2-135M-Instruct on the CPU) through the real Envoy,
+//! filter and sidecar. What came from cache is the engine's own figure
+//! (`usage.prompt_tokens_details.cached_tokens`), and which engine answered
+//! is the engine's own word (each answers with its replica id as `model`).
+//!
+//! Needs `scripts/setup` (it builds llama-server and installs the model);
+//! without them these tests fail and say what to run.
+
+use std::time::{Duration, Instant};
+
+use hearth_bench::llama::{LlamaConfig, LlamaServer};
+use hearth_e2e::{cached_and_prompt_tokens, filler, reply_text, Conversation, Fleet, LlamaFleet};
+use hearth_ext_proc::health::HealthState;
+use hearth_ext_proc::router::Snapshot;
+use serde_json::Value;
+
+/// The model clients ask for (a single-model llama-server serves any name).
+const MODEL: &str = "smollm2-135m-instruct";
+
+/// Sidecar flags of every test here.
+/// - These conversations are 1-3 KB of canonical prompt, less than two
+///   blocks of the default 2 KiB: a turn would share no full block with
+///   the one before and route on load alone. 256-byte blocks (the filter
+///   gets the same size) give them a prefix to follow.
+/// - A CPU engine reading a first turn while other jobs share the machine
+///   can take longer than the default probe timeout; a probe that times
+///   out there is slowness, not failure.
+const SIDECAR_FLAGS: [&str; 2] = ["--block-size=256", "--probe-timeout-seconds=30"];
+
+/// Two slots per engine, 2,048 tokens of KV cache each, one thread (the
+/// machine running the suite may have two cores for two engines).
+fn engine_config() -> LlamaConfig {
+    LlamaConfig {
+        slots: 2,
+        ctx_size: 4096,
+        threads: 1,
+        ..LlamaConfig::default()
+    }
+}
+
+/// A conversation with its own system prompt of a few hundred tokens,
+/// and what the engines said about its last turn.
+struct Session {
+    label: String,
+    conv: Conversation,
+    /// The engine that answered the last turn, and its prompt tokens.
+    last: Option<(String, u64)>,
+}
+
+impl Session {
+    fn new(seed: u64) -> Session {
+        let system = format!(
+            "You are the build assistant of project {seed}. Answer in one short sentence. \
+             Project notes follow.\n{}",
+            filler(seed, 1000)
+        );
+        Session {
+            label: format!("conversation {seed}"),
+            conv: Conversation::new(MODEL, &system, false, seed),
+            last: None,
+        }
+    }
+
+    /// Sends the next turn (a short user message, eight tokens of answer)
+    /// and returns the engine that answered. Checks that it is the one
+    /// `x-hearth-upstream` names, and what that engine read from its own
+    /// cache: after a turn it served, all of that turn's prompt (only the
+    /// reply and the new message are fresh); otherwise no more than the
+    /// chat template's first tokens (every prompt here starts with them).
+    async fn turn(&mut self, fleet: &Fleet) -> String {
+        let mut body = self.conv.next_turn(240, false);
+        body["max_tokens"] = 8.into();
+        let t = fleet.chat(&body).await;
+        let label = &self.label;
+        let engine = t
+            .engine
+            .clone()
+            .unwrap_or_else(|| panic!("{label}: no model in the answer: {:?}", t.body));
+        assert_eq!(
+            t.upstream.as_deref(),
+            Some(engine.as_str()),
+            "{label}: x-hearth-upstream names another engine than the one that answered"
+        );
+        let (cached, prompt) = cached_and_prompt_tokens(&t.body);
+        match &self.last {
+            Some((last, last_prompt)) if *last == engine => assert!(
+                cached >= *last_prompt,
+                "{label}: {engine} served the last turn ({last_prompt} prompt tokens) \
+                 but read only {cached} of {prompt} from cache: {:?}",
+                t.body["usage"]
+            ),
+            _ => assert!(
+                cached * 5 < prompt,
+                "{label}: new to {engine}, yet {cached} of {prompt} prompt tokens came \
+                 from its cache: {:?}",
+                t.body["usage"]
+            ),
+        }
+        self.last = Some((engine.clone(), prompt));
+        self.conv.push_assistant(&reply_text(&t.body));
+        engine
+    }
+}
+
+fn health(s: &Snapshot, id: &str) -> HealthState {
+    s.replicas
+        .iter()
+        .find(|r| r.id == id)
+        .unwrap_or_else(|| panic!("no replica {id} in {s:?}"))
+        .health
+        .state
+}
+
+/// The sidecar's `/health`: HTTP status and `status` field.
+async fn sidecar_health(fleet: &LlamaFleet) -> (u16, String) {
+    let (status, body) = fleet.fleet.admin_get("/health").await.unwrap();
+    let v: Value = serde_json::from_str(&body).unwrap();
+    (status, v["status"].as_str().unwrap_or_default().to_string())
+}
+
+/// Polls the sidecar's `/state` until `cond` holds; panics with the last
+/// state after `deadline`.
+async fn wait_for(
+    fleet: &LlamaFleet,
+    deadline: Duration,
+    what: &str,
+    cond: impl Fn(&Snapshot) -> bool,
+) {
+    let start = Instant::now();
+    loop {
+        let s = fleet.fleet.state().await.unwrap();
+        if cond(&s) {
+            eprintln!("{what} after {:?}", start.elapsed());
+            return;
+        }
+        assert!(
+            start.elapsed() < deadline,
+            "{what} not reached within {deadline:?}: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn conversations_stay_on_their_engine_and_read_their_history_from_its_cache() {
+    let lf = LlamaFleet::start(2, &engine_config(), &SIDECAR_FLAGS)
+        .await
+        .unwrap();
+    // Four conversations, one turn each in rotation: each engine serves
+    // two of them alternately, one per slot.
+    let mut sessions: Vec<Session> = (100..104).map(Session::new).collect();
+    let mut homes = Vec::new();
+    for s in sessions.iter_mut() {
+        homes.push(s.turn(&lf.fleet).await);
+    }
+    for turn in 2..=4 {
+        for (s, home) in sessions.iter_mut().zip(&homes) {
+            let engine = s.turn(&lf.fleet).await;
+            assert_eq!(&engine, home, "{} moved in turn {turn}", s.label);
+        }
+    }
+    let mut used = homes.clone();
+    used.sort();
+    used.dedup();
+    assert_eq!(
+        used,
+        ["llama-0", "llama-1"],
+        "the conversations did not use both engines: {homes:?}"
+    );
+    lf.fleet.assert_wasm_healthy();
+}
+
+#[tokio::test]
+async fn a_killed_engine_is_fenced_and_readmitted_when_it_comes_back_on_its_port() {
+    let mut flags = vec![
+        "--probe-interval-seconds=1",
+        "--eject-backoff-seconds=1",
+        "--eject-max-backoff-seconds=2",
+    ];
+    flags.extend(SIDECAR_FLAGS);
+    let mut lf = LlamaFleet::start(2, &engine_config(), &flags)
+        .await
+        .unwrap();
+    let (victim, survivor) = ("llama-1", "llama-0");
+
+    // New conversations until one lives on each engine.
+    let mut on_survivor = None;
+    let mut on_victim = None;
+    for seed in 200..206 {
+        let mut s = Session::new(seed);
+        match s.turn(&lf.fleet).await.as_str() {
+            e if e == survivor => on_survivor = on_survivor.or(Some(s)),
+            _ => on_victim = on_victim.or(Some(s)),
+        }
+        if on_survivor.is_some() && on_victim.is_some() {
+            break;
+        }
+    }
+    let (Some(stays), Some(moves)) = (on_survivor, on_victim) else {
+        panic!("six new conversations all went to one engine");
+    };
+    let mut sessions = [stays, moves];
+
+    let i = lf.index(victim);
+    lf.engines[i].stop();
+    // Every turn still succeeds, on the survivor (a request sent to the
+    // dead engine is retried there). The victim's conversation starts
+    // cold there and is warm from its next turn on (checked by `turn`).
+    for round in 0..3 {
+        for s in sessions.iter_mut() {
+            let engine = s.turn(&lf.fleet).await;
+            assert_eq!(engine, survivor, "{} in round {round}", s.label);
+        }
+    }
+    // Failed requests and failed probes fence it.
+    wait_for(&lf, Duration::from_secs(30), "llama-1 fenced", |s| {
+        health(s, victim) == HealthState::Fenced
+    })
+    .await;
+    assert_eq!(sidecar_health(&lf).await, (200, "degraded".to_string()));
+
+    // Back on the same port with an empty cache: a probe after the
+    // backoff re-admits it.
+    lf.engines[i].restart().await.unwrap();
+    wait_for(&lf, Duration::from_secs(60), "llama-1 re-admitted", |s| {
+        health(s, victim) == HealthState::Serving
+    })
+    .await;
+    assert_eq!(sidecar_health(&lf).await, (200, "ok".to_string()));
+
+    // Both conversations stay where their history now is; new ones reach
+    // the restarted engine again.
+    for s in sessions.iter_mut() {
+        let engine = s.turn(&lf.fleet).await;
+        assert_eq!(engine, survivor, "{} after the re-admission", s.label);
+    }
+    let mut served = Vec::new();
+    for seed in 300..302 {
+        served.push(Session::new(seed).turn(&lf.fleet).await);
+    }
+    assert!(
+        served.iter().any(|e| e == victim),
+        "no new conversation reached the re-admitted engine: {served:?}"
+    );
+    lf.fleet.assert_wasm_healthy();
+}
+
+#[tokio::test]
+async fn an_engine_restarts_on_its_port_and_its_key_guards_all_but_health() {
+    let mut engine = LlamaServer::start(LlamaConfig {
+        alias: "keyed".into(),
+        slots: 1,
+        ctx_size: 1024,
+        api_key: Some("engine-key".into()),
+        ..LlamaConfig::default()
+    })
+    .await
+    .unwrap();
+    let client = reqwest::Client::new();
+    let base = engine.url();
+    let get = |path: &str, key: Option<&str>| {
+        let mut req = client.get(format!("{base}{path}"));
+        if let Some(k) = key {
+            req = req.bearer_auth(k);
+        }
+        req.send()
+    };
+    assert_eq!(get("/health", None).await.unwrap().status(), 200);
+    assert_eq!(get("/v1/models", None).await.unwrap().status(), 401);
+    assert_eq!(get("/metrics", None).await.unwrap().status(), 401);
+    let models: Value = get("/v1/models", Some("engine-key"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "keyed", "{models}");
+    // The launcher sends the key with its own scrapes.
+    assert_eq!(engine.metric("requests_processing").await.unwrap(), 0.0);
+
+    let addr = engine.addr;
+    engine.stop();
+    assert!(!engine.is_running());
+    assert!(get("/health", None).await.is_err(), "{addr} still answers");
+    engine.restart().await.unwrap();
+    assert_eq!(engine.addr, addr);
+    assert!(engine.is_running());
+    assert_eq!(get("/health", None).await.unwrap().status(), 200);
+    assert_eq!(engine.log().matches("--- hearth: start ").count(), 2);
+}
