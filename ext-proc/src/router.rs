@@ -688,10 +688,17 @@ impl Router {
             .find(|&&h| tips.contains(h))
             .copied();
         let continues = continued.is_some();
-        if !continues {
+        // A new conversation: while some candidate is idle (nothing
+        // resident, nothing running), conversations paused on the others
+        // count against them.
+        let mut residents_count = false;
+        if !continues && self.resident_load > 0.0 {
             for &i in &candidates {
                 self.forget_departed(&mut state[i], now);
             }
+            residents_count = candidates
+                .iter()
+                .any(|&i| state[i].resident.is_empty() && state[i].in_flight == 0);
         }
         let scored: Vec<Candidate> = candidates
             .iter()
@@ -700,10 +707,10 @@ impl Router {
                 overlap: overlap as u32,
                 load: state[i].load
                     + self.engine_load(&state[i], now)
-                    + if continues {
-                        0.0
-                    } else {
+                    + if residents_count {
                         self.resident_load(&state[i])
+                    } else {
+                        0.0
                     },
             })
             .collect();
@@ -862,9 +869,9 @@ impl Router {
     }
 
     /// Load that a new conversation sees on a replica for the
-    /// conversations resident there and not running now: they will come
-    /// back, and a slot-based engine evicts one of them for each newcomer
-    /// beyond its slots.
+    /// conversations resident there and not running now (while another
+    /// replica is idle): they will come back, and a slot-based engine
+    /// evicts one of them for each newcomer beyond its slots.
     fn resident_load(&self, s: &ReplicaState) -> f64 {
         let idle = s.resident.len().saturating_sub(s.in_flight as usize);
         self.resident_load * idle as f64
