@@ -1,10 +1,11 @@
 //! Every Envoy configuration the project ships passes `envoy --mode
-//! validate`, and the shipped gateway bootstrap is what the generator makes
-//! and what the snippets make of the plain gateway.
+//! validate`, the shipped gateway bootstrap is what the generator makes and
+//! what the snippets make of the plain gateway, and every documented
+//! default is the code's.
 
 use std::path::{Path, PathBuf};
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use hearth_e2e::validate_config;
 use hearth_ext_proc::config::{Cli, Command};
 use hearth_ext_proc::envoy_config::{render, render_plain, EnvoyConfigArgs};
@@ -171,15 +172,104 @@ fn envoy_snippets_holds_the_snippets_and_its_readme_explains_each() {
     }
 }
 
+/// Every setting's flag, variable and default (`None`: it has none), as
+/// the code declares them.
+fn code_settings() -> Vec<(String, String, Option<String>)> {
+    Cli::command()
+        .get_arguments()
+        .filter_map(|a| {
+            let var = a.get_env()?.to_string_lossy().into_owned();
+            let flag = format!("--{}", a.get_long()?);
+            let default = a
+                .get_default_values()
+                .first()
+                .map(|v| v.to_string_lossy().into_owned());
+            Some((flag, var, default))
+        })
+        .collect()
+}
+
+/// Two spellings of one value: equal text, or equal numbers (`2`, `2.0`).
+fn same_value(a: &str, b: &str) -> bool {
+    a == b || matches!((a.parse::<f64>(), b.parse::<f64>()), (Ok(x), Ok(y)) if x == y)
+}
+
 #[test]
-fn every_sidecar_setting_is_documented_in_the_readme() {
+fn the_readme_settings_table_has_every_setting_with_the_codes_default() {
     let readme = read("README.md");
-    let missing: Vec<String> = hearth_ext_proc::config::known_env_vars()
-        .into_iter()
-        .filter(|v| !readme.contains(&format!("`{v}`")))
+    // | `--flag` | `HEARTH_VAR` | default | meaning |
+    let rows: Vec<Vec<String>> = readme
+        .lines()
+        .filter(|l| l.starts_with("| `--"))
+        .map(|l| l.split('|').map(|c| c.trim().to_string()).collect())
         .collect();
-    assert!(
-        missing.is_empty(),
-        "README settings table lacks {missing:?}"
-    );
+    let settings = code_settings();
+    let mut problems = Vec::new();
+    for (flag, var, default) in &settings {
+        let Some(row) = rows.iter().find(|r| r[2] == format!("`{var}`")) else {
+            problems.push(format!("{var}: no row in the settings table"));
+            continue;
+        };
+        if row[1] != format!("`{flag}`") {
+            problems.push(format!("{var}: the table says {}, the code {flag}", row[1]));
+        }
+        // A value in backticks, or a parenthesised note for no default.
+        let cell = &row[3];
+        let documented = cell.strip_prefix('`').and_then(|c| c.strip_suffix('`'));
+        let agrees = match (default, documented) {
+            (Some(code), Some(doc)) => same_value(code, doc),
+            (None, None) => cell.starts_with('('),
+            _ => false,
+        };
+        if !agrees {
+            problems.push(format!("{var}: the table's default is {cell}, the code's {default:?}"));
+        }
+    }
+    for row in &rows {
+        if !settings.iter().any(|(_, var, _)| row[2] == format!("`{var}`")) {
+            problems.push(format!("{}: in the table, not a setting", row[2]));
+        }
+    }
+    assert!(problems.is_empty(), "README settings table: {problems:#?}");
+}
+
+#[test]
+fn the_sidecar_configmap_holds_each_default_or_says_why_not() {
+    let text = read("deploy/sidecar/configmap.yaml");
+    // Each entry of `data`, with the comment just above it.
+    let mut entries = Vec::new();
+    let mut comment = String::new();
+    for line in text.lines().skip_while(|l| *l != "data:").skip(1) {
+        let line = line.trim();
+        if let Some(c) = line.strip_prefix('#') {
+            comment.push_str(c.trim());
+            comment.push(' ');
+        } else if let Some((key, value)) = line.split_once(": ") {
+            let value: String = serde_yaml::from_str(value).unwrap();
+            entries.push((key.to_string(), value, std::mem::take(&mut comment)));
+        }
+    }
+    // The reading above is the YAML's.
+    let doc: Value = serde_yaml::from_str(&text).unwrap();
+    let data = doc["data"].as_mapping().unwrap();
+    assert_eq!(entries.len(), data.len());
+    for (key, value, _) in &entries {
+        assert_eq!(data[key.as_str()].as_str(), Some(value.as_str()), "{key}");
+    }
+    let mut problems = Vec::new();
+    for (_, var, default) in code_settings() {
+        let Some((_, value, comment)) = entries.iter().find(|(k, _, _)| *k == var) else {
+            problems.push(format!("{var}: not in the ConfigMap"));
+            continue;
+        };
+        // Empty means unset, which is the default of a setting without one.
+        let code = default.clone().unwrap_or_default();
+        let why = format!("Not the default ({}):", default.as_deref().unwrap_or("unset"));
+        if !same_value(value, &code) && !comment.contains(&why) {
+            problems.push(format!(
+                "{var}: {value:?} is not the default {code:?}, and its comment lacks \"{why}\""
+            ));
+        }
+    }
+    assert!(problems.is_empty(), "deploy/sidecar/configmap.yaml: {problems:#?}");
 }
