@@ -29,9 +29,7 @@ pub fn apply(config: &mut Value, snippet: &Snippet, values: &[(&str, String)]) {
         Place::HttpFilters => {
             let entries = piece.as_sequence().expect("a list of filters");
             for hcm in connection_managers(config) {
-                let chain = hcm["http_filters"]
-                    .as_sequence_mut()
-                    .expect("http_filters");
+                let chain = hcm["http_filters"].as_sequence_mut().expect("http_filters");
                 let router = chain
                     .iter()
                     .position(|f| f["name"] == "envoy.filters.http.router")
@@ -132,8 +130,7 @@ mod tests {
 
     #[test]
     fn merge_recurses_into_mappings_appends_lists_and_replaces_the_rest() {
-        let mut into: Value =
-            serde_yaml::from_str("{a: {b: 1, c: [x]}, d: old, keep: 1}").unwrap();
+        let mut into: Value = serde_yaml::from_str("{a: {b: 1, c: [x]}, d: old, keep: 1}").unwrap();
         let from: Value = serde_yaml::from_str("{a: {b: 2, c: [y]}, d: new, e: 3}").unwrap();
         merge(&mut into, &from);
         let want: Value =

@@ -163,7 +163,11 @@ fn envoy_snippets_holds_the_snippets_and_its_readme_explains_each() {
     assert_eq!(files, known, "envoy/snippets/*.yaml against snippets::ALL");
     let readme = read("envoy/snippets/README.md");
     for s in ALL {
-        assert!(readme.contains(&format!("`{}`", s.file)), "README lacks {}", s.file);
+        assert!(
+            readme.contains(&format!("`{}`", s.file)),
+            "README lacks {}",
+            s.file
+        );
         // The file on disk is the text the generator compiled in.
         assert_eq!(read(&format!("envoy/snippets/{}", s.file)), s.text);
     }
@@ -222,11 +226,16 @@ fn the_readme_settings_table_has_every_setting_with_the_codes_default() {
             _ => false,
         };
         if !agrees {
-            problems.push(format!("{var}: the table's default is {cell}, the code's {default:?}"));
+            problems.push(format!(
+                "{var}: the table's default is {cell}, the code's {default:?}"
+            ));
         }
     }
     for row in &rows {
-        if !settings.iter().any(|(_, var, _)| row[2] == format!("`{var}`")) {
+        if !settings
+            .iter()
+            .any(|(_, var, _)| row[2] == format!("`{var}`"))
+        {
             problems.push(format!("{}: in the table, not a setting", row[2]));
         }
     }
@@ -264,12 +273,18 @@ fn the_sidecar_configmap_holds_each_default_or_says_why_not() {
         };
         // Empty means unset, which is the default of a setting without one.
         let code = default.clone().unwrap_or_default();
-        let why = format!("Not the default ({}):", default.as_deref().unwrap_or("unset"));
+        let why = format!(
+            "Not the default ({}):",
+            default.as_deref().unwrap_or("unset")
+        );
         if !same_value(value, &code) && !comment.contains(&why) {
             problems.push(format!(
                 "{var}: {value:?} is not the default {code:?}, and its comment lacks \"{why}\""
             ));
         }
     }
-    assert!(problems.is_empty(), "deploy/sidecar/configmap.yaml: {problems:#?}");
+    assert!(
+        problems.is_empty(),
+        "deploy/sidecar/configmap.yaml: {problems:#?}"
+    );
 }

@@ -98,7 +98,9 @@ fn to_yaml(config: &Value) -> String {
 
 /// A GET through `envoy`: status, `x-edge`, body.
 async fn get(envoy: &Envoy, path: &str) -> (u16, Option<String>, String) {
-    let r = reqwest::get(format!("{}{path}", envoy.url())).await.unwrap();
+    let r = reqwest::get(format!("{}{path}", envoy.url()))
+        .await
+        .unwrap();
     let edge = r
         .headers()
         .get("x-edge")
@@ -152,7 +154,13 @@ async fn a_foreign_gateway_with_the_snippets_keeps_conversations_on_their_replic
             "envoy.filters.http.router"
         ]
     );
-    assert_eq!(hcm["local_reply_config"]["mappers"].as_sequence().unwrap().len(), 2);
+    assert_eq!(
+        hcm["local_reply_config"]["mappers"]
+            .as_sequence()
+            .unwrap()
+            .len(),
+        2
+    );
     // The listener keeps Envoy's default buffer (1 MiB): the route's limit
     // is what lets a larger prompt be hashed.
     assert!(config["static_resources"]["listeners"][0]
@@ -163,7 +171,10 @@ async fn a_foreign_gateway_with_the_snippets_keeps_conversations_on_their_replic
     let edge = fleet.start_envoy(&yaml).await.unwrap();
 
     // The operator's own routes and filter behave as before.
-    assert_eq!(get(&edge, "/healthz").await, (200, Some("seen".into()), "edge ok".into()));
+    assert_eq!(
+        get(&edge, "/healthz").await,
+        (200, Some("seen".into()), "edge ok".into())
+    );
     let (status, _, body) = get(&edge, "/nowhere").await;
     assert_eq!((status, body.as_str()), (404, "edge: no such route\n"));
 
@@ -197,7 +208,10 @@ async fn a_foreign_gateway_with_the_snippets_keeps_conversations_on_their_replic
         long.push_assistant(&reply_text(&t.body));
     }
     assert_eq!(fleet.state().await.unwrap().hashed_total, 26);
-    assert_eq!(edge.stat("wasmcustom.hearth_filter.hashed").await.unwrap(), Some(26));
+    assert_eq!(
+        edge.stat("wasmcustom.hearth_filter.hashed").await.unwrap(),
+        Some(26)
+    );
 
     // A replica answering 503 has the turn retried on another one.
     let home = homes[0].engine().unwrap().to_string();
@@ -287,5 +301,8 @@ async fn the_two_wasm_entries_share_one_vm_per_worker() {
         );
     }
     // Envoy starts the separate VM on every worker thread (and the main one).
-    assert!(active[0] > 0 && active[0] < active[1], "active VMs, shared then separate: {active:?}");
+    assert!(
+        active[0] > 0 && active[0] < active[1],
+        "active VMs, shared then separate: {active:?}"
+    );
 }

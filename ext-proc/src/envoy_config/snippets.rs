@@ -97,18 +97,12 @@ pub const PLACEHOLDERS: [(&str, &str); 10] = [
         "ENGINES_CLUSTER",
         "the name of your cluster of engine replicas",
     ),
-    (
-        "WASM_FILE",
-        "path of hearth_filter.wasm as Envoy sees it",
-    ),
+    ("WASM_FILE", "path of hearth_filter.wasm as Envoy sees it"),
     (
         "BLOCK_SIZE",
         "fingerprint block size in bytes: the sidecar's HEARTH_BLOCK_SIZE",
     ),
-    (
-        "MAX_PREFIX_BYTES",
-        "canonical prompt bytes hashed at most",
-    ),
+    ("MAX_PREFIX_BYTES", "canonical prompt bytes hashed at most"),
     (
         "MAX_BODY_BYTES",
         "largest request body the filter buffers and hashes",
@@ -227,7 +221,11 @@ mod tests {
         for s in ALL {
             let (note, body) = s.text.split_once("\n\n").unwrap();
             assert!(note.lines().all(|l| l.starts_with('#')), "{}", s.file);
-            assert!(note.contains("Where:"), "{}: the note says where it goes", s.file);
+            assert!(
+                note.contains("Where:"),
+                "{}: the note says where it goes",
+                s.file
+            );
             // An empty line would end a filter entry for render_body.
             assert!(!body.contains("\n\n"), "{}", s.file);
         }
@@ -239,18 +237,27 @@ mod tests {
         let route = ROUTE.fill(&values);
         assert!(route.contains("cluster: llm_pool\n"));
         assert!(route.contains("${BUFFER_LIMIT_BYTES}"));
-        assert_eq!(ROUTE.placeholders(), ["BUFFER_LIMIT_BYTES", "ENGINES_CLUSTER"]);
+        assert_eq!(
+            ROUTE.placeholders(),
+            ["BUFFER_LIMIT_BYTES", "ENGINES_CLUSTER"]
+        );
     }
 
     #[test]
     fn bodies_drop_the_placement_comment_and_indent() {
-        let body = SIDECAR_CLUSTER.body(&sidecar_values(
-            "10.0.0.1:50051".parse().unwrap(),
-            "10.0.0.1:9190".parse().unwrap(),
-        ), 2);
+        let body = SIDECAR_CLUSTER.body(
+            &sidecar_values(
+                "10.0.0.1:50051".parse().unwrap(),
+                "10.0.0.1:9190".parse().unwrap(),
+            ),
+            2,
+        );
         assert!(body.starts_with("  - name: hearth_sidecar\n"), "{body}");
         assert!(body.contains("address: \"10.0.0.1\", port_value: 50051"));
         let item = ENGINES_CLUSTER.body_as_item(&[("ENGINES_CLUSTER", "pool".into())], 2);
-        assert!(item.starts_with("  - name: pool\n    load_balancing_policy:\n"), "{item}");
+        assert!(
+            item.starts_with("  - name: pool\n    load_balancing_policy:\n"),
+            "{item}"
+        );
     }
 }
