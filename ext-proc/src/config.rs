@@ -51,7 +51,9 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
 
-    /// HTTP address of the read-only state endpoint (`/state`, `/health`).
+    /// HTTP address of the state endpoint (`/state`, `/health`, `/metrics`,
+    /// the dashboard), which also takes `POST /outcome` from Envoy's
+    /// outcome filter.
     #[arg(long, env = "HEARTH_ADMIN_LISTEN", default_value = "127.0.0.1:9190")]
     pub admin_listen: SocketAddr,
 

@@ -21,7 +21,7 @@ pub enum Role {
     #[default]
     Fingerprint,
     /// Report whether each generation's 200 answer carried text and ended,
-    /// in the `x-hearth-outcome` response trailer.
+    /// to the sidecar (`POST /outcome` through `outcome_cluster`).
     Outcome,
 }
 
@@ -29,7 +29,7 @@ pub enum Role {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FilterConfig {
     pub role: Role,
-    /// Envoy cluster of the sidecar's state endpoint (outcome role).
+    /// Envoy cluster of the sidecar's HTTP endpoint (outcome role).
     pub outcome_cluster: String,
     /// Exact request paths (query ignored) to fingerprint, with their API.
     pub routes: Vec<(String, Endpoint)>,

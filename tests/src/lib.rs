@@ -20,6 +20,8 @@ use serde_json::Value;
 
 pub use hearth_bench::conversation::{cached_and_prompt_tokens, filler, reply_text, Conversation};
 
+pub mod snippets;
+
 /// The model the simulated engines serve.
 pub const MODEL: &str = "hearth-sim";
 
@@ -581,4 +583,17 @@ impl LlamaFleet {
             .position(|e| e.config().alias == id)
             .unwrap_or_else(|| panic!("no engine {id}"))
     }
+}
+
+/// `envoy --mode validate` on a configuration's text (through a scratch
+/// file named after `name`).
+pub fn validate_config(name: &str, yaml: &str) -> anyhow::Result<()> {
+    let tmp = std::env::temp_dir().join(format!(
+        "hearth-validate-{}-{name}.yaml",
+        std::process::id()
+    ));
+    std::fs::write(&tmp, yaml)?;
+    let result = hearth_bench::gateway::validate(&tmp);
+    let _ = std::fs::remove_file(&tmp);
+    result
 }

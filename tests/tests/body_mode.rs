@@ -52,3 +52,28 @@ async fn sessions_stay_on_their_warm_replica_in_body_mode() {
     let served: u64 = fleet.engine_stats().iter().map(|e| e.requests_total).sum();
     assert!(served >= 16, "{served} admitted; homes {homes:?}");
 }
+
+#[tokio::test]
+async fn a_body_past_the_buffer_limit_gets_an_openai_shaped_413_in_body_mode() {
+    let fleet = Fleet::start(FleetOptions {
+        body_mode: true,
+        engines: 2,
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    // The route's request buffer: max_body_bytes plus 1 MiB.
+    let limit = fleet.gateway.max_body_bytes + (1 << 20);
+    let mut conv = Conversation::new(MODEL, &filler(9, limit + 4096), false, 900);
+    let t = fleet
+        .post_json("/v1/chat/completions", &conv.next_turn(100, false))
+        .await
+        .unwrap();
+    assert_eq!(t.status, 413, "{:?}", t.body);
+    assert_eq!(t.engine, None, "an engine answered");
+    let error = &t.body["error"];
+    assert_eq!(error["type"], "invalid_request_error", "{:?}", t.body);
+    assert_eq!(error["code"], "request_too_large");
+    let message = error["message"].as_str().unwrap();
+    assert!(message.contains(&format!("({limit} bytes)")), "{message}");
+}

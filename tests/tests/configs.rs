@@ -1,12 +1,16 @@
 //! Every Envoy configuration the project ships passes `envoy --mode
-//! validate`, and the shipped gateway bootstrap is what the generator makes.
+//! validate`, the shipped gateway bootstrap is what the generator makes and
+//! what the snippets make of the plain gateway, and every documented
+//! default is the code's.
 
 use std::path::{Path, PathBuf};
 
-use clap::Parser;
-use hearth_bench::gateway::validate;
-use hearth_ext_proc::config::Cli;
-use hearth_ext_proc::envoy_config::render;
+use clap::{CommandFactory, Parser};
+use hearth_e2e::validate_config;
+use hearth_ext_proc::config::{Cli, Command};
+use hearth_ext_proc::envoy_config::{render, render_plain, EnvoyConfigArgs};
+use hearth_ext_proc::Settings;
+use serde_yaml::Value;
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -15,19 +19,27 @@ fn root() -> PathBuf {
         .to_path_buf()
 }
 
-#[test]
-fn shipped_gateway_yaml_is_the_generated_default() {
-    let cli = Cli::try_parse_from([
+/// `envoy-config` as `scripts/gen-envoy-config` runs it for the shipped
+/// files, with `extra` flags.
+fn shipped(extra: &[&str]) -> (EnvoyConfigArgs, Settings) {
+    let mut args = vec![
         "hearth-ext-proc",
         "--upstreams=127.0.0.1:8001,127.0.0.1:8002,127.0.0.1:8003,127.0.0.1:8004",
         "envoy-config",
-    ])
-    .unwrap();
-    let Some(hearth_ext_proc::config::Command::EnvoyConfig(args)) = &cli.command else {
+    ];
+    args.extend_from_slice(extra);
+    let cli = Cli::try_parse_from(args).unwrap();
+    let Some(Command::EnvoyConfig(args)) = cli.command else {
         panic!("envoy-config did not parse")
     };
-    let expected = render(&args.gateway(&cli.settings));
-    let shipped = std::fs::read_to_string(root().join("envoy/gateway.yaml")).unwrap();
+    (args, cli.settings)
+}
+
+#[test]
+fn shipped_gateway_yaml_is_the_generated_default() {
+    let (args, settings) = shipped(&[]);
+    let expected = render(&args.gateway(&settings));
+    let shipped = read("envoy/gateway.yaml");
     assert!(
         shipped == expected,
         "envoy/gateway.yaml is stale: regenerate it with scripts/gen-envoy-config"
@@ -36,17 +48,8 @@ fn shipped_gateway_yaml_is_the_generated_default() {
 
 #[test]
 fn shipped_body_mode_yaml_is_the_generated_default() {
-    let cli = Cli::try_parse_from([
-        "hearth-ext-proc",
-        "--upstreams=127.0.0.1:8001,127.0.0.1:8002,127.0.0.1:8003,127.0.0.1:8004",
-        "envoy-config",
-        "--mode=body",
-    ])
-    .unwrap();
-    let Some(hearth_ext_proc::config::Command::EnvoyConfig(args)) = &cli.command else {
-        panic!("envoy-config did not parse")
-    };
-    let expected = args.render(&cli.settings);
+    let (args, settings) = shipped(&["--mode=body"]);
+    let expected = args.render(&settings);
     let shipped = std::fs::read_to_string(root().join("envoy/gateway-body.yaml")).unwrap();
     assert!(
         shipped == expected,
@@ -56,35 +59,13 @@ fn shipped_body_mode_yaml_is_the_generated_default() {
 
 #[test]
 fn shipped_gie_yaml_is_the_generated_default() {
-    let cli = Cli::try_parse_from([
-        "hearth-ext-proc",
-        "--upstreams=127.0.0.1:8001,127.0.0.1:8002,127.0.0.1:8003,127.0.0.1:8004",
-        "envoy-config",
-        "--mode=gie",
-    ])
-    .unwrap();
-    let Some(hearth_ext_proc::config::Command::EnvoyConfig(args)) = &cli.command else {
-        panic!("envoy-config did not parse")
-    };
-    let expected = args.render(&cli.settings);
+    let (args, settings) = shipped(&["--mode=gie"]);
+    let expected = args.render(&settings);
     let shipped = std::fs::read_to_string(root().join("envoy/gateway-gie.yaml")).unwrap();
     assert!(
         shipped == expected,
         "envoy/gateway-gie.yaml is stale: regenerate it with scripts/gen-envoy-config"
     );
-}
-
-/// `envoy --mode validate` on a bootstrap's text (through a scratch file
-/// named after `name`).
-fn validate_text(name: &str, yaml: &str) -> anyhow::Result<()> {
-    let tmp = std::env::temp_dir().join(format!(
-        "hearth-validate-{}-{name}.yaml",
-        std::process::id()
-    ));
-    std::fs::write(&tmp, yaml)?;
-    let result = validate(&tmp);
-    let _ = std::fs::remove_file(&tmp);
-    result
 }
 
 #[test]
@@ -100,7 +81,7 @@ fn every_shipped_envoy_config_validates() {
                 hearth_ext_proc::envoy_config::DEFAULT_WASM,
                 &wasm.canonicalize().unwrap().display().to_string(),
             );
-            validate_text(&format!("shipped-{checked}"), &text)
+            validate_config(&format!("shipped-{checked}"), &text)
                 .unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
             checked += 1;
         }
@@ -118,21 +99,14 @@ fn eds_bootstraps_validate() {
     let wasm = hearth_bench::gateway::find_wasm().expect("wasm built");
     let wasm = wasm.canonicalize().unwrap().display().to_string();
     for mode in ["filter", "body"] {
-        let cli = Cli::try_parse_from([
-            "hearth-ext-proc",
-            "--upstreams=127.0.0.1:8001,127.0.0.1:8002,127.0.0.1:8003,127.0.0.1:8004",
-            "envoy-config",
+        let (args, settings) = shipped(&[
             &format!("--mode={mode}"),
             "--endpoints=eds",
             &format!("--wasm={wasm}"),
-        ])
-        .unwrap();
-        let Some(hearth_ext_proc::config::Command::EnvoyConfig(args)) = &cli.command else {
-            panic!("envoy-config did not parse")
-        };
-        let yaml = args.render(&cli.settings);
+        ]);
+        let yaml = args.render(&settings);
         assert!(yaml.contains("type: EDS"), "{mode}: {yaml}");
-        validate_text(&format!("eds-{mode}"), &yaml)
+        validate_config(&format!("eds-{mode}"), &yaml)
             .unwrap_or_else(|e| panic!("{mode} with --endpoints eds: {e:#}"));
     }
 }
@@ -152,18 +126,165 @@ fn the_plain_baseline_validates() {
     );
     let yaml = hearth_ext_proc::envoy_config::render_plain(&g);
     assert!(yaml.contains("port_value: 8002") && !yaml.contains("ext_proc"));
-    validate_text("plain", &yaml).unwrap_or_else(|e| panic!("plain baseline: {e:#}"));
+    validate_config("plain", &yaml).unwrap_or_else(|e| panic!("plain baseline: {e:#}"));
+}
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(root().join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
 #[test]
-fn every_sidecar_setting_is_documented_in_the_readme() {
-    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
-    let missing: Vec<String> = hearth_ext_proc::config::known_env_vars()
-        .into_iter()
-        .filter(|v| !readme.contains(&format!("`{v}`")))
-        .collect();
+fn shipped_gateway_yaml_is_the_snippets_applied_to_the_plain_gateway() {
+    let (args, settings) = shipped(&[]);
+    let g = args.gateway(&settings);
+    let mut applied: Value = serde_yaml::from_str(&render_plain(&g)).unwrap();
+    hearth_e2e::snippets::apply_all(&mut applied, &g.snippet_values());
+    let shipped: Value = serde_yaml::from_str(&read("envoy/gateway.yaml")).unwrap();
     assert!(
-        missing.is_empty(),
-        "README settings table lacks {missing:?}"
+        shipped == applied,
+        "envoy/gateway.yaml is not the plain gateway with envoy/snippets/ applied\n\
+         --- applied ---\n{}\n--- shipped ---\n{}",
+        serde_yaml::to_string(&applied).unwrap(),
+        serde_yaml::to_string(&shipped).unwrap()
+    );
+}
+
+#[test]
+fn envoy_snippets_holds_the_snippets_and_its_readme_explains_each() {
+    use hearth_ext_proc::envoy_config::snippets::{ALL, PLACEHOLDERS};
+    let mut files: Vec<String> = std::fs::read_dir(root().join("envoy/snippets"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|f| f.ends_with(".yaml"))
+        .collect();
+    files.sort();
+    let mut known: Vec<String> = ALL.iter().map(|s| s.file.to_string()).collect();
+    known.sort();
+    assert_eq!(files, known, "envoy/snippets/*.yaml against snippets::ALL");
+    let readme = read("envoy/snippets/README.md");
+    for s in ALL {
+        assert!(
+            readme.contains(&format!("`{}`", s.file)),
+            "README lacks {}",
+            s.file
+        );
+        // The file on disk is the text the generator compiled in.
+        assert_eq!(read(&format!("envoy/snippets/{}", s.file)), s.text);
+    }
+    for (name, _) in PLACEHOLDERS {
+        assert!(readme.contains(&format!("`{name}`")), "README lacks {name}");
+    }
+}
+
+/// Every setting's flag, variable and default (`None`: it has none), as
+/// the code declares them.
+fn code_settings() -> Vec<(String, String, Option<String>)> {
+    Cli::command()
+        .get_arguments()
+        .filter_map(|a| {
+            let var = a.get_env()?.to_string_lossy().into_owned();
+            let flag = format!("--{}", a.get_long()?);
+            let default = a
+                .get_default_values()
+                .first()
+                .map(|v| v.to_string_lossy().into_owned());
+            Some((flag, var, default))
+        })
+        .collect()
+}
+
+/// Two spellings of one value: equal text, or equal numbers (`2`, `2.0`).
+fn same_value(a: &str, b: &str) -> bool {
+    a == b || matches!((a.parse::<f64>(), b.parse::<f64>()), (Ok(x), Ok(y)) if x == y)
+}
+
+#[test]
+fn the_readme_settings_table_has_every_setting_with_the_codes_default() {
+    let readme = read("README.md");
+    // | `--flag` | `HEARTH_VAR` | default | meaning |
+    let rows: Vec<Vec<String>> = readme
+        .lines()
+        .filter(|l| l.starts_with("| `--"))
+        .map(|l| l.split('|').map(|c| c.trim().to_string()).collect())
+        .collect();
+    let settings = code_settings();
+    let mut problems = Vec::new();
+    for (flag, var, default) in &settings {
+        let Some(row) = rows.iter().find(|r| r[2] == format!("`{var}`")) else {
+            problems.push(format!("{var}: no row in the settings table"));
+            continue;
+        };
+        if row[1] != format!("`{flag}`") {
+            problems.push(format!("{var}: the table says {}, the code {flag}", row[1]));
+        }
+        // A value in backticks, or a parenthesised note for no default.
+        let cell = &row[3];
+        let documented = cell.strip_prefix('`').and_then(|c| c.strip_suffix('`'));
+        let agrees = match (default, documented) {
+            (Some(code), Some(doc)) => same_value(code, doc),
+            (None, None) => cell.starts_with('('),
+            _ => false,
+        };
+        if !agrees {
+            problems.push(format!(
+                "{var}: the table's default is {cell}, the code's {default:?}"
+            ));
+        }
+    }
+    for row in &rows {
+        if !settings
+            .iter()
+            .any(|(_, var, _)| row[2] == format!("`{var}`"))
+        {
+            problems.push(format!("{}: in the table, not a setting", row[2]));
+        }
+    }
+    assert!(problems.is_empty(), "README settings table: {problems:#?}");
+}
+
+#[test]
+fn the_sidecar_configmap_holds_each_default_or_says_why_not() {
+    let text = read("deploy/sidecar/configmap.yaml");
+    // Each entry of `data`, with the comment just above it.
+    let mut entries = Vec::new();
+    let mut comment = String::new();
+    for line in text.lines().skip_while(|l| *l != "data:").skip(1) {
+        let line = line.trim();
+        if let Some(c) = line.strip_prefix('#') {
+            comment.push_str(c.trim());
+            comment.push(' ');
+        } else if let Some((key, value)) = line.split_once(": ") {
+            let value: String = serde_yaml::from_str(value).unwrap();
+            entries.push((key.to_string(), value, std::mem::take(&mut comment)));
+        }
+    }
+    // The reading above is the YAML's.
+    let doc: Value = serde_yaml::from_str(&text).unwrap();
+    let data = doc["data"].as_mapping().unwrap();
+    assert_eq!(entries.len(), data.len());
+    for (key, value, _) in &entries {
+        assert_eq!(data[key.as_str()].as_str(), Some(value.as_str()), "{key}");
+    }
+    let mut problems = Vec::new();
+    for (_, var, default) in code_settings() {
+        let Some((_, value, comment)) = entries.iter().find(|(k, _, _)| *k == var) else {
+            problems.push(format!("{var}: not in the ConfigMap"));
+            continue;
+        };
+        // Empty means unset, which is the default of a setting without one.
+        let code = default.clone().unwrap_or_default();
+        let why = format!(
+            "Not the default ({}):",
+            default.as_deref().unwrap_or("unset")
+        );
+        if !same_value(value, &code) && !comment.contains(&why) {
+            problems.push(format!(
+                "{var}: {value:?} is not the default {code:?}, and its comment lacks \"{why}\""
+            ));
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "deploy/sidecar/configmap.yaml: {problems:#?}"
     );
 }
