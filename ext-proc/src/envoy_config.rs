@@ -491,11 +491,15 @@ pub fn render_body(g: &Gateway) -> String {
             }
             let line = match line.trim_start() {
                 "request_body_mode: NONE" => line.replace("NONE", "BUFFERED"),
+                // No outcome filter either: the sidecar scans each
+                // answer itself as its chunks pass (passive health).
+                "response_body_mode: NONE" => line.replace("NONE", "STREAMED"),
                 // The whole body crosses to the sidecar and is hashed there.
                 "message_timeout: 0.5s" => line.replace("0.5s", "2s"),
-                "# Headers only. Asking for response trailers keeps the gRPC" => {
-                    line.replace("Headers only.", "Request bodies BUFFERED (body mode).")
-                }
+                "# Headers only. Asking for response trailers keeps the gRPC" => line.replace(
+                    "Headers only.",
+                    "Request bodies BUFFERED, response bodies STREAMED past the sidecar's outcome scan (body mode).",
+                ),
                 _ => line.to_string(),
             };
             out.push_str(&line);
@@ -575,6 +579,7 @@ mod body_mode_tests {
         assert!(!yaml.contains("envoy.wasm.runtime"));
         assert!(yaml.contains("request_body_mode: BUFFERED"));
         assert!(!yaml.contains("request_body_mode: NONE"));
+        assert!(yaml.contains("response_body_mode: STREAMED"));
         assert!(yaml.contains("response_trailer_mode: SEND"));
         assert!(yaml.contains("- remove: x-hearth-fp"));
         assert!(yaml.contains("envoy.filters.http.router"));

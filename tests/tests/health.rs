@@ -98,9 +98,19 @@ async fn empty_answers_fence_a_replica_through_real_traffic() {
 
 #[tokio::test]
 async fn empty_answers_fence_a_replica_in_the_endpoint_picker_shape() {
-    // No wasm filter: the sidecar scans the response bodies itself.
+    // No wasm filter: the sidecar scans the response bodies itself (as in
+    // body mode, below).
     empty_answers_fence(FleetOptions {
         gie_mode: true,
+        ..FleetOptions::default()
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn empty_answers_fence_a_replica_in_body_mode() {
+    empty_answers_fence(FleetOptions {
+        body_mode: true,
         ..FleetOptions::default()
     })
     .await;
