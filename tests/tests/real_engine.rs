@@ -55,9 +55,25 @@ impl Session {
              Project notes follow.\n{}",
             filler(seed, 1000)
         );
+        Session::with_system(seed, &system)
+    }
+
+    /// A conversation whose system prompt starts with a harness every
+    /// conversation of a test shares (about 2 KB), then its own notes.
+    fn sharing_a_harness(seed: u64) -> Session {
+        let system = format!(
+            "You are a coding agent. Follow the team's harness rules below.\n{}\n\
+             Project {seed} notes:\n{}",
+            filler(7, 2000),
+            filler(seed, 600)
+        );
+        Session::with_system(seed, &system)
+    }
+
+    fn with_system(seed: u64, system: &str) -> Session {
         Session {
             label: format!("conversation {seed}"),
-            conv: Conversation::new(MODEL, &system, false, seed),
+            conv: Conversation::new(MODEL, system, false, seed),
             last: None,
         }
     }
@@ -288,4 +304,107 @@ async fn an_engine_restarts_on_its_port_and_its_key_guards_all_but_health() {
     assert!(engine.is_running());
     assert_eq!(get("/health", None).await.unwrap().status(), 200);
     assert_eq!(engine.log().matches("--- hearth: start ").count(), 2);
+}
+
+#[tokio::test]
+async fn new_conversations_sharing_a_harness_fill_idle_engines_first() {
+    // Four engines of two slots; four conversations that share a harness
+    // prompt start one after the other (each pauses before the next
+    // starts, so none is in flight when the next is placed). The engine
+    // that read the harness first must not take them all: its paused
+    // conversations count against it while other engines are idle.
+    let lf = LlamaFleet::start(4, &engine_config(), &SIDECAR_FLAGS)
+        .await
+        .unwrap();
+    let mut sessions: Vec<Session> = (400..404).map(Session::sharing_a_harness).collect();
+    let mut homes = Vec::new();
+    for s in sessions.iter_mut() {
+        homes.push(s.turn(&lf.fleet).await);
+    }
+    let mut used = homes.clone();
+    used.sort();
+    used.dedup();
+    assert_eq!(used.len(), 4, "one conversation per engine: {homes:?}");
+    // Their next turns stay, reading their history from the engine's cache
+    // (checked by `turn`).
+    for (s, home) in sessions.iter_mut().zip(&homes) {
+        assert_eq!(&s.turn(&lf.fleet).await, home, "{} moved", s.label);
+    }
+    lf.fleet.assert_wasm_healthy();
+}
+
+#[tokio::test]
+async fn engines_that_need_a_key_keep_serving_through_idle_periods() {
+    let keyed = LlamaConfig {
+        api_key: Some("engine-key".into()),
+        ..engine_config()
+    };
+    let auth = [
+        ("content-type", "application/json"),
+        ("authorization", "Bearer engine-key"),
+    ];
+    // Probes every second while idle: without the sidecar's key each is
+    // refused, which must never fence a replica.
+    let mut flags = vec![
+        "--probe-interval-seconds=1",
+        "--probe-retry-seconds=0.5",
+        "--engine-metrics-seconds=1",
+    ];
+    flags.extend(SIDECAR_FLAGS);
+    let lf = LlamaFleet::start(2, &keyed, &flags).await.unwrap();
+    let mut conv = Session::new(500).conv;
+    for round in 0..2 {
+        for _ in 0..2 {
+            let mut body = conv.next_turn(240, false);
+            body["max_tokens"] = 8.into();
+            let body = serde_json::to_vec(&body).unwrap();
+            let t = lf
+                .fleet
+                .post("/v1/chat/completions", body, &auth)
+                .await
+                .unwrap();
+            assert_eq!(t.status, 200, "round {round}: {:?}", t.body);
+            conv.push_assistant(&reply_text(&t.body));
+        }
+        if round == 0 {
+            // Idle: far longer than three refused probes take.
+            tokio::time::sleep(Duration::from_secs(6)).await;
+        }
+    }
+    let s = lf.fleet.state().await.unwrap();
+    for r in &s.replicas {
+        assert_eq!(r.health.state, HealthState::Serving, "{s:?}");
+        assert_eq!(r.health.fenced_total, 0, "{s:?}");
+        let why = r.health.credentials_error.as_deref().unwrap_or_default();
+        assert!(why.contains("probe: HTTP 401"), "{s:?}");
+        assert!(why.contains("metrics: HTTP 401"), "{s:?}");
+    }
+    drop(lf);
+
+    // With the key, the engines accept the sidecar's probes and scrapes.
+    let key_flag = "--engine-api-key=engine-key".to_string();
+    let mut flags = flags.clone();
+    flags.push(&key_flag);
+    let lf = LlamaFleet::start(2, &keyed, &flags).await.unwrap();
+    wait_for(
+        &lf,
+        Duration::from_secs(60),
+        "probes and scrapes accepted",
+        |s| {
+            s.replicas.iter().all(|r| {
+                r.health.credentials_error.is_none()
+                    && r.engine.is_some()
+                    && r.health.state == HealthState::Serving
+            })
+        },
+    )
+    .await;
+    let (_, m) = lf.fleet.admin_get("/metrics").await.unwrap();
+    let addr = lf.engines[0].addr;
+    let ok = format!(r#"hearth_probes_total{{engine="{addr}",result="success"}}"#);
+    assert!(
+        hearth_e2e::metric_sample(&m, &ok).unwrap_or(0.0) >= 1.0,
+        "{m}"
+    );
+    assert!(!m.contains("engine-key"));
 }
