@@ -94,7 +94,8 @@ pub struct RealArgs {
     /// (repeatable); without any, the sidecar runs at its defaults.
     #[arg(long = "hearth-setting", value_parser = parse_setting)]
     pub hearth_settings: Vec<(String, String)>,
-    /// Also write the run's settings and rows as JSON here.
+    /// Also write the settings, the rows, every turn and the sidecar's
+    /// decisions as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
@@ -690,6 +691,32 @@ async fn first_model(engine: SocketAddr, api_key: Option<&str>) -> anyhow::Resul
         .with_context(|| format!("http://{engine}/v1/models lists no model; pass --model"))
 }
 
+/// One policy's run: its row, every turn, and (hearth) the sidecar's
+/// decisions, for the JSON.
+#[derive(Debug, Serialize)]
+pub struct PolicyRun {
+    #[serde(flatten)]
+    pub summary: Summary,
+    pub turns: Vec<TurnRecord>,
+    /// The sidecar's decision journal (`GET /debug/decisions`), newest first.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decisions: Option<Value>,
+}
+
+/// The sidecar's latest `limit` decisions.
+async fn decisions(sidecar: &SidecarProcess, limit: usize) -> Option<Value> {
+    let v: Value = reqwest::get(format!(
+        "http://{}/debug/decisions?limit={limit}",
+        sidecar.admin
+    ))
+    .await
+    .ok()?
+    .json()
+    .await
+    .ok()?;
+    Some(v["decisions"].clone())
+}
+
 /// The sum of the sidecar's `hearth_probes_total` counters.
 async fn probes_sent(sidecar: &SidecarProcess) -> Option<u64> {
     let text = reqwest::get(format!("http://{}/metrics", sidecar.admin))
@@ -732,7 +759,7 @@ async fn run_policy(
     policy: Policy,
     model: &str,
     run_salt: u64,
-) -> anyhow::Result<Summary> {
+) -> anyhow::Result<PolicyRun> {
     let shape = Shape::of(args);
     let (envoy, sidecar) = match policy {
         Policy::RingHash | Policy::LeastRequest => {
@@ -792,16 +819,23 @@ async fn run_policy(
     }
     let wall = start.elapsed().as_secs_f64();
     let mut summary = summarize(policy.name(), &records, args.engines.len(), wall);
+    let mut journal = None;
     if let Some(s) = &sidecar {
         summary.probes = match (probes_before, probes_sent(s).await) {
             (Some(a), Some(b)) => Some(b.saturating_sub(a)),
             (None, b) => b,
             _ => None,
         };
+        journal = decisions(s, records.len()).await;
     }
     drop(envoy);
     drop(sidecar);
-    Ok(summary)
+    records.sort_by_key(|r| (r.conversation, r.turn));
+    Ok(PolicyRun {
+        summary,
+        turns: records,
+        decisions: journal,
+    })
 }
 
 pub async fn run(args: RealArgs) -> anyhow::Result<()> {
@@ -882,9 +916,10 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
             .with_context(|| format!("policy {}", policy.name()))?;
         rows.push(row);
     }
+    let summaries: Vec<Summary> = rows.iter().map(|r| r.summary.clone()).collect();
     println!();
-    print!("{}", table(&rows));
-    if let Some(p) = rows.iter().find_map(|r| r.probes) {
+    print!("{}", table(&summaries));
+    if let Some(p) = summaries.iter().find_map(|r| r.probes) {
         println!("\nhearth: the sidecar sent {p} active probes to the engines during its run");
     }
     if let Some(path) = &args.json {
