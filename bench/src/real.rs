@@ -100,6 +100,15 @@ pub struct RealArgs {
     pub json: Option<PathBuf>,
 }
 
+/// `NAME=VALUE` for printing, with the value of a credential hidden.
+fn shown_setting((k, v): &(String, String)) -> String {
+    if k.contains("KEY") || k.contains("TOKEN") || k.contains("SECRET") {
+        format!("{k}=***")
+    } else {
+        format!("{k}={v}")
+    }
+}
+
 fn parse_setting(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((k, v)) if k.starts_with("HEARTH_") => Ok((k.to_string(), v.to_string())),
@@ -733,22 +742,35 @@ async fn probes_sent(sidecar: &SidecarProcess) -> Option<u64> {
     )
 }
 
-/// The command line as given, with the API key's value hidden.
+/// The command line as given, with credentials hidden.
 fn command_line() -> String {
-    let mut out = Vec::new();
+    redacted(std::env::args())
+}
+
+/// `args` joined, with the `--api-key` value and credential settings hidden.
+fn redacted(args: impl IntoIterator<Item = String>) -> String {
+    let mut out: Vec<String> = Vec::new();
     let mut hide_next = false;
-    for a in std::env::args() {
-        if hide_next {
-            out.push("***".to_string());
-            hide_next = false;
+    for a in args {
+        let shown = if std::mem::take(&mut hide_next) {
+            "***".to_string()
         } else if a == "--api-key" {
-            out.push(a);
             hide_next = true;
+            a
         } else if a.starts_with("--api-key=") {
-            out.push("--api-key=***".into());
+            "--api-key=***".into()
+        } else if let Some(setting) = a.strip_prefix("--hearth-setting=") {
+            match parse_setting(setting) {
+                Ok(kv) => format!("--hearth-setting={}", shown_setting(&kv)),
+                Err(_) => a,
+            }
         } else {
-            out.push(a);
-        }
+            match parse_setting(&a) {
+                Ok(kv) => shown_setting(&kv),
+                Err(_) => a,
+            }
+        };
+        out.push(shown);
     }
     out.join(" ")
 }
@@ -774,11 +796,16 @@ async fn run_policy(
                 .collect::<Vec<_>>()
                 .join(",");
             let (grpc, admin) = (free_port()?, free_port()?);
-            let settings: Vec<(&str, String)> = args
+            let mut settings: Vec<(&str, String)> = args
                 .hearth_settings
                 .iter()
                 .map(|(k, v)| (k.as_str(), v.clone()))
                 .collect();
+            // The sidecar's probes and metric scrapes need the engines' key
+            // too, as an operator would configure it.
+            if let Some(key) = &args.api_key {
+                settings.push(("HEARTH_ENGINE_API_KEY", key.clone()));
+            }
             let sidecar = SidecarProcess::start(&upstreams, grpc, admin, &settings).await?;
             let gateway = Gateway::local(
                 SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -871,7 +898,7 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
     } else {
         args.hearth_settings
             .iter()
-            .map(|(k, v)| format!("{k}={v}"))
+            .map(shown_setting)
             .collect::<Vec<_>>()
             .join(" ")
     };
@@ -891,7 +918,7 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
         args.seed,
         args.hearth_settings
             .iter()
-            .map(|(k, v)| format!(" --hearth-setting {k}={v}"))
+            .map(|kv| format!(" --hearth-setting {}", shown_setting(kv)))
             .collect::<String>(),
     );
     println!(
@@ -930,7 +957,7 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
             "shape": Shape::of(&args),
             "salt": run_salt,
             "timeout_s": args.timeout,
-            "hearth_settings": args.hearth_settings.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>(),
+            "hearth_settings": args.hearth_settings.iter().map(shown_setting).collect::<Vec<_>>(),
             "rows": rows,
         });
         std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
@@ -1185,6 +1212,24 @@ mod tests {
         }
         assert!(plain_config(Policy::Hearth, &engines).is_err());
         assert!(with_upstream_header("no routes").is_err());
+    }
+
+    #[test]
+    fn printed_command_lines_hide_credentials() {
+        let line = |a: &str| redacted(a.split(' ').map(str::to_string));
+        assert_eq!(
+            line("hearth-bench real --api-key k1 --seed 1"),
+            "hearth-bench real --api-key *** --seed 1"
+        );
+        assert_eq!(line("x --api-key=k1"), "x --api-key=***");
+        assert_eq!(
+            line("x --hearth-setting HEARTH_ENGINE_API_KEY=k1 --hearth-setting=HEARTH_ALPHA=2"),
+            "x --hearth-setting HEARTH_ENGINE_API_KEY=*** --hearth-setting=HEARTH_ALPHA=2"
+        );
+        assert_eq!(
+            line("x --hearth-setting=HEARTH_ENGINE_API_KEY=k1"),
+            "x --hearth-setting=HEARTH_ENGINE_API_KEY=***"
+        );
     }
 
     #[test]
