@@ -13,6 +13,8 @@
 //! - [`soak`]: the `hearth-bench soak` subcommand (faults under load).
 //! - [`live`]: a scenario through the real Envoy, filter and sidecar,
 //!   beside the same cell simulated.
+//! - [`real`]: plain Envoy (ring_hash, least_request) and Hearth side by
+//!   side in front of real OpenAI-compatible engines.
 //! - [`workload`] (seeded clients), [`scenario`] (presets), [`policies`]
 //!   (every policy compared), [`sim`] (the discrete-event driver),
 //!   [`report`] (table, JSON, SVG): the routing-quality benchmark.
@@ -25,6 +27,7 @@ pub mod live;
 pub mod llama;
 pub mod overhead;
 pub mod policies;
+pub mod real;
 pub mod report;
 pub mod rng;
 pub mod scenario;

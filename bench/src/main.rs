@@ -32,6 +32,10 @@ enum Command {
     /// A scenario's workload through the real Envoy, filter, sidecar and
     /// HTTP engines (time-scaled), beside the same cell in the simulator.
     Live(hearth_bench::live::LiveArgs),
+    /// Plain Envoy ring_hash and least_request, then Hearth, in front of
+    /// real OpenAI-compatible engines given by address: the same seeded
+    /// multi-turn workload through each, cache hits from the engines.
+    Real(hearth_bench::real::RealArgs),
 }
 
 #[tokio::main]
@@ -49,6 +53,7 @@ async fn main() -> ExitCode {
         Command::Demo(args) => hearth_bench::demo::run(args).await,
         Command::Soak(args) => hearth_bench::soak::run(args).await,
         Command::Live(args) => hearth_bench::live::run(args).await,
+        Command::Real(args) => hearth_bench::real::run(args).await,
         Command::Sim(args) => tokio::task::spawn_blocking(move || hearth_bench::sim::main(args))
             .await
             .map_err(anyhow::Error::from)

@@ -86,7 +86,8 @@ pub struct Row {
     pub long_ttft_p99_s: Option<f64>,
 }
 
-fn percentile(sorted: &[f64], q: f64) -> f64 {
+/// The `q` quantile of sorted values (nearest rank; NaN when empty).
+pub fn percentile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }

@@ -1,0 +1,1244 @@
+//! `hearth-bench real`: routing policies side by side in front of real
+//! OpenAI-compatible engines (llama.cpp's `llama-server`, vLLM, SGLang, ...)
+//! given by address.
+//!
+//! One run drives the same seeded multi-turn workload through, in turn:
+//!
+//! - **ring_hash**: plain Envoy hashing a per-conversation header
+//!   (`x-session-id`), the affinity a plain mesh offers;
+//! - **least_request**: plain Envoy, no affinity;
+//! - **hearth**: Envoy with filter-wasm, ext_proc and override_host, and the
+//!   `hearth-ext-proc` process at its defaults.
+//!
+//! Every configuration adds the same response header naming the upstream
+//! Envoy picked (`%UPSTREAM_HOST%`), so which engine served a turn is read
+//! the same way for all three. Cache hits come from the engines' own
+//! answers. Each policy's prompts carry their own salt, so one policy's
+//! turns never warm another's.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use futures::StreamExt;
+use hearth_ext_proc::envoy_config::{render, render_plain, Gateway};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::conversation::{cached_and_prompt_tokens, filler, Conversation};
+use crate::gateway::{find_wasm, Envoy};
+use crate::report::percentile;
+use crate::rng::Rng;
+use crate::sidecar::{free_port, SidecarProcess};
+
+/// The response header every configuration adds: the upstream that served.
+pub const UPSTREAM_HEADER: &str = "x-bench-upstream";
+/// The per-conversation request header ring_hash hashes on.
+pub const SESSION_HEADER: &str = "x-session-id";
+
+/// Flags of `hearth-bench real`.
+#[derive(Debug, Clone, Args)]
+pub struct RealArgs {
+    /// The engines, `ip:port,ip:port,...` (OpenAI-compatible HTTP).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub engines: Vec<SocketAddr>,
+    /// Sent to the engines through the gateway as `Authorization: Bearer`
+    /// (the printed command line hides it).
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Model name to ask for (default: the first one the first engine's
+    /// `/v1/models` lists).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Conversations running at once.
+    #[arg(long, default_value_t = 4)]
+    pub conversations: usize,
+    /// Turns per conversation.
+    #[arg(long, default_value_t = 5)]
+    pub turns: usize,
+    /// Bytes of the system prompt every conversation of a run shares (the
+    /// agent harness), at the start of the prompt.
+    #[arg(long, default_value_t = 2400)]
+    pub shared_bytes: usize,
+    /// Bytes of each conversation's own system prompt, after the shared part.
+    #[arg(long, default_value_t = 1600)]
+    pub system_bytes: usize,
+    /// Bytes of the new user message each turn adds (a tool result).
+    #[arg(long, default_value_t = 1600)]
+    pub user_bytes: usize,
+    /// Mean pause between a conversation's turns, in milliseconds (drawn
+    /// from 0.5x-1.5x; the first turn starts within one pause of the start).
+    #[arg(long, default_value_t = 500)]
+    pub think_ms: u64,
+    /// `max_tokens` of every request.
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: u32,
+    /// Routing policies, run one after the other in this order.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Policy::RingHash, Policy::LeastRequest, Policy::Hearth])]
+    pub policies: Vec<Policy>,
+    /// Deadline of each request (the whole streamed answer), in seconds.
+    #[arg(long, default_value_t = 120)]
+    pub timeout: u64,
+    /// Seeds the workload's shape (pauses, start times) and text.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Mixed into every prompt so a re-run on engines that still hold an
+    /// earlier run's prompts starts cold (default: from the clock; printed,
+    /// pass it to replay the exact bytes).
+    #[arg(long)]
+    pub salt: Option<u64>,
+    /// A sidecar setting for the hearth run, `HEARTH_NAME=VALUE`
+    /// (repeatable); without any, the sidecar runs at its defaults.
+    #[arg(long = "hearth-setting", value_parser = parse_setting)]
+    pub hearth_settings: Vec<(String, String)>,
+    /// Also write the settings, the rows, every turn and the sidecar's
+    /// decisions as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// `NAME=VALUE` for printing, with the value of a credential hidden.
+fn shown_setting((k, v): &(String, String)) -> String {
+    if k.contains("KEY") || k.contains("TOKEN") || k.contains("SECRET") {
+        format!("{k}=***")
+    } else {
+        format!("{k}={v}")
+    }
+}
+
+fn parse_setting(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if k.starts_with("HEARTH_") => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("expected HEARTH_NAME=VALUE, got {s:?}")),
+    }
+}
+
+/// A routing configuration of the gateway.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+pub enum Policy {
+    /// Plain Envoy, `RING_HASH` on the `x-session-id` header.
+    #[value(name = "ring_hash")]
+    #[serde(rename = "ring_hash")]
+    RingHash,
+    /// Plain Envoy, `LEAST_REQUEST`.
+    #[value(name = "least_request")]
+    #[serde(rename = "least_request")]
+    LeastRequest,
+    /// Envoy + filter-wasm + ext_proc + the sidecar at its defaults.
+    #[value(name = "hearth")]
+    #[serde(rename = "hearth")]
+    Hearth,
+}
+
+impl Policy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::RingHash => "ring_hash",
+            Policy::LeastRequest => "least_request",
+            Policy::Hearth => "hearth",
+        }
+    }
+
+    /// A fixed key per policy (not its place in `--policies`), so a policy
+    /// run alone gets the same text as in a full run.
+    fn key(self) -> u64 {
+        match self {
+            Policy::RingHash => 1,
+            Policy::LeastRequest => 2,
+            Policy::Hearth => 3,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The workload: pure, seeded.
+
+/// The workload's shape, independent of the policy.
+#[derive(Clone, Debug, Serialize)]
+pub struct Shape {
+    pub conversations: usize,
+    pub turns: usize,
+    pub shared_bytes: usize,
+    pub system_bytes: usize,
+    pub user_bytes: usize,
+    pub think_ms: u64,
+    pub max_tokens: u32,
+    pub seed: u64,
+}
+
+impl Shape {
+    fn of(args: &RealArgs) -> Shape {
+        Shape {
+            conversations: args.conversations,
+            turns: args.turns,
+            shared_bytes: args.shared_bytes,
+            system_bytes: args.system_bytes,
+            user_bytes: args.user_bytes,
+            think_ms: args.think_ms,
+            max_tokens: args.max_tokens,
+            seed: args.seed,
+        }
+    }
+}
+
+/// One conversation of a policy's run, ready to play.
+#[derive(Clone, Debug)]
+pub struct Planned {
+    pub index: usize,
+    /// The value of `x-session-id`.
+    pub session: String,
+    /// When its first turn starts, from the run's start.
+    pub start: Duration,
+    /// The pause after each turn but the last.
+    pub thinks: Vec<Duration>,
+    pub conversation: Conversation,
+}
+
+/// The salt of `policy`'s prompts in a run.
+pub fn policy_salt(seed: u64, run_salt: u64, policy: Policy) -> u64 {
+    Rng::derive(seed ^ run_salt.rotate_left(17), policy.key()).next_u64()
+}
+
+/// The conversations of one policy's run. Start times and pauses depend
+/// on the seed only (every policy gets the same timing); the text also on
+/// `salt`.
+pub fn plan(shape: &Shape, model: &str, salt: u64) -> Vec<Planned> {
+    let shared = format!(
+        "Harness {salt:016x}. You are a coding agent; follow the repository's rules.\n{}",
+        filler(salt, shape.shared_bytes)
+    );
+    let think = shape.think_ms as f64 / 1000.0;
+    (0..shape.conversations)
+        .map(|i| {
+            let mut timing = Rng::derive(shape.seed, 0x7157 + i as u64);
+            let start = Duration::from_secs_f64(think * timing.f64());
+            let thinks = (1..shape.turns)
+                .map(|_| Duration::from_secs_f64(think * (0.5 + timing.f64())))
+                .collect();
+            // Small enough that the conversation's own seed arithmetic
+            // (x 7919) cannot overflow.
+            let own = Rng::derive(salt, 1 + i as u64).next_u64() >> 24;
+            let system = format!(
+                "{shared}\n\nProject {own}: this conversation's own instructions.\n{}",
+                filler(own ^ 0x5EED, shape.system_bytes)
+            );
+            Planned {
+                index: i,
+                session: format!("conversation-{i}"),
+                start,
+                thinks,
+                conversation: Conversation::new(model, &system, false, own),
+            }
+        })
+        .collect()
+}
+
+/// Adds the next user message to `c` and returns the turn's request body:
+/// streamed, with usage in the stream, greedy sampling.
+pub fn turn_body(c: &mut Conversation, user_bytes: usize, max_tokens: u32) -> Value {
+    let mut body = c.next_turn(user_bytes, true);
+    body["max_tokens"] = json!(max_tokens);
+    body["temperature"] = json!(0);
+    body["stream_options"] = json!({"include_usage": true});
+    body
+}
+
+// ---------------------------------------------------------------------------
+// Envoy configurations: the project's generators, plus the header that
+// names the upstream (and the hash policy for ring_hash).
+
+/// Adds `response_headers_to_add: x-bench-upstream: %UPSTREAM_HOST%` to the
+/// one route of a rendered bootstrap.
+pub fn with_upstream_header(yaml: &str) -> anyhow::Result<String> {
+    let mut out = String::with_capacity(yaml.len() + 256);
+    let mut found = 0;
+    for line in yaml.lines() {
+        out.push_str(line);
+        out.push('\n');
+        if line.trim() == r#"- match: { prefix: "/" }"# {
+            found += 1;
+            let indent = " ".repeat(line.len() - line.trim_start().len() + 2);
+            out.push_str(&format!(
+                "{indent}response_headers_to_add:\n{indent}- header: {{ key: {UPSTREAM_HEADER}, value: \"%UPSTREAM_HOST%\" }}\n{indent}  append_action: OVERWRITE_IF_EXISTS_OR_ADD\n"
+            ));
+        }
+    }
+    if found != 1 {
+        bail!("expected one catch-all route in the rendered config, found {found}");
+    }
+    Ok(out)
+}
+
+/// Plain Envoy ([`render_plain`]) with `RING_HASH` on `x-session-id`
+/// instead of `LEAST_REQUEST`.
+pub fn ring_hash(yaml: &str) -> anyhow::Result<String> {
+    const LB: &str = "    lb_policy: LEAST_REQUEST\n";
+    const ROUTE: &str = "route: { cluster: engines, timeout: 0s, idle_timeout: 600s }";
+    if yaml.matches(LB).count() != 1 || yaml.matches(ROUTE).count() != 1 {
+        bail!("the plain config no longer has the shape the ring_hash variant edits");
+    }
+    Ok(yaml
+        .replace(LB, "    lb_policy: RING_HASH\n")
+        .replace(
+            ROUTE,
+            &format!(
+                "route: {{ cluster: engines, timeout: 0s, idle_timeout: 600s, hash_policy: [ {{ header: {{ header_name: {SESSION_HEADER} }} }} ] }}"
+            ),
+        ))
+}
+
+/// The bootstrap of a plain-Envoy policy in front of `engines`.
+pub fn plain_config(policy: Policy, engines: &[SocketAddr]) -> anyhow::Result<String> {
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    let yaml = render_plain(&Gateway::local(
+        loopback,
+        loopback,
+        loopback,
+        engines.to_vec(),
+        PathBuf::new(),
+    ));
+    let yaml = match policy {
+        Policy::RingHash => ring_hash(&yaml)?,
+        Policy::LeastRequest => yaml,
+        Policy::Hearth => bail!("hearth is not a plain-Envoy policy"),
+    };
+    with_upstream_header(&yaml)
+}
+
+// ---------------------------------------------------------------------------
+// Reading a streamed answer.
+
+/// Reads an OpenAI chat completion stream (server-sent events) as it
+/// arrives: the first token, the text, and the engine's prompt and cached
+/// token counts.
+#[derive(Debug, Default)]
+pub struct StreamReader {
+    pending: Vec<u8>,
+    /// The assistant's visible text so far.
+    pub text: String,
+    /// A content or reasoning token has arrived.
+    pub generated: bool,
+    /// From `usage` (`prompt_tokens_details.cached_tokens`, `prompt_tokens`).
+    usage: Option<(u64, u64)>,
+    /// `usage.prompt_tokens` of an answer without the cached detail.
+    prompt_only: Option<u64>,
+    /// From llama.cpp's `timings` (`cache_n`, `prompt_n`): cached and
+    /// processed prompt tokens.
+    timings: Option<(u64, u64)>,
+    /// An `error` object came in the stream.
+    pub error: Option<String>,
+    pub done: bool,
+}
+
+impl StreamReader {
+    /// Feeds received bytes; true when they carried the first token.
+    pub fn feed(&mut self, bytes: &[u8]) -> bool {
+        self.pending.extend_from_slice(bytes);
+        let before = self.generated;
+        while let Some(end) = self.pending.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = self.pending.drain(..=end).collect();
+            let line = String::from_utf8_lossy(&line);
+            if let Some(data) = line.trim_end().strip_prefix("data:") {
+                self.event(data.trim());
+            }
+        }
+        !before && self.generated
+    }
+
+    fn event(&mut self, data: &str) {
+        if data == "[DONE]" {
+            self.done = true;
+            return;
+        }
+        let Ok(v) = serde_json::from_str::<Value>(data) else {
+            return;
+        };
+        if v["error"].is_object() {
+            self.error = Some(v["error"]["message"].as_str().unwrap_or("error").into());
+        }
+        let delta = &v["choices"][0]["delta"];
+        let token = |k: &str| delta[k].as_str().filter(|s| !s.is_empty());
+        if let Some(t) = token("content") {
+            self.text.push_str(t);
+            self.generated = true;
+        }
+        if token("reasoning_content").is_some() || token("reasoning").is_some() {
+            self.generated = true;
+        }
+        if v["usage"]["prompt_tokens"].is_u64() {
+            if v["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64() {
+                self.usage = Some(cached_and_prompt_tokens(&v));
+            } else {
+                self.prompt_only = v["usage"]["prompt_tokens"].as_u64();
+            }
+        }
+        let t = &v["timings"];
+        if let (Some(cache), Some(prompt)) = (t["cache_n"].as_u64(), t["prompt_n"].as_u64()) {
+            self.timings = Some((cache, prompt));
+        }
+    }
+
+    /// `(cached, prompt)` tokens: the OpenAI usage field when the engine
+    /// sent it, else llama.cpp's timings (cached + processed = prompt),
+    /// else unknown.
+    pub fn cached_and_prompt(&self) -> Option<(u64, u64)> {
+        self.usage.or_else(|| {
+            self.timings
+                .map(|(cache, processed)| (cache, cache + processed))
+        })
+    }
+
+    /// Prompt tokens, even when the cached count is unknown.
+    pub fn prompt_tokens(&self) -> Option<u64> {
+        self.cached_and_prompt()
+            .map(|(_, p)| p)
+            .or(self.prompt_only)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Records and their summary: pure.
+
+/// One turn as the client saw it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TurnRecord {
+    pub conversation: usize,
+    /// 1-based.
+    pub turn: usize,
+    /// Index in `--engines` of the upstream that served (from the header).
+    pub engine: Option<usize>,
+    /// HTTP status (None: no response).
+    pub status: Option<u16>,
+    /// Send to the first content or reasoning token.
+    pub ttft_s: Option<f64>,
+    pub e2e_s: f64,
+    pub prompt_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
+    /// Anything that made the turn fail (status, transport, stream error).
+    pub error: Option<String>,
+}
+
+impl TurnRecord {
+    pub fn ok(&self) -> bool {
+        self.error.is_none()
+    }
+}
+
+/// One policy's row.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Summary {
+    pub policy: String,
+    pub wall_s: f64,
+    pub requests: usize,
+    pub ok: usize,
+    /// Mean prompt tokens of the answered turns.
+    pub mean_prompt_tokens: f64,
+    /// Cached share of prompt tokens on turns after the first.
+    pub cached_later: Option<f64>,
+    /// The same on first turns (the shared harness prefix).
+    pub cached_first: Option<f64>,
+    /// Prompt tokens the engines computed (not from cache), all turns.
+    pub computed_tokens: u64,
+    pub ttft_p50_s: f64,
+    pub ttft_p90_s: f64,
+    /// Share of turns after the first served by the engine that served the
+    /// conversation's previous answered turn.
+    pub stay_rate: Option<f64>,
+    pub status_5xx: usize,
+    pub status_429: usize,
+    /// Other failures (4xx, transport, timeouts, stream errors).
+    pub other_failures: usize,
+    /// Answered turns per engine, in `--engines` order.
+    pub per_engine: Vec<usize>,
+    /// The sidecar's active probes during the run (hearth only).
+    pub probes: Option<u64>,
+}
+
+/// Summarises one policy's records.
+pub fn summarize(policy: &str, records: &[TurnRecord], engines: usize, wall_s: f64) -> Summary {
+    let ok: Vec<&TurnRecord> = records.iter().filter(|r| r.ok()).collect();
+    let cached_share = |first: bool| {
+        let (cached, prompt) = ok
+            .iter()
+            .filter(|r| (r.turn == 1) == first)
+            .filter_map(|r| Some((r.cached_tokens?, r.prompt_tokens?)))
+            .fold((0u64, 0u64), |(c, p), (rc, rp)| (c + rc, p + rp));
+        (prompt > 0).then(|| cached as f64 / prompt as f64)
+    };
+    let prompts: Vec<u64> = ok.iter().filter_map(|r| r.prompt_tokens).collect();
+    let computed = ok
+        .iter()
+        .filter_map(|r| Some(r.prompt_tokens?.saturating_sub(r.cached_tokens?)))
+        .sum();
+    let mut ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_s).collect();
+    ttft.sort_by(f64::total_cmp);
+
+    // Stays: walk each conversation in turn order.
+    let mut by_turn: Vec<&TurnRecord> = ok.iter().copied().collect();
+    by_turn.sort_by_key(|r| (r.conversation, r.turn));
+    let (mut stays, mut moves) = (0usize, 0usize);
+    let mut last: Option<(usize, usize)> = None;
+    for r in &by_turn {
+        let Some(engine) = r.engine else { continue };
+        if let Some((conversation, previous)) = last {
+            if conversation == r.conversation && r.turn > 1 {
+                if previous == engine {
+                    stays += 1;
+                } else {
+                    moves += 1;
+                }
+            }
+        }
+        last = Some((r.conversation, engine));
+    }
+    let mut per_engine = vec![0; engines];
+    for r in &ok {
+        if let Some(e) = r.engine.and_then(|e| per_engine.get_mut(e)) {
+            *e += 1;
+        }
+    }
+    let failed =
+        |f: &dyn Fn(Option<u16>) -> bool| records.iter().filter(|r| !r.ok() && f(r.status)).count();
+    Summary {
+        policy: policy.to_string(),
+        wall_s,
+        requests: records.len(),
+        ok: ok.len(),
+        mean_prompt_tokens: if prompts.is_empty() {
+            0.0
+        } else {
+            prompts.iter().sum::<u64>() as f64 / prompts.len() as f64
+        },
+        cached_later: cached_share(false),
+        cached_first: cached_share(true),
+        computed_tokens: computed,
+        ttft_p50_s: percentile(&ttft, 0.5),
+        ttft_p90_s: percentile(&ttft, 0.9),
+        stay_rate: (stays + moves > 0).then(|| stays as f64 / (stays + moves) as f64),
+        status_5xx: failed(&|s| s.is_some_and(|s| (500..600).contains(&s))),
+        status_429: failed(&|s| s == Some(429)),
+        other_failures: failed(&|s| s.is_none_or(|s| s != 429 && !(500..600).contains(&s))),
+        per_engine,
+        probes: None,
+    }
+}
+
+fn pct(v: Option<f64>) -> String {
+    v.map_or("-".into(), |x| format!("{:.1}%", x * 100.0))
+}
+
+/// The rows as a Markdown table.
+pub fn table(rows: &[Summary]) -> String {
+    let mut out = String::from(
+        "| policy | wall s | turns ok | prompt tok/turn | cached, turns 2+ | cached, turn 1 | computed tok | TTFT p50 s | TTFT p90 s | stay | 5xx | 429 | other fail | per engine |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "| {} | {:.1} | {}/{} | {:.0} | {} | {} | {} | {:.2} | {:.2} | {} | {} | {} | {} | {} |\n",
+            r.policy,
+            r.wall_s,
+            r.ok,
+            r.requests,
+            r.mean_prompt_tokens,
+            pct(r.cached_later),
+            pct(r.cached_first),
+            r.computed_tokens,
+            r.ttft_p50_s,
+            r.ttft_p90_s,
+            pct(r.stay_rate),
+            r.status_5xx,
+            r.status_429,
+            r.other_failures,
+            r.per_engine
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(" / "),
+        ));
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------
+// Driving it.
+
+/// What every conversation task of a run shares.
+struct Client {
+    http: reqwest::Client,
+    url: String,
+    api_key: Option<String>,
+    engines: Vec<SocketAddr>,
+    shape: Shape,
+}
+
+impl Client {
+    fn authorized(&self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.api_key {
+            Some(key) => req.bearer_auth(key),
+            None => req,
+        }
+    }
+
+    /// Sends one turn; returns its record and the visible answer.
+    async fn turn(&self, p: &Planned, turn: usize, body: &Value) -> (TurnRecord, String) {
+        let mut record = TurnRecord {
+            conversation: p.index,
+            turn,
+            engine: None,
+            status: None,
+            ttft_s: None,
+            e2e_s: 0.0,
+            prompt_tokens: None,
+            cached_tokens: None,
+            error: None,
+        };
+        let sent = Instant::now();
+        let req = self
+            .http
+            .post(&self.url)
+            .header(SESSION_HEADER, &p.session)
+            .json(body);
+        let resp = match self.authorized(req).send().await {
+            Ok(r) => r,
+            Err(e) => {
+                record.e2e_s = sent.elapsed().as_secs_f64();
+                record.error = Some(format!("request: {e}"));
+                return (record, String::new());
+            }
+        };
+        record.status = Some(resp.status().as_u16());
+        record.engine = resp
+            .headers()
+            .get(UPSTREAM_HEADER)
+            .and_then(|h| h.to_str().ok())
+            .and_then(|h| h.parse::<SocketAddr>().ok())
+            .and_then(|a| self.engines.iter().position(|e| *e == a));
+        if !resp.status().is_success() {
+            let status = resp.status();
+            let text = resp.text().await.unwrap_or_default();
+            record.e2e_s = sent.elapsed().as_secs_f64();
+            record.error = Some(format!(
+                "HTTP {status}: {}",
+                text.chars().take(200).collect::<String>()
+            ));
+            return (record, String::new());
+        }
+        let mut reader = StreamReader::default();
+        let mut chunks = resp.bytes_stream();
+        while let Some(chunk) = chunks.next().await {
+            match chunk {
+                Ok(bytes) => {
+                    if reader.feed(&bytes) {
+                        record.ttft_s = Some(sent.elapsed().as_secs_f64());
+                    }
+                }
+                Err(e) => {
+                    record.error = Some(format!("stream: {e}"));
+                    break;
+                }
+            }
+        }
+        record.e2e_s = sent.elapsed().as_secs_f64();
+        if let Some(e) = &reader.error {
+            record
+                .error
+                .get_or_insert_with(|| format!("in stream: {e}"));
+        }
+        record.prompt_tokens = reader.prompt_tokens();
+        record.cached_tokens = reader.cached_and_prompt().map(|(c, _)| c);
+        (record, reader.text)
+    }
+
+    /// Plays one conversation from the run's `start`.
+    async fn conversation(self: Arc<Self>, mut p: Planned, start: Instant) -> Vec<TurnRecord> {
+        tokio::time::sleep_until((start + p.start).into()).await;
+        let mut records = Vec::with_capacity(self.shape.turns);
+        for turn in 1..=self.shape.turns {
+            let body = turn_body(
+                &mut p.conversation,
+                self.shape.user_bytes,
+                self.shape.max_tokens,
+            );
+            let (record, answer) = self.turn(&p, turn, &body).await;
+            if let Some(e) = &record.error {
+                tracing::warn!(conversation = p.index, turn, "{e}");
+            }
+            records.push(record);
+            // A failed turn still leaves the agent's next message after an
+            // (empty) answer, so every policy sends the same shape.
+            p.conversation.push_assistant(&answer);
+            if let Some(pause) = p.thinks.get(turn - 1) {
+                tokio::time::sleep(*pause).await;
+            }
+        }
+        records
+    }
+}
+
+/// The model the first engine serves.
+async fn first_model(engine: SocketAddr, api_key: Option<&str>) -> anyhow::Result<String> {
+    let mut req = reqwest::Client::new()
+        .get(format!("http://{engine}/v1/models"))
+        .timeout(Duration::from_secs(10));
+    if let Some(key) = api_key {
+        req = req.bearer_auth(key);
+    }
+    let v: Value = req
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .with_context(|| format!("GET http://{engine}/v1/models"))?
+        .json()
+        .await?;
+    v["data"][0]["id"]
+        .as_str()
+        .map(str::to_string)
+        .with_context(|| format!("http://{engine}/v1/models lists no model; pass --model"))
+}
+
+/// One policy's run: its row, every turn, and (hearth) the sidecar's
+/// decisions, for the JSON.
+#[derive(Debug, Serialize)]
+pub struct PolicyRun {
+    #[serde(flatten)]
+    pub summary: Summary,
+    pub turns: Vec<TurnRecord>,
+    /// The sidecar's decision journal (`GET /debug/decisions`), newest first.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decisions: Option<Value>,
+}
+
+/// The sidecar's latest `limit` decisions.
+async fn decisions(sidecar: &SidecarProcess, limit: usize) -> Option<Value> {
+    let v: Value = reqwest::get(format!(
+        "http://{}/debug/decisions?limit={limit}",
+        sidecar.admin
+    ))
+    .await
+    .ok()?
+    .json()
+    .await
+    .ok()?;
+    Some(v["decisions"].clone())
+}
+
+/// The sum of the sidecar's `hearth_probes_total` counters.
+async fn probes_sent(sidecar: &SidecarProcess) -> Option<u64> {
+    let text = reqwest::get(format!("http://{}/metrics", sidecar.admin))
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    Some(
+        text.lines()
+            .filter(|l| l.starts_with("hearth_probes_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64,
+    )
+}
+
+/// The command line as given, with credentials hidden.
+fn command_line() -> String {
+    redacted(std::env::args())
+}
+
+/// `args` joined, with the `--api-key` value and credential settings hidden.
+fn redacted(args: impl IntoIterator<Item = String>) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut hide_next = false;
+    for a in args {
+        let shown = if std::mem::take(&mut hide_next) {
+            "***".to_string()
+        } else if a == "--api-key" {
+            hide_next = true;
+            a
+        } else if a.starts_with("--api-key=") {
+            "--api-key=***".into()
+        } else if let Some(setting) = a.strip_prefix("--hearth-setting=") {
+            match parse_setting(setting) {
+                Ok(kv) => format!("--hearth-setting={}", shown_setting(&kv)),
+                Err(_) => a,
+            }
+        } else {
+            match parse_setting(&a) {
+                Ok(kv) => shown_setting(&kv),
+                Err(_) => a,
+            }
+        };
+        out.push(shown);
+    }
+    out.join(" ")
+}
+
+/// One policy's run: its gateway up, the workload through it, gateway down.
+async fn run_policy(
+    args: &RealArgs,
+    policy: Policy,
+    model: &str,
+    run_salt: u64,
+) -> anyhow::Result<PolicyRun> {
+    let shape = Shape::of(args);
+    let (envoy, sidecar) = match policy {
+        Policy::RingHash | Policy::LeastRequest => {
+            let yaml = plain_config(policy, &args.engines)?;
+            (Envoy::start(&yaml, Duration::from_secs(60)).await?, None)
+        }
+        Policy::Hearth => {
+            let upstreams = args
+                .engines
+                .iter()
+                .map(SocketAddr::to_string)
+                .collect::<Vec<_>>()
+                .join(",");
+            let (grpc, admin) = (free_port()?, free_port()?);
+            let mut settings: Vec<(&str, String)> = args
+                .hearth_settings
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.clone()))
+                .collect();
+            // The sidecar's probes and metric scrapes need the engines' key
+            // too, as an operator would configure it.
+            if let Some(key) = &args.api_key {
+                settings.push(("HEARTH_ENGINE_API_KEY", key.clone()));
+            }
+            let sidecar = SidecarProcess::start(&upstreams, grpc, admin, &settings).await?;
+            let gateway = Gateway::local(
+                SocketAddr::from(([127, 0, 0, 1], 0)),
+                grpc,
+                admin,
+                args.engines.clone(),
+                find_wasm()?.canonicalize()?,
+            );
+            let yaml = with_upstream_header(&render(&gateway))?;
+            (
+                Envoy::start(&yaml, Duration::from_secs(60)).await?,
+                Some(sidecar),
+            )
+        }
+    };
+    let probes_before = match &sidecar {
+        Some(s) => probes_sent(s).await,
+        None => None,
+    };
+    let client = Arc::new(Client {
+        http: reqwest::Client::builder()
+            .timeout(Duration::from_secs(args.timeout))
+            .build()?,
+        url: format!("{}/v1/chat/completions", envoy.url()),
+        api_key: args.api_key.clone(),
+        engines: args.engines.clone(),
+        shape: shape.clone(),
+    });
+    let salt = policy_salt(args.seed, run_salt, policy);
+    let start = Instant::now();
+    let tasks: Vec<_> = plan(&shape, model, salt)
+        .into_iter()
+        .map(|p| tokio::spawn(Arc::clone(&client).conversation(p, start)))
+        .collect();
+    let mut records = Vec::new();
+    for t in tasks {
+        records.extend(t.await?);
+    }
+    let wall = start.elapsed().as_secs_f64();
+    let mut summary = summarize(policy.name(), &records, args.engines.len(), wall);
+    let mut journal = None;
+    if let Some(s) = &sidecar {
+        summary.probes = match (probes_before, probes_sent(s).await) {
+            (Some(a), Some(b)) => Some(b.saturating_sub(a)),
+            (None, b) => b,
+            _ => None,
+        };
+        journal = decisions(s, records.len()).await;
+    }
+    drop(envoy);
+    drop(sidecar);
+    records.sort_by_key(|r| (r.conversation, r.turn));
+    Ok(PolicyRun {
+        summary,
+        turns: records,
+        decisions: journal,
+    })
+}
+
+pub async fn run(args: RealArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(!args.engines.is_empty(), "--engines lists no engine");
+    anyhow::ensure!(
+        args.conversations > 0 && args.turns > 0,
+        "--conversations and --turns must be > 0"
+    );
+    anyhow::ensure!(!args.policies.is_empty(), "--policies is empty");
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => first_model(args.engines[0], args.api_key.as_deref()).await?,
+    };
+    let run_salt = args.salt.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64)
+    });
+    let engines = args
+        .engines
+        .iter()
+        .map(SocketAddr::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let policies = args
+        .policies
+        .iter()
+        .map(|p| p.name())
+        .collect::<Vec<_>>()
+        .join(",");
+    let hearth_settings = if args.hearth_settings.is_empty() {
+        "defaults".to_string()
+    } else {
+        args.hearth_settings
+            .iter()
+            .map(shown_setting)
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    println!("# hearth-bench real");
+    println!("# command: {}", command_line());
+    println!(
+        "# = --engines {engines} --model {model} --conversations {} --turns {} --shared-bytes {} --system-bytes {} \
+         --user-bytes {} --think-ms {} --max-tokens {} --timeout {} --seed {} --salt {run_salt} --policies {policies}{}",
+        args.conversations,
+        args.turns,
+        args.shared_bytes,
+        args.system_bytes,
+        args.user_bytes,
+        args.think_ms,
+        args.max_tokens,
+        args.timeout,
+        args.seed,
+        args.hearth_settings
+            .iter()
+            .map(|kv| format!(" --hearth-setting {}", shown_setting(kv)))
+            .collect::<String>(),
+    );
+    println!(
+        "# {} engines, {} conversations x {} turns each (streamed, max_tokens {}, temperature 0), \
+         API key {}; Envoy --concurrency 2; hearth: hearth-ext-proc at {hearth_settings}; {} cores",
+        args.engines.len(),
+        args.conversations,
+        args.turns,
+        args.max_tokens,
+        if args.api_key.is_some() {
+            "sent"
+        } else {
+            "none"
+        },
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+    );
+    let mut rows = Vec::new();
+    for &policy in &args.policies {
+        eprintln!("hearth-bench real: running {}", policy.name());
+        let row = run_policy(&args, policy, &model, run_salt)
+            .await
+            .with_context(|| format!("policy {}", policy.name()))?;
+        rows.push(row);
+    }
+    let summaries: Vec<Summary> = rows.iter().map(|r| r.summary.clone()).collect();
+    println!();
+    print!("{}", table(&summaries));
+    if let Some(p) = summaries.iter().find_map(|r| r.probes) {
+        println!("\nhearth: the sidecar sent {p} active probes to the engines during its run");
+    }
+    if let Some(path) = &args.json {
+        let doc = json!({
+            "command": command_line(),
+            "engines": args.engines,
+            "model": model,
+            "shape": Shape::of(&args),
+            "salt": run_salt,
+            "timeout_s": args.timeout,
+            "hearth_settings": args.hearth_settings.iter().map(shown_setting).collect::<Vec<_>>(),
+            "rows": rows,
+        });
+        std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> Shape {
+        Shape {
+            conversations: 3,
+            turns: 4,
+            shared_bytes: 600,
+            system_bytes: 300,
+            user_bytes: 200,
+            think_ms: 500,
+            max_tokens: 16,
+            seed: 7,
+        }
+    }
+
+    /// The bodies of every turn of `plan`, each conversation answering "ok".
+    fn bodies(plan: Vec<Planned>, shape: &Shape) -> Vec<Vec<String>> {
+        plan.into_iter()
+            .map(|mut p| {
+                (0..shape.turns)
+                    .map(|_| {
+                        let b = turn_body(&mut p.conversation, shape.user_bytes, shape.max_tokens);
+                        p.conversation.push_assistant("ok");
+                        b.to_string()
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn system(b: &str) -> String {
+        let v: Value = serde_json::from_str(b).unwrap();
+        v["messages"][0]["content"].as_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn the_workload_is_a_function_of_seed_and_salt() {
+        let s = shape();
+        let a = plan(&s, "m", 11);
+        let b = plan(&s, "m", 11);
+        assert_eq!(bodies(a.clone(), &s), bodies(b, &s));
+        // Timing is the seed's alone: another salt (another policy) keeps it.
+        let c = plan(&s, "m", 12);
+        for (x, y) in a.iter().zip(&c) {
+            assert_eq!((x.start, &x.thinks), (y.start, &y.thinks));
+            assert_eq!(x.thinks.len(), s.turns - 1);
+            assert!(x.start < Duration::from_millis(500));
+            assert!(x
+                .thinks
+                .iter()
+                .all(|t| *t >= Duration::from_millis(250) && *t < Duration::from_millis(750)));
+        }
+        // ... and another seed changes it.
+        let d = plan(
+            &Shape {
+                seed: 8,
+                ..s.clone()
+            },
+            "m",
+            11,
+        );
+        assert_ne!(a[0].start, d[0].start);
+    }
+
+    #[test]
+    fn conversations_share_a_prefix_and_policies_share_nothing() {
+        let s = shape();
+        let run = bodies(plan(&s, "m", policy_salt(1, 99, Policy::Hearth)), &s);
+        let (c0, c1) = (system(&run[0][0]), system(&run[1][0]));
+        assert_ne!(c0, c1);
+        let common = c0
+            .bytes()
+            .zip(c1.bytes())
+            .take_while(|(a, b)| a == b)
+            .count();
+        assert!(common >= s.shared_bytes, "{common}");
+        // Each turn re-sends the previous one's messages, then more.
+        for turns in &run {
+            for w in turns.windows(2) {
+                let (a, b): (Value, Value) = (
+                    serde_json::from_str(&w[0]).unwrap(),
+                    serde_json::from_str(&w[1]).unwrap(),
+                );
+                let (a, b) = (
+                    a["messages"].as_array().unwrap(),
+                    b["messages"].as_array().unwrap(),
+                );
+                assert_eq!(&b[..a.len()], &a[..]);
+                assert_eq!(b.len(), a.len() + 2);
+            }
+        }
+        let first: Value = serde_json::from_str(&run[0][0]).unwrap();
+        assert_eq!(first["stream"], true);
+        assert_eq!(first["max_tokens"], 16);
+        assert_eq!(first["stream_options"]["include_usage"], true);
+        // Another policy's prompts differ from the first byte of content.
+        let other = bodies(plan(&s, "m", policy_salt(1, 99, Policy::RingHash)), &s);
+        let o = system(&other[0][0]);
+        let shared = c0
+            .bytes()
+            .zip(o.bytes())
+            .take_while(|(a, b)| a == b)
+            .count();
+        assert!(shared < 12, "{shared}");
+        // Salts: fixed per policy, moved by seed and run salt.
+        assert_eq!(
+            policy_salt(1, 99, Policy::Hearth),
+            policy_salt(1, 99, Policy::Hearth)
+        );
+        assert_ne!(
+            policy_salt(1, 99, Policy::Hearth),
+            policy_salt(1, 98, Policy::Hearth)
+        );
+        assert_ne!(
+            policy_salt(1, 99, Policy::Hearth),
+            policy_salt(2, 99, Policy::Hearth)
+        );
+    }
+
+    #[test]
+    fn reads_usage_and_falls_back_to_llama_cpp_timings() {
+        // OpenAI usage, split across reads, the event cut mid-line.
+        let stream = concat!(
+            "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":null}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"lo\"}}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":900,\"prompt_tokens_details\":{\"cached_tokens\":600}},",
+            "\"timings\":{\"cache_n\":1,\"prompt_n\":2}}\n\n",
+            "data: [DONE]\n\n"
+        );
+        let (a, b) = stream.as_bytes().split_at(70);
+        let mut r = StreamReader::default();
+        assert!(!r.feed(a), "the role chunk is not a token");
+        assert!(r.feed(b));
+        assert_eq!(r.text, "Hello");
+        assert!(r.done);
+        assert_eq!(r.cached_and_prompt(), Some((600, 900)));
+
+        // llama.cpp without include_usage: timings only.
+        let mut r = StreamReader::default();
+        r.feed(b"data: {\"choices\":[{\"delta\":{\"reasoning_content\":\"hm\"}}]}\n\n");
+        assert!(r.generated && r.text.is_empty());
+        r.feed(b"data: {\"choices\":[{\"finish_reason\":\"length\",\"delta\":{}}],\"timings\":{\"cache_n\":300,\"prompt_n\":100}}\n\n");
+        assert_eq!(r.cached_and_prompt(), Some((300, 400)));
+
+        // Prompt tokens without a cached count: prompt known, cache unknown.
+        let mut r = StreamReader::default();
+        r.feed(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":50}}\n");
+        assert_eq!((r.cached_and_prompt(), r.prompt_tokens()), (None, Some(50)));
+
+        let mut r = StreamReader::default();
+        r.feed(b"data: {\"error\":{\"message\":\"boom\"}}\n");
+        assert_eq!(r.error.as_deref(), Some("boom"));
+    }
+
+    fn rec(
+        conversation: usize,
+        turn: usize,
+        engine: Option<usize>,
+        cached: u64,
+        status: u16,
+    ) -> TurnRecord {
+        TurnRecord {
+            conversation,
+            turn,
+            engine,
+            status: Some(status),
+            ttft_s: (status == 200).then_some(turn as f64 / 10.0),
+            e2e_s: 1.0,
+            prompt_tokens: Some(100),
+            cached_tokens: Some(cached),
+            error: (status != 200).then(|| format!("HTTP {status}")),
+        }
+    }
+
+    #[test]
+    fn summary_counts_stays_caches_and_failures() {
+        let records = vec![
+            // Conversation 0: engine 0, 0, then moves to 1; turn 4 fails.
+            rec(0, 1, Some(0), 40, 200),
+            rec(0, 2, Some(0), 90, 200),
+            rec(0, 3, Some(1), 0, 200),
+            rec(0, 4, Some(1), 0, 503),
+            // Conversation 1: turn 2 is shed; turn 3 compares with turn 1.
+            rec(1, 3, Some(1), 80, 200),
+            rec(1, 1, Some(1), 0, 200),
+            rec(1, 2, None, 0, 429),
+            TurnRecord {
+                status: None,
+                error: Some("request: timed out".into()),
+                ..rec(1, 4, None, 0, 200)
+            },
+        ];
+        let s = summarize("p", &records, 2, 12.5);
+        assert_eq!((s.requests, s.ok), (8, 5));
+        assert_eq!(s.cached_later, Some(170.0 / 300.0));
+        assert_eq!(s.cached_first, Some(40.0 / 200.0));
+        assert_eq!(s.computed_tokens, 500 - 210);
+        // Stays: (0,2) stayed, (0,3) moved, (1,3) stayed.
+        assert_eq!(s.stay_rate, Some(2.0 / 3.0));
+        assert_eq!((s.status_5xx, s.status_429, s.other_failures), (1, 1, 1));
+        assert_eq!(s.per_engine, [2, 3]);
+        assert_eq!(s.ttft_p50_s, 0.2);
+        assert_eq!(s.mean_prompt_tokens, 100.0);
+        let t = table(&[s]);
+        assert!(
+            t.contains("| p | 12.5 | 5/8 | 100 | 56.7% | 20.0% | 290 |"),
+            "{t}"
+        );
+        assert!(t.contains("| 66.7% | 1 | 1 | 1 | 2 / 3 |"), "{t}");
+    }
+
+    #[test]
+    fn configs_name_the_upstream_and_hash_the_session() {
+        let engines: Vec<SocketAddr> = vec![
+            "127.0.0.1:8001".parse().unwrap(),
+            "127.0.0.1:8002".parse().unwrap(),
+        ];
+        let ring = plain_config(Policy::RingHash, &engines).unwrap();
+        assert!(ring.contains("lb_policy: RING_HASH") && !ring.contains("LEAST_REQUEST"));
+        assert!(ring.contains("hash_policy: [ { header: { header_name: x-session-id } } ]"));
+        let least = plain_config(Policy::LeastRequest, &engines).unwrap();
+        assert!(least.contains("lb_policy: LEAST_REQUEST") && !least.contains("hash_policy"));
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        let hearth = with_upstream_header(&render(&Gateway::local(
+            loopback,
+            loopback,
+            loopback,
+            engines.clone(),
+            "/x.wasm".into(),
+        )))
+        .unwrap();
+        for yaml in [&ring, &least, &hearth] {
+            assert_eq!(yaml.matches("%UPSTREAM_HOST%").count(), 1, "{yaml}");
+            assert!(yaml.contains("port_value: 8001") && yaml.contains("port_value: 8002"));
+        }
+        // The header is the route's, at the route's indentation.
+        for yaml in [&ring, &hearth] {
+            assert!(yaml.contains(
+                "              - match: { prefix: \"/\" }\n                response_headers_to_add:\n"
+            ));
+        }
+        assert!(plain_config(Policy::Hearth, &engines).is_err());
+        assert!(with_upstream_header("no routes").is_err());
+    }
+
+    #[test]
+    fn printed_command_lines_hide_credentials() {
+        let line = |a: &str| redacted(a.split(' ').map(str::to_string));
+        assert_eq!(
+            line("hearth-bench real --api-key k1 --seed 1"),
+            "hearth-bench real --api-key *** --seed 1"
+        );
+        assert_eq!(line("x --api-key=k1"), "x --api-key=***");
+        assert_eq!(
+            line("x --hearth-setting HEARTH_ENGINE_API_KEY=k1 --hearth-setting=HEARTH_ALPHA=2"),
+            "x --hearth-setting HEARTH_ENGINE_API_KEY=*** --hearth-setting=HEARTH_ALPHA=2"
+        );
+        assert_eq!(
+            line("x --hearth-setting=HEARTH_ENGINE_API_KEY=k1"),
+            "x --hearth-setting=HEARTH_ENGINE_API_KEY=***"
+        );
+    }
+
+    #[test]
+    fn settings_must_be_hearth_variables() {
+        assert_eq!(
+            parse_setting("HEARTH_PROBE_INTERVAL_SECONDS=0"),
+            Ok(("HEARTH_PROBE_INTERVAL_SECONDS".into(), "0".into()))
+        );
+        assert!(parse_setting("PATH=/").is_err());
+        assert!(parse_setting("HEARTH_X").is_err());
+    }
+}
