@@ -234,6 +234,9 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         ("HEARTH_PROBE_TIMEOUT_SECONDS", "2".to_string()),
         ("HEARTH_EJECT_BACKOFF_SECONDS", "5".to_string()),
         ("HEARTH_FIRST_BYTE_TIMEOUT_SECONDS", "5".to_string()),
+        // A replica that served within the busy grace is not struck for a
+        // timeout; the soak's stall comes right after real successes.
+        ("HEARTH_BUSY_GRACE_SECONDS", "3".to_string()),
     ];
     let mut sidecar = SidecarProcess::start(&upstreams, grpc, admin, &sidecar_settings).await?;
     let gateway = Gateway::local(
