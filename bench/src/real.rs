@@ -477,7 +477,7 @@ pub fn summarize(policy: &str, records: &[TurnRecord], engines: usize, wall_s: f
     ttft.sort_by(f64::total_cmp);
 
     // Stays: walk each conversation in turn order.
-    let mut by_turn: Vec<&TurnRecord> = ok.iter().copied().collect();
+    let mut by_turn: Vec<&TurnRecord> = ok.to_vec();
     by_turn.sort_by_key(|r| (r.conversation, r.turn));
     let (mut stays, mut moves) = (0usize, 0usize);
     let mut last: Option<(usize, usize)> = None;
