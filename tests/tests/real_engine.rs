@@ -399,12 +399,19 @@ async fn engines_that_need_a_key_keep_serving_through_idle_periods() {
         },
     )
     .await;
-    let (_, m) = lf.fleet.admin_get("/metrics").await.unwrap();
+    // The first probe's answer (a cold CPU engine takes a while).
     let addr = lf.engines[0].addr;
     let ok = format!(r#"hearth_probes_total{{engine="{addr}",result="success"}}"#);
-    assert!(
-        hearth_e2e::metric_sample(&m, &ok).unwrap_or(0.0) >= 1.0,
-        "{m}"
-    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let m = loop {
+        let (_, m) = lf.fleet.admin_get("/metrics").await.unwrap();
+        if hearth_e2e::metric_sample(&m, &ok).unwrap_or(0.0) >= 1.0 {
+            break m;
+        }
+        assert!(Instant::now() < deadline, "no accepted probe:\n{m}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let refused = format!(r#"hearth_probes_total{{engine="{addr}",result="unauthorized"}}"#);
+    assert_eq!(hearth_e2e::metric_sample(&m, &refused), None, "{m}");
     assert!(!m.contains("engine-key"));
 }
