@@ -95,7 +95,7 @@ pub struct RealArgs {
     #[arg(long = "hearth-setting", value_parser = parse_setting)]
     pub hearth_settings: Vec<(String, String)>,
     /// Also write the settings, the rows, every turn and the sidecar's
-    /// decisions as JSON here.
+    /// decisions and final state as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
@@ -710,6 +710,9 @@ pub struct PolicyRun {
     /// The sidecar's decision journal (`GET /debug/decisions`), newest first.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub decisions: Option<Value>,
+    /// The sidecar's `GET /state` at the end (replica health, load).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sidecar_state: Option<Value>,
 }
 
 /// The sidecar's latest `limit` decisions.
@@ -846,7 +849,7 @@ async fn run_policy(
     }
     let wall = start.elapsed().as_secs_f64();
     let mut summary = summarize(policy.name(), &records, args.engines.len(), wall);
-    let mut journal = None;
+    let (mut journal, mut state) = (None, None);
     if let Some(s) = &sidecar {
         summary.probes = match (probes_before, probes_sent(s).await) {
             (Some(a), Some(b)) => Some(b.saturating_sub(a)),
@@ -854,6 +857,7 @@ async fn run_policy(
             _ => None,
         };
         journal = decisions(s, records.len()).await;
+        state = s.state().await.ok();
     }
     drop(envoy);
     drop(sidecar);
@@ -862,6 +866,7 @@ async fn run_policy(
         summary,
         turns: records,
         decisions: journal,
+        sidecar_state: state,
     })
 }
 
