@@ -530,6 +530,15 @@ fn pct(v: Option<f64>) -> String {
     v.map_or("-".into(), |x| format!("{:.1}%", x * 100.0))
 }
 
+/// Seconds, or `-` when there was nothing to measure.
+fn secs(v: f64) -> String {
+    if v.is_finite() {
+        format!("{v:.2}")
+    } else {
+        "-".into()
+    }
+}
+
 /// The rows as a Markdown table.
 pub fn table(rows: &[Summary]) -> String {
     let mut out = String::from(
@@ -538,7 +547,7 @@ pub fn table(rows: &[Summary]) -> String {
     );
     for r in rows {
         out.push_str(&format!(
-            "| {} | {:.1} | {}/{} | {:.0} | {} | {} | {} | {:.2} | {:.2} | {} | {} | {} | {} | {} |\n",
+            "| {} | {:.1} | {}/{} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             r.policy,
             r.wall_s,
             r.ok,
@@ -547,8 +556,8 @@ pub fn table(rows: &[Summary]) -> String {
             pct(r.cached_later),
             pct(r.cached_first),
             r.computed_tokens,
-            r.ttft_p50_s,
-            r.ttft_p90_s,
+            secs(r.ttft_p50_s),
+            secs(r.ttft_p90_s),
             pct(r.stay_rate),
             r.status_5xx,
             r.status_429,
@@ -1177,6 +1186,9 @@ mod tests {
         assert_eq!(s.per_engine, [2, 3]);
         assert_eq!(s.ttft_p50_s, 0.2);
         assert_eq!(s.mean_prompt_tokens, 100.0);
+        let none = summarize("q", &records[3..4], 2, 1.0);
+        assert!(table(&[none])
+            .contains("| q | 1.0 | 0/1 | 0 | - | - | 0 | - | - | - | 1 | 0 | 0 | 0 / 0 |"));
         let t = table(&[s]);
         assert!(
             t.contains("| p | 12.5 | 5/8 | 100 | 56.7% | 20.0% | 290 |"),
