@@ -60,14 +60,16 @@ pub struct RealArgs {
     #[arg(long, default_value_t = 5)]
     pub turns: usize,
     /// Bytes of the system prompt every conversation of a run shares (the
-    /// agent harness), at the start of the prompt.
-    #[arg(long, default_value_t = 2400)]
+    /// agent harness), at the start of the prompt. (At the defaults, with
+    /// 5 turns, prompts grow from about 680 to 1,450 tokens on
+    /// SmolLM2's tokenizer, a size a CPU engine prefills in minutes.)
+    #[arg(long, default_value_t = 1600)]
     pub shared_bytes: usize,
     /// Bytes of each conversation's own system prompt, after the shared part.
-    #[arg(long, default_value_t = 1600)]
+    #[arg(long, default_value_t = 800)]
     pub system_bytes: usize,
     /// Bytes of the new user message each turn adds (a tool result).
-    #[arg(long, default_value_t = 1600)]
+    #[arg(long, default_value_t = 800)]
     pub user_bytes: usize,
     /// Mean pause between a conversation's turns, in milliseconds (drawn
     /// from 0.5x-1.5x; the first turn starts within one pause of the start).
@@ -80,7 +82,7 @@ pub struct RealArgs {
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Policy::RingHash, Policy::LeastRequest, Policy::Hearth])]
     pub policies: Vec<Policy>,
     /// Deadline of each request (the whole streamed answer), in seconds.
-    #[arg(long, default_value_t = 120)]
+    #[arg(long, default_value_t = 300)]
     pub timeout: u64,
     /// Seeds the workload's shape (pauses, start times) and text.
     #[arg(long, default_value_t = 1)]
