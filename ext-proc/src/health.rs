@@ -10,7 +10,9 @@
 //!
 //! Probe failures count as failures too, except a *timeout* (a probe's, or
 //! a real request's first-byte deadline) on a replica that completed a real
-//! request recently: a busy replica is slow, not broken.
+//! request recently, and a probe's timeout on a replica running real
+//! requests (the probe waited behind them): a busy replica is slow, not
+//! broken.
 //!
 //! **Evidence before probes.** A real generation that succeeded is the
 //! proof of health, and it costs the engine nothing; a probe costs a
@@ -19,7 +21,10 @@
 //! where no real success proves the replica within the probe interval: a
 //! fenced replica whose backoff is over (to re-admit it), a suspect one (a
 //! failure since its last success, to confirm or clear it quickly), and an
-//! idle one (at most once per interval).
+//! idle one (at most once per interval). A serving replica with real
+//! requests running gets no probe: their outcome (or their first-byte
+//! deadline) is the evidence, and a probe would queue behind them, or, on
+//! an engine with few slots, take one from a paused conversation.
 //!
 //! **Credentials.** An engine that refuses the sidecar's own requests
 //! (401/403 to a probe or a metrics scrape) has a credentials problem, not
@@ -202,10 +207,11 @@ impl ReplicaHealth {
         }
     }
 
-    /// A probe's outcome. A probe success re-admits a fenced replica once
-    /// its backoff has run out; a timeout is excused on a replica that
-    /// served a real request within `busy_grace`.
-    pub fn record_probe(&mut self, outcome: Outcome, p: &HealthParams, now: Instant) {
+    /// A probe's outcome, with the number of real requests running on the
+    /// replica now. A probe success re-admits a fenced replica once its
+    /// backoff has run out; a timeout is excused on a replica that served a
+    /// real request within `busy_grace` or is running real requests.
+    pub fn record_probe(&mut self, outcome: Outcome, p: &HealthParams, now: Instant, running: u32) {
         self.last_probe = Some(now);
         let backoff_over = self.fenced_until.is_none_or(|t| now >= t);
         if !matches!(outcome, Outcome::Unauthorized(_)) {
@@ -218,7 +224,7 @@ impl ReplicaHealth {
                 }
                 self.succeed();
             }
-            Outcome::Failure(Failure::Timeout) if self.busy(p, now) => {}
+            Outcome::Failure(Failure::Timeout) if running > 0 || self.busy(p, now) => {}
             Outcome::Failure(f) => self.fail(f, p, now),
             Outcome::Neutral => {}
             Outcome::Unauthorized(status) => {
@@ -239,7 +245,8 @@ impl ReplicaHealth {
     }
 
     /// Whether a probe is due now, and why (see the module's notes).
-    pub fn probe_due(&self, p: &HealthParams, now: Instant) -> Option<ProbeReason> {
+    /// `running`: real requests running on the replica now.
+    pub fn probe_due(&self, p: &HealthParams, now: Instant, running: u32) -> Option<ProbeReason> {
         if p.probe_interval.is_zero() {
             return None;
         }
@@ -248,6 +255,9 @@ impl ReplicaHealth {
         if self.state == HealthState::Fenced {
             let backoff_over = self.fenced_until.is_none_or(|t| now >= t);
             return (backoff_over && !probed_within(p.probe_retry)).then_some(ProbeReason::Readmit);
+        }
+        if running > 0 {
+            return None;
         }
         if self.consecutive_failures > 0 {
             return (!probed_within(p.probe_retry)).then_some(ProbeReason::Suspect);
@@ -446,33 +456,33 @@ mod tests {
         let s = Duration::from_secs;
         let mut h = ReplicaHealth::default();
         // Never served, never probed: idle.
-        assert_eq!(h.probe_due(&p(), t0), Some(ProbeReason::Idle));
-        h.record_probe(Outcome::Success, &p(), t0);
-        assert_eq!(h.probe_due(&p(), t0 + s(29)), None);
-        assert_eq!(h.probe_due(&p(), t0 + s(30)), Some(ProbeReason::Idle));
+        assert_eq!(h.probe_due(&p(), t0, 0), Some(ProbeReason::Idle));
+        h.record_probe(Outcome::Success, &p(), t0, 0);
+        assert_eq!(h.probe_due(&p(), t0 + s(29), 0), None);
+        assert_eq!(h.probe_due(&p(), t0 + s(30), 0), Some(ProbeReason::Idle));
         // Real successes keep proving it: no probe however long it runs.
         for k in 1..10 {
             h.record_request(Outcome::Success, &p(), t0 + s(20 * k));
-            assert_eq!(h.probe_due(&p(), t0 + s(20 * k + 25)), None);
+            assert_eq!(h.probe_due(&p(), t0 + s(20 * k + 25), 0), None);
         }
         // A failure makes it suspect: probed again after the retry delay.
         let t1 = t0 + s(200);
         h.record_request(Outcome::Failure(Failure::ServerError), &p(), t1);
-        assert_eq!(h.probe_due(&p(), t1), Some(ProbeReason::Suspect));
-        h.record_probe(Outcome::Failure(Failure::ServerError), &p(), t1);
-        assert_eq!(h.probe_due(&p(), t1 + s(1)), None);
-        assert_eq!(h.probe_due(&p(), t1 + s(2)), Some(ProbeReason::Suspect));
-        h.record_probe(Outcome::Failure(Failure::ServerError), &p(), t1 + s(2));
+        assert_eq!(h.probe_due(&p(), t1, 0), Some(ProbeReason::Suspect));
+        h.record_probe(Outcome::Failure(Failure::ServerError), &p(), t1, 0);
+        assert_eq!(h.probe_due(&p(), t1 + s(1), 0), None);
+        assert_eq!(h.probe_due(&p(), t1 + s(2), 0), Some(ProbeReason::Suspect));
+        h.record_probe(Outcome::Failure(Failure::ServerError), &p(), t1 + s(2), 0);
         // Fenced: no probe until the backoff (10 s) is over.
         assert_eq!(h.state(), HealthState::Fenced);
-        assert_eq!(h.probe_due(&p(), t1 + s(11)), None);
-        assert_eq!(h.probe_due(&p(), t1 + s(12)), Some(ProbeReason::Readmit));
+        assert_eq!(h.probe_due(&p(), t1 + s(11), 0), None);
+        assert_eq!(h.probe_due(&p(), t1 + s(12), 0), Some(ProbeReason::Readmit));
         // Probes off.
         let off = HealthParams {
             probe_interval: Duration::ZERO,
             ..p()
         };
-        assert_eq!(ReplicaHealth::default().probe_due(&off, t0), None);
+        assert_eq!(ReplicaHealth::default().probe_due(&off, t0, 0), None);
     }
 
     #[test]
@@ -481,28 +491,28 @@ mod tests {
         let s = Duration::from_secs;
         let mut h = ReplicaHealth::default();
         for k in 0..10 {
-            h.record_probe(Outcome::Unauthorized(401), &p(), t0 + s(k));
+            h.record_probe(Outcome::Unauthorized(401), &p(), t0 + s(k), 0);
         }
         assert!(h.is_serving());
         let snap = h.snapshot(t0);
         assert!(snap.credentials_error.unwrap().contains("probe: HTTP 401"));
         // Real requests still prove it.
         h.record_request(Outcome::Success, &p(), t0 + s(11));
-        assert_eq!(h.probe_due(&p(), t0 + s(12)), None);
+        assert_eq!(h.probe_due(&p(), t0 + s(12), 0), None);
         // Fenced by real failures, with the probe refused: after the
         // backoff it serves again, one failure away from another fencing.
         for _ in 0..3 {
             h.record_request(Outcome::Failure(Failure::ServerError), &p(), t0 + s(12));
         }
         assert_eq!(h.state(), HealthState::Fenced);
-        h.record_probe(Outcome::Unauthorized(401), &p(), t0 + s(15));
+        h.record_probe(Outcome::Unauthorized(401), &p(), t0 + s(15), 0);
         assert_eq!(h.state(), HealthState::Fenced, "backoff not over");
-        h.record_probe(Outcome::Unauthorized(401), &p(), t0 + s(23));
+        h.record_probe(Outcome::Unauthorized(401), &p(), t0 + s(23), 0);
         assert!(h.is_serving());
         h.record_request(Outcome::Failure(Failure::ServerError), &p(), t0 + s(24));
         assert_eq!(h.state(), HealthState::Fenced);
         // An accepted probe clears the report; a refused scrape sets it.
-        h.record_probe(Outcome::Success, &p(), t0 + s(100));
+        h.record_probe(Outcome::Success, &p(), t0 + s(100), 0);
         assert_eq!(h.credentials_error(), None);
         h.record_scrape(Some(403));
         assert!(h.credentials_error().unwrap().contains("metrics: HTTP 403"));
@@ -553,20 +563,21 @@ mod tests {
         for _ in 0..3 {
             h.record_request(Outcome::Failure(Failure::EmptyAnswer), &p(), t0);
         }
-        h.record_probe(Outcome::Success, &p(), t0 + Duration::from_secs(5));
+        h.record_probe(Outcome::Success, &p(), t0 + Duration::from_secs(5), 0);
         assert!(!h.is_serving(), "backoff (10 s) not over");
         // A failed probe after the backoff fences again, for twice as long.
         h.record_probe(
             Outcome::Failure(Failure::Timeout),
             &p(),
             t0 + Duration::from_secs(11),
+            0,
         );
         assert!(!h.is_serving());
         let snap = h.snapshot(t0 + Duration::from_secs(11));
         assert_eq!(snap.fenced_for_s, Some(20.0));
-        h.record_probe(Outcome::Success, &p(), t0 + Duration::from_secs(25));
+        h.record_probe(Outcome::Success, &p(), t0 + Duration::from_secs(25), 0);
         assert!(!h.is_serving());
-        h.record_probe(Outcome::Success, &p(), t0 + Duration::from_secs(31));
+        h.record_probe(Outcome::Success, &p(), t0 + Duration::from_secs(31), 0);
         assert!(h.is_serving());
         assert_eq!(h.fenced_total, 1, "one fencing episode");
     }
@@ -581,7 +592,7 @@ mod tests {
         }
         for _ in 0..6 {
             now += Duration::from_secs(100);
-            h.record_probe(Outcome::Failure(Failure::ProbeModels), &p(), now);
+            h.record_probe(Outcome::Failure(Failure::ProbeModels), &p(), now, 0);
         }
         assert_eq!(h.snapshot(now).fenced_for_s, Some(40.0));
     }
@@ -596,15 +607,54 @@ mod tests {
                 Outcome::Failure(Failure::Timeout),
                 &p(),
                 t0 + Duration::from_secs(i),
+                0,
             );
         }
         assert!(h.is_serving(), "busy, not broken");
         // Without a recent success the same timeouts fence it.
         let later = t0 + Duration::from_secs(60);
         for _ in 0..3 {
-            h.record_probe(Outcome::Failure(Failure::Timeout), &p(), later);
+            h.record_probe(Outcome::Failure(Failure::Timeout), &p(), later, 0);
         }
         assert!(!h.is_serving());
+    }
+
+    #[test]
+    fn a_replica_running_real_requests_gets_no_probe_and_a_probe_timeout_there_is_excused() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut h = ReplicaHealth::default();
+        // A fresh replica whose first (cold, slow) requests are running:
+        // their outcome is the evidence, no probe is sent.
+        assert_eq!(h.probe_due(&p(), t0, 2), None);
+        assert_eq!(h.probe_due(&p(), t0, 0), Some(ProbeReason::Idle));
+        // A probe sent just before they arrived times out behind them:
+        // never a strike, however often, while they run.
+        for k in 0..5 {
+            h.record_probe(Outcome::Failure(Failure::Timeout), &p(), t0 + s(k), 1);
+        }
+        assert!(h.is_serving());
+        assert_eq!(h.snapshot(t0).consecutive_failures, 0);
+        // Other probe failures still count while requests run.
+        for k in 0..3 {
+            h.record_probe(
+                Outcome::Failure(Failure::ServerError),
+                &p(),
+                t0 + s(10 + k),
+                1,
+            );
+        }
+        assert_eq!(h.state(), HealthState::Fenced);
+        // A fenced replica is still probed to re-admit it, even with
+        // requests of before its fencing still running.
+        assert_eq!(h.probe_due(&p(), t0 + s(30), 1), Some(ProbeReason::Readmit));
+        // The real requests' own first-byte deadlines do strike a replica
+        // that never served (a stuck engine is caught by them).
+        let mut stuck = ReplicaHealth::default();
+        for _ in 0..3 {
+            stuck.record_request(Outcome::Failure(Failure::Timeout), &p(), t0 + s(60));
+        }
+        assert_eq!(stuck.state(), HealthState::Fenced);
     }
 
     #[test]

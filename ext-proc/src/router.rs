@@ -919,7 +919,7 @@ impl Router {
         let fleet = &mut *guard;
         for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
             if r.key() == key && !r.retired {
-                s.health.record_probe(outcome, &params, now);
+                s.health.record_probe(outcome, &params, now, s.in_flight);
             }
         }
     }
@@ -947,9 +947,9 @@ impl Router {
         fleet
             .serving()
             .filter(|&(i, _)| {
-                fleet.state[i]
-                    .health
-                    .probe_due(&self.health_params, now)
+                let s = &fleet.state[i];
+                s.health
+                    .probe_due(&self.health_params, now, s.in_flight)
                     .is_some()
             })
             .map(|(_, r)| ProbeTarget {
@@ -1269,6 +1269,44 @@ mod tests {
         // A cold short prompt does not get it.
         let d = r.decide(&sized(&[99], 50)).unwrap();
         assert!(!d.order.contains(&2));
+    }
+
+    #[test]
+    fn a_replica_with_a_request_running_is_not_probed() {
+        let r = Router::new(
+            &Cli::try_parse_from(["x", "--upstreams", "127.0.0.1:1,127.0.0.1:2"])
+                .unwrap()
+                .settings,
+        );
+        let ids =
+            |r: &Router| -> Vec<String> { r.probe_targets().into_iter().map(|t| t.id).collect() };
+        assert_eq!(
+            ids(&r),
+            ["replica-0", "replica-1"],
+            "both idle, never probed"
+        );
+        let running = r.decide(&req(&[1, 2])).unwrap();
+        let busy = running.primary();
+        let other = r.replicas()[1 - busy].id.clone();
+        assert_eq!(
+            ids(&r),
+            [other.clone()],
+            "the running request is the evidence"
+        );
+        // A probe that timed out behind it is no strike.
+        let key = (r.replicas()[busy].addr, None);
+        for _ in 0..5 {
+            r.record_probe(key, Outcome::Failure(crate::health::Failure::Timeout));
+        }
+        assert_eq!(r.snapshot().replicas[busy].health.consecutive_failures, 0);
+        // Once it ends, the probe just recorded counts for the interval.
+        drop(running);
+        assert_eq!(ids(&r), [other]);
+        // Without a request running, the same timeouts strike.
+        for _ in 0..3 {
+            r.record_probe(key, Outcome::Failure(crate::health::Failure::Timeout));
+        }
+        assert_eq!(r.snapshot().replicas[busy].health.consecutive_failures, 3);
     }
 
     #[test]
