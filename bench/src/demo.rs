@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use hearth_ext_proc::envoy_config::{render, Gateway};
+use hearth_ext_proc::envoy::render::{render, Gateway};
 
 use crate::conversation::{cached_and_prompt_tokens, filler, reply_text, Conversation};
 use crate::engine::{self, EngineHandle};

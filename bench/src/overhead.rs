@@ -533,7 +533,7 @@ fn start_sidecar(upstreams: &str, grpc: SocketAddr, admin: SocketAddr) -> anyhow
 fn plain_config(upstreams: &[SocketAddr]) -> String {
     // An ephemeral loopback listener; the sidecar addresses go unused.
     let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
-    hearth_ext_proc::envoy_config::render_plain(&hearth_ext_proc::envoy_config::Gateway::local(
+    hearth_ext_proc::envoy::render::render_plain(&hearth_ext_proc::envoy::render::Gateway::local(
         loopback,
         loopback,
         loopback,
@@ -609,10 +609,10 @@ mod tests {
                 "{size}: {}",
                 b.len()
             );
-            let fp = hearth_fingerprint::fingerprint(
-                hearth_fingerprint::Endpoint::ChatCompletions,
+            let fp = hearth_wire::fingerprint(
+                hearth_wire::Endpoint::ChatCompletions,
                 &b,
-                &hearth_fingerprint::Params::default(),
+                &hearth_wire::Params::default(),
             );
             assert!(fp.is_ok());
         }

@@ -26,8 +26,9 @@ use std::collections::hash_map::DefaultHasher;
 use std::hash::Hasher;
 use std::sync::Arc;
 
-use hearth_ext_proc::policy::AffinityBasis;
-use hearth_ext_proc::router::{Decision, RequestInfo, Router};
+use hearth_router::{
+    AffinityBasis, Decision, RequestInfo, Router, RouterParams, ScoreParams, UpstreamSpec,
+};
 use serde::Serialize;
 
 use crate::engine::cache::{block_hashes, PrefixCache};
@@ -116,72 +117,68 @@ pub struct HearthKnobs {
     pub warmth_blocks: usize,
     /// The last this many replicas are tagged `long`.
     pub long_replicas: usize,
-    pub long_lane: hearth_ext_proc::config::LongLane,
+    pub long_lane: hearth_router::LongLane,
     pub long_prompt_bytes: u64,
     /// Load units a resident, paused conversation adds for newcomers.
     pub resident_load: f64,
 }
 
 impl Default for HearthKnobs {
-    /// The sidecar's own defaults, read from its parser.
+    /// The sidecar's own defaults.
     fn default() -> Self {
-        use clap::Parser;
-        let s = hearth_ext_proc::config::Cli::try_parse_from([
-            "hearth-ext-proc",
-            "--upstreams=127.0.0.1:1",
-        ])
-        .expect("sidecar defaults parse")
-        .settings;
+        let p = RouterParams::default();
         HearthKnobs {
-            affinity_cap: s.affinity_cap,
-            alpha: s.alpha,
-            first_turn_cap: s.first_turn_cap,
-            load_unit_bytes: s.load_unit_bytes,
-            warmth_blocks: s.warmth_blocks,
+            affinity_cap: p.score.cap,
+            alpha: p.score.alpha,
+            first_turn_cap: p.score.first_turn_cap,
+            load_unit_bytes: p.load_unit_bytes,
+            warmth_blocks: p.warmth_blocks,
             long_replicas: 0,
-            long_lane: s.long_lane,
-            long_prompt_bytes: s.long_prompt_bytes,
-            resident_load: s.resident_load,
+            long_lane: p.long_lane,
+            long_prompt_bytes: p.long_prompt_bytes,
+            resident_load: p.resident_load,
         }
     }
 }
 
 impl HearthKnobs {
-    /// Sidecar settings for `replicas` engines under `basis`, parsed by the
-    /// sidecar's own command-line parser (so defaults and validation are
-    /// the sidecar's).
-    pub fn settings(&self, basis: AffinityBasis, replicas: usize) -> hearth_ext_proc::Settings {
-        use clap::Parser;
-        let upstreams: Vec<String> = (0..replicas)
-            .map(|i| {
-                let tag = if i + self.long_replicas >= replicas {
-                    ";tag=long"
-                } else {
-                    ""
-                };
-                format!("127.0.0.1:{};id=engine-{i}{tag}", 20_000 + i)
-            })
-            .collect();
-        let args = [
-            "hearth-ext-proc".to_string(),
-            format!("--upstreams={}", upstreams.join(",")),
-            format!("--affinity-basis={basis}"),
-            format!("--affinity-cap={}", self.affinity_cap),
-            format!("--alpha={}", self.alpha),
-            format!("--first-turn-cap={}", self.first_turn_cap),
-            format!("--long-lane={}", self.long_lane.as_str()),
-            format!("--long-prompt-bytes={}", self.long_prompt_bytes),
-            format!("--load-unit-bytes={}", self.load_unit_bytes),
-            format!("--warmth-blocks={}", self.warmth_blocks),
-            format!("--resident-load={}", self.resident_load),
-        ];
-        let settings = hearth_ext_proc::config::Cli::try_parse_from(args)
-            .expect("benchmark sidecar settings parse")
-            .settings;
-        if let Err(problems) = settings.validate() {
-            panic!("benchmark sidecar settings: {problems:?}");
+    /// The router's parameters under `basis`.
+    pub fn params(&self, basis: AffinityBasis) -> RouterParams {
+        let d = RouterParams::default();
+        RouterParams {
+            score: ScoreParams {
+                basis,
+                cap: self.affinity_cap,
+                alpha: self.alpha,
+                first_turn_cap: self.first_turn_cap,
+            },
+            load_unit_bytes: self.load_unit_bytes,
+            warmth_blocks: self.warmth_blocks,
+            long_lane: self.long_lane,
+            long_prompt_bytes: self.long_prompt_bytes,
+            resident_load: self.resident_load,
+            ..d
         }
-        settings
+    }
+
+    /// `replicas` engines (`engine-N`), the last `long_replicas` tagged
+    /// `long`.
+    pub fn upstreams(&self, replicas: usize) -> Vec<UpstreamSpec> {
+        (0..replicas)
+            .map(|i| UpstreamSpec {
+                addr: ([127, 0, 0, 1], 20_000 + i as u16).into(),
+                id: Some(format!("engine-{i}")),
+                models: Vec::new(),
+                long: i + self.long_replicas >= replicas,
+                dp_ranks: 1,
+                short_output: false,
+            })
+            .collect()
+    }
+
+    /// A router over `replicas` engines under `basis`.
+    pub fn router(&self, basis: AffinityBasis, replicas: usize) -> Arc<Router> {
+        Router::new(self.params(basis), &self.upstreams(replicas))
     }
 }
 
@@ -192,7 +189,7 @@ pub struct RouteInput<'a> {
     /// The engine's block hashes of that prompt.
     pub engine_hashes: &'a [u64],
     /// Hearth's fingerprint of the body (as the wasm filter computes it).
-    pub fingerprint: Option<&'a hearth_fingerprint::Fingerprint>,
+    pub fingerprint: Option<&'a hearth_wire::Fingerprint>,
     pub session: u64,
 }
 
@@ -250,11 +247,13 @@ impl Policy {
     pub fn new(kind: PolicyKind, replicas: usize, seed: u64, knobs: &HearthKnobs) -> Policy {
         let rng = Rng::derive(seed, 0x9011C7);
         if let Some(basis) = kind.hearth_basis() {
-            return Policy::Hearth(Router::new(&knobs.settings(basis, replicas)));
+            return Policy::Hearth(knobs.router(basis, replicas));
         }
         if kind == PolicyKind::HearthRelativeTwoSidecars {
-            let settings = knobs.settings(AffinityBasis::Relative, replicas);
-            return Policy::HearthSplit(vec![Router::new(&settings), Router::new(&settings)], rng);
+            let two = (0..2)
+                .map(|_| knobs.router(AffinityBasis::Relative, replicas))
+                .collect();
+            return Policy::HearthSplit(two, rng);
         }
         match kind {
             PolicyKind::RoundRobin => Policy::RoundRobin(0),
@@ -499,10 +498,10 @@ mod tests {
         let e = engines(2);
         let mut p = Policy::new(PolicyKind::HearthRelative, 2, 1, &HearthKnobs::default());
         let body = br#"{"model":"m","messages":[{"role":"user","content":"hello there"}]}"#;
-        let fp = hearth_fingerprint::fingerprint(
-            hearth_fingerprint::Endpoint::ChatCompletions,
+        let fp = hearth_wire::fingerprint(
+            hearth_wire::Endpoint::ChatCompletions,
             body,
-            &hearth_fingerprint::Params::default(),
+            &hearth_wire::Params::default(),
         )
         .unwrap();
         let req = RouteInput {

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use futures::StreamExt;
-use hearth_ext_proc::envoy_config::{render, render_plain, Gateway};
+use hearth_ext_proc::envoy::render::{render, render_plain, Gateway};
 use serde::Serialize;
 use serde_json::{json, Value};
 

@@ -44,7 +44,7 @@ pub const NAMES: [&str; 7] = [
 /// The warmth index an operator would configure for a replica whose KV
 /// cache holds `tokens` (4 bytes per token, 2 KiB fingerprint blocks).
 pub fn warmth_blocks_for(tokens: usize) -> usize {
-    (tokens * crate::workload::BYTES_PER_TOKEN / hearth_fingerprint::DEFAULT_BLOCK_SIZE).max(1)
+    (tokens * crate::workload::BYTES_PER_TOKEN / hearth_wire::DEFAULT_BLOCK_SIZE).max(1)
 }
 
 impl Scenario {

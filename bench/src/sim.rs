@@ -3,7 +3,7 @@
 //! Deterministic for a seed (one thread per run; runs of a sweep may go in
 //! parallel, each on its own state).
 //!
-//! Each request's body is fingerprinted by `hearth_fingerprint` exactly as
+//! Each request's body is fingerprinted by `hearth_wire` exactly as
 //! the wasm filter does, the engine renders and hashes it as the HTTP
 //! simulator does, and the policy decides (the Hearth policies through the
 //! sidecar's `Router`). Clients are closed loops: send, wait for the whole
@@ -75,7 +75,7 @@ pub fn run(spec: &RunSpec) -> RunResult {
     let mut step_events: Vec<Vec<SeqEvent>> = vec![Vec::new(); n];
     let mut busy = vec![false; n];
     let mut policy = Policy::new(spec.policy, n, spec.seed, &sc.hearth);
-    let fp_params = hearth_fingerprint::Params::default();
+    let fp_params = hearth_wire::Params::default();
     let block_bytes = sc.engine.block_tokens * BYTES_PER_TOKEN;
 
     let warmup_us = (sc.warmup_s * 1e6) as u64;
@@ -119,8 +119,8 @@ pub fn run(spec: &RunSpec) -> RunResult {
                 let rendered =
                     request::parse(ApiKind::Chat, &turn.body).expect("workload bodies are valid");
                 let hashes = block_hashes(&rendered.prompt, block_bytes);
-                let fp = hearth_fingerprint::fingerprint(
-                    hearth_fingerprint::Endpoint::ChatCompletions,
+                let fp = hearth_wire::fingerprint(
+                    hearth_wire::Endpoint::ChatCompletions,
                     &turn.body,
                     &fp_params,
                 )
@@ -308,7 +308,7 @@ pub struct SimArgs {
     /// The sidecar's HEARTH_LONG_LANE: shared, exclusive, avoid or
     /// avoid-unless-warm.
     #[arg(long)]
-    pub long_lane: Option<hearth_ext_proc::config::LongLane>,
+    pub long_lane: Option<hearth_router::LongLane>,
     #[arg(long)]
     pub long_prompt_bytes: Option<u64>,
     /// Share of long-document requests in the long-context mix (default:

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use futures::StreamExt;
-use hearth_ext_proc::envoy_config::{render, Gateway};
+use hearth_ext_proc::envoy::render::{render, Gateway};
 use serde::Serialize;
 use serde_json::Value;
 

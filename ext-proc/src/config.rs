@@ -1,16 +1,15 @@
 //! Settings: one typed struct, parsed from flags and `HEARTH_*` variables,
 //! validated as a whole before anything starts.
 
-use std::collections::HashSet;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
 use clap::{CommandFactory, Parser, Subcommand};
 
-use crate::health::HealthParams;
-use crate::policy::{AffinityBasis, ScoreParams};
-use crate::probe::ProbeParams;
+pub use hearth_router::{check_upstreams, default_replica_id, LongLane, UpstreamSpec};
+use hearth_router::{AffinityBasis, HealthParams, RouterParams, ScoreParams};
 
 /// `HEARTH_*` variables read by Hearth's other tools (scripts, tests, the
 /// benchmark), not by the sidecar; accepted so a shared environment works.
@@ -41,7 +40,7 @@ pub struct Cli {
 pub enum Command {
     /// Print the Envoy bootstrap for a standalone gateway in front of the
     /// configured upstreams, pointed at this sidecar, and exit.
-    EnvoyConfig(crate::envoy_config::EnvoyConfigArgs),
+    EnvoyConfig(EnvoyConfigArgs),
 }
 
 /// Every sidecar setting. Each flag has a `HEARTH_*` twin.
@@ -81,7 +80,7 @@ pub struct Settings {
     pub upstreams_poll_seconds: f64,
 
     /// Fingerprint block size in bytes; must match the wasm filter's.
-    #[arg(long, env = "HEARTH_BLOCK_SIZE", default_value_t = hearth_fingerprint::DEFAULT_BLOCK_SIZE)]
+    #[arg(long, env = "HEARTH_BLOCK_SIZE", default_value_t = hearth_wire::DEFAULT_BLOCK_SIZE)]
     pub block_size: usize,
 
     /// Warmth index capacity per replica, in blocks (LRU beyond it).
@@ -270,6 +269,70 @@ pub struct Settings {
     pub log: String,
 }
 
+/// The wasm module's path in the shipped config (relative to the
+/// repository root, where `scripts/setup` builds it).
+pub const DEFAULT_WASM: &str = "target/wasm32-wasip1/wasm-release/hearth_filter.wasm";
+
+/// Flags of `hearth-ext-proc envoy-config` (rendered by
+/// `crate::envoy::render`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct EnvoyConfigArgs {
+    /// Address the gateway listens on for clients.
+    #[arg(long, default_value = "127.0.0.1:10000")]
+    pub gateway_listen: SocketAddr,
+    /// Envoy's admin address (keep it on loopback).
+    #[arg(long, default_value = "127.0.0.1:9901")]
+    pub envoy_admin: SocketAddr,
+    /// Path of the wasm filter module as Envoy will see it.
+    #[arg(long, default_value = DEFAULT_WASM)]
+    pub wasm: PathBuf,
+    /// Largest request body the filter buffers and fingerprints, in bytes;
+    /// larger ones pass on unhashed. The route's request buffer is this
+    /// plus 1 MiB (in body mode, a body past it gets a 413).
+    #[arg(long, default_value_t = 8 << 20)]
+    pub max_body_bytes: usize,
+    /// Bytes of canonical prompt the filter hashes at most.
+    #[arg(long, default_value_t = hearth_wire::DEFAULT_MAX_PREFIX_BYTES)]
+    pub max_prefix_bytes: usize,
+    /// `filter`: the wasm filter fingerprints, the sidecar gets headers only.
+    /// `body`: no wasm filter; ext_proc sends each request body to the
+    /// sidecar, which fingerprints it (for meshes without wasm).
+    /// `gie`: the Gateway API Inference Extension's reference shape:
+    /// ext_proc with FULL_DUPLEX_STREAMED bodies, an ORIGINAL_DST cluster
+    /// that dials the destination header.
+    #[arg(long, value_enum, default_value_t = Mode::Filter)]
+    pub mode: Mode,
+    /// Where the engines cluster gets its endpoints. `static`: listed in
+    /// the bootstrap. `eds`: streamed by the sidecar (endpoint discovery),
+    /// which pushes each change of its replica list. Default: `eds` when
+    /// the list comes from `HEARTH_UPSTREAMS_FILE` (it can change while
+    /// Envoy runs), else `static`. Not used by `--mode gie`, whose
+    /// ORIGINAL_DST cluster has no endpoint list.
+    #[arg(long, value_enum)]
+    pub endpoints: Option<Endpoints>,
+}
+
+/// Where the engines cluster's endpoints come from.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoints {
+    /// A `load_assignment` in the bootstrap, from the upstreams.
+    Static,
+    /// The sidecar's endpoint discovery service.
+    Eds,
+}
+
+/// Where the prompt is fingerprinted.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// In Envoy, by filter-wasm (the product).
+    Filter,
+    /// In the sidecar, from the body ext_proc sends (BUFFERED).
+    Body,
+    /// In the sidecar, as an Inference Extension endpoint picker
+    /// (FULL_DUPLEX_STREAMED, ORIGINAL_DST).
+    Gie,
+}
+
 /// A credential: printed as `<redacted>` by `Debug`, so that neither the
 /// settings dump nor a log line can show it.
 #[derive(Clone, PartialEq, Eq)]
@@ -303,92 +366,7 @@ impl FromStr for Secret {
     }
 }
 
-/// One replica as configured.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct UpstreamSpec {
-    pub addr: SocketAddr,
-    pub id: Option<String>,
-    pub models: Vec<String>,
-    /// Tagged `long`: part of the long-prompt lane.
-    pub long: bool,
-    /// Data-parallel ranks behind this address (1 = none): each rank is its
-    /// own routing target, chosen with the `x-data-parallel-rank` header.
-    pub dp_ranks: u32,
-    /// `profile=short-output`: preferred for short outputs on ties.
-    pub short_output: bool,
-}
-
-impl FromStr for UpstreamSpec {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let mut parts = s.trim().split(';');
-        let addr_text = parts.next().unwrap_or_default().trim();
-        let addr: SocketAddr = addr_text.parse().map_err(|_| {
-            format!(
-                "upstream {addr_text:?} is not ip:port (Envoy's override_host needs an IP address)"
-            )
-        })?;
-        let mut spec = UpstreamSpec {
-            addr,
-            id: None,
-            models: Vec::new(),
-            long: false,
-            dp_ranks: 1,
-            short_output: false,
-        };
-        for part in parts {
-            let (key, value) = part
-                .split_once('=')
-                .ok_or_else(|| format!("upstream option {part:?} is not key=value"))?;
-            let value = value.trim();
-            if value.is_empty() {
-                return Err(format!("upstream option {key:?} has an empty value"));
-            }
-            match key.trim() {
-                "id" => spec.id = Some(value.to_string()),
-                "model" => spec.models.push(value.to_string()),
-                "tag" => match value {
-                    "long" => spec.long = true,
-                    other => return Err(format!("unknown upstream tag {other:?} (known: long)")),
-                },
-                "profile" => match value {
-                    "short-output" => spec.short_output = true,
-                    other => {
-                        return Err(format!(
-                            "unknown upstream profile {other:?} (known: short-output)"
-                        ))
-                    }
-                },
-                "dp" => {
-                    spec.dp_ranks = value
-                        .parse()
-                        .ok()
-                        .filter(|n| (1..=256).contains(n))
-                        .ok_or_else(|| format!("dp={value:?} is not a rank count in 1..=256"))?
-                }
-                other => {
-                    return Err(format!(
-                        "unknown upstream option {other:?} (known: id, model, tag, profile, dp)"
-                    ))
-                }
-            }
-        }
-        Ok(spec)
-    }
-}
-
 impl Settings {
-    pub fn health_params(&self) -> HealthParams {
-        HealthParams {
-            eject_after: self.eject_after.max(1),
-            backoff: seconds(self.eject_backoff_seconds),
-            max_backoff: seconds(self.eject_max_backoff_seconds),
-            busy_grace: seconds(self.busy_grace_seconds),
-            probe_interval: seconds(self.probe_interval_seconds),
-            probe_retry: seconds(self.probe_retry_seconds),
-        }
-    }
-
     /// The engines' bearer key: the setting, or the file's contents.
     pub fn engine_api_key(&self) -> Result<Option<Secret>, String> {
         if let Some(key) = &self.engine_api_key {
@@ -408,20 +386,36 @@ impl Settings {
             .map_err(|e| format!("HEARTH_ENGINE_API_KEY_FILE: {}: {e}", path.display()))
     }
 
-    pub fn probe_params(&self) -> ProbeParams {
-        ProbeParams {
-            enabled: self.probe_interval_seconds > 0.0,
-            timeout: seconds(self.probe_timeout_seconds),
-            concurrency: self.probe_concurrency.max(1),
-        }
-    }
-
-    pub fn score_params(&self) -> ScoreParams {
-        ScoreParams {
-            basis: self.affinity_basis,
-            cap: self.affinity_cap,
-            alpha: self.alpha,
-            first_turn_cap: self.first_turn_cap,
+    /// The router's parameters (see `hearth_router::RouterParams`).
+    pub fn router_params(&self) -> RouterParams {
+        RouterParams {
+            score: ScoreParams {
+                basis: self.affinity_basis,
+                cap: self.affinity_cap,
+                alpha: self.alpha,
+                first_turn_cap: self.first_turn_cap,
+            },
+            health: HealthParams {
+                eject_after: self.eject_after.max(1),
+                backoff: seconds(self.eject_backoff_seconds),
+                max_backoff: seconds(self.eject_max_backoff_seconds),
+                busy_grace: seconds(self.busy_grace_seconds),
+                probe_interval: seconds(self.probe_interval_seconds),
+                probe_retry: seconds(self.probe_retry_seconds),
+            },
+            block_size: self.block_size,
+            warmth_blocks: self.warmth_blocks,
+            load_unit_bytes: self.load_unit_bytes,
+            max_inflight: self.max_inflight,
+            max_queue: self.max_queue,
+            fallbacks: self.fallbacks,
+            long_prompt_bytes: self.long_prompt_bytes,
+            long_lane: self.long_lane,
+            short_output_tokens: self.short_output_tokens,
+            engine_stale: seconds(self.engine_metrics_stale_seconds),
+            engine_load_weight: self.engine_load_weight,
+            resident_window: seconds(self.resident_seconds),
+            resident_load: self.resident_load,
         }
     }
 
@@ -429,9 +423,9 @@ impl Settings {
     /// the first.
     pub fn validate(&self) -> Result<(), Vec<String>> {
         let mut problems = Vec::new();
-        let fp = hearth_fingerprint::Params {
+        let fp = hearth_wire::Params {
             block_size: self.block_size,
-            max_prefix_bytes: hearth_fingerprint::DEFAULT_MAX_PREFIX_BYTES.max(self.block_size),
+            max_prefix_bytes: hearth_wire::DEFAULT_MAX_PREFIX_BYTES.max(self.block_size),
         };
         if let Err(e) = fp.validate() {
             problems.push(format!("HEARTH_BLOCK_SIZE: {e}"));
@@ -512,67 +506,9 @@ impl Settings {
     }
 }
 
-/// Where short prompts may go when some replicas are tagged `long`.
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    PartialEq,
-    Eq,
-    Default,
-    clap::ValueEnum,
-    serde::Serialize,
-    serde::Deserialize,
-)]
-#[serde(rename_all = "kebab-case")]
-pub enum LongLane {
-    #[default]
-    Shared,
-    Exclusive,
-    Avoid,
-    AvoidUnlessWarm,
-}
-
-impl LongLane {
-    /// The setting's value as HEARTH_LONG_LANE spells it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LongLane::Shared => "shared",
-            LongLane::Exclusive => "exclusive",
-            LongLane::Avoid => "avoid",
-            LongLane::AvoidUnlessWarm => "avoid-unless-warm",
-        }
-    }
-}
-
 /// Seconds as a Duration; settings are validated to be finite and >= 0.
 pub fn seconds(s: f64) -> Duration {
     Duration::try_from_secs_f64(s).unwrap_or_default()
-}
-
-/// Problems with a replica list (named `source` in the messages): it must
-/// name at least one replica, each address and id once.
-pub fn check_upstreams(upstreams: &[UpstreamSpec], source: &str) -> Vec<String> {
-    let mut problems = Vec::new();
-    if upstreams.is_empty() {
-        problems.push(format!("{source} names no replica"));
-    }
-    let mut addrs = HashSet::new();
-    let mut ids = HashSet::new();
-    for (i, u) in upstreams.iter().enumerate() {
-        if !addrs.insert(u.addr) {
-            problems.push(format!("{source} lists {} twice", u.addr));
-        }
-        let id = u.id.clone().unwrap_or_else(|| default_replica_id(i));
-        if !ids.insert(id.clone()) {
-            problems.push(format!("{source} uses the id {id:?} twice"));
-        }
-    }
-    problems
-}
-
-pub fn default_replica_id(index: usize) -> String {
-    format!("replica-{index}")
 }
 
 /// The `HEARTH_*` variables the sidecar reads.
@@ -646,6 +582,12 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(cli.settings.long_lane, LongLane::AvoidUnlessWarm);
+    }
+
+    #[test]
+    fn the_router_defaults_are_the_settings_defaults() {
+        let s = parse(&["--upstreams", "127.0.0.1:1"]).unwrap().settings;
+        assert_eq!(s.router_params(), RouterParams::default());
     }
 
     #[test]

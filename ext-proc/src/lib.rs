@@ -7,32 +7,22 @@
 //! request's whole life, and answers with the destination header that
 //! Envoy's override_host load-balancing policy honours.
 //!
-//! Modules, in the order a request meets them: [`service`] (the gRPC
-//! stream), [`router`] (the decision), [`policy`] (the scoring rule),
-//! [`warmth`] (per-replica LRU of block hashes). [`config`] holds the
-//! settings, [`upstreams`] the replica list's file and its reloads,
-//! [`admin`] the state endpoint, [`eds`] the engines' endpoints for Envoy,
-//! [`envoy_config`] the Envoy bootstrap generator.
+//! Rooms:
+//! - the decision and the fleet state it reads: the `hearth-router` crate
+//!   (`ext-proc/router/`), no protocol in it;
+//! - [`envoy`]: Envoy's protocols (ext_proc in its three shapes, endpoint
+//!   discovery) and the Envoy configurations;
+//! - [`feeds`]: what flows into the fleet state (replica list and reloads,
+//!   probes, engine metrics);
+//! - [`observe`]: metrics, the decision journal, the dashboard's series,
+//!   the admin HTTP endpoint;
+//! - [`config`]: the settings; this file: starting, running and draining
+//!   the whole.
 
-pub mod admin;
-pub mod body;
 pub mod config;
-pub mod eds;
-pub mod engines;
-pub mod envoy_config;
-pub mod health;
-pub mod journal;
-pub mod metrics;
+pub mod envoy;
+pub mod feeds;
 pub mod observe;
-pub mod picker;
-pub mod policy;
-pub mod probe;
-pub mod router;
-pub mod series;
-pub mod service;
-pub mod signals;
-pub mod upstreams;
-pub mod warmth;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -41,11 +31,12 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tokio::net::TcpListener;
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 pub use config::Settings;
-pub use router::Router;
+pub use hearth_router::Router;
 
 /// A running sidecar: the gRPC service and the state endpoint.
 pub struct Sidecar {
@@ -57,23 +48,27 @@ pub struct Sidecar {
     /// Set when the replica list comes from `HEARTH_UPSTREAMS_FILE`:
     /// notify it to reload now (SIGHUP).
     reload: Option<Arc<Notify>>,
-    /// The task that reloads it.
-    watcher: Option<JoinHandle<()>>,
-    stop: Option<oneshot::Sender<()>>,
+    /// The one shutdown signal: the servers stop accepting, endpoint
+    /// discovery streams end, and the background tasks (file watcher,
+    /// prober, scraper, sampler, gRPC health) stop.
+    stop: CancellationToken,
     drain: Duration,
     task: JoinHandle<anyhow::Result<()>>,
 }
 
 impl Sidecar {
     /// Binds both listeners (port 0 picks a free one) and starts serving.
-    /// With `HEARTH_UPSTREAMS_FILE`, the replica list is read from the file
-    /// now (a bad file is an error) and reloaded as it changes.
+    /// With `HEARTH_UPSTREAMS_FILE`, the replica list is the file's (read
+    /// now unless the settings already hold it; a bad file is an error)
+    /// and is reloaded as it changes.
     pub async fn start(settings: &Settings) -> anyhow::Result<Sidecar> {
         let mut settings = settings.clone();
         let reload = match &settings.upstreams_file {
             Some(path) => {
-                settings.upstreams = upstreams::read(path)
-                    .map_err(|problems| anyhow::anyhow!(problems.join("; ")))?;
+                if settings.upstreams.is_empty() {
+                    settings.upstreams = feeds::upstreams::read(path)
+                        .map_err(|problems| anyhow::anyhow!(problems.join("; ")))?;
+                }
                 Some(Arc::new(Notify::new()))
             }
             None => None,
@@ -87,40 +82,43 @@ impl Sidecar {
             .with_context(|| format!("binding the state endpoint on {}", settings.admin_listen))?;
         let grpc_addr = grpc.local_addr()?;
         let admin_addr = admin.local_addr()?;
-        let router = Router::new(settings);
-        let journal =
-            journal::Journal::open(settings.journal_size, settings.journal_file.as_deref())
-                .context("opening HEARTH_JOURNAL_FILE")?;
+        let router = Router::new(settings.router_params(), &settings.upstreams);
+        let journal = observe::journal::Journal::open(
+            settings.journal_size,
+            settings.journal_file.as_deref(),
+        )
+        .context("opening HEARTH_JOURNAL_FILE")?;
         let observer =
             observe::Observer::new(Arc::clone(&router), settings.affinity_basis, journal);
-        let watcher = match (&settings.upstreams_file, &reload) {
-            (Some(path), Some(asked)) => Some(tokio::spawn(upstreams::watch(
-                upstreams::Reloader::new(Arc::clone(&router), path.clone()),
-                config::seconds(settings.upstreams_poll_seconds),
-                Arc::clone(asked),
-            ))),
-            _ => None,
-        };
-        let engines =
-            engines::EngineClient::new(settings.engine_api_key().map_err(|e| anyhow::anyhow!(e))?);
-        let (stop, stopped) = oneshot::channel::<()>();
+        let stop = CancellationToken::new();
+        if let (Some(path), Some(asked)) = (&settings.upstreams_file, &reload) {
+            tokio::spawn(
+                stop.clone()
+                    .run_until_cancelled_owned(feeds::upstreams::watch(
+                        feeds::upstreams::Reloader::new(Arc::clone(&router), path.clone()),
+                        config::seconds(settings.upstreams_poll_seconds),
+                        Arc::clone(asked),
+                    )),
+            );
+        }
+        let engines = feeds::engines::EngineClient::new(
+            settings.engine_api_key().map_err(|e| anyhow::anyhow!(e))?,
+        );
         let feeds = Feeds {
             engines,
-            probes: settings.probe_params(),
+            probes: feeds::probe::ProbeParams::of(settings),
             engine_metrics: config::seconds(settings.engine_metrics_seconds),
         };
         let task = tokio::spawn(serve(
             Arc::clone(&observer),
             feeds,
-            service::FirstByte {
+            envoy::service::FirstByte {
                 timeout: config::seconds(settings.first_byte_timeout_seconds),
                 prefill_bytes_per_second: settings.prefill_bytes_per_second,
             },
             grpc,
             admin,
-            async {
-                let _ = stopped.await;
-            },
+            stop.clone(),
         ));
         Ok(Sidecar {
             grpc_addr,
@@ -128,8 +126,7 @@ impl Sidecar {
             router,
             observer,
             reload,
-            watcher,
-            stop: Some(stop),
+            stop,
             drain: Duration::from_secs(settings.drain_seconds),
             task,
         })
@@ -152,12 +149,7 @@ impl Sidecar {
     /// Stops accepting and gives open streams `drain` to finish; streams
     /// still open then are cut (their reservations are released either way).
     pub async fn shutdown(mut self) -> anyhow::Result<()> {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(w) = self.watcher.take() {
-            w.abort();
-        }
+        self.stop.cancel();
         match tokio::time::timeout(self.drain, &mut self.task).await {
             Ok(joined) => joined?,
             Err(_) => {
@@ -188,80 +180,73 @@ impl Sidecar {
 
 impl Drop for Sidecar {
     fn drop(&mut self) {
+        self.stop.cancel();
         self.task.abort();
-        if let Some(w) = &self.watcher {
-            w.abort();
-        }
     }
 }
 
 /// What the sidecar asks of the engines itself: probes and metrics
 /// scrapes, with the engines' credentials.
 struct Feeds {
-    engines: engines::EngineClient,
-    probes: probe::ProbeParams,
+    engines: feeds::engines::EngineClient,
+    probes: feeds::probe::ProbeParams,
     engine_metrics: Duration,
 }
 
 async fn serve(
     observer: Arc<observe::Observer>,
     feeds: Feeds,
-    first_byte: service::FirstByte,
+    first_byte: envoy::service::FirstByte,
     grpc: TcpListener,
     admin: TcpListener,
-    shutdown: impl Future<Output = ()> + Send + 'static,
+    stop: CancellationToken,
 ) -> anyhow::Result<()> {
     let router = Arc::clone(observer.router());
-    let (tx, _) = tokio::sync::broadcast::channel::<()>(1);
-    let mut grpc_stop = tx.subscribe();
-    let mut admin_stop = tx.subscribe();
+    // Background tasks end with the token.
+    let background = |f: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>| {
+        tokio::spawn(stop.clone().run_until_cancelled_owned(f))
+    };
     // The standard gRPC health service mirrors the fleet: SERVING while at
     // least one replica serves.
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    // Endpoint-discovery streams last as long as Envoy does: they are told
-    // to end, or the graceful shutdown would wait for them.
-    let (eds_stop, eds_stopping) = tokio::sync::watch::channel(false);
-    let health_task = tokio::spawn(report_grpc_health(Arc::clone(&router), health_reporter));
+    background(Box::pin(report_grpc_health(
+        Arc::clone(&router),
+        health_reporter,
+    )));
+    background(Box::pin(feeds::probe::run(
+        Arc::clone(&router),
+        Arc::clone(&observer),
+        feeds.engines.clone(),
+        feeds.probes,
+    )));
+    background(Box::pin(observe::sample_every_second(Arc::clone(
+        &observer,
+    ))));
+    background(Box::pin(feeds::signals::run(
+        Arc::clone(&router),
+        feeds.engines,
+        feeds.engine_metrics,
+    )));
+    // Endpoint-discovery streams last as long as Envoy does: they end with
+    // the token, or the graceful shutdown would wait for them.
     let grpc_server = tonic::transport::Server::builder()
         .add_service(health_service)
-        .add_service(service::server(Arc::clone(&observer), first_byte))
-        .add_service(eds::server(Arc::clone(&router), eds_stopping))
+        .add_service(envoy::service::server(Arc::clone(&observer), first_byte))
+        .add_service(envoy::eds::server(Arc::clone(&router), stop.clone()))
         // TCP_NODELAY: without it, Envoy's small ext_proc messages meet
         // Nagle and delayed ACKs and a decision waits ~40 ms (measured by
         // `hearth-bench overhead`).
         .serve_with_incoming_shutdown(
             tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
-            async move {
-                let _ = grpc_stop.recv().await;
-            },
+            stop.clone().cancelled_owned(),
         );
-    let admin_server = axum::serve(admin, admin::routes(Arc::clone(&observer)))
-        .with_graceful_shutdown(async move {
-            let _ = admin_stop.recv().await;
-        });
-    let prober = tokio::spawn(probe::run(
-        Arc::clone(&router),
-        Arc::clone(&observer),
-        feeds.engines.clone(),
-        feeds.probes,
-    ));
-    let sampler = tokio::spawn(observe::sample_every_second(Arc::clone(&observer)));
-    let scraper = tokio::spawn(signals::run(
-        Arc::clone(&router),
-        feeds.engines,
-        feeds.engine_metrics,
-    ));
-    let grpc_task = tokio::spawn(grpc_server);
-    let admin_task = tokio::spawn(async move { admin_server.await });
-    shutdown.await;
-    let _ = tx.send(());
-    let _ = eds_stop.send(true);
-    grpc_task.await?.context("gRPC server")?;
-    admin_task.await?.context("state endpoint")?;
-    prober.abort();
-    sampler.abort();
-    scraper.abort();
-    health_task.abort();
+    let admin_server = axum::serve(admin, observe::admin::routes(Arc::clone(&observer)))
+        .with_graceful_shutdown(stop.clone().cancelled_owned());
+    let (grpc, admin) = tokio::join!(grpc_server, async move { admin_server.await });
+    // A server that failed stops the rest too.
+    stop.cancel();
+    grpc.context("gRPC server")?;
+    admin.context("state endpoint")?;
     Ok(())
 }
 
@@ -271,7 +256,7 @@ async fn report_grpc_health(router: Arc<Router>, reporter: tonic_health::server:
     let mut last = None;
     loop {
         let status = match router.fleet_health() {
-            health::FleetHealth::Unhealthy => ServingStatus::NotServing,
+            hearth_router::FleetHealth::Unhealthy => ServingStatus::NotServing,
             _ => ServingStatus::Serving,
         };
         if last != Some(status) {

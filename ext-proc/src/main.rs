@@ -1,9 +1,12 @@
-//! `hearth-ext-proc`: parse and check settings, serve until SIGINT/SIGTERM;
-//! SIGHUP reloads the replica list from `HEARTH_UPSTREAMS_FILE`.
+//! `hearth-ext-proc`: parse and check the settings, start, serve until
+//! SIGINT/SIGTERM, drain. SIGHUP reloads the replica list from
+//! `HEARTH_UPSTREAMS_FILE`. `hearth-ext-proc envoy-config` prints an
+//! Envoy configuration instead.
 
 use clap::Parser;
 use hearth_ext_proc::config::{check_env, Cli, Command};
 use hearth_ext_proc::Sidecar;
+use tokio::signal::unix::{signal, SignalKind};
 
 fn main() -> anyhow::Result<()> {
     // An empty HEARTH_* variable means "unset" (the setting's default), as
@@ -24,35 +27,29 @@ fn main() -> anyhow::Result<()> {
 
 async fn run() -> anyhow::Result<()> {
     if let Err(e) = check_env(std::env::vars().map(|(k, _)| k)) {
-        eprintln!("hearth-ext-proc: {e}");
-        std::process::exit(2);
+        exit_with("", &[e]);
     }
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
     if let Err(problems) = cli.settings.validate() {
-        for p in problems {
-            eprintln!("hearth-ext-proc: {p}");
-        }
-        std::process::exit(2);
+        exit_with("", &problems);
     }
+    // The replica file, read once here (Sidecar::start keeps this list).
     let from_file = cli
         .settings
         .upstreams_file
         .as_deref()
-        .map(hearth_ext_proc::upstreams::read);
-    if let Some(Command::EnvoyConfig(args)) = &cli.command {
+        .map(hearth_ext_proc::feeds::upstreams::read);
+    match (from_file, &cli.command) {
+        (Some(Ok(list)), _) => cli.settings.upstreams = list,
         // With endpoint discovery the bootstrap lists no engines, so the
         // file need not be readable where the config is rendered.
-        let mut settings = cli.settings.clone();
-        match from_file {
-            Some(Ok(list)) => settings.upstreams = list,
-            Some(Err(problems)) if !args.gateway(&settings).eds => exit_with(&problems),
-            _ => {}
-        }
-        print!("{}", args.render(&settings));
-        return Ok(());
+        (Some(Err(_)), Some(Command::EnvoyConfig(args))) if args.gateway(&cli.settings).eds => {}
+        (Some(Err(problems)), _) => exit_with("HEARTH_UPSTREAMS_FILE: ", &problems),
+        (None, _) => {}
     }
-    if let Some(Err(problems)) = from_file {
-        exit_with(&problems);
+    if let Some(Command::EnvoyConfig(args)) = &cli.command {
+        print!("{}", args.render(&cli.settings));
+        return Ok(());
     }
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.settings.log)?)
@@ -63,7 +60,7 @@ async fn run() -> anyhow::Result<()> {
 
     // SIGHUP never ends the sidecar: it reloads the replica list, or says
     // why it cannot. (Handled from before the listeners open.)
-    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    let mut hangup = signal(SignalKind::hangup())?;
     let sidecar = Sidecar::start(&cli.settings).await?;
     tracing::info!(
         grpc = %sidecar.grpc_addr,
@@ -84,19 +81,20 @@ async fn run() -> anyhow::Result<()> {
             }
         }
     });
-    sidecar.run_until(wait_for_signal()).await
+    sidecar.run_until(terminated()).await
 }
 
-/// Reports problems with `HEARTH_UPSTREAMS_FILE` and exits with status 2.
-fn exit_with(problems: &[String]) -> ! {
+/// Reports problems (each after `prefix`) and exits with status 2.
+fn exit_with(prefix: &str, problems: &[String]) -> ! {
     for p in problems {
-        eprintln!("hearth-ext-proc: HEARTH_UPSTREAMS_FILE: {p}");
+        eprintln!("hearth-ext-proc: {prefix}{p}");
     }
     std::process::exit(2);
 }
 
-async fn wait_for_signal() -> anyhow::Result<()> {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+/// Resolves on SIGINT or SIGTERM.
+async fn terminated() -> anyhow::Result<()> {
+    let mut term = signal(SignalKind::terminate())?;
     tokio::select! {
         r = tokio::signal::ctrl_c() => r?,
         _ = term.recv() => {}

@@ -3,20 +3,18 @@
 //! exactly the hashes the vectors pin.
 
 use envoy_types::pb::envoy::service::ext_proc::v3::HttpHeaders;
-use hearth_ext_proc::service::{http_headers, request_info};
-use hearth_fingerprint::header;
+use hearth_ext_proc::envoy::headers;
+use hearth_ext_proc::envoy::service::request_info;
+use hearth_wire::header;
 
 fn headers(pairs: &[(&str, String)]) -> HttpHeaders {
     let pairs: Vec<(&str, &str)> = pairs.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    http_headers(&pairs)
+    headers::map(&pairs)
 }
 
 #[test]
 fn filter_headers_from_the_golden_vectors_decode_to_their_hashes() {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../fingerprint/golden/vectors.json"
-    );
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../wire/golden/vectors.json");
     let vectors: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let mut checked = 0;

@@ -8,9 +8,9 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use hearth_ext_proc::engines::EngineClient;
-use hearth_ext_proc::health::{Failure, Outcome};
-use hearth_ext_proc::probe::{probe_once, PROBE_PROMPT};
+use hearth_ext_proc::feeds::engines::EngineClient;
+use hearth_ext_proc::feeds::probe::{probe_once, PROBE_PROMPT};
+use hearth_router::health::{Failure, Outcome};
 use serde_json::{json, Value};
 
 /// What the stand-in engine does, and what it saw.

@@ -1,6 +1,6 @@
 //! Plugin configuration: one typed struct, parsed and validated by a pure function.
 
-use hearth_fingerprint::{Endpoint, Params};
+use hearth_wire::{Endpoint, Params};
 use serde::Deserialize;
 use std::fmt;
 
@@ -152,7 +152,7 @@ impl FilterConfig {
 
     /// The API served at `path` (query and fragment ignored), if configured.
     pub fn endpoint_for(&self, path: &str) -> Option<Endpoint> {
-        let path = hearth_fingerprint::strip_query(path);
+        let path = hearth_wire::strip_query(path);
         self.routes.iter().find(|(p, _)| p == path).map(|(_, e)| *e)
     }
 }

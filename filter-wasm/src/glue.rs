@@ -6,7 +6,7 @@ use crate::config::{FilterConfig, Role};
 use crate::metrics::{Metric, SkipCause};
 use crate::outcome::{self, Scanner};
 use crate::policy::{self, BodyOutcome, HeaderDecision};
-use hearth_fingerprint::Endpoint;
+use hearth_wire::Endpoint;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};

@@ -1,7 +1,7 @@
 //! Hearth's Envoy filter (proxy-wasm, built for `wasm32-wasip1`).
 //!
 //! For `POST`s to the configured OpenAI paths it buffers the request body
-//! (bounded), fingerprints the prompt with [`hearth_fingerprint`] and sets
+//! (bounded), fingerprints the prompt with [`hearth_wire`] and sets
 //! `x-hearth-fp`, `x-hearth-prompt-bytes` and `x-hearth-model` for the
 //! ext-proc sidecar. On every request it first removes client-supplied
 //! `x-hearth-*` and `x-gateway-destination-endpoint*` headers, so a client
@@ -21,7 +21,7 @@ pub mod metrics;
 pub mod policy;
 /// The outcome scan, shared with the sidecar (which runs it on response
 /// bodies in the shapes that have no wasm filter).
-pub use hearth_fingerprint::outcome;
+pub use hearth_wire::outcome;
 
 #[cfg(target_arch = "wasm32")]
 mod glue;

@@ -1,6 +1,6 @@
 //! The filter's counters. Envoy exposes them as `wasmcustom.<name>`.
 
-use hearth_fingerprint::SkipReason;
+use hearth_wire::SkipReason;
 
 /// Why a request went upstream without a fingerprint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 
 use crate::config::FilterConfig;
 use crate::metrics::SkipCause;
-use hearth_fingerprint::{fingerprint, header, Endpoint, Fingerprint};
+use hearth_wire::{fingerprint, header, Endpoint, Fingerprint};
 
 /// What to do once the request headers are in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,7 +118,7 @@ pub fn is_header_safe(v: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use hearth_fingerprint::SkipReason;
+    use hearth_wire::SkipReason;
 
     const CHAT: &[u8] = b"/v1/chat/completions";
 

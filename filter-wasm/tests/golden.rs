@@ -1,19 +1,16 @@
 //! The headers the filter would set, checked against the shared golden
-//! vectors in `fingerprint/golden/vectors.json` (the same file the sidecar
+//! vectors in `wire/golden/vectors.json` (the same file the sidecar
 //! tests read).
 
 use hearth_filter::config::FilterConfig;
 use hearth_filter::metrics::SkipCause;
 use hearth_filter::policy::{on_request_body, on_request_headers, BodyOutcome, HeaderDecision};
-use hearth_fingerprint::{header, SkipReason};
+use hearth_wire::{header, SkipReason};
 use serde_json::Value;
 
 #[test]
 fn filter_headers_match_golden_vectors() {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../fingerprint/golden/vectors.json"
-    );
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../wire/golden/vectors.json");
     let text = std::fs::read_to_string(path).expect("read golden vectors");
     let cases: Vec<Value> = serde_json::from_str(&text).expect("golden vectors are JSON");
     assert!(cases.len() >= 12);

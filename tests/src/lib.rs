@@ -13,9 +13,9 @@ use hearth_bench::engine::{self, EngineConfig, EngineHandle, EngineStats};
 use hearth_bench::gateway::{find_wasm, Envoy};
 use hearth_bench::llama::{LlamaConfig, LlamaServer};
 use hearth_ext_proc::config::Cli;
-use hearth_ext_proc::envoy_config::{render, Gateway};
-use hearth_ext_proc::router::Snapshot;
+use hearth_ext_proc::envoy::render::{render, Gateway};
 use hearth_ext_proc::{Settings, Sidecar};
+use hearth_router::Snapshot;
 use serde_json::Value;
 
 pub use hearth_bench::conversation::{cached_and_prompt_tokens, filler, reply_text, Conversation};
@@ -304,9 +304,9 @@ impl Fleet {
             )
         };
         let config = if opts.gie_mode {
-            hearth_ext_proc::envoy_config::render_gie(&gateway)
+            hearth_ext_proc::envoy::render::render_gie(&gateway)
         } else if opts.body_mode {
-            hearth_ext_proc::envoy_config::render_body(&gateway)
+            hearth_ext_proc::envoy::render::render_body(&gateway)
         } else {
             render(&gateway)
         };

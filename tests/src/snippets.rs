@@ -3,8 +3,8 @@
 //! tests check the shipped gateway and a configuration of another shape
 //! with it.
 
-use hearth_ext_proc::envoy_config::snippets::{self, Place, Snippet};
-use serde_yaml::Value;
+use hearth_ext_proc::envoy::render::snippets::{self, Place, Snippet};
+use serde_norway::Value;
 
 /// The connection manager's filter name.
 pub const HCM: &str = "envoy.filters.network.http_connection_manager";
@@ -23,7 +23,7 @@ pub fn apply_all(config: &mut Value, values: &[(&str, String)]) {
 /// and into that cluster (dropping its `lb_policy`), clusters added.
 /// Panics when the place is not in `config`.
 pub fn apply(config: &mut Value, snippet: &Snippet, values: &[(&str, String)]) {
-    let piece: Value = serde_yaml::from_str(&snippet.fill(values))
+    let piece: Value = serde_norway::from_str(&snippet.fill(values))
         .unwrap_or_else(|e| panic!("{}: not YAML once filled: {e}", snippet.file));
     match snippet.place {
         Place::HttpFilters => {
@@ -130,11 +130,12 @@ mod tests {
 
     #[test]
     fn merge_recurses_into_mappings_appends_lists_and_replaces_the_rest() {
-        let mut into: Value = serde_yaml::from_str("{a: {b: 1, c: [x]}, d: old, keep: 1}").unwrap();
-        let from: Value = serde_yaml::from_str("{a: {b: 2, c: [y]}, d: new, e: 3}").unwrap();
+        let mut into: Value =
+            serde_norway::from_str("{a: {b: 1, c: [x]}, d: old, keep: 1}").unwrap();
+        let from: Value = serde_norway::from_str("{a: {b: 2, c: [y]}, d: new, e: 3}").unwrap();
         merge(&mut into, &from);
         let want: Value =
-            serde_yaml::from_str("{a: {b: 2, c: [x, y]}, d: new, keep: 1, e: 3}").unwrap();
+            serde_norway::from_str("{a: {b: 2, c: [x, y]}, d: new, keep: 1, e: 3}").unwrap();
         assert_eq!(into, want);
     }
 }

@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use clap::{CommandFactory, Parser};
 use hearth_e2e::validate_config;
 use hearth_ext_proc::config::{Cli, Command};
-use hearth_ext_proc::envoy_config::{render, render_plain, EnvoyConfigArgs};
+use hearth_ext_proc::envoy::render::{render, render_plain, EnvoyConfigArgs};
 use hearth_ext_proc::Settings;
-use serde_yaml::Value;
+use serde_norway::Value;
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -78,7 +78,7 @@ fn every_shipped_envoy_config_validates() {
         if path.extension().is_some_and(|e| e == "yaml") {
             let text = std::fs::read_to_string(&path).unwrap();
             let text = text.replace(
-                hearth_ext_proc::envoy_config::DEFAULT_WASM,
+                hearth_ext_proc::envoy::render::DEFAULT_WASM,
                 &wasm.canonicalize().unwrap().display().to_string(),
             );
             validate_config(&format!("shipped-{checked}"), &text)
@@ -114,7 +114,7 @@ fn eds_bootstraps_validate() {
 #[test]
 fn the_plain_baseline_validates() {
     // What `hearth-bench overhead` compares the gateway with.
-    let g = hearth_ext_proc::envoy_config::Gateway::local(
+    let g = hearth_ext_proc::envoy::render::Gateway::local(
         "127.0.0.1:0".parse().unwrap(),
         "127.0.0.1:50051".parse().unwrap(),
         "127.0.0.1:9190".parse().unwrap(),
@@ -124,7 +124,7 @@ fn the_plain_baseline_validates() {
         ],
         std::path::PathBuf::new(),
     );
-    let yaml = hearth_ext_proc::envoy_config::render_plain(&g);
+    let yaml = hearth_ext_proc::envoy::render::render_plain(&g);
     assert!(yaml.contains("port_value: 8002") && !yaml.contains("ext_proc"));
     validate_config("plain", &yaml).unwrap_or_else(|e| panic!("plain baseline: {e:#}"));
 }
@@ -137,21 +137,21 @@ fn read(path: &str) -> String {
 fn shipped_gateway_yaml_is_the_snippets_applied_to_the_plain_gateway() {
     let (args, settings) = shipped(&[]);
     let g = args.gateway(&settings);
-    let mut applied: Value = serde_yaml::from_str(&render_plain(&g)).unwrap();
+    let mut applied: Value = serde_norway::from_str(&render_plain(&g)).unwrap();
     hearth_e2e::snippets::apply_all(&mut applied, &g.snippet_values());
-    let shipped: Value = serde_yaml::from_str(&read("envoy/gateway.yaml")).unwrap();
+    let shipped: Value = serde_norway::from_str(&read("envoy/gateway.yaml")).unwrap();
     assert!(
         shipped == applied,
         "envoy/gateway.yaml is not the plain gateway with envoy/snippets/ applied\n\
          --- applied ---\n{}\n--- shipped ---\n{}",
-        serde_yaml::to_string(&applied).unwrap(),
-        serde_yaml::to_string(&shipped).unwrap()
+        serde_norway::to_string(&applied).unwrap(),
+        serde_norway::to_string(&shipped).unwrap()
     );
 }
 
 #[test]
 fn envoy_snippets_holds_the_snippets_and_its_readme_explains_each() {
-    use hearth_ext_proc::envoy_config::snippets::{ALL, PLACEHOLDERS};
+    use hearth_ext_proc::envoy::render::snippets::{ALL, PLACEHOLDERS};
     let mut files: Vec<String> = std::fs::read_dir(root().join("envoy/snippets"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -254,12 +254,12 @@ fn the_sidecar_configmap_holds_each_default_or_says_why_not() {
             comment.push_str(c.trim());
             comment.push(' ');
         } else if let Some((key, value)) = line.split_once(": ") {
-            let value: String = serde_yaml::from_str(value).unwrap();
+            let value: String = serde_norway::from_str(value).unwrap();
             entries.push((key.to_string(), value, std::mem::take(&mut comment)));
         }
     }
     // The reading above is the YAML's.
-    let doc: Value = serde_yaml::from_str(&text).unwrap();
+    let doc: Value = serde_norway::from_str(&text).unwrap();
     let data = doc["data"].as_mapping().unwrap();
     assert_eq!(entries.len(), data.len());
     for (key, value, _) in &entries {

@@ -53,7 +53,7 @@ fn documents() -> Vec<(PathBuf, Value)> {
             }
         }
         for part in parts {
-            let value: Value = serde_yaml::from_str(&part)
+            let value: Value = serde_norway::from_str(&part)
                 .unwrap_or_else(|e| panic!("{}: not YAML: {e}", path.display()));
             if !value.is_null() {
                 docs.push((path.clone(), value));
@@ -426,7 +426,7 @@ fn the_mounted_replica_list_parses_where_the_settings_point() {
     };
     let list = find("ConfigMap", "hearth-upstreams");
     let text = list["data"]["upstreams"].as_str().expect("data.upstreams");
-    let specs = hearth_ext_proc::upstreams::parse(text, "hearth-upstreams")
+    let specs = hearth_ext_proc::feeds::upstreams::parse(text, "hearth-upstreams")
         .unwrap_or_else(|p| panic!("the shipped replica list is refused: {p:?}"));
     assert!(!specs.is_empty());
     // The Deployment mounts it where the settings' comment says.

@@ -10,7 +10,7 @@ use hearth_bench::gateway::Envoy;
 use hearth_e2e::{
     cluster_hosts, filler, reply_text, Conversation, Fleet, FleetOptions, Home, MODEL,
 };
-use hearth_ext_proc::envoy_config::ENGINES_CLUSTER;
+use hearth_ext_proc::envoy::render::ENGINES_CLUSTER;
 
 /// Envoy's gauge of its EDS stream to the sidecar (1 = connected).
 const CONNECTED: &str = "cluster.engines.control_plane.connected_state";
@@ -89,13 +89,7 @@ async fn envoy_routes_to_the_endpoints_the_sidecar_serves() {
     fleet.assert_wasm_healthy();
     // Envoy holds the router's version, and accepted one assignment: its
     // ACK got no reply, and the list never changed.
-    let version = *fleet
-        .sidecar
-        .as_ref()
-        .unwrap()
-        .router
-        .watch_endpoints()
-        .borrow();
+    let version = fleet.sidecar.as_ref().unwrap().router.version();
     let text = fleet
         .envoy
         .stats_matching("cluster.engines.version_text")

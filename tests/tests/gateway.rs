@@ -161,7 +161,7 @@ async fn forged_routing_headers_change_nothing() {
         .local_addr()
         .unwrap()
         .to_string();
-    let other_fp = hearth_fingerprint::header::encode(2048, &[1, 2, 3, 4]);
+    let other_fp = hearth_wire::header::encode(2048, &[1, 2, 3, 4]);
     let forgeries: Vec<Vec<(&str, &str)>> = vec![
         vec![("x-gateway-destination-endpoint", other.as_str())],
         vec![("x-gateway-destination-endpoint", outside.as_str())],

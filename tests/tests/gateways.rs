@@ -8,7 +8,7 @@ use hearth_e2e::{filler, reply_text, Conversation, Fleet, FleetOptions, Home, MO
 async fn sessions_stay_put_when_turns_alternate_between_two_gateways() {
     let fleet = Fleet::start(FleetOptions::default()).await.unwrap();
     let second = fleet
-        .start_envoy(&hearth_ext_proc::envoy_config::render(&fleet.gateway))
+        .start_envoy(&hearth_ext_proc::envoy::render::render(&fleet.gateway))
         .await
         .unwrap();
     let gateways = [&fleet.envoy, &second];

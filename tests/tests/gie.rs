@@ -96,7 +96,7 @@ async fn sessions_stay_on_their_warm_replica_as_an_endpoint_picker() {
 /// A copy of the fleet's GIE gateway with a `set_metadata` filter before
 /// ext_proc that sets the protocol's subset hint, as a controller would.
 fn with_subset_hint(fleet: &Fleet, subset: &[String]) -> String {
-    let config = hearth_ext_proc::envoy_config::render_gie(&fleet.gateway);
+    let config = hearth_ext_proc::envoy::render::render_gie(&fleet.gateway);
     let list = subset
         .iter()
         .map(|e| format!("\"{e}\""))

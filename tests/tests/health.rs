@@ -27,7 +27,7 @@ async fn wait_for(
     fleet: &Fleet,
     deadline: Duration,
     what: &str,
-    cond: impl Fn(&hearth_ext_proc::router::Snapshot) -> bool,
+    cond: impl Fn(&hearth_router::Snapshot) -> bool,
 ) -> Duration {
     let start = Instant::now();
     loop {
@@ -43,10 +43,10 @@ async fn wait_for(
     }
 }
 
-fn fenced(s: &hearth_ext_proc::router::Snapshot, id: &str) -> bool {
+fn fenced(s: &hearth_router::Snapshot, id: &str) -> bool {
     s.replicas
         .iter()
-        .any(|r| r.id == id && r.health.state == hearth_ext_proc::health::HealthState::Fenced)
+        .any(|r| r.id == id && r.health.state == hearth_router::health::HealthState::Fenced)
 }
 
 #[tokio::test]
@@ -152,7 +152,7 @@ async fn empty_answers_fence(shape: FleetOptions) {
     assert!(fenced(&s, "engine-2"), "{s:?}");
     assert_eq!(
         e2.health.last_failure,
-        Some(hearth_ext_proc::health::Failure::EmptyAnswer)
+        Some(hearth_router::health::Failure::EmptyAnswer)
     );
     // Healthy replicas' answers were judged fine, and proved them.
     for r in s.replicas.iter().filter(|r| r.id != "engine-2") {
@@ -190,7 +190,7 @@ async fn a_503_is_retried_on_the_next_endpoint_never_the_same_one() {
     let h = s.replicas.iter().find(|r| r.id == home).unwrap();
     assert_eq!(
         h.health.last_failure,
-        Some(hearth_ext_proc::health::Failure::Retried),
+        Some(hearth_router::health::Failure::Retried),
         "{s:?}"
     );
     assert!(h.health.consecutive_failures >= 5, "{s:?}");
@@ -230,12 +230,12 @@ async fn a_request_stuck_without_an_answer_counts_as_a_timeout_and_releases_noth
     let timed_out: Vec<_> = s
         .replicas
         .iter()
-        .filter(|r| r.health.last_failure == Some(hearth_ext_proc::health::Failure::Timeout))
+        .filter(|r| r.health.last_failure == Some(hearth_router::health::Failure::Timeout))
         .collect();
     assert_eq!(timed_out.len(), 1, "{s:?}");
     assert_eq!(
         timed_out[0].health.state,
-        hearth_ext_proc::health::HealthState::Fenced
+        hearth_router::health::HealthState::Fenced
     );
     fleet.assert_wasm_healthy();
 }
@@ -326,7 +326,7 @@ async fn real_traffic_is_the_proof_of_health_and_only_idle_replicas_are_probed()
     assert!(s
         .replicas
         .iter()
-        .all(|r| r.health.state == hearth_ext_proc::health::HealthState::Serving));
+        .all(|r| r.health.state == hearth_router::health::HealthState::Serving));
     let served: Vec<_> = s
         .replicas
         .iter()
@@ -375,7 +375,7 @@ async fn engines_that_need_a_key_keep_serving_and_the_sidecar_reports_its_missin
     for r in &s.replicas {
         assert_eq!(
             r.health.state,
-            hearth_ext_proc::health::HealthState::Serving,
+            hearth_router::health::HealthState::Serving,
             "{s:?}"
         );
         assert_eq!(r.health.fenced_total, 0, "{s:?}");

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use hearth_e2e::{
     filler, metric_sample as sample, reply_text, Conversation, Fleet, FleetOptions, MODEL,
 };
-use hearth_ext_proc::admin::{Decisions, SeriesView};
-use hearth_ext_proc::journal::DecisionRecord;
+use hearth_ext_proc::observe::admin::{Decisions, SeriesView};
+use hearth_ext_proc::observe::journal::DecisionRecord;
 
 async fn get(fleet: &Fleet, path: &str) -> (u16, String) {
     fleet.admin_get(path).await.unwrap()
@@ -209,7 +209,7 @@ async fn metrics_journal_and_history_explain_every_decision() {
     let (_, text) = get(&fleet, "/debug/series?seconds=600").await;
     let series: SeriesView = serde_json::from_str(&text).unwrap();
     assert_eq!(series.replicas.len(), 4);
-    let total = |f: fn(&hearth_ext_proc::series::Second) -> u64| -> u64 {
+    let total = |f: fn(&hearth_ext_proc::observe::series::Second) -> u64| -> u64 {
         series.seconds.iter().map(f).sum()
     };
     assert_eq!(total(|s| u64::from(s.decisions)), 10);

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use hearth_bench::llama::{LlamaConfig, LlamaServer};
 use hearth_e2e::{cached_and_prompt_tokens, filler, reply_text, Conversation, Fleet, LlamaFleet};
-use hearth_ext_proc::health::HealthState;
-use hearth_ext_proc::router::Snapshot;
+use hearth_router::health::HealthState;
+use hearth_router::Snapshot;
 use serde_json::Value;
 
 /// The model clients ask for (a single-model llama-server serves any name).

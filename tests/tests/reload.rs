@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use hearth_e2e::{
     cluster_hosts, filler, reply_text, Conversation, Fleet, FleetOptions, Home, MODEL,
 };
-use hearth_ext_proc::envoy_config::ENGINES_CLUSTER;
+use hearth_ext_proc::envoy::render::ENGINES_CLUSTER;
 
 /// Waits (up to 10 s) until Envoy's engines cluster holds exactly the
 /// engines at `indices`.

@@ -13,9 +13,9 @@ use hearth_e2e::snippets::{apply_all, clusters, connection_managers};
 use hearth_e2e::{
     filler, reply_text, validate_config, Conversation, Fleet, FleetOptions, Home, Turn, MODEL,
 };
-use hearth_ext_proc::envoy_config::snippets::Values;
-use hearth_ext_proc::health::{Failure, HealthState};
-use serde_yaml::Value;
+use hearth_ext_proc::envoy::render::snippets::Values;
+use hearth_router::health::{Failure, HealthState};
+use serde_norway::Value;
 
 /// The operator's gateway before Hearth.
 const FOREIGN: &str = r#"
@@ -72,11 +72,11 @@ static_resources:
 /// (`values` fills them; its ENGINES_CLUSTER is replaced by the foreign
 /// cluster's name).
 fn foreign_with_hearth(engines: &[std::net::SocketAddr], mut values: Values) -> Value {
-    let mut config: Value = serde_yaml::from_str(FOREIGN).unwrap();
+    let mut config: Value = serde_norway::from_str(FOREIGN).unwrap();
     let endpoints: Vec<Value> = engines
         .iter()
         .map(|a| {
-            serde_yaml::from_str(&format!(
+            serde_norway::from_str(&format!(
                 "endpoint: {{ address: {{ socket_address: {{ address: \"{}\", port_value: {} }} }} }}",
                 a.ip(),
                 a.port()
@@ -93,7 +93,7 @@ fn foreign_with_hearth(engines: &[std::net::SocketAddr], mut values: Values) -> 
 }
 
 fn to_yaml(config: &Value) -> String {
-    serde_yaml::to_string(config).unwrap()
+    serde_norway::to_string(config).unwrap()
 }
 
 /// A GET through `envoy`: status, `x-edge`, body.
@@ -231,7 +231,7 @@ async fn a_foreign_gateway_with_the_snippets_keeps_conversations_on_their_replic
     let empty = (idx + 1) % fleet.engines.len();
     let empty_id = fleet.engines[empty].engine.config().id.clone();
     fleet.engines[empty].engine.set_fault(Fault::Empty);
-    let fenced = |s: &hearth_ext_proc::router::Snapshot| {
+    let fenced = |s: &hearth_router::Snapshot| {
         s.replicas
             .iter()
             .any(|r| r.id == empty_id && r.health.state == HealthState::Fenced)
@@ -268,7 +268,7 @@ async fn a_foreign_gateway_with_the_snippets_keeps_conversations_on_their_replic
 #[tokio::test]
 async fn the_two_wasm_entries_share_one_vm_per_worker() {
     // Nothing needs to listen at these addresses for Envoy to start.
-    let values = hearth_ext_proc::envoy_config::Gateway::local(
+    let values = hearth_ext_proc::envoy::render::Gateway::local(
         "127.0.0.1:0".parse().unwrap(),
         "127.0.0.1:9".parse().unwrap(),
         "127.0.0.1:9".parse().unwrap(),

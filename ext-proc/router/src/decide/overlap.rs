@@ -1,0 +1,76 @@
+//! Phase 2: how many leading blocks of the prompt each candidate holds
+//! (its warmth), and whether the prompt continues an earlier one (its
+//! overlap reaches a recent prompt's tip).
+
+use super::candidates::Admitted;
+use super::request::RequestInfo;
+use crate::fleet::Fleet;
+use crate::params::LongLane;
+use crate::replica::Replica;
+use crate::router::Router;
+use crate::warmth::LruBlocks;
+
+/// The candidates with their overlaps (in blocks), in the same order.
+pub(crate) struct Warmth {
+    pub candidates: Vec<usize>,
+    pub overlaps: Vec<usize>,
+    /// The tip of the earlier prompt this one continues, if any.
+    pub continued: Option<u64>,
+}
+
+pub(crate) fn measure(
+    router: &Router,
+    fleet: &Fleet,
+    tips: &LruBlocks,
+    req: &RequestInfo,
+    admitted: Admitted,
+) -> Warmth {
+    let Admitted {
+        candidates,
+        long_request,
+    } = admitted;
+    // The overlap searches of all candidates run together.
+    let sets: Vec<&LruBlocks> = candidates.iter().map(|&i| &fleet.state[i].warmth).collect();
+    let overlaps = LruBlocks::leading_overlaps(&sets, &req.hashes);
+    let (candidates, overlaps) = if long_request
+        || !fleet.any_long
+        || router.params.long_lane != LongLane::AvoidUnlessWarm
+    {
+        (candidates, overlaps)
+    } else {
+        warm_long_only(&fleet.replicas, candidates, overlaps)
+    };
+    let warmest = overlaps.iter().copied().max().unwrap_or(0);
+    let continued = req.hashes[..warmest.min(req.hashes.len())]
+        .iter()
+        .rev()
+        .find(|&&h| tips.contains(h))
+        .copied();
+    Warmth {
+        candidates,
+        overlaps,
+        continued,
+    }
+}
+
+/// Under `avoid-unless-warm`, a short prompt keeps a `long` replica only
+/// where the session is cached: more of it than on the least-warm
+/// candidate (unless no other replica is left).
+fn warm_long_only(
+    replicas: &[Replica],
+    candidates: Vec<usize>,
+    overlaps: Vec<usize>,
+) -> (Vec<usize>, Vec<usize>) {
+    let least = overlaps.iter().copied().min().unwrap_or(0);
+    let kept: (Vec<usize>, Vec<usize>) = candidates
+        .iter()
+        .zip(&overlaps)
+        .filter(|(&i, &o)| !replicas[i].long || o > least)
+        .map(|(&i, &o)| (i, o))
+        .unzip();
+    if kept.0.is_empty() {
+        (candidates, overlaps)
+    } else {
+        kept
+    }
+}

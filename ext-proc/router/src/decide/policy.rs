@@ -1,0 +1,192 @@
+//! Phase 3, the scoring rule: each candidate's credit (from its overlap)
+//! and load (its reservations, its engine's queue, the conversations
+//! paused on it), and `score(r) = credit(r) - alpha * load(r)`. The
+//! highest score wins; ties go to the deeper raw overlap, then
+//! round-robin ([`super::pick`]). A request that continues no
+//! earlier prompt (a first turn) has its credit capped lower
+//! ([`crate::params::ScoreParams::first_turn_cap`]): what it shares with a replica is a
+//! prefix other conversations share, which any replica reads once, so load
+//! decides where a conversation starts. The benchmark's simulator calls this
+//! same code, so what it measures is what the sidecar runs.
+
+use std::time::Instant;
+
+use super::overlap::Warmth;
+use crate::fleet::{Fleet, ReplicaState};
+use crate::params::{AffinityBasis, RouterParams};
+use crate::router::Router;
+
+/// One replica as the scoring rule sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Candidate {
+    /// Leading blocks of the request the replica holds.
+    pub overlap: u32,
+    /// In-flight load, in load units.
+    pub load: f64,
+}
+
+/// Credit of each candidate under `basis`, in blocks.
+pub fn credits(basis: AffinityBasis, cap: u32, overlaps: &[u32]) -> Vec<f64> {
+    let least = overlaps.iter().copied().min().unwrap_or(0);
+    let warmest = overlaps.iter().copied().max().unwrap_or(0);
+    overlaps
+        .iter()
+        .map(|&o| {
+            let c = match basis {
+                AffinityBasis::Absolute => o.min(cap),
+                AffinityBasis::Marginal => (o - least).min(cap),
+                AffinityBasis::Relative => warmest.min(cap) - (warmest - o).min(cap),
+            };
+            f64::from(c)
+        })
+        .collect()
+}
+
+/// The candidates as scored, in candidate order.
+pub(crate) struct Scored {
+    pub candidates: Vec<Candidate>,
+    pub credits: Vec<f64>,
+    pub scores: Vec<f64>,
+}
+
+/// Credit, load and score of each candidate.
+pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Instant) -> Scored {
+    let p = &router.params;
+    let state = &mut fleet.state;
+    // A new conversation: while some candidate is idle (nothing resident,
+    // nothing running), conversations paused on the others count against
+    // them.
+    let mut residents_count = false;
+    if warm.continued.is_none() && p.resident_load > 0.0 {
+        for &i in &warm.candidates {
+            forget_departed(p, &mut state[i], now);
+        }
+        residents_count = warm
+            .candidates
+            .iter()
+            .any(|&i| state[i].resident.is_empty() && state[i].in_flight == 0);
+    }
+    let candidates: Vec<Candidate> = warm
+        .candidates
+        .iter()
+        .zip(&warm.overlaps)
+        .map(|(&i, &overlap)| Candidate {
+            overlap: overlap as u32,
+            load: state[i].load
+                + engine_load(router, &state[i], now)
+                + if residents_count {
+                    resident_load(p, &state[i])
+                } else {
+                    0.0
+                },
+        })
+        .collect();
+    let params = p.score.for_request(warm.continued.is_some());
+    let overlaps: Vec<u32> = candidates.iter().map(|c| c.overlap).collect();
+    let credits = credits(params.basis, params.cap, &overlaps);
+    let scores = scores(params.alpha, &credits, &candidates);
+    Scored {
+        candidates,
+        credits,
+        scores,
+    }
+}
+
+/// Scores of each candidate: `credit - alpha * load`.
+pub fn scores(alpha: f64, credits: &[f64], candidates: &[Candidate]) -> Vec<f64> {
+    credits
+        .iter()
+        .zip(candidates)
+        .map(|(credit, c)| credit - alpha * c.load)
+        .collect()
+}
+
+/// Drops conversations whose latest turn is older than the resident
+/// window (they ended, or pause long enough to be evicted anyway).
+pub(crate) fn forget_departed(p: &RouterParams, s: &mut ReplicaState, now: Instant) {
+    let window = p.resident_window;
+    s.resident
+        .retain(|_, at| now.saturating_duration_since(*at) < window);
+}
+
+/// Load that a new conversation sees on a replica for the conversations
+/// resident there and not running now (while another replica is idle):
+/// they will come back, and a slot-based engine evicts one of them for
+/// each newcomer beyond its slots.
+fn resident_load(p: &RouterParams, s: &ReplicaState) -> f64 {
+    let idle = s.resident.len().saturating_sub(s.in_flight as usize);
+    p.resident_load * idle as f64
+}
+
+/// Load the engine reports beyond this sidecar's own reservations: queued
+/// requests, and running ones other gateways sent.
+fn engine_load(router: &Router, s: &ReplicaState, now: Instant) -> f64 {
+    match router.fresh_engine(s, now) {
+        Some(e) => {
+            let foreign = (e.running - f64::from(e.own_in_flight)).max(0.0);
+            (e.waiting + foreign) * router.params.engine_load_weight
+        }
+        None => 0.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credit_bases_follow_their_formulas() {
+        // A shared 30-block system prompt everywhere; one replica also holds
+        // the session's 20 private blocks.
+        let overlaps = [30, 50, 30];
+        assert_eq!(
+            credits(AffinityBasis::Absolute, 100, &overlaps),
+            [30.0, 50.0, 30.0]
+        );
+        assert_eq!(
+            credits(AffinityBasis::Marginal, 100, &overlaps),
+            [0.0, 20.0, 0.0]
+        );
+        assert_eq!(
+            credits(AffinityBasis::Relative, 100, &overlaps),
+            [30.0, 50.0, 30.0]
+        );
+        // With a cap of 40 the absolute basis can no longer tell 50 from 30
+        // apart beyond the cap, while relative keeps the 20-block gap... up
+        // to the cap: min(50,40) - min(50-30,40) = 20.
+        assert_eq!(
+            credits(AffinityBasis::Absolute, 40, &overlaps),
+            [30.0, 40.0, 30.0]
+        );
+        assert_eq!(
+            credits(AffinityBasis::Relative, 40, &overlaps),
+            [20.0, 40.0, 20.0]
+        );
+        assert_eq!(
+            credits(AffinityBasis::Marginal, 10, &overlaps),
+            [0.0, 10.0, 0.0]
+        );
+    }
+
+    #[test]
+    fn cap_makes_absolute_blind_to_deep_prefixes() {
+        // Both replicas hold more than the cap: absolute ties, relative
+        // still prefers the warmer one.
+        let overlaps = [300, 260];
+        assert_eq!(
+            credits(AffinityBasis::Absolute, 256, &overlaps),
+            [256.0, 256.0]
+        );
+        let rel = credits(AffinityBasis::Relative, 256, &overlaps);
+        assert!(rel[0] > rel[1]);
+    }
+
+    #[test]
+    fn basis_parses_case_insensitively_and_rejects_others() {
+        assert_eq!(
+            "Marginal".parse::<AffinityBasis>(),
+            Ok(AffinityBasis::Marginal)
+        );
+        assert!("fastest".parse::<AffinityBasis>().is_err());
+    }
+}

@@ -1,0 +1,37 @@
+//! What a decision is asked for, and why it can be refused.
+
+use std::fmt;
+
+/// What the sidecar knows about one request before it is routed.
+#[derive(Clone, Debug, Default)]
+pub struct RequestInfo {
+    /// Chained block hashes from the filter, if the request was hashed.
+    pub hashes: Vec<u64>,
+    /// Canonical prompt length in bytes (0 when unknown).
+    pub prompt_bytes: u64,
+    pub model: Option<String>,
+    /// The request's output cap, when the client set one.
+    pub max_output_tokens: Option<u64>,
+}
+
+/// Why a request could not be routed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RouteError {
+    NoReplicaForModel(String),
+    NoHealthyReplica(String),
+    Saturated,
+}
+
+impl fmt::Display for RouteError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RouteError::NoReplicaForModel(m) => write!(f, "no replica serves model {m:?}"),
+            RouteError::NoHealthyReplica(m) => write!(f, "no healthy replica serves model {m:?}"),
+            RouteError::Saturated => {
+                f.write_str("every eligible replica is at its in-flight or queue limit")
+            }
+        }
+    }
+}
+
+impl std::error::Error for RouteError {}

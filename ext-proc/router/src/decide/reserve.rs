@@ -1,0 +1,103 @@
+//! Phase 5: reserve load on the chosen replica for the request's whole
+//! life, and record the prompt as warm there (so concurrent requests with
+//! the same new prefix follow it) and the conversation as resident.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::overlap::Warmth;
+use super::pick::Picked;
+use super::request::RequestInfo;
+use crate::fleet::Fleet;
+use crate::router::Router;
+use crate::warmth::LruBlocks;
+
+/// Resident conversations a replica holds before the old ones are dropped
+/// at the next decision rather than at the next first turn.
+const RESIDENT_PRUNE_AT: usize = 4096;
+
+/// Load held on a replica for a request's whole life; released on drop, so
+/// every way a stream can end (completion, client abort, upstream reset,
+/// timeout, gRPC error) gives the load back.
+pub struct Reservation {
+    router: Arc<Router>,
+    replica: usize,
+    weight: f64,
+}
+
+impl std::fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reservation")
+            .field("replica", &self.replica)
+            .field("weight", &self.weight)
+            .finish()
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut fleet = self.router.lock();
+        let r = &mut fleet.state[self.replica];
+        r.in_flight = r.in_flight.saturating_sub(1);
+        r.load -= self.weight;
+        // Sums of floats drift; an idle replica carries exactly no load.
+        r.load = if r.in_flight == 0 {
+            0.0
+        } else {
+            r.load.max(0.0)
+        };
+    }
+}
+
+/// Reserves the chosen replica: load weighted by the prompt bytes it must
+/// still read, the prompt's blocks as warmth, its last full block as the
+/// conversation's tip, resident there (and no longer where its previous
+/// turn went).
+pub(crate) fn reserve(
+    router: &Arc<Router>,
+    fleet: &mut Fleet,
+    tips: &mut LruBlocks,
+    req: &RequestInfo,
+    warm: &Warmth,
+    picked: &Picked,
+    now: Instant,
+) -> Reservation {
+    let p = &router.params;
+    let chosen = picked.order[0];
+    let cached_bytes = u64::from(picked.overlap) * p.block_size as u64;
+    let uncached = req.prompt_bytes.saturating_sub(cached_bytes);
+    let weight = 1.0 + uncached as f64 / p.load_unit_bytes as f64;
+    let state = &mut fleet.state;
+    let r = &mut state[chosen];
+    r.in_flight += 1;
+    r.load += weight;
+    r.routed += 1;
+    r.warmth.record_prompt(&req.hashes);
+    // The prompt's last full block (a trailing partial block changes as
+    // the conversation grows, so the next turn never matches it).
+    let full = if req.prompt_bytes == 0 {
+        req.hashes.len()
+    } else {
+        req.hashes
+            .len()
+            .min((req.prompt_bytes / p.block_size as u64) as usize)
+    };
+    if let Some(&tip) = full.checked_sub(1).and_then(|k| req.hashes.get(k)) {
+        tips.touch(tip);
+        if let Some(previous) = warm.continued {
+            for s in state.iter_mut() {
+                s.resident.remove(&previous);
+            }
+        }
+        let r = &mut state[chosen];
+        r.resident.insert(tip, now);
+        if r.resident.len() > RESIDENT_PRUNE_AT {
+            super::policy::forget_departed(p, r, now);
+        }
+    }
+    Reservation {
+        router: Arc::clone(router),
+        replica: chosen,
+        weight,
+    }
+}

@@ -1,0 +1,694 @@
+//! Replica health: passive signals from real traffic and active probes.
+//!
+//! A replica is *serving* or *fenced*. Real requests report their outcome
+//! (status, time to first byte, whether the answer carried text); a run of
+//! `eject_after` consecutive failures fences the replica for a backoff that
+//! doubles with every fencing in a row (capped). When the backoff has run
+//! out, the replica stays fenced until a probe succeeds: a probe lists the
+//! models and asks for a one-token completion, so an engine that answers
+//! `/health` and `/v1/models` but never generates is never re-admitted.
+//!
+//! Probe failures count as failures too, except a *timeout* (a probe's, or
+//! a real request's first-byte deadline) on a replica that completed a real
+//! request recently, and a probe's timeout on a replica running real
+//! requests (the probe waited behind them): a busy replica is slow, not
+//! broken.
+//!
+//! **Evidence before probes.** A real generation that succeeded is the
+//! proof of health, and it costs the engine nothing; a probe costs a
+//! generation and, on slot-based engines, possibly a paused conversation's
+//! cache. [`ReplicaHealth::probe_due`] therefore asks for a probe only
+//! where no real success proves the replica within the probe interval: a
+//! fenced replica whose backoff is over (to re-admit it), a suspect one (a
+//! failure since its last success, to confirm or clear it quickly), and an
+//! idle one (at most once per interval). A serving replica with real
+//! requests running gets no probe: their outcome (or their first-byte
+//! deadline) is the evidence, and a probe would queue behind them, or, on
+//! an engine with few slots, take one from a paused conversation.
+//!
+//! **Credentials.** An engine that refuses the sidecar's own requests
+//! (401/403 to a probe or a metrics scrape) has a credentials problem, not
+//! a health problem: it is reported, never fenced for it. A fenced replica
+//! whose probe is refused for credentials cannot prove itself by probe, so
+//! after its backoff it is let back on trial: serving, one failure away
+//! from being fenced again.
+
+use std::time::{Duration, Instant};
+
+use hearth_wire::outcome::Answer;
+use serde::{Deserialize, Serialize};
+
+/// Knobs of the health logic (all settings, see `config.rs`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HealthParams {
+    /// Consecutive failures that fence a replica.
+    pub eject_after: u32,
+    /// First fencing lasts this long; each fencing in a row doubles it.
+    pub backoff: Duration,
+    pub max_backoff: Duration,
+    /// A real success this recent excuses a timeout.
+    pub busy_grace: Duration,
+    /// A replica with no real success for this long gets a probe, and at
+    /// most one per interval while it stays idle (zero: never probed).
+    pub probe_interval: Duration,
+    /// A suspect replica (failed since its last success) is probed again
+    /// this soon after its last probe.
+    pub probe_retry: Duration,
+}
+
+impl Default for HealthParams {
+    fn default() -> Self {
+        HealthParams {
+            eject_after: 3,
+            backoff: Duration::from_secs(5),
+            max_backoff: Duration::from_secs(120),
+            busy_grace: Duration::from_secs(30),
+            probe_interval: Duration::from_secs(30),
+            probe_retry: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Why a request or probe failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Failure {
+    /// The engine answered 5xx.
+    ServerError,
+    /// Envoy could not connect, or the connection was reset.
+    ConnectFailure,
+    /// No answer in time.
+    Timeout,
+    /// HTTP 200 without any generated text (or without an end marker).
+    EmptyAnswer,
+    /// A probe's model listing failed.
+    ProbeModels,
+    /// Envoy retried the request away from it (connect failure, reset or
+    /// 503 on the first attempt).
+    Retried,
+}
+
+impl Failure {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Failure::ServerError => "server_error",
+            Failure::ConnectFailure => "connect_failure",
+            Failure::Timeout => "timeout",
+            Failure::EmptyAnswer => "empty_answer",
+            Failure::ProbeModels => "probe_models",
+            Failure::Retried => "retried",
+        }
+    }
+}
+
+/// The outcome of one real request or one probe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Success,
+    Failure(Failure),
+    /// Nothing to learn (client gave up first, 4xx, ...).
+    Neutral,
+    /// The engine refused the sidecar's own credentials (401 or 403 to a
+    /// probe): a configuration problem, never a reason to fence.
+    Unauthorized(u16),
+}
+
+/// A replica's health as shown on `/state` and `/health`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HealthState {
+    Serving,
+    /// Fenced: receives no traffic until a probe succeeds after the backoff.
+    Fenced,
+}
+
+#[derive(Clone, Debug)]
+pub struct ReplicaHealth {
+    state: HealthState,
+    consecutive_failures: u32,
+    /// Fencings in a row without a success in between (sets the backoff).
+    fencings: u32,
+    fenced_until: Option<Instant>,
+    last_failure: Option<Failure>,
+    /// The last real request that generated (not a probe).
+    last_served: Option<Instant>,
+    /// The last probe's end, whatever it found.
+    last_probe: Option<Instant>,
+    /// The status with which the engine refused the sidecar's probes, and
+    /// its metrics scrapes, until one is accepted.
+    probe_refused: Option<u16>,
+    metrics_refused: Option<u16>,
+    pub fenced_total: u64,
+}
+
+impl Default for ReplicaHealth {
+    fn default() -> Self {
+        ReplicaHealth {
+            state: HealthState::Serving,
+            consecutive_failures: 0,
+            fencings: 0,
+            fenced_until: None,
+            last_failure: None,
+            last_served: None,
+            last_probe: None,
+            probe_refused: None,
+            metrics_refused: None,
+            fenced_total: 0,
+        }
+    }
+}
+
+/// Health figures for the state endpoint.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct HealthSnapshot {
+    pub state: HealthState,
+    pub consecutive_failures: u32,
+    pub last_failure: Option<Failure>,
+    /// Seconds until a probe may re-admit the replica (fenced only).
+    pub fenced_for_s: Option<f64>,
+    pub fenced_total: u64,
+    /// Seconds since a real request last succeeded on it (none yet: null).
+    pub last_served_s_ago: Option<f64>,
+    /// Set while the engine refuses the sidecar's credentials: what it
+    /// refused and with which status (see `HEARTH_ENGINE_API_KEY`).
+    pub credentials_error: Option<String>,
+}
+
+/// Why a probe is due.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProbeReason {
+    /// Fenced, backoff over: a success re-admits it.
+    Readmit,
+    /// Failed since its last success: confirm or clear.
+    Suspect,
+    /// No real success within the probe interval.
+    Idle,
+}
+
+impl ReplicaHealth {
+    pub fn state(&self) -> HealthState {
+        self.state
+    }
+
+    pub fn is_serving(&self) -> bool {
+        self.state == HealthState::Serving
+    }
+
+    /// A real request's outcome. A timeout is excused on a replica that
+    /// served a real request within `busy_grace`.
+    pub fn record_request(&mut self, outcome: Outcome, p: &HealthParams, now: Instant) {
+        match outcome {
+            Outcome::Success => {
+                self.last_served = Some(now);
+                self.succeed();
+            }
+            Outcome::Failure(Failure::Timeout) if self.busy(p, now) => {}
+            Outcome::Failure(f) => self.fail(f, p, now),
+            Outcome::Neutral | Outcome::Unauthorized(_) => {}
+        }
+    }
+
+    /// A probe's outcome, with the number of real requests running on the
+    /// replica now. A probe success re-admits a fenced replica once its
+    /// backoff has run out; a timeout is excused on a replica that served a
+    /// real request within `busy_grace` or is running real requests.
+    pub fn record_probe(&mut self, outcome: Outcome, p: &HealthParams, now: Instant, running: u32) {
+        self.last_probe = Some(now);
+        let backoff_over = self.fenced_until.is_none_or(|t| now >= t);
+        if !matches!(outcome, Outcome::Unauthorized(_)) {
+            self.probe_refused = None;
+        }
+        match outcome {
+            Outcome::Success => {
+                if self.state == HealthState::Fenced && !backoff_over {
+                    return;
+                }
+                self.succeed();
+            }
+            Outcome::Failure(Failure::Timeout) if running > 0 || self.busy(p, now) => {}
+            Outcome::Failure(f) => self.fail(f, p, now),
+            Outcome::Neutral => {}
+            Outcome::Unauthorized(status) => {
+                self.probe_refused = Some(status);
+                if self.state == HealthState::Fenced && backoff_over {
+                    // On trial: one more failure fences it again.
+                    self.state = HealthState::Serving;
+                    self.fenced_until = None;
+                    self.consecutive_failures = p.eject_after.saturating_sub(1);
+                }
+            }
+        }
+    }
+
+    /// A metrics scrape's answer: refused with this status, or accepted.
+    pub fn record_scrape(&mut self, refused: Option<u16>) {
+        self.metrics_refused = refused;
+    }
+
+    /// Whether a probe is due now, and why (see the module's notes).
+    /// `running`: real requests running on the replica now.
+    pub fn probe_due(&self, p: &HealthParams, now: Instant, running: u32) -> Option<ProbeReason> {
+        if p.probe_interval.is_zero() {
+            return None;
+        }
+        let since = |t: Option<Instant>| t.map(|t| now.saturating_duration_since(t));
+        let probed_within = |d: Duration| since(self.last_probe).is_some_and(|s| s < d);
+        if self.state == HealthState::Fenced {
+            let backoff_over = self.fenced_until.is_none_or(|t| now >= t);
+            return (backoff_over && !probed_within(p.probe_retry)).then_some(ProbeReason::Readmit);
+        }
+        if running > 0 {
+            return None;
+        }
+        if self.consecutive_failures > 0 {
+            return (!probed_within(p.probe_retry)).then_some(ProbeReason::Suspect);
+        }
+        let served_within = since(self.last_served).is_some_and(|s| s < p.probe_interval);
+        (!served_within && !probed_within(p.probe_interval)).then_some(ProbeReason::Idle)
+    }
+
+    fn busy(&self, p: &HealthParams, now: Instant) -> bool {
+        self.last_served
+            .is_some_and(|t| now.saturating_duration_since(t) < p.busy_grace)
+    }
+
+    fn succeed(&mut self) {
+        self.state = HealthState::Serving;
+        self.consecutive_failures = 0;
+        self.fencings = 0;
+        self.fenced_until = None;
+    }
+
+    fn fail(&mut self, f: Failure, p: &HealthParams, now: Instant) {
+        self.last_failure = Some(f);
+        self.consecutive_failures = self.consecutive_failures.saturating_add(1);
+        if self.state == HealthState::Fenced {
+            // Still broken: a failed probe restarts the (longer) backoff.
+            if self.fenced_until.is_none_or(|t| now >= t) {
+                self.fence(p, now);
+            }
+            return;
+        }
+        if self.consecutive_failures >= p.eject_after {
+            self.fence(p, now);
+        }
+    }
+
+    fn fence(&mut self, p: &HealthParams, now: Instant) {
+        let factor = 1u32 << self.fencings.min(16);
+        let backoff = p.backoff.saturating_mul(factor).min(p.max_backoff);
+        self.fencings = self.fencings.saturating_add(1);
+        if self.state == HealthState::Serving {
+            self.fenced_total += 1;
+        }
+        self.state = HealthState::Fenced;
+        self.fenced_until = Some(now + backoff);
+    }
+
+    pub fn snapshot(&self, now: Instant) -> HealthSnapshot {
+        HealthSnapshot {
+            state: self.state,
+            consecutive_failures: self.consecutive_failures,
+            last_failure: self.last_failure,
+            fenced_for_s: match (self.state, self.fenced_until) {
+                (HealthState::Fenced, Some(t)) => {
+                    Some(t.saturating_duration_since(now).as_secs_f64())
+                }
+                _ => None,
+            },
+            fenced_total: self.fenced_total,
+            last_served_s_ago: self
+                .last_served
+                .map(|t| now.saturating_duration_since(t).as_secs_f64()),
+            credentials_error: self.credentials_error(),
+        }
+    }
+
+    /// What the engine refuses of the sidecar's own requests, if anything.
+    pub fn credentials_error(&self) -> Option<String> {
+        let what = [
+            ("probe", self.probe_refused),
+            ("metrics", self.metrics_refused),
+        ];
+        let refused: Vec<String> = what
+            .iter()
+            .filter_map(|(w, s)| s.map(|s| format!("{w}: HTTP {s}")))
+            .collect();
+        (!refused.is_empty()).then(|| {
+            format!(
+                "the engine refuses the sidecar's credentials ({}); set HEARTH_ENGINE_API_KEY",
+                refused.join(", ")
+            )
+        })
+    }
+}
+
+/// The fleet's overall health, as `GET /health` reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FleetHealth {
+    /// Every replica serving.
+    Ok,
+    /// Some replicas fenced.
+    Degraded,
+    /// No replica serving.
+    Unhealthy,
+}
+
+impl FleetHealth {
+    pub fn of(states: impl IntoIterator<Item = HealthState>) -> FleetHealth {
+        let (mut serving, mut total) = (0, 0);
+        for s in states {
+            total += 1;
+            serving += usize::from(s == HealthState::Serving);
+        }
+        match serving {
+            0 => FleetHealth::Unhealthy,
+            n if n == total => FleetHealth::Ok,
+            _ => FleetHealth::Degraded,
+        }
+    }
+}
+
+/// Classifies a finished request from what Envoy reports on the ext_proc
+/// stream (the response status, Envoy's response code details) or, for a
+/// 200 answer, from the outcome filter's verdict on its body.
+pub fn classify(status: Option<u16>, details: &str, answer: Option<Answer>) -> Outcome {
+    let Some(status) = status else {
+        // The stream ended before any response: the client gave up.
+        return Outcome::Neutral;
+    };
+    let d = details;
+    if d.contains("connection_failure")
+        || d.contains("connection_termination")
+        || d.contains("remote_reset")
+        || d.contains("upstream_reset_before_response_started")
+    {
+        return Outcome::Failure(Failure::ConnectFailure);
+    }
+    if d.contains("timeout") || status == 504 {
+        return Outcome::Failure(Failure::Timeout);
+    }
+    match status {
+        500..=599 => Outcome::Failure(Failure::ServerError),
+        200 => match answer {
+            Some(a) if a.text && a.done => Outcome::Success,
+            Some(_) => Outcome::Failure(Failure::EmptyAnswer),
+            // No verdict: not a generation, or judged elsewhere.
+            None => Outcome::Neutral,
+        },
+        _ => Outcome::Neutral,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p() -> HealthParams {
+        HealthParams {
+            eject_after: 3,
+            backoff: Duration::from_secs(10),
+            max_backoff: Duration::from_secs(40),
+            busy_grace: Duration::from_secs(30),
+            probe_interval: Duration::from_secs(30),
+            probe_retry: Duration::from_secs(2),
+        }
+    }
+
+    #[test]
+    fn real_traffic_replaces_probes_and_idle_replicas_are_probed_once_per_interval() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut h = ReplicaHealth::default();
+        // Never served, never probed: idle.
+        assert_eq!(h.probe_due(&p(), t0, 0), Some(ProbeReason::Idle));
+        h.record_probe(Outcome::Success, &p(), t0, 0);
+        assert_eq!(h.probe_due(&p(), t0 + s(29), 0), None);
+        assert_eq!(h.probe_due(&p(), t0 + s(30), 0), Some(ProbeReason::Idle));
+        // Real successes keep proving it: no probe however long it runs.
+        for k in 1..10 {
+            h.record_request(Outcome::Success, &p(), t0 + s(20 * k));
+            assert_eq!(h.probe_due(&p(), t0 + s(20 * k + 25), 0), None);
+        }
+        // A failure makes it suspect: probed again after the retry delay.
+        let t1 = t0 + s(200);
+        h.record_request(Outcome::Failure(Failure::ServerError), &p(), t1);
+        assert_eq!(h.probe_due(&p(), t1, 0), Some(ProbeReason::Suspect));
+        h.record_probe(Outcome::Failure(Failure::ServerError), &p(), t1, 0);
+        assert_eq!(h.probe_due(&p(), t1 + s(1), 0), None);
+        assert_eq!(h.probe_due(&p(), t1 + s(2), 0), Some(ProbeReason::Suspect));
+        h.record_probe(Outcome::Failure(Failure::ServerError), &p(), t1 + s(2), 0);
+        // Fenced: no probe until the backoff (10 s) is over.
+        assert_eq!(h.state(), HealthState::Fenced);
+        assert_eq!(h.probe_due(&p(), t1 + s(11), 0), None);
+        assert_eq!(h.probe_due(&p(), t1 + s(12), 0), Some(ProbeReason::Readmit));
+        // Probes off.
+        let off = HealthParams {
+            probe_interval: Duration::ZERO,
+            ..p()
+        };
+        assert_eq!(ReplicaHealth::default().probe_due(&off, t0, 0), None);
+    }
+
+    #[test]
+    fn refused_credentials_never_fence_and_let_a_fenced_replica_back_on_trial() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut h = ReplicaHealth::default();
+        for k in 0..10 {
+            h.record_probe(Outcome::Unauthorized(401), &p(), t0 + s(k), 0);
+        }
+        assert!(h.is_serving());
+        let snap = h.snapshot(t0);
+        assert!(snap.credentials_error.unwrap().contains("probe: HTTP 401"));
+        // Real requests still prove it.
+        h.record_request(Outcome::Success, &p(), t0 + s(11));
+        assert_eq!(h.probe_due(&p(), t0 + s(12), 0), None);
+        // Fenced by real failures, with the probe refused: after the
+        // backoff it serves again, one failure away from another fencing.
+        for _ in 0..3 {
+            h.record_request(Outcome::Failure(Failure::ServerError), &p(), t0 + s(12));
+        }
+        assert_eq!(h.state(), HealthState::Fenced);
+        h.record_probe(Outcome::Unauthorized(401), &p(), t0 + s(15), 0);
+        assert_eq!(h.state(), HealthState::Fenced, "backoff not over");
+        h.record_probe(Outcome::Unauthorized(401), &p(), t0 + s(23), 0);
+        assert!(h.is_serving());
+        h.record_request(Outcome::Failure(Failure::ServerError), &p(), t0 + s(24));
+        assert_eq!(h.state(), HealthState::Fenced);
+        // An accepted probe clears the report; a refused scrape sets it.
+        h.record_probe(Outcome::Success, &p(), t0 + s(100), 0);
+        assert_eq!(h.credentials_error(), None);
+        h.record_scrape(Some(403));
+        assert!(h.credentials_error().unwrap().contains("metrics: HTTP 403"));
+        h.record_scrape(None);
+        assert_eq!(h.credentials_error(), None);
+    }
+
+    #[test]
+    fn a_busy_replica_is_not_struck_for_a_first_byte_timeout() {
+        let t0 = Instant::now();
+        let mut h = ReplicaHealth::default();
+        h.record_request(Outcome::Success, &p(), t0);
+        for i in 0..5 {
+            let at = t0 + Duration::from_secs(i);
+            h.record_request(Outcome::Failure(Failure::Timeout), &p(), at);
+        }
+        assert!(h.is_serving());
+        assert_eq!(h.snapshot(t0).consecutive_failures, 0);
+        // Other failures still count, and timeouts do once the grace is
+        // over.
+        let later = t0 + Duration::from_secs(31);
+        for _ in 0..3 {
+            h.record_request(Outcome::Failure(Failure::Timeout), &p(), later);
+        }
+        assert_eq!(h.state(), HealthState::Fenced);
+    }
+
+    #[test]
+    fn consecutive_failures_fence_and_a_success_resets_the_count() {
+        let t0 = Instant::now();
+        let mut h = ReplicaHealth::default();
+        let fail = Outcome::Failure(Failure::ServerError);
+        h.record_request(fail, &p(), t0);
+        h.record_request(fail, &p(), t0);
+        h.record_request(Outcome::Success, &p(), t0);
+        h.record_request(fail, &p(), t0);
+        h.record_request(fail, &p(), t0);
+        assert!(h.is_serving(), "two in a row after a success");
+        h.record_request(fail, &p(), t0);
+        assert_eq!(h.state(), HealthState::Fenced);
+        assert_eq!(h.fenced_total, 1);
+    }
+
+    #[test]
+    fn probes_readmit_only_after_the_backoff_and_failures_double_it() {
+        let t0 = Instant::now();
+        let mut h = ReplicaHealth::default();
+        for _ in 0..3 {
+            h.record_request(Outcome::Failure(Failure::EmptyAnswer), &p(), t0);
+        }
+        h.record_probe(Outcome::Success, &p(), t0 + Duration::from_secs(5), 0);
+        assert!(!h.is_serving(), "backoff (10 s) not over");
+        // A failed probe after the backoff fences again, for twice as long.
+        h.record_probe(
+            Outcome::Failure(Failure::Timeout),
+            &p(),
+            t0 + Duration::from_secs(11),
+            0,
+        );
+        assert!(!h.is_serving());
+        let snap = h.snapshot(t0 + Duration::from_secs(11));
+        assert_eq!(snap.fenced_for_s, Some(20.0));
+        h.record_probe(Outcome::Success, &p(), t0 + Duration::from_secs(25), 0);
+        assert!(!h.is_serving());
+        h.record_probe(Outcome::Success, &p(), t0 + Duration::from_secs(31), 0);
+        assert!(h.is_serving());
+        assert_eq!(h.fenced_total, 1, "one fencing episode");
+    }
+
+    #[test]
+    fn backoff_is_capped() {
+        let t0 = Instant::now();
+        let mut h = ReplicaHealth::default();
+        let mut now = t0;
+        for _ in 0..3 {
+            h.record_request(Outcome::Failure(Failure::Timeout), &p(), now);
+        }
+        for _ in 0..6 {
+            now += Duration::from_secs(100);
+            h.record_probe(Outcome::Failure(Failure::ProbeModels), &p(), now, 0);
+        }
+        assert_eq!(h.snapshot(now).fenced_for_s, Some(40.0));
+    }
+
+    #[test]
+    fn a_recent_real_success_excuses_a_probe_timeout() {
+        let t0 = Instant::now();
+        let mut h = ReplicaHealth::default();
+        h.record_request(Outcome::Success, &p(), t0);
+        for i in 0..5 {
+            h.record_probe(
+                Outcome::Failure(Failure::Timeout),
+                &p(),
+                t0 + Duration::from_secs(i),
+                0,
+            );
+        }
+        assert!(h.is_serving(), "busy, not broken");
+        // Without a recent success the same timeouts fence it.
+        let later = t0 + Duration::from_secs(60);
+        for _ in 0..3 {
+            h.record_probe(Outcome::Failure(Failure::Timeout), &p(), later, 0);
+        }
+        assert!(!h.is_serving());
+    }
+
+    #[test]
+    fn a_replica_running_real_requests_gets_no_probe_and_a_probe_timeout_there_is_excused() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut h = ReplicaHealth::default();
+        // A fresh replica whose first (cold, slow) requests are running:
+        // their outcome is the evidence, no probe is sent.
+        assert_eq!(h.probe_due(&p(), t0, 2), None);
+        assert_eq!(h.probe_due(&p(), t0, 0), Some(ProbeReason::Idle));
+        // A probe sent just before they arrived times out behind them:
+        // never a strike, however often, while they run.
+        for k in 0..5 {
+            h.record_probe(Outcome::Failure(Failure::Timeout), &p(), t0 + s(k), 1);
+        }
+        assert!(h.is_serving());
+        assert_eq!(h.snapshot(t0).consecutive_failures, 0);
+        // Other probe failures still count while requests run.
+        for k in 0..3 {
+            h.record_probe(
+                Outcome::Failure(Failure::ServerError),
+                &p(),
+                t0 + s(10 + k),
+                1,
+            );
+        }
+        assert_eq!(h.state(), HealthState::Fenced);
+        // A fenced replica is still probed to re-admit it, even with
+        // requests of before its fencing still running.
+        assert_eq!(h.probe_due(&p(), t0 + s(30), 1), Some(ProbeReason::Readmit));
+        // The real requests' own first-byte deadlines do strike a replica
+        // that never served (a stuck engine is caught by them).
+        let mut stuck = ReplicaHealth::default();
+        for _ in 0..3 {
+            stuck.record_request(Outcome::Failure(Failure::Timeout), &p(), t0 + s(60));
+        }
+        assert_eq!(stuck.state(), HealthState::Fenced);
+    }
+
+    #[test]
+    fn fleet_health_levels() {
+        use HealthState::*;
+        assert_eq!(FleetHealth::of([Serving, Serving]), FleetHealth::Ok);
+        assert_eq!(FleetHealth::of([Serving, Fenced]), FleetHealth::Degraded);
+        assert_eq!(FleetHealth::of([Fenced, Fenced]), FleetHealth::Unhealthy);
+        assert_eq!(FleetHealth::of([]), FleetHealth::Unhealthy);
+    }
+
+    #[test]
+    fn classification_of_finished_requests() {
+        let ok = Some(Answer {
+            text: true,
+            done: true,
+        });
+        assert_eq!(classify(Some(200), "via_upstream", ok), Outcome::Success);
+        assert_eq!(
+            classify(
+                Some(200),
+                "via_upstream",
+                Some(Answer {
+                    text: false,
+                    done: true
+                })
+            ),
+            Outcome::Failure(Failure::EmptyAnswer)
+        );
+        assert_eq!(classify(Some(200), "via_upstream", None), Outcome::Neutral);
+        assert_eq!(
+            classify(Some(500), "via_upstream", None),
+            Outcome::Failure(Failure::ServerError)
+        );
+        assert_eq!(
+            classify(
+                Some(503),
+                "upstream_reset_before_response_started{connection_failure}",
+                None
+            ),
+            Outcome::Failure(Failure::ConnectFailure)
+        );
+        assert_eq!(
+            classify(Some(504), "response_timeout", None),
+            Outcome::Failure(Failure::Timeout)
+        );
+        assert_eq!(classify(Some(400), "via_upstream", None), Outcome::Neutral);
+        assert_eq!(classify(None, "", None), Outcome::Neutral);
+    }
+
+    #[test]
+    fn outcome_trailer_parses_strictly() {
+        assert_eq!(
+            Answer::parse("text=1;done=0"),
+            Some(Answer {
+                text: true,
+                done: false
+            })
+        );
+        assert_eq!(
+            Answer::parse("done=1; text=1; bytes=9"),
+            Some(Answer {
+                text: true,
+                done: true
+            })
+        );
+        assert_eq!(Answer::parse("text=yes;done=1"), None);
+        assert_eq!(Answer::parse("text=1"), None);
+        assert_eq!(Answer::parse("garbage"), None);
+    }
+}

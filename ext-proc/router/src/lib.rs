@@ -1,0 +1,41 @@
+//! Hearth's routing decision and the fleet state it reads.
+//!
+//! No protocol and no runtime live here: the sidecar (`hearth-ext-proc`)
+//! turns Envoy's messages into [`RequestInfo`] and a [`Decision`] back into
+//! headers, and feeds the fleet state (replica list reloads, engine
+//! figures, health evidence); the simulator in `bench/` drives the same
+//! code directly.
+//!
+//! - [`params`]: [`RouterParams`], every knob as a plain number;
+//! - [`replica`]: the replica list and its routing targets;
+//! - [`fleet`]: the per-replica state under the router's one lock;
+//! - [`router`]: [`Router`], and what flows in besides decisions;
+//! - [`decide`]: the decision, one module per phase (candidates, overlap,
+//!   policy, pick, reserve);
+//! - [`health`]: serving or fenced, from real traffic and probes;
+//! - [`warmth`]: the per-replica LRU of block hashes;
+//! - [`snapshot`]: what `/state` shows.
+
+pub mod decide;
+pub mod fleet;
+pub mod health;
+pub mod params;
+pub mod replica;
+pub mod router;
+pub mod snapshot;
+pub mod warmth;
+
+pub use decide::policy::Candidate;
+pub use decide::{Decision, RequestInfo, Reservation, RouteError, ScoredCandidate};
+pub use fleet::EngineSignals;
+pub use health::{
+    Failure, FleetHealth, HealthParams, HealthSnapshot, HealthState, Outcome, ProbeReason,
+    ReplicaHealth,
+};
+pub use params::{AffinityBasis, LongLane, RouterParams, ScoreParams};
+pub use replica::{
+    check_upstreams, default_replica_id, targets, ProbeTarget, ReloadSummary, Replica, ReplicaKey,
+    UpstreamSpec,
+};
+pub use router::Router;
+pub use snapshot::{EngineSnapshot, ReplicaSnapshot, Snapshot, UpstreamsSnapshot};

@@ -1,0 +1,208 @@
+//! The router's parameters: plain numbers, built from the sidecar's
+//! settings (`config.rs`) or directly by tests and the simulator.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::health::HealthParams;
+
+/// Everything a decision and the fleet state are tuned by. `Default` is
+/// the sidecar's defaults (a test in the sidecar checks they agree).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RouterParams {
+    /// The scoring rule's knobs.
+    pub score: ScoreParams,
+    /// Health: fencing, backoff, probing.
+    pub health: HealthParams,
+    /// Fingerprint block size in bytes (the filter's).
+    pub block_size: usize,
+    /// Warmth index capacity per replica, in blocks.
+    pub warmth_blocks: usize,
+    /// Uncached prompt bytes that weigh one extra load unit.
+    pub load_unit_bytes: u64,
+    /// In-flight requests per replica beyond which it takes no more (0: no
+    /// limit).
+    pub max_inflight: u32,
+    /// Engine-reported queue length beyond which a replica takes no more
+    /// (0: no limit).
+    pub max_queue: u64,
+    /// Fallback replicas listed after the chosen one.
+    pub fallbacks: usize,
+    /// Canonical prompt bytes from which a request is long.
+    pub long_prompt_bytes: u64,
+    /// Where short prompts may go when some replicas are tagged `long`.
+    pub long_lane: LongLane,
+    /// Output caps up to this many tokens prefer `profile=short-output`.
+    pub short_output_tokens: u64,
+    /// Engine figures older than this are ignored.
+    pub engine_stale: Duration,
+    /// Load units per request an engine reports queued, or running beyond
+    /// this sidecar's own.
+    pub engine_load_weight: f64,
+    /// How long after its latest turn a conversation stays resident.
+    pub resident_window: Duration,
+    /// Load units a resident, paused conversation adds for newcomers
+    /// while some replica is idle (0: none).
+    pub resident_load: f64,
+}
+
+impl Default for RouterParams {
+    fn default() -> Self {
+        RouterParams {
+            score: ScoreParams {
+                basis: AffinityBasis::Relative,
+                cap: 128,
+                alpha: 1.0,
+                first_turn_cap: 4,
+            },
+            health: HealthParams::default(),
+            block_size: 2048,
+            warmth_blocks: 100_000,
+            load_unit_bytes: 65_536,
+            max_inflight: 0,
+            max_queue: 0,
+            fallbacks: 2,
+            long_prompt_bytes: 400_000,
+            long_lane: LongLane::Shared,
+            short_output_tokens: 256,
+            engine_stale: Duration::from_secs(10),
+            engine_load_weight: 1.0,
+            resident_window: Duration::from_secs(120),
+            resident_load: 5.0,
+        }
+    }
+}
+
+/// Where short prompts may go when some replicas are tagged `long`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LongLane {
+    /// Like any replica.
+    #[default]
+    Shared,
+    /// Never.
+    Exclusive,
+    /// Only when no other replica can take them.
+    Avoid,
+    /// Never, unless the session is cached there.
+    AvoidUnlessWarm,
+}
+
+impl LongLane {
+    pub const ALL: [LongLane; 4] = [
+        LongLane::Shared,
+        LongLane::Exclusive,
+        LongLane::Avoid,
+        LongLane::AvoidUnlessWarm,
+    ];
+
+    /// The value as `HEARTH_LONG_LANE` spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LongLane::Shared => "shared",
+            LongLane::Exclusive => "exclusive",
+            LongLane::Avoid => "avoid",
+            LongLane::AvoidUnlessWarm => "avoid-unless-warm",
+        }
+    }
+}
+
+impl fmt::Display for LongLane {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for LongLane {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        LongLane::ALL
+            .into_iter()
+            .find(|l| l.as_str() == s)
+            .ok_or_else(|| {
+                format!("unknown long lane {s:?}: expected shared, exclusive, avoid or avoid-unless-warm")
+            })
+    }
+}
+
+/// How prefix overlap turns into credit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AffinityBasis {
+    /// `min(overlap, cap)`: every matching block counts. Shared system
+    /// prompts make every replica look equally warm.
+    Absolute,
+    /// `min(overlap - min_overlap, cap)`: only blocks beyond what the
+    /// least-warm candidate also holds count.
+    Marginal,
+    /// `min(W, cap) - min(W - overlap, cap)`, `W` = the warmest candidate's
+    /// overlap: credit measured against the warmest replica.
+    #[default]
+    Relative,
+}
+
+impl AffinityBasis {
+    pub const ALL: [AffinityBasis; 3] = [
+        AffinityBasis::Absolute,
+        AffinityBasis::Marginal,
+        AffinityBasis::Relative,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AffinityBasis::Absolute => "absolute",
+            AffinityBasis::Marginal => "marginal",
+            AffinityBasis::Relative => "relative",
+        }
+    }
+}
+
+impl fmt::Display for AffinityBasis {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for AffinityBasis {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        AffinityBasis::ALL
+            .into_iter()
+            .find(|b| b.as_str().eq_ignore_ascii_case(s))
+            .ok_or_else(|| {
+                format!("unknown affinity basis {s:?}: expected absolute, marginal or relative")
+            })
+    }
+}
+
+/// The knobs of the scoring rule.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScoreParams {
+    pub basis: AffinityBasis,
+    /// Credit is capped at this many blocks.
+    pub cap: u32,
+    /// Blocks of credit that one unit of load outweighs.
+    pub alpha: f64,
+    /// Credit cap, in blocks, for a request that continues no earlier
+    /// prompt (the lower of this and `cap` applies).
+    pub first_turn_cap: u32,
+}
+
+impl ScoreParams {
+    /// The parameters for one request: `continues` is whether its prompt
+    /// extends an earlier one (a later turn of a conversation). A first
+    /// turn overlaps only with prefixes other conversations sent (harness
+    /// and system prompts), which a replica reads once and then keeps, while
+    /// the conversation's placement holds its load for its whole life.
+    pub fn for_request(&self, continues: bool) -> ScoreParams {
+        if continues {
+            *self
+        } else {
+            ScoreParams {
+                cap: self.cap.min(self.first_turn_cap),
+                ..*self
+            }
+        }
+    }
+}

@@ -1,0 +1,209 @@
+//! The replica list: each engine as configured ([`UpstreamSpec`], the
+//! `HEARTH_UPSTREAMS` syntax) and the routing targets it names
+//! ([`Replica`]: one per data-parallel rank).
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// One replica as configured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UpstreamSpec {
+    pub addr: SocketAddr,
+    pub id: Option<String>,
+    pub models: Vec<String>,
+    /// Tagged `long`: part of the long-prompt lane.
+    pub long: bool,
+    /// Data-parallel ranks behind this address (1 = none): each rank is its
+    /// own routing target, chosen with the `x-data-parallel-rank` header.
+    pub dp_ranks: u32,
+    /// `profile=short-output`: preferred for short outputs on ties.
+    pub short_output: bool,
+}
+
+impl FromStr for UpstreamSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut parts = s.trim().split(';');
+        let addr_text = parts.next().unwrap_or_default().trim();
+        let addr: SocketAddr = addr_text.parse().map_err(|_| {
+            format!(
+                "upstream {addr_text:?} is not ip:port (Envoy's override_host needs an IP address)"
+            )
+        })?;
+        let mut spec = UpstreamSpec {
+            addr,
+            id: None,
+            models: Vec::new(),
+            long: false,
+            dp_ranks: 1,
+            short_output: false,
+        };
+        for part in parts {
+            let (key, value) = part
+                .split_once('=')
+                .ok_or_else(|| format!("upstream option {part:?} is not key=value"))?;
+            let value = value.trim();
+            if value.is_empty() {
+                return Err(format!("upstream option {key:?} has an empty value"));
+            }
+            match key.trim() {
+                "id" => spec.id = Some(value.to_string()),
+                "model" => spec.models.push(value.to_string()),
+                "tag" => match value {
+                    "long" => spec.long = true,
+                    other => return Err(format!("unknown upstream tag {other:?} (known: long)")),
+                },
+                "profile" => match value {
+                    "short-output" => spec.short_output = true,
+                    other => {
+                        return Err(format!(
+                            "unknown upstream profile {other:?} (known: short-output)"
+                        ))
+                    }
+                },
+                "dp" => {
+                    spec.dp_ranks = value
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=256).contains(n))
+                        .ok_or_else(|| format!("dp={value:?} is not a rank count in 1..=256"))?
+                }
+                other => {
+                    return Err(format!(
+                        "unknown upstream option {other:?} (known: id, model, tag, profile, dp)"
+                    ))
+                }
+            }
+        }
+        Ok(spec)
+    }
+}
+
+/// Problems with a replica list (named `source` in the messages): it must
+/// name at least one replica, each address and id once.
+pub fn check_upstreams(upstreams: &[UpstreamSpec], source: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    if upstreams.is_empty() {
+        problems.push(format!("{source} names no replica"));
+    }
+    let mut addrs = HashSet::new();
+    let mut ids = HashSet::new();
+    for (i, u) in upstreams.iter().enumerate() {
+        if !addrs.insert(u.addr) {
+            problems.push(format!("{source} lists {} twice", u.addr));
+        }
+        let id = u.id.clone().unwrap_or_else(|| default_replica_id(i));
+        if !ids.insert(id.clone()) {
+            problems.push(format!("{source} uses the id {id:?} twice"));
+        }
+    }
+    problems
+}
+
+pub fn default_replica_id(index: usize) -> String {
+    format!("replica-{index}")
+}
+
+/// A configured engine replica: one routing target.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Replica {
+    /// Opaque name shown to clients in `x-hearth-upstream`.
+    pub id: String,
+    pub addr: SocketAddr,
+    /// Models it serves; empty means any.
+    pub models: Vec<String>,
+    /// In the long-prompt lane.
+    pub long: bool,
+    /// The data-parallel rank this target is, behind a shared address.
+    pub dp_rank: Option<u32>,
+    /// Suited to short outputs (e.g. speculative decoding): preferred for
+    /// them when cache and load tie.
+    pub short_output: bool,
+    /// Removed from the replica list by a reload: never a candidate again;
+    /// its slot is reused once the requests it still runs have ended.
+    pub retired: bool,
+}
+
+/// The routing targets an upstream list names, in order: a data-parallel
+/// endpoint becomes one target per rank.
+pub fn targets(upstreams: &[UpstreamSpec]) -> Vec<Replica> {
+    upstreams
+        .iter()
+        .enumerate()
+        .flat_map(|(i, u)| {
+            let id = u.id.clone().unwrap_or_else(|| default_replica_id(i));
+            (0..u.dp_ranks).map(move |rank| Replica {
+                id: if u.dp_ranks > 1 {
+                    format!("{id}/rank{rank}")
+                } else {
+                    id.clone()
+                },
+                addr: u.addr,
+                models: u.models.clone(),
+                long: u.long,
+                dp_rank: (u.dp_ranks > 1).then_some(rank),
+                short_output: u.short_output,
+                retired: false,
+            })
+        })
+        .collect()
+}
+
+/// What a reload of the replica list changed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReloadSummary {
+    /// New targets (fresh warmth and load).
+    pub added: usize,
+    /// Targets no longer listed (retired; their running requests finish).
+    pub removed: usize,
+    /// Targets at the same address and rank whose id, models or tags
+    /// changed: they keep their warmth, load and health.
+    pub updated: usize,
+    /// Targets listed exactly as before.
+    pub unchanged: usize,
+}
+
+impl ReloadSummary {
+    pub fn changed(&self) -> bool {
+        self.added + self.removed + self.updated > 0
+    }
+}
+
+impl std::fmt::Display for ReloadSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} added, {} removed, {} updated, {} unchanged",
+            self.added, self.removed, self.updated, self.unchanged
+        )
+    }
+}
+
+/// What names the engine behind a routing target across reloads: its
+/// address and data-parallel rank.
+pub type ReplicaKey = (SocketAddr, Option<u32>);
+
+impl Replica {
+    pub fn key(&self) -> ReplicaKey {
+        (self.addr, self.dp_rank)
+    }
+
+    pub(crate) fn serves(&self, model: Option<&str>) -> bool {
+        match model {
+            Some(m) if !self.models.is_empty() => self.models.iter().any(|x| x == m),
+            _ => true,
+        }
+    }
+}
+
+/// A routing target to probe: its engine address and rank, its id (for
+/// logs), and the model to ask for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProbeTarget {
+    pub key: ReplicaKey,
+    pub id: String,
+    pub model: Option<String>,
+}

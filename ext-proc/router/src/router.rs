@@ -1,0 +1,257 @@
+//! [`Router`]: the fleet state behind one lock, and what flows in and out
+//! of it besides decisions (reloads, engine figures, health evidence,
+//! probe targets).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use crate::fleet::{EngineSignals, Fleet, ReplicaState};
+use crate::health::{FleetHealth, Outcome};
+use crate::params::RouterParams;
+use crate::replica::{targets, ProbeTarget, ReloadSummary, Replica, ReplicaKey, UpstreamSpec};
+use crate::warmth::LruBlocks;
+
+/// Called with the replica list's new version after a reload changed it.
+type ListChange = Box<dyn Fn(u64) + Send + Sync>;
+
+/// Shared routing state: the replica registry, each replica's warmth and
+/// in-flight load. One mutex guards it; a decision is a few microseconds.
+pub struct Router {
+    pub(crate) params: RouterParams,
+    pub(crate) fleet: Mutex<Fleet>,
+    /// Last full block of recent prompts, fleet-wide (bounded LRU): a
+    /// request whose overlap reaches one continues an earlier prompt.
+    /// Locked after `fleet`, never before.
+    pub(crate) tips: Mutex<LruBlocks>,
+    /// The round-robin turn among exact ties.
+    pub(crate) rr: AtomicUsize,
+    /// The replica list's version: bumped each time the list changes.
+    version: AtomicU64,
+    on_list_change: Mutex<Vec<ListChange>>,
+    /// Reloads of the replica list: applied, refused, and the last refusal.
+    pub(crate) reloads: AtomicU64,
+    pub(crate) reload_errors: AtomicU64,
+    pub(crate) reload_error: Mutex<Option<String>>,
+    pub(crate) decisions: AtomicU64,
+    pub(crate) hashed: AtomicU64,
+    pub(crate) rejected: AtomicU64,
+    pub(crate) answered: AtomicU64,
+    pub(crate) unanswered: AtomicU64,
+}
+
+impl Router {
+    pub fn new(params: RouterParams, upstreams: &[UpstreamSpec]) -> Arc<Router> {
+        Arc::new(Router {
+            params,
+            fleet: Mutex::new(Fleet::new(targets(upstreams), params.warmth_blocks)),
+            tips: Mutex::new(LruBlocks::new(params.warmth_blocks)),
+            rr: AtomicUsize::new(0),
+            version: AtomicU64::new(1),
+            on_list_change: Mutex::new(Vec::new()),
+            reloads: AtomicU64::new(0),
+            reload_errors: AtomicU64::new(0),
+            reload_error: Mutex::new(None),
+            decisions: AtomicU64::new(0),
+            hashed: AtomicU64::new(0),
+            rejected: AtomicU64::new(0),
+            answered: AtomicU64::new(0),
+            unanswered: AtomicU64::new(0),
+        })
+    }
+
+    pub fn params(&self) -> &RouterParams {
+        &self.params
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.params.block_size
+    }
+
+    /// The replica table: every slot, retired ones included (indices in
+    /// decisions and snapshots point into it).
+    pub fn replicas(&self) -> Arc<[Replica]> {
+        Arc::clone(&self.lock().replicas)
+    }
+
+    /// Replaces the replica list (a reload). Replicas at an address and
+    /// rank already listed keep their warmth, load and health; others start
+    /// fresh; unlisted ones stop taking requests at once, and the requests
+    /// they run finish.
+    pub fn set_upstreams(&self, upstreams: &[UpstreamSpec]) -> ReloadSummary {
+        let summary = self
+            .lock()
+            .apply(targets(upstreams), self.params.warmth_blocks);
+        self.reloads.fetch_add(1, Ordering::Relaxed);
+        *lock(&self.reload_error) = None;
+        if summary.changed() {
+            let version = self.version.fetch_add(1, Ordering::Relaxed) + 1;
+            for f in lock(&self.on_list_change).iter() {
+                f(version);
+            }
+        }
+        summary
+    }
+
+    /// A reload that was refused (the list stays as it was).
+    pub fn note_reload_error(&self, error: String) {
+        self.reload_errors.fetch_add(1, Ordering::Relaxed);
+        *lock(&self.reload_error) = Some(error);
+    }
+
+    /// The replica list's version; changes whenever [`Router::endpoints`]
+    /// may have.
+    pub fn version(&self) -> u64 {
+        self.version.load(Ordering::Relaxed)
+    }
+
+    /// Calls `f` with the new version each time a reload changes the list
+    /// (from the reloading thread; keep it short).
+    pub fn on_list_change(&self, f: impl Fn(u64) + Send + Sync + 'static) {
+        lock(&self.on_list_change).push(Box::new(f));
+    }
+
+    /// Index of the replica at `addr`, if it is one of ours (`prefer` when
+    /// it is at that address: data-parallel ranks share one).
+    pub fn replica_at(&self, addr: &str, prefer: Option<usize>) -> Option<usize> {
+        let fleet = self.lock();
+        let at = |r: &Replica| r.addr.to_string() == addr;
+        if let Some(p) = prefer.filter(|&p| fleet.replicas.get(p).is_some_and(at)) {
+            return Some(p);
+        }
+        let found = fleet.serving().find(|(_, r)| at(r)).map(|(i, _)| i);
+        found
+    }
+
+    /// Engine figures scraped from `addr`'s metrics, shared by its ranks.
+    pub fn set_engine_signals(&self, addr: SocketAddr, signals: EngineSignals) {
+        let mut guard = self.lock();
+        let fleet = &mut *guard;
+        let ranks = fleet
+            .serving()
+            .filter(|(_, r)| r.addr == addr)
+            .count()
+            .max(1) as f64;
+        for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
+            if r.addr == addr && !r.retired {
+                s.engine = Some(EngineSignals {
+                    waiting: signals.waiting / ranks,
+                    running: signals.running / ranks,
+                    own_in_flight: s.in_flight,
+                    ..signals
+                });
+            }
+        }
+    }
+
+    /// Engine figures that are still fresh.
+    pub(crate) fn fresh_engine(&self, s: &ReplicaState, now: Instant) -> Option<EngineSignals> {
+        s.engine
+            .filter(|e| now.duration_since(e.at) <= self.params.engine_stale)
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Fleet> {
+        lock(&self.fleet)
+    }
+
+    /// Counts how a routed request's stream ended: after the engine's
+    /// response headers, or before.
+    pub fn note_stream_end(&self, answered: bool) {
+        let counter = if answered {
+            &self.answered
+        } else {
+            &self.unanswered
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A finished request's outcome on replica `i` (passive health). Each
+    /// data-parallel rank has its own: a stuck rank is fenced alone.
+    pub fn record_request(&self, i: usize, outcome: Outcome) {
+        let params = self.params.health;
+        let now = Instant::now();
+        let mut fleet = self.lock();
+        if fleet.replicas.get(i).is_some_and(|r| !r.retired) {
+            fleet.state[i].health.record_request(outcome, &params, now);
+        }
+    }
+
+    /// A probe's outcome on the routing target `key` (active health).
+    pub fn record_probe(&self, key: ReplicaKey, outcome: Outcome) {
+        let params = self.params.health;
+        let now = Instant::now();
+        let mut guard = self.lock();
+        let fleet = &mut *guard;
+        for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
+            if r.key() == key && !r.retired {
+                s.health.record_probe(outcome, &params, now, s.in_flight);
+            }
+        }
+    }
+
+    /// A metrics scrape of the engine at `addr`: refused with this status,
+    /// or not. True when the refusal is new (worth a log line).
+    pub fn record_scrape(&self, addr: SocketAddr, refused: Option<u16>) -> bool {
+        let mut guard = self.lock();
+        let fleet = &mut *guard;
+        let mut new = false;
+        for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
+            if r.addr == addr && !r.retired {
+                new |= refused.is_some() && s.health.credentials_error().is_none();
+                s.health.record_scrape(refused);
+            }
+        }
+        new
+    }
+
+    /// The routing targets due for an active probe now (see
+    /// [`crate::health::ReplicaHealth::probe_due`]).
+    pub fn probe_targets(&self) -> Vec<ProbeTarget> {
+        let now = Instant::now();
+        let fleet = self.lock();
+        fleet
+            .serving()
+            .filter(|&(i, _)| {
+                let s = &fleet.state[i];
+                s.health
+                    .probe_due(&self.params.health, now, s.in_flight)
+                    .is_some()
+            })
+            .map(|(_, r)| ProbeTarget {
+                key: r.key(),
+                id: r.id.clone(),
+                model: r.models.first().cloned(),
+            })
+            .collect()
+    }
+
+    /// Each engine address once, with the model to probe it with.
+    pub fn engines(&self) -> Vec<(SocketAddr, Option<String>)> {
+        let mut out: Vec<(SocketAddr, Option<String>)> = Vec::new();
+        for (_, r) in self.lock().serving() {
+            if !out.iter().any(|(a, _)| *a == r.addr) {
+                out.push((r.addr, r.models.first().cloned()));
+            }
+        }
+        out
+    }
+
+    /// Each serving address once, in replica order: what Envoy's `engines`
+    /// cluster should hold (endpoint discovery).
+    pub fn endpoints(&self) -> Vec<SocketAddr> {
+        self.engines().into_iter().map(|(a, _)| a).collect()
+    }
+
+    pub fn fleet_health(&self) -> FleetHealth {
+        let fleet = self.lock();
+        FleetHealth::of(fleet.serving().map(|(i, _)| fleet.state[i].health.state()))
+    }
+}
+
+/// A poisoned lock still guards usable state: a panic while holding it
+/// cannot leave it torn in a way that matters more than losing routing
+/// altogether.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

@@ -1,0 +1,145 @@
+//! What `/state` shows: the router's figures and each serving replica's,
+//! as serde types.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use crate::health::{FleetHealth, HealthSnapshot};
+use crate::params::AffinityBasis;
+use crate::router::Router;
+
+/// An engine's figures on the state endpoint.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct EngineSnapshot {
+    pub waiting: f64,
+    pub running: f64,
+    pub kv_usage: Option<f64>,
+    pub age_s: f64,
+}
+
+/// Per-replica figures for the state endpoint.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ReplicaSnapshot {
+    pub id: String,
+    pub address: String,
+    pub models: Vec<String>,
+    pub in_flight: u32,
+    pub load: f64,
+    pub warmth_blocks: usize,
+    pub warmth_capacity: usize,
+    pub warmth_memory_bytes: usize,
+    pub routed_total: u64,
+    /// Conversations whose latest turn went here within the resident
+    /// window (see `HEARTH_RESIDENT_SECONDS`).
+    pub resident_conversations: usize,
+    pub health: HealthSnapshot,
+    pub long: bool,
+    pub dp_rank: Option<u32>,
+    /// The engine's last scraped figures, if any.
+    pub engine: Option<EngineSnapshot>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Snapshot {
+    pub affinity_basis: AffinityBasis,
+    pub affinity_cap: u32,
+    pub alpha: f64,
+    pub block_size: usize,
+    /// `ok` (every replica serving), `degraded` (some fenced) or
+    /// `unhealthy` (none serving).
+    pub health: FleetHealth,
+    pub decisions_total: u64,
+    pub hashed_total: u64,
+    pub unhashed_total: u64,
+    pub rejected_total: u64,
+    /// Routed requests that ended after an engine's response headers.
+    pub answered_total: u64,
+    /// Routed requests that ended before any response headers (client
+    /// gave up first, or the upstream failed).
+    pub unanswered_total: u64,
+    pub upstreams: UpstreamsSnapshot,
+    /// The serving replicas (removed ones are not listed).
+    pub replicas: Vec<ReplicaSnapshot>,
+}
+
+/// The replica list's history on the state endpoint.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct UpstreamsSnapshot {
+    /// Bumped each time a reload changed the list.
+    pub version: u64,
+    /// Reloads applied (changed or not).
+    pub reloads_total: u64,
+    /// Reloads refused: the file did not parse or check; the list stayed.
+    pub reload_errors_total: u64,
+    /// Why the last reload was refused, until one is applied.
+    pub reload_error: Option<String>,
+    /// Requests still running on replicas a reload removed.
+    pub draining_in_flight: u32,
+}
+
+impl Router {
+    pub fn snapshot(&self) -> Snapshot {
+        let now = Instant::now();
+        let fleet = self.lock();
+        let state = &fleet.state;
+        let decisions = self.decisions.load(Ordering::Relaxed);
+        let hashed = self.hashed.load(Ordering::Relaxed);
+        Snapshot {
+            affinity_basis: self.params.score.basis,
+            affinity_cap: self.params.score.cap,
+            alpha: self.params.score.alpha,
+            block_size: self.params.block_size,
+            health: FleetHealth::of(fleet.serving().map(|(i, _)| state[i].health.state())),
+            decisions_total: decisions,
+            hashed_total: hashed,
+            unhashed_total: decisions - hashed,
+            rejected_total: self.rejected.load(Ordering::Relaxed),
+            answered_total: self.answered.load(Ordering::Relaxed),
+            unanswered_total: self.unanswered.load(Ordering::Relaxed),
+            upstreams: UpstreamsSnapshot {
+                version: self.version(),
+                reloads_total: self.reloads.load(Ordering::Relaxed),
+                reload_errors_total: self.reload_errors.load(Ordering::Relaxed),
+                reload_error: self
+                    .reload_error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone(),
+                draining_in_flight: fleet
+                    .replicas
+                    .iter()
+                    .zip(state)
+                    .filter(|(r, _)| r.retired)
+                    .map(|(_, s)| s.in_flight)
+                    .sum(),
+            },
+            replicas: fleet
+                .serving()
+                .map(|(i, r)| (r, &state[i]))
+                .map(|(r, s)| ReplicaSnapshot {
+                    id: r.id.clone(),
+                    address: r.addr.to_string(),
+                    models: r.models.clone(),
+                    in_flight: s.in_flight,
+                    load: s.load,
+                    warmth_blocks: s.warmth.len(),
+                    warmth_capacity: s.warmth.capacity(),
+                    warmth_memory_bytes: s.warmth.memory_bytes(),
+                    routed_total: s.routed,
+                    resident_conversations: s.resident.len(),
+                    health: s.health.snapshot(now),
+                    long: r.long,
+                    dp_rank: r.dp_rank,
+                    engine: s.engine.map(|e| EngineSnapshot {
+                        waiting: e.waiting,
+                        running: e.running,
+                        kv_usage: e.kv_usage,
+                        age_s: now.duration_since(e.at).as_secs_f64(),
+                    }),
+                })
+                .collect(),
+        }
+    }
+}

@@ -1,0 +1,505 @@
+//! The router as a whole: decisions over a fleet, reservations, health
+//! evidence, engine figures, reloads.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hearth_router::health::{FleetHealth, Outcome};
+use hearth_router::{EngineSignals, RequestInfo, RouteError, Router, RouterParams, UpstreamSpec};
+
+/// Replicas in the `HEARTH_UPSTREAMS` syntax, with default parameters
+/// changed by `tune`.
+fn fleet(list: &str, tune: impl FnOnce(&mut RouterParams)) -> Arc<Router> {
+    let mut p = RouterParams::default();
+    tune(&mut p);
+    Router::new(p, &specs(list))
+}
+
+/// Three replicas, the last serving only the model `special`.
+fn router(tune: impl FnOnce(&mut RouterParams)) -> Arc<Router> {
+    fleet(
+        "127.0.0.1:1001,127.0.0.1:1002,127.0.0.1:1003;model=special",
+        tune,
+    )
+}
+
+fn req(hashes: &[u64]) -> RequestInfo {
+    RequestInfo {
+        hashes: hashes.to_vec(),
+        prompt_bytes: hashes.len() as u64 * 2048,
+        model: Some("m".into()),
+        max_output_tokens: None,
+    }
+}
+
+#[test]
+fn a_session_returns_to_the_replica_that_read_it() {
+    let router = router(|_| {});
+    let first = router.decide(&req(&[1, 2, 3])).unwrap();
+    let home = first.primary();
+    drop(first);
+    for turn in 4..10u64 {
+        let hashes: Vec<u64> = (1..=turn).collect();
+        let d = router.decide(&req(&hashes)).unwrap();
+        assert_eq!(d.primary(), home);
+        assert_eq!(d.overlap, (turn - 1) as u32);
+    }
+}
+
+#[test]
+fn first_turns_spread_by_load_and_later_turns_follow_their_history() {
+    let router = router(|p| {
+        p.score.alpha = 2.0;
+        p.score.first_turn_cap = 4;
+    });
+    // 32 shared harness blocks, then each conversation's own.
+    let harness: Vec<u64> = (1..=32).collect();
+    let turn = |conv: u64, len: u64| {
+        let mut h = harness.clone();
+        h.extend((0..len).map(|k| 1000 * conv + k));
+        req(&h)
+    };
+    let a = router.decide(&turn(1, 4)).unwrap();
+    assert!(!a.continues);
+    // A second conversation on the same harness starts elsewhere: the
+    // harness is worth 4 blocks of credit, the load 2 x 3 units.
+    let b = router.decide(&turn(2, 4)).unwrap();
+    assert!(!b.continues);
+    assert_ne!(a.primary(), b.primary());
+    assert_eq!(b.overlap, 0);
+    // The first conversation's next turn continues its prompt and
+    // returns to its replica, busy as it is.
+    let a2 = router.decide(&turn(1, 8)).unwrap();
+    assert!(a2.continues);
+    assert_eq!(a2.primary(), a.primary());
+    assert_eq!(a2.overlap, 36);
+}
+
+#[test]
+fn reservations_last_until_dropped_and_push_new_work_elsewhere() {
+    let router = router(|p| p.score.alpha = 100.0);
+    let a = router.decide(&req(&[7])).unwrap();
+    let b = router.decide(&req(&[8])).unwrap();
+    assert_ne!(a.primary(), b.primary(), "load spreads cold requests");
+    let snap = router.snapshot();
+    assert_eq!(snap.replicas.iter().map(|r| r.in_flight).sum::<u32>(), 2);
+    drop(a);
+    drop(b);
+    let snap = router.snapshot();
+    assert!(snap
+        .replicas
+        .iter()
+        .all(|r| r.in_flight == 0 && r.load == 0.0));
+}
+
+#[test]
+fn model_restrictions_and_no_eligible_replica() {
+    let router = router(|_| {});
+    let mut special = req(&[1]);
+    special.model = Some("special".into());
+    // Replicas 0 and 1 serve any model, replica 2 only "special".
+    let d = router.decide(&special).unwrap();
+    assert_eq!(d.order.len(), 3);
+    let none = RequestInfo {
+        model: Some("other".into()),
+        ..req(&[1])
+    };
+    let d = router.decide(&none).unwrap();
+    assert!(!d.order.contains(&2), "replica 2 serves only 'special'");
+}
+
+#[test]
+fn saturation_and_unknown_models_are_errors() {
+    let only = fleet("127.0.0.1:1;model=a", |p| {
+        p.max_inflight = 1;
+    });
+    let mut r = req(&[1]);
+    r.model = Some("a".into());
+    let held = only.decide(&r).unwrap();
+    assert_eq!(only.decide(&r).unwrap_err(), RouteError::Saturated);
+    drop(held);
+    assert!(only.decide(&r).is_ok());
+    r.model = Some("b".into());
+    assert_eq!(
+        only.decide(&r).unwrap_err(),
+        RouteError::NoReplicaForModel("b".into())
+    );
+}
+
+#[test]
+fn fenced_replicas_get_no_traffic_and_none_healthy_is_an_error() {
+    use hearth_router::health::Failure;
+    let router = router(|_| {});
+    for _ in 0..3 {
+        router.record_request(0, Outcome::Failure(Failure::EmptyAnswer));
+    }
+    for _ in 0..20 {
+        let d = router.decide(&req(&[9])).unwrap();
+        assert!(!d.order.contains(&0), "fenced replica 0 was offered");
+    }
+    assert_eq!(router.fleet_health(), FleetHealth::Degraded);
+    for i in 1..3 {
+        for _ in 0..3 {
+            router.record_request(i, Outcome::Failure(Failure::ServerError));
+        }
+    }
+    assert_eq!(router.fleet_health(), FleetHealth::Unhealthy);
+    assert!(matches!(
+        router.decide(&req(&[9])),
+        Err(RouteError::NoHealthyReplica(_))
+    ));
+}
+
+fn lane_router(lane: &str) -> Arc<Router> {
+    fleet("127.0.0.1:1,127.0.0.1:2,127.0.0.1:3;tag=long", |p| {
+        p.long_prompt_bytes = 100000;
+        p.long_lane = lane.parse().unwrap();
+        p.fallbacks = 5;
+    })
+}
+
+fn sized(hashes: &[u64], bytes: u64) -> RequestInfo {
+    RequestInfo {
+        hashes: hashes.to_vec(),
+        prompt_bytes: bytes,
+        model: None,
+        max_output_tokens: None,
+    }
+}
+
+#[test]
+fn long_prompts_go_only_to_the_long_lane() {
+    for lane in ["shared", "exclusive", "avoid", "avoid-unless-warm"] {
+        let r = lane_router(lane);
+        let d = r.decide(&sized(&[1], 200_000)).unwrap();
+        assert_eq!(d.order, [2], "{lane}");
+    }
+}
+
+#[test]
+fn short_prompts_follow_the_lane_setting() {
+    let r = lane_router("shared");
+    assert_eq!(r.decide(&sized(&[1], 10)).unwrap().order.len(), 3);
+    for lane in ["exclusive", "avoid", "avoid-unless-warm"] {
+        let r = lane_router(lane);
+        let d = r.decide(&sized(&[1], 10)).unwrap();
+        assert!(!d.order.contains(&2), "{lane}: {:?}", d.order);
+    }
+    // Avoid falls back to the long replica when nothing else is left;
+    // exclusive does not.
+    for (lane, expect_ok) in [("avoid", true), ("exclusive", false)] {
+        let r = lane_router(lane);
+        for i in 0..2 {
+            for _ in 0..3 {
+                r.record_request(
+                    i,
+                    Outcome::Failure(hearth_router::health::Failure::ServerError),
+                );
+            }
+        }
+        assert_eq!(r.decide(&sized(&[1], 10)).is_ok(), expect_ok, "{lane}");
+    }
+}
+
+#[test]
+fn avoid_unless_warm_keeps_a_long_replica_that_holds_the_session() {
+    let r = lane_router("avoid-unless-warm");
+    // The session started long, on the long replica.
+    drop(r.decide(&sized(&[7, 8, 9], 200_000)).unwrap());
+    // Its next (short, after compaction-like trimming) prompt shares
+    // the prefix: the long replica stays eligible, and wins on warmth.
+    let d = r.decide(&sized(&[7, 8, 9, 10], 50)).unwrap();
+    assert_eq!(d.primary(), 2);
+    // A cold short prompt does not get it.
+    let d = r.decide(&sized(&[99], 50)).unwrap();
+    assert!(!d.order.contains(&2));
+}
+
+#[test]
+fn a_replica_with_a_request_running_is_not_probed() {
+    let r = fleet("127.0.0.1:1,127.0.0.1:2", |_| {});
+    let ids = |r: &Router| -> Vec<String> { r.probe_targets().into_iter().map(|t| t.id).collect() };
+    assert_eq!(
+        ids(&r),
+        ["replica-0", "replica-1"],
+        "both idle, never probed"
+    );
+    let running = r.decide(&req(&[1, 2])).unwrap();
+    let busy = running.primary();
+    let other = r.replicas()[1 - busy].id.clone();
+    assert_eq!(
+        ids(&r),
+        std::slice::from_ref(&other),
+        "the running request is the evidence"
+    );
+    // A probe that timed out behind it is no strike.
+    let key = (r.replicas()[busy].addr, None);
+    for _ in 0..5 {
+        r.record_probe(
+            key,
+            Outcome::Failure(hearth_router::health::Failure::Timeout),
+        );
+    }
+    assert_eq!(r.snapshot().replicas[busy].health.consecutive_failures, 0);
+    // Once it ends, the probe just recorded counts for the interval.
+    drop(running);
+    assert_eq!(ids(&r), [other]);
+    // Without a request running, the same timeouts strike.
+    for _ in 0..3 {
+        r.record_probe(
+            key,
+            Outcome::Failure(hearth_router::health::Failure::Timeout),
+        );
+    }
+    assert_eq!(r.snapshot().replicas[busy].health.consecutive_failures, 3);
+}
+
+#[test]
+fn data_parallel_ranks_are_separate_targets_behind_one_address() {
+    let r = fleet("127.0.0.1:1;id=e;dp=2,127.0.0.1:2", |_| {});
+    let table = r.replicas();
+    let ids: Vec<_> = table.iter().map(|x| x.id.as_str()).collect();
+    assert_eq!(ids, ["e/rank0", "e/rank1", "replica-1"]);
+    assert_eq!(r.replicas()[1].dp_rank, Some(1));
+    // The destination names each address once.
+    let mut d = r.decide(&req(&[1])).unwrap();
+    d.order = vec![0, 1, 2];
+    assert_eq!(d.destination(3), "127.0.0.1:1,127.0.0.1:2");
+    assert_eq!(d.destination(1), "127.0.0.1:1");
+    drop(d);
+    assert_eq!(r.replica_at("127.0.0.1:1", Some(1)), Some(1));
+    // Warmth is per rank: a session returns to its rank.
+    let first = r.decide(&req(&[4, 5])).unwrap();
+    let rank = first.primary();
+    drop(first);
+    assert_eq!(r.decide(&req(&[4, 5, 6])).unwrap().primary(), rank);
+    // Health is per rank: a stuck rank is fenced alone.
+    for _ in 0..3 {
+        r.record_request(0, Outcome::Failure(hearth_router::health::Failure::Timeout));
+    }
+    let snap = r.snapshot();
+    let states: Vec<_> = snap.replicas.iter().map(|x| x.health.state).collect();
+    use hearth_router::health::HealthState::{Fenced, Serving};
+    assert_eq!(states, [Fenced, Serving, Serving]);
+    // Probes go to the fenced rank (backoff over) with its rank, and
+    // to the idle others; a probe's outcome lands on its rank only.
+    r.record_probe(
+        (table[1].addr, Some(1)),
+        Outcome::Failure(hearth_router::health::Failure::ServerError),
+    );
+    assert_eq!(r.snapshot().replicas[1].health.consecutive_failures, 1);
+    assert_eq!(r.snapshot().replicas[0].health.consecutive_failures, 3);
+}
+
+#[test]
+fn paused_conversations_count_against_their_replica_for_new_ones() {
+    // Four new conversations share a 32-block system prompt; each
+    // runs its first turn and pauses (its reservation dropped).
+    let four = |resident_load: f64| {
+        let list = "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3,127.0.0.1:4";
+        fleet(list, |p| p.resident_load = resident_load)
+    };
+    let place = |resident_load: f64| {
+        let r = four(resident_load);
+        let mut homes = Vec::new();
+        for c in 0..4u64 {
+            let mut h: Vec<u64> = (1..=32).collect();
+            h.extend((0..4).map(|k| 1000 * (c + 1) + k));
+            homes.push(r.decide(&req(&h)).unwrap().primary());
+        }
+        homes
+    };
+    // Paused conversations weigh nothing: the prompt's holder takes
+    // every newcomer (its credit beats no load anywhere).
+    let packed = place(0.0);
+    assert!(packed.iter().all(|&h| h == packed[0]), "{packed:?}");
+    // Resident conversations count: one per replica.
+    let mut spread = place(5.0);
+    spread.sort();
+    assert_eq!(spread, [0, 1, 2, 3]);
+    // A conversation's next turn still goes home, whatever resides
+    // there; and it does not count against the home twice.
+    let r = four(5.0);
+    let mut turn: Vec<u64> = (1..=32).collect();
+    turn.extend([7001, 7002]);
+    let home = r.decide(&req(&turn)).unwrap().primary();
+    for k in 0..5u64 {
+        turn.extend([8000 + 2 * k, 8001 + 2 * k]);
+        assert_eq!(r.decide(&req(&turn)).unwrap().primary(), home);
+    }
+    let resident = r.snapshot().replicas[home].resident_conversations;
+    assert_eq!(resident, 1, "one conversation, one resident entry");
+}
+
+#[test]
+fn engine_figures_add_load_until_they_go_stale() {
+    let r = fleet("127.0.0.1:1,127.0.0.1:2", |p| {
+        p.engine_stale = Duration::from_secs(5);
+        p.max_queue = 4;
+        p.resident_load = 0.0;
+    });
+    let busy = |waiting: f64, running: f64, age: u64| EngineSignals {
+        waiting,
+        running,
+        kv_usage: None,
+        at: Instant::now() - Duration::from_secs(age),
+        own_in_flight: 0,
+    };
+    let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    // Another gateway keeps engine 0 busy: new work goes to engine 1.
+    r.set_engine_signals(a, busy(0.0, 6.0, 0));
+    for k in 0..4 {
+        assert_eq!(r.decide(&req(&[100 + k])).unwrap().primary(), 1);
+    }
+    // Stale figures are ignored.
+    r.set_engine_signals(a, busy(0.0, 60.0, 30));
+    let d = r.decide(&req(&[200])).unwrap();
+    assert_eq!(d.order.len(), 2);
+    // A full queue everywhere sheds.
+    r.set_engine_signals(a, busy(4.0, 0.0, 0));
+    r.set_engine_signals("127.0.0.1:2".parse().unwrap(), busy(9.0, 0.0, 0));
+    assert_eq!(r.decide(&req(&[300])).unwrap_err(), RouteError::Saturated);
+}
+
+#[test]
+fn output_profiles_break_ties() {
+    let r = fleet("127.0.0.1:1,127.0.0.1:2;profile=short-output", |_| {});
+    let with_cap = |hashes: &[u64], cap: Option<u64>| RequestInfo {
+        max_output_tokens: cap,
+        ..req(hashes)
+    };
+    for k in 0..4 {
+        assert_eq!(
+            r.decide(&with_cap(&[10 + k], Some(16))).unwrap().primary(),
+            1
+        );
+        assert_eq!(
+            r.decide(&with_cap(&[20 + k], Some(4096)))
+                .unwrap()
+                .primary(),
+            0
+        );
+    }
+    // Warmth still beats the profile.
+    drop(r.decide(&with_cap(&[30], Some(4096))).unwrap());
+    assert_eq!(
+        r.decide(&with_cap(&[30, 31], Some(16))).unwrap().primary(),
+        0
+    );
+}
+
+#[test]
+fn destination_lists_fallbacks_in_rank_order() {
+    let router = router(|p| p.fallbacks = 1);
+    let d = router.decide(&req(&[5])).unwrap();
+    assert_eq!(d.order.len(), 2);
+    let dest = d.destination(usize::MAX);
+    assert_eq!(dest.split(',').count(), 2);
+    assert_eq!(
+        router.replica_at(dest.split(',').next().unwrap(), None),
+        Some(d.primary())
+    );
+}
+
+fn specs(list: &str) -> Vec<UpstreamSpec> {
+    list.split(',').map(|u| u.parse().unwrap()).collect()
+}
+
+#[test]
+fn a_reload_keeps_listed_replicas_warm_and_loaded() {
+    let r = fleet(
+        "127.0.0.1:1001;id=a,127.0.0.1:1002;id=b,127.0.0.1:1003;id=c",
+        |p| {
+            p.score.alpha = 0.0;
+        },
+    );
+    // A session on some replica, with a request still running there.
+    drop(r.decide(&req(&[1, 2, 3])).unwrap());
+    let running = r.decide(&req(&[1, 2, 3, 4])).unwrap();
+    let home = running.primary();
+    let home_addr = r.replicas()[home].addr;
+    let before = r.snapshot();
+    let version = r.version();
+
+    // The list now names the home replica (under a new id), drops one
+    // other and adds a new one.
+    let other = (0..3).find(|&i| i != home).unwrap();
+    let kept_other = (0..3).find(|&i| i != home && i != other).unwrap();
+    let addr = |i: usize| r.replicas()[i].addr;
+    let list = format!(
+        "{home_addr};id=home,{};id={},127.0.0.1:1009;id=new",
+        addr(kept_other),
+        r.replicas()[kept_other].id
+    );
+    let summary = r.set_upstreams(&specs(&list));
+    assert_eq!(
+        (
+            summary.added,
+            summary.removed,
+            summary.updated,
+            summary.unchanged
+        ),
+        (1, 1, 1, 1),
+        "{summary}"
+    );
+    assert_ne!(r.version(), version);
+    let after = r.snapshot();
+    let ids: Vec<&str> = after.replicas.iter().map(|x| x.id.as_str()).collect();
+    assert_eq!(ids.len(), 3);
+    assert_eq!(ids[0], "home");
+    assert_eq!(ids[2], "new", "listed in the file's order");
+    let home_now = after.replicas.iter().find(|x| x.id == "home").unwrap();
+    let home_before = &before.replicas[home];
+    assert_eq!(home_now.warmth_blocks, home_before.warmth_blocks);
+    assert_eq!(home_now.in_flight, 1);
+    assert_eq!(home_now.load, home_before.load);
+    assert_eq!(
+        r.endpoints(),
+        [
+            home_addr,
+            addr(kept_other),
+            "127.0.0.1:1009".parse().unwrap()
+        ]
+    );
+
+    // The session's next turn stays home; the removed replica is never
+    // offered again.
+    let removed_addr = before.replicas[other].address.clone();
+    let d = r.decide(&req(&[1, 2, 3, 4, 5])).unwrap();
+    assert_eq!(r.replicas()[d.primary()].addr, home_addr);
+    for k in 0..10 {
+        let d = r.decide(&req(&[500 + k])).unwrap();
+        let dest = d.destination(usize::MAX);
+        assert!(!dest.contains(&removed_addr), "{dest}");
+    }
+    drop(d);
+    drop(running);
+    assert!(r.snapshot().replicas.iter().all(|x| x.in_flight == 0));
+}
+
+#[test]
+fn a_removed_replica_drains_before_its_slot_is_reused() {
+    let r = fleet("127.0.0.1:1,127.0.0.1:2", |_| {});
+    let held = r.decide(&req(&[7])).unwrap();
+    let slot = held.primary();
+    let addr = r.replicas()[slot].addr;
+    let remaining = r.replicas()[1 - slot].addr;
+    r.set_upstreams(&specs(&remaining.to_string()));
+    assert_eq!(r.snapshot().upstreams.draining_in_flight, 1);
+    // A new replica cannot take the slot while a request runs on it.
+    r.set_upstreams(&specs(&format!("{remaining},127.0.0.1:3")));
+    assert_eq!(r.replicas().len(), 3);
+    assert!(r.replicas()[slot].retired);
+    // The running request ends: its reservation releases the old slot
+    // (not the new replica), which the next new replica reuses.
+    drop(held);
+    assert_eq!(r.snapshot().upstreams.draining_in_flight, 0);
+    assert!(r.snapshot().replicas.iter().all(|x| x.in_flight == 0));
+    r.set_upstreams(&specs(&format!("{remaining},127.0.0.1:3,127.0.0.1:4")));
+    assert_eq!(r.replicas().len(), 3);
+    assert_eq!(r.replicas()[slot].addr.port(), 4);
+    assert_ne!(r.replicas()[slot].addr, addr);
+    // Re-adding a removed address starts it fresh, not from old state.
+    assert_eq!(r.snapshot().replicas.len(), 3);
+}

@@ -1,0 +1,811 @@
+//! The `envoy.service.ext_proc.v3.ExternalProcessor` service.
+//!
+//! Envoy opens one gRPC stream per HTTP request and sends the request
+//! headers, then the response headers. Because Hearth's processing mode
+//! asks for response trailers, Envoy keeps the stream open until the HTTP
+//! stream is over (the last byte of a streamed response, a client abort,
+//! an upstream reset, a timeout) and then closes it, without a trailers
+//! message when the engine sent no trailers (checked on Envoy 1.40 by the
+//! end-to-end stream test; with trailers SKIP the stream would end right
+//! after the response headers). So the
+//! routing decision, with its load reservation, lives in the task that
+//! serves the stream: however the stream ends, the task ends and the
+//! reservation is released.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    processing_request, processing_response, BodyResponse, CommonResponse, HeaderMutation,
+    HeadersResponse, HttpBody, HttpHeaders, ImmediateResponse, ProcessingRequest,
+    ProcessingResponse, ProtocolConfiguration, TrailersResponse,
+};
+use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+use futures::Stream;
+use hearth_wire::header;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use hearth_router::health::{self, Failure, Outcome};
+use hearth_router::{Decision, RequestInfo, RouteError, Router};
+use hearth_wire::names::{DESTINATION, DP_RANK, LB_NAMESPACE, REQUEST_ID, UPSTREAM};
+use hearth_wire::outcome::Scanner;
+use hearth_wire::Endpoint;
+
+use crate::envoy::body;
+use crate::envoy::headers;
+use crate::envoy::picker::{self, HeldBody, Side};
+use crate::observe::Observer;
+
+/// The ext_proc filter's attribute namespace in `ProcessingRequest.attributes`.
+const EXT_PROC_ATTRIBUTES: &str = "envoy.filters.http.ext_proc";
+
+/// Builds the tonic service around a router (the observer's), which
+/// reports every decision to the observer.
+pub fn server(
+    observer: Arc<Observer>,
+    first_byte: FirstByte,
+) -> ExternalProcessorServer<Processor> {
+    ExternalProcessorServer::new(Processor {
+        router: Arc::clone(observer.router()),
+        observer,
+        first_byte,
+    })
+    // Body mode sends whole request bodies (up to the gateway's 8 MiB).
+    .max_decoding_message_size(16 << 20)
+}
+
+pub struct Processor {
+    router: Arc<Router>,
+    observer: Arc<Observer>,
+    first_byte: FirstByte,
+}
+
+/// How long a routed request may wait for its response headers before
+/// the wait counts as a timeout against its replica: a base, plus an
+/// allowance for the prompt bytes the replica has to prefill.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FirstByte {
+    /// Zero disables the deadline.
+    pub timeout: Duration,
+    /// One more second per this many uncached bytes (0: no allowance).
+    pub prefill_bytes_per_second: u64,
+}
+
+impl FirstByte {
+    /// The deadline for a request whose chosen replica lacks `uncached`
+    /// prompt bytes; `None` when disabled.
+    pub fn deadline(&self, uncached: u64) -> Option<Duration> {
+        if self.timeout.is_zero() {
+            return None;
+        }
+        let allowance = match self.prefill_bytes_per_second {
+            0 => Duration::ZERO,
+            rate => Duration::from_secs_f64(uncached as f64 / rate as f64),
+        };
+        Some(self.timeout + allowance)
+    }
+}
+
+type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ExternalProcessor for Processor {
+    type ProcessStream = ResponseStream;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(4);
+        let mut exchange = Exchange::new(Arc::clone(&self.router), Arc::clone(&self.observer));
+        let first_byte = self.first_byte;
+        tokio::spawn(async move {
+            loop {
+                // Armed while a routed request waits for its response.
+                let deadline = exchange
+                    .waiting_for_response()
+                    .and_then(|_| first_byte.deadline(exchange.uncached_bytes));
+                let msg = tokio::select! {
+                    msg = inbound.message() => msg,
+                    // Envoy reset the stream: nobody reads our answers.
+                    () = tx.closed() => break,
+                    () = tokio::time::sleep(deadline.unwrap_or_default()), if deadline.is_some() => {
+                        exchange.first_byte_timed_out();
+                        continue;
+                    }
+                };
+                let Ok(Some(msg)) = msg else { break };
+                let (replies, done) = exchange.handle(msg);
+                let mut gone = false;
+                for reply in replies {
+                    if tx.send(Ok(reply)).await.is_err() {
+                        gone = true;
+                        break;
+                    }
+                }
+                if done || gone {
+                    break;
+                }
+            }
+            // `exchange` (and its reservation) is dropped here.
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// How Envoy sends this stream's request body: which of Hearth's shapes
+/// the stream runs in (from the processing mode of its first message).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BodyMode {
+    /// Filter mode: no body comes; the wasm filter's headers carry the
+    /// fingerprint, and the request is routed on its headers.
+    #[default]
+    Headers,
+    /// Body mode (no wasm filter): a prompt request's whole body comes in
+    /// one message (`BUFFERED`) and is fingerprinted here; the request is
+    /// routed on its body (see [`crate::envoy::body`]).
+    Buffered,
+    /// The endpoint-picker shape: bodies stream full-duplex; a prompt
+    /// request's body is held, with its headers unanswered, until it is
+    /// complete and decided on (see [`crate::envoy::picker`]).
+    FullDuplex,
+}
+
+impl BodyMode {
+    pub fn of(protocol: &ProtocolConfiguration) -> BodyMode {
+        match protocol.request_body_mode() {
+            BodySendMode::Buffered => BodyMode::Buffered,
+            BodySendMode::FullDuplexStreamed => BodyMode::FullDuplex,
+            _ => BodyMode::Headers,
+        }
+    }
+
+    /// The request's own body is the prompt's only truth: client-sent
+    /// fingerprint headers are ignored.
+    fn bodies_come(self) -> bool {
+        self != BodyMode::Headers
+    }
+}
+
+/// One HTTP request's conversation with Envoy: one method per message
+/// kind, in the order they come (request headers, request body, request
+/// trailers, response headers, response body, response trailers).
+struct Exchange {
+    router: Arc<Router>,
+    observer: Arc<Observer>,
+    mode: BodyMode,
+    /// Response bodies come full-duplex: each chunk is answered with
+    /// itself.
+    response_duplex: bool,
+    /// Envoy's `x-request-id`, for the decision journal.
+    request_id: Option<String>,
+    /// The replicas the data plane allows (the endpoint-picker protocol's
+    /// subset hint), when it named any.
+    subset: Option<Vec<usize>>,
+    /// A prompt request whose body is awaited before it is routed
+    /// (`Buffered` and `FullDuplex` modes).
+    pending: Option<Endpoint>,
+    /// Full duplex: the request body held until the decision.
+    held: Option<HeldBody>,
+    /// The request is a generation (a prompt request whose body Envoy
+    /// sends): its answer is scanned.
+    generation: bool,
+    decision: Option<Decision>,
+    /// The replica the request was routed to (kept after the reservation
+    /// is released, for the outcome).
+    routed_to: Option<usize>,
+    /// Prompt bytes the chosen replica did not hold (its prefill work).
+    uncached_bytes: u64,
+    /// The first-byte timeout already counted against the replica.
+    timed_out: bool,
+    /// What the response headers said, once they came.
+    response: Option<ResponseSeen>,
+    /// Where ext_proc sends response bodies (body and endpoint-picker
+    /// shapes, which have no wasm outcome filter): a generation's answer,
+    /// scanned as it passes; judged once its last chunk has come.
+    answer: Option<Scanner>,
+    answer_ended: bool,
+}
+
+/// Type alias for the answers to one message, and whether the exchange is
+/// over (full-duplex mode answers the request headers and the whole body
+/// at once).
+type Replies = (Vec<ProcessingResponse>, bool);
+
+struct ResponseSeen {
+    status: Option<u16>,
+    details: String,
+    /// The replica Envoy really used (after retries), when known.
+    served: Option<usize>,
+}
+
+impl Drop for Exchange {
+    fn drop(&mut self) {
+        let Some(primary) = self.routed_to else {
+            return;
+        };
+        self.router.note_stream_end(self.response.is_some());
+        // Passive health: what this request's ending says about its
+        // replica. (Whether a 200 answer generated comes from the scan of
+        // its body here, or from the outcome filter; see `admin`.)
+        if let Some(r) = &self.response {
+            let answer = self
+                .answer
+                .as_ref()
+                .filter(|_| self.answer_ended)
+                .map(Scanner::answer);
+            let outcome = health::classify(Some(r.status.unwrap_or(0)), &r.details, answer);
+            self.router
+                .record_request(r.served.unwrap_or(primary), outcome);
+            // Served by another replica than the one chosen: Envoy retried
+            // away from the primary (connect failure, reset or 503).
+            if r.served.is_some_and(|s| s != primary) {
+                self.router
+                    .record_request(primary, Outcome::Failure(Failure::Retried));
+            }
+        }
+    }
+}
+
+impl Exchange {
+    fn new(router: Arc<Router>, observer: Arc<Observer>) -> Self {
+        Exchange {
+            router,
+            observer,
+            mode: BodyMode::default(),
+            response_duplex: false,
+            request_id: None,
+            subset: None,
+            pending: None,
+            held: None,
+            generation: false,
+            decision: None,
+            routed_to: None,
+            uncached_bytes: 0,
+            timed_out: false,
+            response: None,
+            answer: None,
+            answer_ended: false,
+        }
+    }
+
+    /// `Some(replica)` while a routed request has no response yet and its
+    /// first-byte timeout has not fired.
+    fn waiting_for_response(&self) -> Option<usize> {
+        match (self.routed_to, &self.response, self.timed_out) {
+            (Some(r), None, false) => Some(r),
+            _ => None,
+        }
+    }
+
+    fn first_byte_timed_out(&mut self) {
+        if let Some(r) = self.waiting_for_response() {
+            self.timed_out = true;
+            self.router
+                .record_request(r, Outcome::Failure(Failure::Timeout));
+        }
+    }
+
+    /// Answers one message.
+    fn handle(&mut self, msg: ProcessingRequest) -> Replies {
+        use processing_request::Request as R;
+        if msg.observability_mode {
+            return (vec![], false);
+        }
+        if let Some(protocol) = &msg.protocol_config {
+            self.mode = BodyMode::of(protocol);
+            self.response_duplex =
+                protocol.response_body_mode() == BodySendMode::FullDuplexStreamed;
+        }
+        match msg.request {
+            Some(R::RequestHeaders(ref h)) => self.on_request_headers(&msg, h),
+            Some(R::RequestBody(b)) => self.on_request_body(b),
+            Some(R::RequestTrailers(_)) => self.on_request_trailers(),
+            Some(R::ResponseHeaders(ref h)) => self.on_response_headers(&msg, h),
+            Some(R::ResponseBody(b)) => self.on_response_body(b),
+            Some(R::ResponseTrailers(_)) => self.on_response_trailers(),
+            None => (vec![], false),
+        }
+    }
+
+    fn on_request_headers(&mut self, msg: &ProcessingRequest, h: &HttpHeaders) -> Replies {
+        // Bounded: a request id is an id, not a payload.
+        self.request_id = headers::get(h, REQUEST_ID)
+            .filter(|id| !id.is_empty())
+            .map(|id| id.chars().take(128).collect());
+        if let Some(subset) = picker::subset_hint(msg, h) {
+            let allowed = picker::allowed_replicas(&self.router, &subset);
+            if allowed.is_empty() {
+                // The protocol: an empty subset, or none of ours, is a 503.
+                let e = RouteError::NoHealthyReplica(String::new());
+                self.observer.refused(
+                    self.request_id.as_deref(),
+                    &RequestInfo::default(),
+                    &e,
+                    Duration::ZERO,
+                );
+                return (vec![refusal(&e)], true);
+            }
+            self.subset = Some(allowed);
+        }
+        if self.mode.bodies_come() {
+            self.pending = body::awaits_body(h);
+            self.generation = self.pending.is_some();
+        }
+        match (self.mode, self.pending.is_some()) {
+            // Full duplex: a prompt request's headers are answered once its
+            // body is in and decided on.
+            (BodyMode::FullDuplex, true) => {
+                self.held = Some(HeldBody::default());
+                (vec![], false)
+            }
+            // Body mode: a prompt request is routed once its body is in.
+            (BodyMode::Buffered, true) => {
+                let go_on = processing_response::Response::RequestHeaders(Default::default());
+                (vec![reply(go_on, None)], false)
+            }
+            _ => {
+                let info = if self.mode.bodies_come() {
+                    // Not a prompt request; and with bodies coming, the
+                    // body is the only truth: no client-sent fingerprint.
+                    RequestInfo::default()
+                } else {
+                    request_info(h, self.router.block_size())
+                };
+                self.route(&info, |common| {
+                    processing_response::Response::RequestHeaders(HeadersResponse {
+                        response: Some(common),
+                    })
+                })
+            }
+        }
+    }
+
+    fn on_request_body(&mut self, b: HttpBody) -> Replies {
+        match self.mode {
+            // Full duplex: hold the body until its end, then decide.
+            BodyMode::FullDuplex => {
+                let Some(held) = self.held.as_mut() else {
+                    // Already routed: the chunk goes straight back.
+                    return (
+                        vec![picker::streamed(b.body, b.end_of_stream, Side::Request)],
+                        false,
+                    );
+                };
+                let within = held.push(&b.body);
+                if b.end_of_stream || !within {
+                    self.release_held(b.end_of_stream, within)
+                } else {
+                    (vec![], false)
+                }
+            }
+            // Body mode: the request waited for this body; route it now.
+            BodyMode::Buffered if b.end_of_stream && self.pending.is_some() => {
+                let endpoint = self.pending.take();
+                let info = endpoint.map_or_else(RequestInfo::default, |e| {
+                    body::request_info(e, &b.body, self.router.block_size())
+                });
+                self.route(&info, |common| {
+                    processing_response::Response::RequestBody(BodyResponse {
+                        response: Some(common),
+                    })
+                })
+            }
+            // Other bodies are not requested by Hearth's processing modes;
+            // answer them unchanged if sent.
+            _ => (
+                vec![ProcessingResponse {
+                    response: Some(processing_response::Response::RequestBody(
+                        Default::default(),
+                    )),
+                    ..Default::default()
+                }],
+                false,
+            ),
+        }
+    }
+
+    fn on_request_trailers(&mut self) -> Replies {
+        // Full duplex: trailers mark the end of a held body.
+        let (mut replies, done) = if self.held.is_some() {
+            self.release_held(false, true)
+        } else {
+            (vec![], false)
+        };
+        if done {
+            return (replies, true);
+        }
+        replies.push(ProcessingResponse {
+            response: Some(processing_response::Response::RequestTrailers(
+                TrailersResponse::default(),
+            )),
+            ..Default::default()
+        });
+        (replies, false)
+    }
+
+    fn on_response_headers(&mut self, msg: &ProcessingRequest, h: &HttpHeaders) -> Replies {
+        // The endpoint-picker protocol's report wins over Envoy's
+        // attribute (both name the endpoint really used).
+        let served =
+            picker::served_endpoint(msg).or_else(|| attribute(&msg.attributes, "upstream.address"));
+        let seen = ResponseSeen {
+            status: headers::get(h, ":status").and_then(|s| s.parse().ok()),
+            details: attribute(&msg.attributes, "response.code_details").unwrap_or_default(),
+            served: served
+                .as_deref()
+                .and_then(|a| self.router.replica_at(a, self.routed_to)),
+        };
+        // A generation's 200 answer: its body tells whether the engine
+        // generated (when ext_proc sends it).
+        if self.generation && seen.status == Some(200) && !h.end_of_stream {
+            self.answer = Some(Scanner::default());
+        }
+        self.response = Some(seen);
+        (vec![self.upstream_header()], h.end_of_stream)
+    }
+
+    fn on_response_body(&mut self, b: HttpBody) -> Replies {
+        if let Some(scan) = self.answer.as_mut() {
+            scan.feed(&b.body);
+            self.answer_ended |= b.end_of_stream;
+        }
+        if b.end_of_stream {
+            self.decision = None;
+        }
+        let reply = if self.response_duplex {
+            picker::streamed(b.body, b.end_of_stream, Side::Response)
+        } else {
+            ProcessingResponse {
+                response: Some(processing_response::Response::ResponseBody(
+                    Default::default(),
+                )),
+                ..Default::default()
+            }
+        };
+        (vec![reply], false)
+    }
+
+    fn on_response_trailers(&mut self) -> Replies {
+        let reply = ProcessingResponse {
+            response: Some(processing_response::Response::ResponseTrailers(
+                TrailersResponse::default(),
+            )),
+            ..Default::default()
+        };
+        // Only when the engine sent trailers: the response is over.
+        self.decision = None;
+        (vec![reply], true)
+    }
+
+    /// Full duplex: the held body is complete (or too big to hold): decide,
+    /// answer the request headers with the destination, then hand the body
+    /// back. A body past the cap is routed on load alone.
+    fn release_held(&mut self, end_of_stream: bool, fingerprint: bool) -> Replies {
+        let held = self.held.take().unwrap_or_default();
+        let info = match self.pending.take() {
+            Some(endpoint) if fingerprint => {
+                body::request_info(endpoint, held.bytes(), self.router.block_size())
+            }
+            _ => RequestInfo::default(),
+        };
+        let (mut replies, done) = self.route(&info, |common| {
+            processing_response::Response::RequestHeaders(HeadersResponse {
+                response: Some(common),
+            })
+        });
+        if !done {
+            replies.extend(held.into_responses(end_of_stream));
+        }
+        (replies, done)
+    }
+
+    /// Decides for `info`; the destination goes out in the response `wrap`
+    /// builds (to the request headers, or to the body in body mode).
+    fn route(
+        &mut self,
+        info: &RequestInfo,
+        wrap: impl FnOnce(CommonResponse) -> processing_response::Response,
+    ) -> Replies {
+        let started = std::time::Instant::now();
+        let decided = match self.router.decide_within(info, self.subset.as_deref()) {
+            // Within a subset, "no replica for the model" means none of the
+            // allowed endpoints is eligible: the protocol's 503.
+            Err(RouteError::NoReplicaForModel(m)) if self.subset.is_some() => {
+                Err(RouteError::NoHealthyReplica(m))
+            }
+            other => other,
+        };
+        let elapsed = started.elapsed();
+        let request_id = self.request_id.as_deref();
+        match &decided {
+            Ok(d) => self.observer.routed(request_id, info, d, elapsed),
+            Err(e) => self.observer.refused(request_id, info, e, elapsed),
+        }
+        match decided {
+            Ok(decision) => {
+                // The endpoint-picker protocol's Envoy data planes dial the
+                // header with an ORIGINAL_DST cluster, which takes one
+                // address (a list fails as "no healthy upstream", measured
+                // on Envoy 1.40): in full-duplex mode, the primary only.
+                let limit = if self.mode == BodyMode::FullDuplex {
+                    1
+                } else {
+                    decision.order.len()
+                };
+                let dest = decision.destination(limit);
+                self.routed_to = Some(decision.primary());
+                let held = u64::from(decision.overlap) * self.router.block_size() as u64;
+                self.uncached_bytes = info.prompt_bytes.saturating_sub(held);
+                tracing::debug!(
+                    destination = %dest,
+                    overlap = decision.overlap,
+                    blocks = info.hashes.len(),
+                    "routed"
+                );
+                // A data-parallel target: tell the engine which rank.
+                let rank = decision.replicas[decision.primary()].dp_rank;
+                self.decision = Some(decision);
+                let mut set_headers = vec![headers::set(DESTINATION, &dest)];
+                let mut remove_headers = vec![header::FP.to_string()];
+                match rank {
+                    Some(rank) => set_headers.push(headers::set(DP_RANK, &rank.to_string())),
+                    // Only the sidecar picks ranks.
+                    None => remove_headers.push(DP_RANK.to_string()),
+                }
+                let mutation = HeaderMutation {
+                    set_headers,
+                    remove_headers,
+                };
+                let common = CommonResponse {
+                    header_mutation: Some(mutation),
+                    // Full duplex: Envoy may already have matched a route
+                    // while the headers waited for the body; match again
+                    // now that the destination header is set (the GIE
+                    // config's route requires it).
+                    clear_route_cache: self.mode == BodyMode::FullDuplex,
+                    ..Default::default()
+                };
+                (vec![reply(wrap(common), Some(lb_metadata(&dest)))], false)
+            }
+            Err(e) => (vec![refusal(&e)], true),
+        }
+    }
+
+    /// The response header naming the replica that answered.
+    fn upstream_header(&self) -> ProcessingResponse {
+        // Name the replica that really answered (after retries, that may be
+        // a fallback); the address itself stays private.
+        let id = self
+            .response
+            .as_ref()
+            .and_then(|r| r.served)
+            .or(self.routed_to)
+            .map(|i| self.router.replicas()[i].id.clone());
+        let header_mutation = id.map(|id| HeaderMutation {
+            set_headers: vec![headers::set(UPSTREAM, &id)],
+            remove_headers: vec![],
+        });
+        ProcessingResponse {
+            response: Some(processing_response::Response::ResponseHeaders(
+                HeadersResponse {
+                    response: Some(CommonResponse {
+                        header_mutation,
+                        ..Default::default()
+                    }),
+                },
+            )),
+            ..Default::default()
+        }
+    }
+}
+
+fn reply(response: processing_response::Response, metadata: Option<Struct>) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(response),
+        dynamic_metadata: metadata,
+        ..Default::default()
+    }
+}
+
+/// Reads what the filter put on the request. A missing, malformed or
+/// mismatched fingerprint means "route on load alone".
+pub fn request_info(h: &HttpHeaders, block_size: usize) -> RequestInfo {
+    let mut info = RequestInfo::default();
+    let Some(map) = &h.headers else { return info };
+    for hv in &map.headers {
+        let value = headers::text(hv);
+        match hv.key.as_str() {
+            k if k == header::FP => {
+                match header::decode(value) {
+                    Ok((bs, hashes)) if bs as usize == block_size => info.hashes = hashes,
+                    Ok((bs, _)) => {
+                        tracing::warn!(filter = bs, sidecar = block_size, "fingerprint block size differs from HEARTH_BLOCK_SIZE; routing on load")
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "unreadable fingerprint; routing on load")
+                    }
+                }
+            }
+            k if k == header::PROMPT_BYTES => info.prompt_bytes = value.trim().parse().unwrap_or(0),
+            k if k == header::MODEL => info.model = Some(value.to_string()),
+            k if k == header::MAX_TOKENS => info.max_output_tokens = value.trim().parse().ok(),
+            _ => {}
+        }
+    }
+    info
+}
+
+fn string_value(s: &str) -> Value {
+    Value {
+        kind: Some(Kind::StringValue(s.to_string())),
+    }
+}
+
+/// `{"envoy.lb": {"x-gateway-destination-endpoint": dest}}`
+fn lb_metadata(dest: &str) -> Struct {
+    let inner = Struct {
+        fields: HashMap::from([(DESTINATION.to_string(), string_value(dest))]),
+    };
+    Struct {
+        fields: HashMap::from([(
+            LB_NAMESPACE.to_string(),
+            Value {
+                kind: Some(Kind::StructValue(inner)),
+            },
+        )]),
+    }
+}
+
+/// An attribute Envoy sends with a message (`response_attributes`).
+fn attribute(attributes: &HashMap<String, Struct>, name: &str) -> Option<String> {
+    let value = attributes.get(EXT_PROC_ATTRIBUTES)?.fields.get(name)?;
+    match &value.kind {
+        Some(Kind::StringValue(s)) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// An OpenAI-shaped error as an immediate response: 503 when no replica can
+/// serve the request, 429 (with Retry-After) when every one is full.
+fn refusal(e: &RouteError) -> ProcessingResponse {
+    let (status, kind, code, retry_after) = match e {
+        RouteError::NoReplicaForModel(_) => (404, "invalid_request_error", "model_not_found", None),
+        RouteError::NoHealthyReplica(_) => {
+            (503, "service_unavailable", "no_healthy_replica", Some("5"))
+        }
+        RouteError::Saturated => (429, "rate_limit_exceeded", "overloaded", Some("1")),
+    };
+    let body = serde_json::json!({
+        "error": {"message": e.to_string(), "type": kind, "code": code, "param": null}
+    });
+    let mut headers = vec![headers::set("content-type", "application/json")];
+    if let Some(secs) = retry_after {
+        headers.push(headers::set("retry-after", secs));
+    }
+    ProcessingResponse {
+        response: Some(processing_response::Response::ImmediateResponse(
+            ImmediateResponse {
+                status: Some(HttpStatus { code: status }),
+                headers: Some(HeaderMutation {
+                    set_headers: headers,
+                    remove_headers: vec![],
+                }),
+                body: body.to_string().into_bytes(),
+                details: format!("hearth_{code}"),
+                ..Default::default()
+            },
+        )),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_byte_deadline_grows_with_the_prompt_left_to_prefill() {
+        let fb = FirstByte {
+            timeout: Duration::from_secs(60),
+            prefill_bytes_per_second: 16_384,
+        };
+        assert_eq!(fb.deadline(0), Some(Duration::from_secs(60)));
+        // A cold 200k-token prompt (~800 KB): close to another minute.
+        assert_eq!(fb.deadline(800 * 1024), Some(Duration::from_secs(110)));
+        let flat = FirstByte {
+            prefill_bytes_per_second: 0,
+            ..fb
+        };
+        assert_eq!(flat.deadline(800 * 1024), Some(Duration::from_secs(60)));
+        let off = FirstByte {
+            timeout: Duration::ZERO,
+            ..fb
+        };
+        assert_eq!(off.deadline(1), None);
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> HttpHeaders {
+        headers::map(pairs)
+    }
+
+    #[test]
+    fn request_info_reads_the_filter_headers() {
+        let fp = header::encode(2048, &[1, 2, 3]);
+        let h = headers(&[
+            (":path", "/v1/chat/completions"),
+            (header::FP, &fp),
+            (header::PROMPT_BYTES, "5000"),
+            (header::MODEL, "m"),
+        ]);
+        let info = request_info(&h, 2048);
+        assert_eq!(info.hashes, [1, 2, 3]);
+        assert_eq!(info.prompt_bytes, 5000);
+        assert_eq!(info.model.as_deref(), Some("m"));
+        // Another block size, or garbage, is ignored rather than trusted.
+        assert!(request_info(&h, 4096).hashes.is_empty());
+        let bad = headers(&[(header::FP, "v1.2048.!!!")]);
+        assert!(request_info(&bad, 2048).hashes.is_empty());
+    }
+
+    #[test]
+    fn the_body_mode_is_the_request_body_send_mode() {
+        let mode = |request: BodySendMode, response: BodySendMode| {
+            BodyMode::of(&ProtocolConfiguration {
+                request_body_mode: request as i32,
+                response_body_mode: response as i32,
+                ..Default::default()
+            })
+        };
+        use BodySendMode as S;
+        assert_eq!(mode(S::None, S::None), BodyMode::Headers);
+        assert_eq!(mode(S::None, S::Streamed), BodyMode::Headers);
+        assert_eq!(mode(S::Buffered, S::Streamed), BodyMode::Buffered);
+        assert_eq!(
+            mode(S::FullDuplexStreamed, S::FullDuplexStreamed),
+            BodyMode::FullDuplex
+        );
+        assert_eq!(BodyMode::default(), BodyMode::Headers);
+    }
+
+    #[test]
+    fn refusals_are_openai_shaped_json() {
+        let r = refusal(&RouteError::Saturated);
+        let Some(processing_response::Response::ImmediateResponse(ir)) = r.response else {
+            panic!("not an immediate response")
+        };
+        assert_eq!(ir.status.unwrap().code, 429);
+        let body: serde_json::Value = serde_json::from_slice(&ir.body).unwrap();
+        assert_eq!(body["error"]["code"], "overloaded");
+        let names: Vec<_> = ir
+            .headers
+            .unwrap()
+            .set_headers
+            .into_iter()
+            .map(|h| h.header.unwrap().key)
+            .collect();
+        assert!(names.contains(&"retry-after".to_string()));
+    }
+
+    #[test]
+    fn metadata_carries_the_destination_under_envoy_lb() {
+        let md = lb_metadata("127.0.0.1:1,127.0.0.1:2");
+        let Some(Kind::StructValue(inner)) = &md.fields[LB_NAMESPACE].kind else {
+            panic!("envoy.lb is not a struct")
+        };
+        assert_eq!(
+            inner.fields[DESTINATION].kind,
+            Some(Kind::StringValue("127.0.0.1:1,127.0.0.1:2".into()))
+        );
+    }
+}

@@ -1,0 +1,164 @@
+//! Engine load signals: each engine's own Prometheus metrics, scraped every
+//! few seconds, in vLLM's, SGLang's or llama.cpp's names (the first two are
+//! the model-server protocol of the Gateway API Inference Extension):
+//! queued and running requests, KV cache utilisation. The router adds what an engine reports beyond this
+//! sidecar's own reservations (queued requests, and requests other gateways
+//! sent it) to its load, and ignores figures older than the staleness bound.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::feeds::engines::EngineClient;
+use hearth_router::{EngineSignals, Router};
+
+/// Metric names, per engine family: (waiting, running, KV utilisation).
+/// llama.cpp (`--metrics`) counts requests waiting for a free slot as
+/// deferred, and busy slots as processing.
+const FAMILIES: [(&str, &str, &[&str]); 3] = [
+    (
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+    ),
+    (
+        "sglang:num_queue_reqs",
+        "sglang:num_running_reqs",
+        &["sglang:token_usage"],
+    ),
+    (
+        "llamacpp:requests_deferred",
+        "llamacpp:requests_processing",
+        &["llamacpp:kv_cache_usage_ratio"],
+    ),
+];
+
+/// Reads waiting, running and KV utilisation from a Prometheus text page
+/// (samples with several label sets are summed; KV utilisation averaged).
+/// `None` when the page has neither family's queue metrics.
+pub fn parse(text: &str, at: Instant) -> Option<EngineSignals> {
+    for (waiting, running, kv) in FAMILIES {
+        let w = sum(text, waiting);
+        let r = sum(text, running);
+        if w.is_none() && r.is_none() {
+            continue;
+        }
+        let kv_usage = kv.iter().find_map(|name| mean(text, name));
+        return Some(EngineSignals {
+            waiting: w.unwrap_or(0.0),
+            running: r.unwrap_or(0.0),
+            kv_usage,
+            at,
+            own_in_flight: 0,
+        });
+    }
+    None
+}
+
+/// Values of every sample of metric `name`.
+fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = f64> + 'a {
+    text.lines().filter_map(move |line| {
+        let rest = line.strip_prefix(name)?;
+        // The name must end here: `{labels} value` or ` value`.
+        let rest = match rest.as_bytes().first()? {
+            b'{' => &rest[rest.find('}')? + 1..],
+            b' ' | b'\t' => rest,
+            _ => return None,
+        };
+        let value: f64 = rest.split_whitespace().next()?.parse().ok()?;
+        value.is_finite().then_some(value)
+    })
+}
+
+fn sum(text: &str, name: &str) -> Option<f64> {
+    samples(text, name).fold(None, |acc, v| Some(acc.unwrap_or(0.0) + v))
+}
+
+fn mean(text: &str, name: &str) -> Option<f64> {
+    let (n, total) = samples(text, name).fold((0u32, 0.0), |(n, t), v| (n + 1, t + v));
+    (n > 0).then(|| total / f64::from(n))
+}
+
+/// Scrapes every engine every `interval` until the task is dropped. An
+/// engine that refuses the sidecar's credentials (401/403) is reported on
+/// its replicas (`/state`, metrics) and logged when that starts.
+pub async fn run(router: Arc<Router>, client: EngineClient, interval: Duration) {
+    if interval.is_zero() {
+        return;
+    }
+    let timeout = interval.min(Duration::from_secs(2));
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let mut round = tokio::task::JoinSet::new();
+        for (addr, _) in router.engines() {
+            let (client, router) = (client.clone(), Arc::clone(&router));
+            round.spawn(async move {
+                let url = format!("http://{addr}/metrics");
+                let text = match client.get(&url, timeout).await {
+                    Ok(r) if matches!(r.status().as_u16(), 401 | 403) => {
+                        let status = r.status().as_u16();
+                        if router.record_scrape(addr, Some(status)) {
+                            tracing::warn!(
+                                engine = %addr,
+                                status,
+                                "the engine refuses the sidecar's metrics scrape \
+                                 (HEARTH_ENGINE_API_KEY)"
+                            );
+                        }
+                        return;
+                    }
+                    Ok(r) if r.status().is_success() => r.text().await.ok(),
+                    _ => None,
+                };
+                router.record_scrape(addr, None);
+                if let Some(signals) = text.and_then(|t| parse(&t, Instant::now())) {
+                    router.set_engine_signals(addr, signals);
+                }
+            });
+        }
+        while round.join_next().await.is_some() {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_vllm_names_summing_label_sets() {
+        let page = "# HELP vllm:num_requests_waiting x\n\
+            vllm:num_requests_waiting{model_name=\"a\"} 3\n\
+            vllm:num_requests_waiting{model_name=\"b\"} 2\n\
+            vllm:num_requests_running{model_name=\"a\"} 7.0\n\
+            vllm:num_requests_waiting_time_seconds_bucket{le=\"1\"} 99\n\
+            vllm:kv_cache_usage_perc{model_name=\"a\"} 0.5\n";
+        let s = parse(page, Instant::now()).unwrap();
+        assert_eq!((s.waiting, s.running, s.kv_usage), (5.0, 7.0, Some(0.5)));
+    }
+
+    #[test]
+    fn reads_sglang_names_and_refuses_other_pages() {
+        let page = "sglang:num_queue_reqs{tp_rank=\"0\"} 4\nsglang:num_running_reqs 1\nsglang:token_usage 0.25\n";
+        let s = parse(page, Instant::now()).unwrap();
+        assert_eq!((s.waiting, s.running, s.kv_usage), (4.0, 1.0, Some(0.25)));
+        assert!(parse("process_cpu_seconds_total 4\n", Instant::now()).is_none());
+        assert!(parse("vllm:num_requests_waiting NaN\n", Instant::now()).is_none());
+    }
+
+    #[test]
+    fn reads_llama_cpp_names() {
+        let page = "# HELP llamacpp:requests_processing Number of requests processing\n\
+            # TYPE llamacpp:requests_processing gauge\n\
+            llamacpp:requests_processing 2\n\
+            llamacpp:requests_deferred 3\n\
+            llamacpp:prompt_tokens_total 900\n";
+        let s = parse(page, Instant::now()).unwrap();
+        assert_eq!((s.waiting, s.running, s.kv_usage), (3.0, 2.0, None));
+        let with_kv = format!("{page}llamacpp:kv_cache_usage_ratio 0.75\n");
+        assert_eq!(
+            parse(&with_kv, Instant::now()).unwrap().kv_usage,
+            Some(0.75)
+        );
+    }
+}

@@ -1,0 +1,165 @@
+//! The sidecar's HTTP endpoint: `GET /state` (JSON: per-replica health,
+//! in-flight load and warmth), `GET /health` (`ok`, `degraded` or
+//! `unhealthy`; HTTP 503 only when no replica is serving), and
+//! `POST /outcome`, where Envoy's outcome filter reports whether a 200
+//! answer carried text (`upstream=IP:PORT;text=0|1;done=0|1`). Bind it to
+//! loopback or a private interface: a client that can post outcomes can
+//! fence replicas.
+//!
+//! Observability: `GET /metrics` (Prometheus text), `GET /debug/decisions`
+//! (`?request_id=ID` for one request's decisions, else `?limit=N` for the
+//! latest, newest first), `GET /debug/series` (`?seconds=N` of per-second
+//! history) and the dashboard at `GET /` (also `/dashboard`), one
+//! self-contained page that polls `/state` and `/debug/series`.
+
+use std::sync::Arc;
+
+use axum::extract::{Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{Html, IntoResponse};
+use axum::routing::{get, post};
+use axum::{Json, Router as HttpRouter};
+use serde::{Deserialize, Serialize};
+
+use hearth_router::health::{self, FleetHealth};
+use hearth_router::{Router, Snapshot};
+use hearth_wire::outcome::Report;
+
+use crate::observe::journal::DecisionRecord;
+use crate::observe::series::{Second, SERIES_SECONDS};
+use crate::observe::Observer;
+
+/// The dashboard: one page, inline script and style, no external fetches.
+pub const DASHBOARD: &str = include_str!("dashboard.html");
+
+pub fn routes(observer: Arc<Observer>) -> HttpRouter {
+    let router = Arc::clone(observer.router());
+    HttpRouter::new()
+        .route("/state", get(state))
+        .route("/health", get(health))
+        .route(hearth_wire::names::REPORT_PATH, post(outcome))
+        .with_state(router)
+        .merge(
+            HttpRouter::new()
+                .route("/metrics", get(metrics))
+                .route("/debug/decisions", get(decisions))
+                .route("/debug/series", get(series))
+                .route("/", get(dashboard))
+                .route("/dashboard", get(dashboard))
+                .with_state(observer),
+        )
+}
+
+async fn metrics(State(observer): State<Arc<Observer>>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        observer.encode_metrics(),
+    )
+}
+
+#[derive(Debug, Deserialize)]
+pub struct DecisionQuery {
+    pub request_id: Option<String>,
+    pub limit: Option<usize>,
+}
+
+/// `/debug/decisions`: newest first.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Decisions {
+    /// Records the ring can hold (`HEARTH_JOURNAL_SIZE`).
+    pub journal_size: usize,
+    pub decisions: Vec<DecisionRecord>,
+}
+
+async fn decisions(
+    State(observer): State<Arc<Observer>>,
+    Query(q): Query<DecisionQuery>,
+) -> (StatusCode, Json<Decisions>) {
+    let journal = &observer.journal;
+    let found = match &q.request_id {
+        Some(id) => journal.find(id),
+        None => journal.latest(q.limit.unwrap_or(20)),
+    };
+    let code = if q.request_id.is_some() && found.is_empty() {
+        StatusCode::NOT_FOUND
+    } else {
+        StatusCode::OK
+    };
+    let decisions = found
+        .into_iter()
+        .take(q.limit.unwrap_or(usize::MAX))
+        .map(|r| (*r).clone())
+        .collect();
+    (
+        code,
+        Json(Decisions {
+            journal_size: journal.capacity(),
+            decisions,
+        }),
+    )
+}
+
+#[derive(Debug, Deserialize)]
+pub struct SeriesQuery {
+    pub seconds: Option<usize>,
+}
+
+/// `/debug/series`: per-second history, oldest first.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct SeriesView {
+    /// Replica ids, in the order of each second's `in_flight` and `load`.
+    pub replicas: Vec<String>,
+    pub seconds: Vec<Second>,
+}
+
+async fn series(
+    State(observer): State<Arc<Observer>>,
+    Query(q): Query<SeriesQuery>,
+) -> Json<SeriesView> {
+    let n = q.seconds.unwrap_or(120).min(SERIES_SECONDS);
+    let replicas: Vec<String> = observer
+        .router()
+        .snapshot()
+        .replicas
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    Json(SeriesView {
+        seconds: observer.series.last_for(n, &replicas),
+        replicas,
+    })
+}
+
+async fn dashboard() -> Html<&'static str> {
+    Html(DASHBOARD)
+}
+
+async fn state(State(router): State<Arc<Router>>) -> Json<Snapshot> {
+    Json(router.snapshot())
+}
+
+async fn health(State(router): State<Arc<Router>>) -> (StatusCode, Json<serde_json::Value>) {
+    let fleet = router.fleet_health();
+    let code = match fleet {
+        FleetHealth::Unhealthy => StatusCode::SERVICE_UNAVAILABLE,
+        FleetHealth::Ok | FleetHealth::Degraded => StatusCode::OK,
+    };
+    (code, Json(serde_json::json!({ "status": fleet })))
+}
+
+async fn outcome(State(router): State<Arc<Router>>, body: String) -> StatusCode {
+    let Some(Report { upstream, answer }) = Report::parse(&body) else {
+        return StatusCode::BAD_REQUEST;
+    };
+    let Some(replica) = router.replica_at(&upstream, None) else {
+        return StatusCode::NOT_FOUND;
+    };
+    router.record_request(
+        replica,
+        health::classify(Some(200), "via_upstream", Some(answer)),
+    );
+    StatusCode::NO_CONTENT
+}

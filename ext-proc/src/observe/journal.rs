@@ -1,0 +1,272 @@
+//! The decision journal: every decision with the numbers behind it, so
+//! "why did this turn go there" has an answer (`GET /debug/decisions`).
+//!
+//! A bounded in-memory ring (`HEARTH_JOURNAL_SIZE` records) and, when
+//! `HEARTH_JOURNAL_FILE` is set, one JSON line per decision appended to
+//! that file by a writer thread (the decision path only hands the record
+//! over; when the writer falls behind by [`FILE_QUEUE`] records, records
+//! are dropped from the file and counted, never from the ring).
+//!
+//! Privacy: a record holds hashes (hex), sizes, replica ids and scores;
+//! never prompt text, never an engine's address.
+
+use std::collections::VecDeque;
+use std::fs::OpenOptions;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+/// Records waiting for the file writer before new ones are dropped.
+pub const FILE_QUEUE: usize = 4096;
+
+/// One candidate replica in a decision.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CandidateRecord {
+    /// Opaque replica id.
+    pub replica: String,
+    /// Leading request blocks the replica held.
+    pub overlap: u32,
+    /// Credit under the affinity basis, in blocks.
+    pub credit: f64,
+    /// In-flight load before this request, in load units.
+    pub load: f64,
+    /// `credit - alpha * load`; the highest wins.
+    pub score: f64,
+}
+
+/// One decision.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DecisionRecord {
+    /// Unix time of the decision, milliseconds.
+    pub time_ms: u64,
+    /// Envoy's `x-request-id`.
+    pub request_id: Option<String>,
+    pub model: Option<String>,
+    /// Canonical prompt bytes (0 when unknown).
+    pub prompt_bytes: u64,
+    /// Fingerprint length, in blocks (0: routed on load alone).
+    pub blocks: usize,
+    /// First and last block hash, 16 hex digits.
+    pub first_hash: Option<String>,
+    pub last_hash: Option<String>,
+    pub basis: String,
+    /// `routed`, `no_replica`, `no_healthy_replica` or `saturated`.
+    pub outcome: String,
+    /// Why it was refused, for the other outcomes.
+    pub error: Option<String>,
+    /// The chosen replica's id.
+    pub chosen: Option<String>,
+    /// Fallback replica ids, in order (Envoy retries them).
+    pub fallbacks: Vec<String>,
+    /// Blocks the chosen replica held.
+    pub overlap: u32,
+    /// `new`, `stay` or `move` (fingerprinted routed requests).
+    pub session: Option<String>,
+    /// The replica of the conversation's previous turn, when known.
+    pub previous: Option<String>,
+    /// Every candidate, as scored.
+    pub candidates: Vec<CandidateRecord>,
+    /// Time spent deciding, microseconds.
+    pub decision_us: f64,
+}
+
+pub fn hex(h: u64) -> String {
+    format!("{h:016x}")
+}
+
+/// The ring and the optional file.
+#[derive(Debug)]
+pub struct Journal {
+    size: usize,
+    ring: Mutex<VecDeque<Arc<DecisionRecord>>>,
+    file: Option<SyncSender<Arc<DecisionRecord>>>,
+    dropped: Arc<AtomicU64>,
+}
+
+impl Journal {
+    /// A journal of `size` records (0: no ring), appending to `file` when
+    /// given. Fails when the file cannot be opened for appending.
+    pub fn open(size: usize, file: Option<&Path>) -> std::io::Result<Journal> {
+        let dropped = Arc::new(AtomicU64::new(0));
+        let file = match file {
+            None => None,
+            Some(path) => {
+                let f = OpenOptions::new().create(true).append(true).open(path)?;
+                let (tx, rx) = sync_channel(FILE_QUEUE);
+                let dropped = Arc::clone(&dropped);
+                std::thread::Builder::new()
+                    .name("hearth-journal".into())
+                    .spawn(move || write_lines(rx, BufWriter::new(f), &dropped))?;
+                Some(tx)
+            }
+        };
+        Ok(Journal {
+            size,
+            ring: Mutex::new(VecDeque::with_capacity(size.min(1 << 16))),
+            file,
+            dropped,
+        })
+    }
+
+    pub fn push(&self, record: DecisionRecord) {
+        let record = Arc::new(record);
+        if let Some(tx) = &self.file {
+            if let Err(TrySendError::Full(_)) = tx.try_send(Arc::clone(&record)) {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if self.size == 0 {
+            return;
+        }
+        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        if ring.len() == self.size {
+            ring.pop_front();
+        }
+        ring.push_back(record);
+    }
+
+    /// Records for `request_id`, newest first (a retried request id can
+    /// have several).
+    pub fn find(&self, request_id: &str) -> Vec<Arc<DecisionRecord>> {
+        let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        ring.iter()
+            .rev()
+            .filter(|r| r.request_id.as_deref() == Some(request_id))
+            .cloned()
+            .collect()
+    }
+
+    /// The latest `n` records, newest first.
+    pub fn latest(&self, n: usize) -> Vec<Arc<DecisionRecord>> {
+        let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        ring.iter().rev().take(n).cloned().collect()
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.size
+    }
+
+    /// The count of records the file writer could not keep up with (for
+    /// `/metrics`).
+    pub fn file_dropped(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.dropped)
+    }
+}
+
+fn write_lines(rx: Receiver<Arc<DecisionRecord>>, mut out: impl Write, dropped: &AtomicU64) {
+    let write = |r: &DecisionRecord, out: &mut dyn Write| {
+        let ok = serde_json::to_writer(&mut *out, r).is_ok() && out.write_all(b"\n").is_ok();
+        if !ok {
+            dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    };
+    while let Ok(first) = rx.recv() {
+        write(&first, &mut out);
+        // Drain what is queued, then flush once.
+        while let Ok(r) = rx.try_recv() {
+            write(&r, &mut out);
+        }
+        if out.flush().is_err() {
+            tracing::warn!("decision journal: flushing the file failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: &str) -> DecisionRecord {
+        DecisionRecord {
+            time_ms: 1,
+            request_id: Some(id.into()),
+            model: None,
+            prompt_bytes: 0,
+            blocks: 0,
+            first_hash: None,
+            last_hash: None,
+            basis: "relative".into(),
+            outcome: "routed".into(),
+            error: None,
+            chosen: Some("a".into()),
+            fallbacks: vec![],
+            overlap: 0,
+            session: None,
+            previous: None,
+            candidates: vec![],
+            decision_us: 1.0,
+        }
+    }
+
+    #[test]
+    fn the_ring_is_bounded_and_searchable() {
+        let j = Journal::open(3, None).unwrap();
+        for i in 0..5 {
+            j.push(record(&format!("r{i}")));
+        }
+        let ids: Vec<_> = j
+            .latest(10)
+            .iter()
+            .map(|r| r.request_id.clone().unwrap())
+            .collect();
+        assert_eq!(ids, ["r4", "r3", "r2"]);
+        assert_eq!(j.find("r3").len(), 1);
+        assert!(j.find("r0").is_empty(), "evicted");
+        let off = Journal::open(0, None).unwrap();
+        off.push(record("x"));
+        assert!(off.latest(1).is_empty());
+    }
+
+    #[test]
+    fn the_file_gets_one_json_line_per_decision() {
+        let dir = std::env::temp_dir().join(format!("hearth-journal-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("decisions.jsonl");
+        let _ = std::fs::remove_file(&path);
+        let j = Journal::open(0, Some(&path)).unwrap();
+        for i in 0..3 {
+            j.push(record(&format!("f{i}")));
+        }
+        drop(j); // closes the channel; the writer drains and exits
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let lines = loop {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let lines: Vec<DecisionRecord> = text
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect();
+            if lines.len() == 3 || std::time::Instant::now() > deadline {
+                break lines;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        assert_eq!(lines.len(), 3);
+        assert_eq!(lines[2].request_id.as_deref(), Some("f2"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn records_the_file_cannot_take_are_counted() {
+        struct Full;
+        impl Write for Full {
+            fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+                Err(std::io::Error::other("disk full"))
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(4);
+        for i in 0..3 {
+            tx.send(Arc::new(record(&format!("d{i}")))).unwrap();
+        }
+        drop(tx);
+        let dropped = AtomicU64::new(0);
+        write_lines(rx, Full, &dropped);
+        assert_eq!(dropped.load(Ordering::Relaxed), 3);
+    }
+}

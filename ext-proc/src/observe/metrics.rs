@@ -1,0 +1,356 @@
+//! Prometheus metrics (`GET /metrics` on the admin endpoint), registered
+//! explicitly per component with `prometheus-client`. Every name is
+//! `hearth_*` and documented in the README's "Metrics" section.
+//!
+//! Event metrics (decisions, latency, overlap, sessions, probes) are
+//! counted as they happen; per-replica figures (in-flight, load, warmth,
+//! health, fencings, routed) are read from the router's snapshot at scrape
+//! time by [`FleetCollector`], so the decision path pays nothing for them.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::observe::series::{DecisionOutcome, Series, SessionResult};
+use hearth_router::health::{HealthState, Outcome};
+use hearth_router::AffinityBasis;
+use hearth_router::Router;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DecisionLabels {
+    outcome: &'static str,
+    basis: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProbeLabels {
+    engine: String,
+    result: &'static str,
+}
+
+/// Per-decision metrics.
+#[derive(Debug)]
+pub struct DecisionMetrics {
+    basis: &'static str,
+    decisions: Family<DecisionLabels, Counter>,
+    latency: Histogram,
+    overlap: Histogram,
+    prompt_blocks: Counter,
+    overlap_blocks: Counter,
+    sessions: Family<ResultLabel, Counter>,
+}
+
+impl DecisionMetrics {
+    pub fn register(reg: &mut Registry, basis: AffinityBasis) -> Self {
+        let m = DecisionMetrics {
+            basis: basis.as_str(),
+            decisions: Family::default(),
+            // 1 µs .. ~0.26 s
+            latency: Histogram::new(exponential_buckets(1e-6, 2.0, 19)),
+            // 0, 1, 2, 4 .. 1024 blocks (a 2 MiB prefix of 2 KiB blocks)
+            overlap: Histogram::new(std::iter::once(0.0).chain(exponential_buckets(1.0, 2.0, 11))),
+            prompt_blocks: Counter::default(),
+            overlap_blocks: Counter::default(),
+            sessions: Family::default(),
+        };
+        reg.register(
+            "hearth_decisions",
+            "Routing decisions by outcome (routed, no_replica, no_healthy_replica, saturated) and affinity basis",
+            m.decisions.clone(),
+        );
+        reg.register_with_unit(
+            "hearth_decision_duration",
+            "Time the sidecar spent deciding (candidates, overlap, score, reserve)",
+            Unit::Seconds,
+            m.latency.clone(),
+        );
+        reg.register(
+            "hearth_decision_overlap_blocks",
+            "Leading fingerprint blocks the chosen replica already held, per routed fingerprinted request",
+            m.overlap.clone(),
+        );
+        reg.register(
+            "hearth_prompt_blocks",
+            "Fingerprint blocks of routed requests (with hearth_overlap_blocks_total: the cache-hit proxy)",
+            m.prompt_blocks.clone(),
+        );
+        reg.register(
+            "hearth_overlap_blocks",
+            "Fingerprint blocks of routed requests that the chosen replica already held",
+            m.overlap_blocks.clone(),
+        );
+        reg.register(
+            "hearth_session_turns",
+            "Routed fingerprinted requests by session result: new (no earlier turn seen), stay (same replica as the previous turn), move",
+            m.sessions.clone(),
+        );
+        m
+    }
+
+    /// One decision: its outcome, how long it took and, when routed with a
+    /// fingerprint, its overlap and session result.
+    pub fn record(
+        &self,
+        outcome: DecisionOutcome,
+        elapsed: Duration,
+        blocks: Option<(u32, usize)>,
+        session: Option<SessionResult>,
+    ) {
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                outcome: outcome.as_str(),
+                basis: self.basis,
+            })
+            .inc();
+        self.latency.observe(elapsed.as_secs_f64());
+        if let Some((overlap, total)) = blocks {
+            self.overlap.observe(f64::from(overlap));
+            self.overlap_blocks.inc_by(u64::from(overlap));
+            self.prompt_blocks.inc_by(total as u64);
+        }
+        if let Some(s) = session {
+            self.sessions
+                .get_or_create(&ResultLabel { result: s.as_str() })
+                .inc();
+        }
+    }
+}
+
+/// Active probe results.
+#[derive(Debug)]
+pub struct ProbeMetrics {
+    probes: Family<ProbeLabels, Counter>,
+}
+
+impl ProbeMetrics {
+    pub fn register(reg: &mut Registry) -> Self {
+        let m = ProbeMetrics {
+            probes: Family::default(),
+        };
+        reg.register(
+            "hearth_probes",
+            "Active probes by engine address and result (success; unauthorized, the engine refused the sidecar's credentials; or the failure: timeout, connect_failure, server_error, empty_answer, probe_models)",
+            m.probes.clone(),
+        );
+        m
+    }
+
+    pub fn record(&self, engine: std::net::SocketAddr, outcome: Outcome) {
+        let result = match outcome {
+            Outcome::Success => "success",
+            Outcome::Neutral => "neutral",
+            Outcome::Unauthorized(_) => "unauthorized",
+            Outcome::Failure(f) => f.as_str(),
+        };
+        self.probes
+            .get_or_create(&ProbeLabels {
+                engine: engine.to_string(),
+                result,
+            })
+            .inc();
+    }
+}
+
+/// Per-replica and fleet figures, read from the router at scrape time.
+#[derive(Debug)]
+pub struct FleetCollector {
+    router: Arc<RouterRef>,
+    series: Arc<Series>,
+    /// Decision records the journal file's writer could not keep up with.
+    journal_dropped: Arc<AtomicU64>,
+}
+
+/// `Router` is not `Debug`; the collector trait wants it.
+pub struct RouterRef(pub Arc<Router>);
+
+impl std::fmt::Debug for RouterRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Router")
+    }
+}
+
+impl FleetCollector {
+    pub fn register(
+        reg: &mut Registry,
+        router: Arc<Router>,
+        series: Arc<Series>,
+        journal_dropped: Arc<AtomicU64>,
+    ) {
+        reg.register_collector(Box::new(FleetCollector {
+            router: Arc::new(RouterRef(router)),
+            series,
+            journal_dropped,
+        }));
+    }
+}
+
+/// Encodes one metric family whose members are `(replica id, value)`.
+fn per_replica<M: EncodeMetric>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    values: impl IntoIterator<Item = (String, M)>,
+    metric_type: prometheus_client::metrics::MetricType,
+) -> Result<(), std::fmt::Error> {
+    let mut family = encoder.encode_descriptor(name, help, unit, metric_type)?;
+    for (replica, metric) in values {
+        let labels = [("replica", replica)];
+        metric.encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+impl Collector for FleetCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        use prometheus_client::metrics::MetricType::{Counter as C, Gauge as G};
+        let snap = self.router.0.snapshot();
+        let rs = &snap.replicas;
+        let each = |f: &dyn Fn(&hearth_router::ReplicaSnapshot) -> f64| {
+            rs.iter()
+                .map(|r| (r.id.clone(), ConstGauge::new(f(r))))
+                .collect::<Vec<_>>()
+        };
+        per_replica(
+            &mut encoder,
+            "hearth_replica_in_flight",
+            "Requests in flight on the replica (reserved by this sidecar)",
+            None,
+            each(&|r| f64::from(r.in_flight)),
+            G,
+        )?;
+        per_replica(
+            &mut encoder,
+            "hearth_replica_load",
+            "In-flight load on the replica, in load units (1 + uncached bytes / HEARTH_LOAD_UNIT_BYTES per request)",
+            None,
+            each(&|r| r.load),
+            G,
+        )?;
+        per_replica(
+            &mut encoder,
+            "hearth_replica_warmth_blocks",
+            "Block hashes in the replica's warmth index",
+            None,
+            each(&|r| r.warmth_blocks as f64),
+            G,
+        )?;
+        per_replica(
+            &mut encoder,
+            "hearth_replica_warmth_capacity_blocks",
+            "Capacity of the replica's warmth index, in blocks",
+            None,
+            each(&|r| r.warmth_capacity as f64),
+            G,
+        )?;
+        per_replica(
+            &mut encoder,
+            "hearth_replica_warmth_memory",
+            "Memory of the replica's warmth index",
+            Some(&Unit::Bytes),
+            each(&|r| r.warmth_memory_bytes as f64),
+            G,
+        )?;
+        per_replica(
+            &mut encoder,
+            "hearth_replica_serving",
+            "Replica health: 1 serving, 0 fenced",
+            None,
+            each(&|r| f64::from(u8::from(r.health.state == HealthState::Serving))),
+            G,
+        )?;
+        per_replica(
+            &mut encoder,
+            "hearth_replica_credentials_rejected",
+            "1 while the replica's engine refuses the sidecar's credentials (401/403 to its probes or metrics scrapes; see HEARTH_ENGINE_API_KEY); never a reason to fence",
+            None,
+            each(&|r| f64::from(u8::from(r.health.credentials_error.is_some()))),
+            G,
+        )?;
+        per_replica(
+            &mut encoder,
+            "hearth_replica_fencings",
+            "Times the replica was fenced (taken out of rotation)",
+            None,
+            rs.iter()
+                .map(|r| (r.id.clone(), ConstCounter::new(r.health.fenced_total))),
+            C,
+        )?;
+        per_replica(
+            &mut encoder,
+            "hearth_replica_requests",
+            "Requests routed to the replica as first choice",
+            None,
+            rs.iter()
+                .map(|r| (r.id.clone(), ConstCounter::new(r.routed_total))),
+            C,
+        )?;
+        let plain =
+            |encoder: &mut DescriptorEncoder, name: &str, help: &str, metric: &dyn EncodeMetric| {
+                let e = encoder.encode_descriptor(name, help, None, metric.metric_type())?;
+                metric.encode(e)
+            };
+        plain(
+            &mut encoder,
+            "hearth_requests_unhashed",
+            "Requests decided without a fingerprint (routed on load alone)",
+            &ConstCounter::new(snap.unhashed_total),
+        )?;
+        plain(
+            &mut encoder,
+            "hearth_streams_answered",
+            "Routed requests whose stream ended after the engine's response headers",
+            &ConstCounter::new(snap.answered_total),
+        )?;
+        plain(
+            &mut encoder,
+            "hearth_streams_unanswered",
+            "Routed requests whose stream ended before any response headers",
+            &ConstCounter::new(snap.unanswered_total),
+        )?;
+        plain(
+            &mut encoder,
+            "hearth_upstream_reloads",
+            "Reloads of the replica list applied (from HEARTH_UPSTREAMS_FILE)",
+            &ConstCounter::new(snap.upstreams.reloads_total),
+        )?;
+        plain(
+            &mut encoder,
+            "hearth_upstream_reload_errors",
+            "Reloads of the replica list refused (the file did not read, parse or check; the list stayed)",
+            &ConstCounter::new(snap.upstreams.reload_errors_total),
+        )?;
+        plain(
+            &mut encoder,
+            "hearth_draining_in_flight",
+            "Requests still running on replicas a reload removed",
+            &ConstGauge::new(i64::from(snap.upstreams.draining_in_flight)),
+        )?;
+        plain(
+            &mut encoder,
+            "hearth_session_stay_ratio",
+            "Stays / (stays + moves) of returning sessions over the last 60 s (NaN when none returned)",
+            &ConstGauge::new(self.series.stay_ratio(60)),
+        )?;
+        plain(
+            &mut encoder,
+            "hearth_journal_file_dropped",
+            "Decision records not written to HEARTH_JOURNAL_FILE because its writer fell behind (the in-memory journal keeps them)",
+            &ConstCounter::new(self.journal_dropped.load(Ordering::Relaxed)),
+        )?;
+        Ok(())
+    }
+}

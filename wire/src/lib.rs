@@ -1,0 +1,295 @@
+//! What Hearth's parts say to each other, shared by the Envoy wasm filter
+//! (`wasm32-wasip1`), the ext-proc sidecar (native) and the tests, so all
+//! sides agree byte for byte: the prompt fingerprint (below), the header
+//! and metadata names ([`names`], [`header`]), and the outcome report a
+//! response's scan produces ([`outcome`]). `golden/` pins the fingerprint
+//! (`vectors.json`) and the report (`outcome-reports.json`).
+//!
+//! A fingerprint names the prompt of an OpenAI-style request as a chain of
+//! block hashes: block *i*'s hash covers the whole canonical prompt up to the
+//! end of block *i*, so "how many leading hashes does a replica know" is a
+//! longest-prefix match. The crate has no I/O, no threads and no `unsafe`.
+//!
+//! The pipeline is [`canonical_prompt`] (request body → canonical bytes),
+//! [`chain_hashes`] (bytes → hashes) and [`header`] (hashes ↔ the
+//! `x-hearth-fp` header value); [`fingerprint`] runs the first two.
+//! `golden/vectors.json` pins all of it; any change to the bytes below is a
+//! new [`FORMAT_VERSION`].
+//!
+//! # Canonical prompt bytes (format version 1)
+//!
+//! The canonical prompt is a sequence of *records*, each self-delimiting:
+//!
+//! ```text
+//! record = tag:u8  len:u32 little-endian  payload:[u8; len]
+//! ```
+//!
+//! There is no header, count or trailer, so when chat conversation A's
+//! messages are a prefix of B's (same model, same leading system messages,
+//! same tools), canonical(A) is a byte prefix of canonical(B). (One edge:
+//! tools are written after the *whole* leading system run, so a conversation
+//! that ends inside that run is not a prefix of one that extends the run.)
+//! String payloads
+//! are the JSON string's decoded UTF-8 text. "JSON" payloads are the value's
+//! canonical JSON (below). A field that is absent or `null` writes no record.
+//!
+//! **Chat completions** (`messages`):
+//! 1. every *leading* message whose role is `system` or `developer`, as
+//!    message records (below);
+//! 2. `T` tools (JSON), `C` tool_choice (JSON), `R` response_format (JSON);
+//! 3. every remaining message, as message records.
+//!
+//! A message's records, in this order: `m` role (string, required);
+//! content: a string gives one `c` record; an array of parts gives, per part,
+//! `c` with the part's `text` if the part is `{"type": "text", "text": <string>}`
+//! and otherwise `p` with the part's canonical JSON (images and other
+//! non-text parts are hashed as given); then `k` tool_calls (JSON),
+//! `i` tool_call_id (string), `n` name (string).
+//!
+//! **Completions** (`prompt`): a string gives one `P` record; an array of
+//! strings gives one `P` record per string; any other array (token ids,
+//! arrays of token ids) gives one `J` record with the whole array's JSON.
+//!
+//! **Responses** (`instructions`, `tools`, `input`): `I` instructions
+//! (string), `T` tools (JSON), then `input`: a string gives one `N` record,
+//! an array gives one `E` record per item (the item's JSON).
+//!
+//! Every other field (`temperature`, `max_tokens`, `stream`, `user`, `seed`,
+//! `metadata`, message fields other than the five above, ...) is ignored.
+//! The model comes from the `model` field (a non-empty string).
+//!
+//! **Canonical JSON**: compact (no whitespace); object keys sorted by their
+//! UTF-8 bytes, a repeated key keeps its last value; strings escape `"` as
+//! `\"`, `\` as `\\`, U+0008/0009/000A/000C/000D as `\b \t \n \f \r`, other
+//! control characters below U+0020 as `\u00xx` (lowercase hex), and write
+//! everything else as raw UTF-8; numbers that are integers in the i64/u64
+//! range are written in decimal, every other number is parsed to the nearest
+//! f64 and written as Rust's `format!("{}", f64)` does (shortest round-trip
+//! digits, positional notation, no exponent, `1.0` → `1`).
+//!
+//! # Hashes
+//!
+//! FNV-1a 64 (offset basis `0xcbf29ce484222325`, prime `0x100000001b3`).
+//! `seed = fnv1a(b"hearth-fp/v1\0" ++ model)`; the first
+//! `min(len, max_prefix_bytes)` canonical bytes are cut into `block_size`
+//! blocks (a trailing partial block counts) and
+//! `h_i = fnv1a(h_{i-1}.to_le_bytes() ++ block_i)` with `h_{-1} = seed`.
+//!
+//! # Header
+//!
+//! `x-hearth-fp: v1.<block_size>.<base64url, no padding, of the hashes as
+//! little-endian u64s>`, see [`header`].
+
+mod canonical;
+mod hash;
+pub mod header;
+mod json;
+pub mod names;
+pub mod outcome;
+
+pub use canonical::canonical_prompt;
+pub use hash::{chain_hashes, fnv1a64};
+
+/// Version of the canonical format, the hash chain and the header.
+pub const FORMAT_VERSION: u8 = 1;
+/// Bytes per hashed block by default.
+pub const DEFAULT_BLOCK_SIZE: usize = 2048;
+/// At most this many canonical bytes are hashed by default (2 MiB).
+pub const DEFAULT_MAX_PREFIX_BYTES: usize = 2 << 20;
+/// Smallest allowed block size.
+pub const MIN_BLOCK_SIZE: usize = 64;
+/// Largest allowed block size (1 MiB).
+pub const MAX_BLOCK_SIZE: usize = 1 << 20;
+/// Most hashes a fingerprint may carry (bounds the header size).
+pub const MAX_HASHES: usize = 65536;
+
+/// The OpenAI-compatible API a request body belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    /// `POST /v1/chat/completions`: `messages`.
+    ChatCompletions,
+    /// `POST /v1/completions`: `prompt`.
+    Completions,
+    /// `POST /v1/responses`: `instructions` and `input`.
+    Responses,
+}
+
+impl Endpoint {
+    /// All endpoints, in a fixed order.
+    pub const ALL: [Endpoint; 3] = [
+        Endpoint::ChatCompletions,
+        Endpoint::Completions,
+        Endpoint::Responses,
+    ];
+
+    /// The endpoint served at one of the default paths; a `?query` or
+    /// `#fragment` is ignored.
+    pub fn from_path(path: &str) -> Option<Endpoint> {
+        let path = strip_query(path);
+        Endpoint::ALL.into_iter().find(|e| e.default_path() == path)
+    }
+
+    /// The default path, e.g. `/v1/chat/completions`.
+    pub fn default_path(self) -> &'static str {
+        match self {
+            Endpoint::ChatCompletions => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Responses => "/v1/responses",
+        }
+    }
+
+    /// A stable snake_case name (`chat_completions`, `completions`, `responses`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Endpoint::ChatCompletions => "chat_completions",
+            Endpoint::Completions => "completions",
+            Endpoint::Responses => "responses",
+        }
+    }
+}
+
+/// `path` without its `?query` and `#fragment`.
+pub fn strip_query(path: &str) -> &str {
+    let end = path.find(['?', '#']).unwrap_or(path.len());
+    path.get(..end).unwrap_or(path)
+}
+
+/// How the canonical prompt is cut and bounded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Params {
+    /// Bytes per block (`MIN_BLOCK_SIZE..=MAX_BLOCK_SIZE`).
+    pub block_size: usize,
+    /// Only this many leading canonical bytes are hashed (`>= block_size`).
+    pub max_prefix_bytes: usize,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Params {
+            block_size: DEFAULT_BLOCK_SIZE,
+            max_prefix_bytes: DEFAULT_MAX_PREFIX_BYTES,
+        }
+    }
+}
+
+impl Params {
+    /// Checks the bounds; the message names the offending field.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(MIN_BLOCK_SIZE..=MAX_BLOCK_SIZE).contains(&self.block_size) {
+            return Err(format!(
+                "block_size must be in {MIN_BLOCK_SIZE}..={MAX_BLOCK_SIZE}, got {}",
+                self.block_size
+            ));
+        }
+        if self.max_prefix_bytes < self.block_size {
+            return Err(format!(
+                "max_prefix_bytes ({}) must be >= block_size ({})",
+                self.max_prefix_bytes, self.block_size
+            ));
+        }
+        if self.max_hashes() > MAX_HASHES {
+            return Err(format!(
+                "max_prefix_bytes / block_size allows {} hashes, more than {MAX_HASHES}",
+                self.max_hashes()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Upper bound on the number of hashes of one fingerprint.
+    pub fn max_hashes(&self) -> usize {
+        self.max_prefix_bytes.div_ceil(self.block_size.max(1))
+    }
+}
+
+/// The fingerprint of one request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fingerprint {
+    /// The request's `model`.
+    pub model: String,
+    /// Full canonical prompt length, even past `max_prefix_bytes`.
+    pub prompt_bytes: u64,
+    /// Block size the hashes were cut with.
+    pub block_size: u32,
+    /// Chained block hashes of the bounded prefix, never empty.
+    pub hashes: Vec<u64>,
+    /// The request's output cap (`max_tokens` and its API's equivalents),
+    /// when given as an integer: routing may prefer replicas suited to it.
+    /// It never changes the hashes.
+    pub max_output_tokens: Option<u64>,
+}
+
+impl Fingerprint {
+    /// The `x-hearth-fp` header value.
+    pub fn header_value(&self) -> String {
+        header::encode(self.block_size, &self.hashes)
+    }
+}
+
+/// Why a body has no fingerprint. The request is then routed on load alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SkipReason {
+    /// Not valid JSON (including nesting deeper than serde_json's limit).
+    NotJson,
+    /// Valid JSON, but not an object.
+    NotObject,
+    /// `model` missing, not a string, or empty.
+    NoModel,
+    /// The canonical prompt is empty.
+    NoPrompt,
+    /// A prompt-bearing field has the wrong JSON type.
+    BadField,
+}
+
+impl SkipReason {
+    /// All reasons, in a fixed order.
+    pub const ALL: [SkipReason; 5] = [
+        SkipReason::NotJson,
+        SkipReason::NotObject,
+        SkipReason::NoModel,
+        SkipReason::NoPrompt,
+        SkipReason::BadField,
+    ];
+
+    /// snake_case name, used as a metric suffix and in the golden vectors.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SkipReason::NotJson => "not_json",
+            SkipReason::NotObject => "not_object",
+            SkipReason::NoModel => "no_model",
+            SkipReason::NoPrompt => "no_prompt",
+            SkipReason::BadField => "bad_field",
+        }
+    }
+
+    /// Inverse of [`SkipReason::as_str`].
+    pub fn parse(s: &str) -> Option<SkipReason> {
+        SkipReason::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+}
+
+impl std::fmt::Display for SkipReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Canonicalizes `body` and hashes its bounded prefix.
+///
+/// `params` should have passed [`Params::validate`]; out-of-range values are
+/// clamped rather than trusted.
+pub fn fingerprint(
+    endpoint: Endpoint,
+    body: &[u8],
+    params: &Params,
+) -> Result<Fingerprint, SkipReason> {
+    let (model, canonical, max_output_tokens) = canonical::canonical_request(endpoint, body)?;
+    let hashes = chain_hashes(&model, &canonical, params);
+    Ok(Fingerprint {
+        model,
+        prompt_bytes: canonical.len() as u64,
+        block_size: hash::effective_block_size(params) as u32,
+        hashes,
+        max_output_tokens,
+    })
+}

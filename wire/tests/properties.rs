@@ -1,0 +1,278 @@
+//! Property tests for the fingerprint's promises (see the crate docs).
+
+use hearth_wire::{canonical_prompt, chain_hashes, fingerprint, header, Endpoint, Params};
+use proptest::prelude::*;
+use serde_json::{json, Map, Value};
+
+const CHAT: Endpoint = Endpoint::ChatCompletions;
+
+fn text() -> impl Strategy<Value = String> {
+    // Quotes, backslashes, control characters and non-ASCII on purpose.
+    prop_oneof![
+        "[a-z ]{0,40}",
+        "[a-zA-Z0-9 \"\\\\\n\t\u{1}é€😀/]{0,60}",
+        any::<String>(),
+    ]
+}
+
+fn small_json() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<i64>().prop_map(|i| json!(i)),
+        // Quarter steps: serde_json's default float parsing is not always
+        // correctly rounded, so long decimals may not survive a re-print.
+        (-4000i32..4000).prop_map(|i| json!(f64::from(i) / 4.0)),
+        text().prop_map(Value::String),
+    ];
+    leaf.prop_recursive(3, 24, 4, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+            prop::collection::btree_map("[a-z_]{1,8}", inner, 0..4)
+                .prop_map(|m| Value::Object(m.into_iter().collect::<Map<_, _>>())),
+        ]
+    })
+}
+
+fn content() -> impl Strategy<Value = Value> {
+    let part = prop_oneof![
+        text().prop_map(|t| json!({"type": "text", "text": t})),
+        "[A-Za-z0-9+/]{0,40}".prop_map(|d| json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{d}")}})),
+    ];
+    prop_oneof![
+        text().prop_map(Value::String),
+        prop::collection::vec(part, 0..3).prop_map(Value::Array),
+        Just(Value::Null),
+    ]
+}
+
+fn message(roles: &'static [&'static str]) -> impl Strategy<Value = Value> {
+    (
+        prop::sample::select(roles),
+        content(),
+        prop::option::of(small_json()),
+        prop::option::of("[a-z0-9_]{1,12}"),
+        prop::option::of("[a-z_]{1,8}"),
+    )
+        .prop_map(|(role, content, tool_calls, id, name)| {
+            let mut m = Map::new();
+            m.insert("role".into(), json!(role));
+            m.insert("content".into(), content);
+            if let Some(tc) = tool_calls {
+                m.insert("tool_calls".into(), tc);
+            }
+            if let Some(id) = id {
+                m.insert("tool_call_id".into(), json!(id));
+            }
+            if let Some(n) = name {
+                m.insert("name".into(), json!(n));
+            }
+            Value::Object(m)
+        })
+}
+
+/// A chat body: leading system messages, optional tools, then a conversation.
+fn chat_body() -> impl Strategy<Value = (Value, usize)> {
+    (
+        "[a-z0-9.-]{1,16}",
+        prop::collection::vec(message(&["system", "developer"]), 0..3),
+        prop::option::of(small_json()),
+        prop::collection::vec(message(&["user", "assistant", "tool"]), 1..8),
+    )
+        .prop_map(|(model, system, tools, rest)| {
+            let lead = system.len();
+            let mut messages = system;
+            messages.extend(rest);
+            let mut body = json!({"model": model, "messages": messages});
+            if let Some(t) = tools {
+                body["tools"] = t;
+            }
+            (body, lead)
+        })
+}
+
+fn params() -> impl Strategy<Value = Params> {
+    (64usize..300).prop_map(|block_size| Params {
+        block_size,
+        max_prefix_bytes: 1 << 20,
+    })
+}
+
+/// Serializes `v` with keys in a seed-chosen order, seed-chosen whitespace,
+/// and (for some seeds) every non-ASCII character as a `\u` escape.
+fn reserialize(v: &Value, seed: u64, out: &mut String) {
+    let ws = [" ", "", "\n", "\t ", ""][(seed % 5) as usize];
+    match v {
+        Value::Object(m) => {
+            let mut entries: Vec<(&String, &Value)> = m.iter().collect();
+            if seed & 1 == 1 {
+                entries.reverse();
+            }
+            let len = entries.len().max(1);
+            entries.rotate_left((seed as usize / 2) % len);
+            out.push('{');
+            out.push_str(ws);
+            for (i, (k, val)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                    out.push_str(ws);
+                }
+                write_str(k, seed, out);
+                out.push_str(ws);
+                out.push(':');
+                out.push_str(ws);
+                reserialize(val, seed.rotate_left(7) ^ 0x9e37, out);
+            }
+            out.push_str(ws);
+            out.push('}');
+        }
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(ws);
+                reserialize(item, seed.rotate_left(3) ^ 0x51, out);
+            }
+            out.push(']');
+        }
+        Value::String(s) => write_str(s, seed, out),
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+fn write_str(s: &str, seed: u64, out: &mut String) {
+    if seed.is_multiple_of(3) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '/' => out.push_str("\\/"),
+                c if c.is_ascii() && !c.is_ascii_control() => out.push(c),
+                c => {
+                    let mut buf = [0u16; 2];
+                    for unit in c.encode_utf16(&mut buf) {
+                        out.push_str(&format!("\\u{unit:04X}"));
+                    }
+                }
+            }
+        }
+        out.push('"');
+    } else {
+        out.push_str(&serde_json::to_string(s).unwrap());
+    }
+}
+
+fn canon(body: &Value) -> Vec<u8> {
+    canonical_prompt(CHAT, body.to_string().as_bytes())
+        .expect("fingerprintable")
+        .1
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// (1) A conversation's prefix has a byte-prefix canonical form, and its
+    /// full-block hashes are a prefix of the longer conversation's hashes.
+    #[test]
+    fn prefix_property((body, lead) in chat_body(), cut in any::<prop::sample::Index>(), p in params()) {
+        let msgs = body["messages"].as_array().unwrap().clone();
+        // Cut inside the conversation, never inside the leading system run
+        // (tools are written after that run).
+        let k = lead.max(1) + cut.index(msgs.len() - lead.max(1) + 1);
+        let mut short = body.clone();
+        short["messages"] = Value::Array(msgs[..k].to_vec());
+        let (a, b) = (canon(&short), canon(&body));
+        prop_assert!(b.starts_with(&a));
+        let fa = fingerprint(CHAT, short.to_string().as_bytes(), &p).unwrap();
+        let fb = fingerprint(CHAT, body.to_string().as_bytes(), &p).unwrap();
+        let full = a.len() / p.block_size;
+        prop_assert_eq!(&fa.hashes[..full], &fb.hashes[..full]);
+    }
+
+    /// (2) Key order, whitespace and string escaping do not matter.
+    #[test]
+    fn serialization_invariance((body, _) in chat_body(), seed in any::<u64>()) {
+        let mut text = String::new();
+        reserialize(&body, seed, &mut text);
+        let reparsed: Value = serde_json::from_str(&text).unwrap();
+        prop_assert_eq!(&reparsed, &body);
+        let got = canonical_prompt(CHAT, text.as_bytes()).unwrap();
+        prop_assert_eq!(&got.1, &canon(&body));
+        // The streaming fingerprint (strings decoded straight into the
+        // hasher, bounded prefix) equals hashing the materialised bytes.
+        let p = Params { block_size: 64, max_prefix_bytes: 64 * (1 + (seed % 5) as usize) };
+        let fp = fingerprint(CHAT, text.as_bytes(), &p).unwrap();
+        prop_assert_eq!(fp.prompt_bytes, got.1.len() as u64);
+        prop_assert_eq!(fp.hashes, chain_hashes(&got.0, &got.1, &p));
+    }
+
+    /// (3) Per-turn fields (top level and per message) do not matter.
+    #[test]
+    fn per_turn_fields_invariance(
+        (body, _) in chat_body(),
+        temperature in 0.0f64..2.0,
+        max_tokens in 1u32..100_000,
+        stream in any::<bool>(),
+        user in "[a-z0-9]{0,10}",
+        seed in any::<i64>(),
+        extra in small_json(),
+    ) {
+        let mut varied = body.clone();
+        varied["temperature"] = json!(temperature);
+        varied["max_tokens"] = json!(max_tokens);
+        varied["stream"] = json!(stream);
+        varied["stream_options"] = json!({"include_usage": stream});
+        varied["user"] = json!(user);
+        varied["seed"] = json!(seed);
+        varied["n"] = json!(1);
+        varied["top_p"] = json!(0.9);
+        varied["metadata"] = extra.clone();
+        for m in varied["messages"].as_array_mut().unwrap() {
+            m["x_extra"] = extra.clone();
+        }
+        prop_assert_eq!(canon(&varied), canon(&body));
+    }
+
+    /// (4) The model seeds the chain.
+    #[test]
+    fn models_do_not_share_hashes(m1 in "[a-z0-9.-]{1,20}", m2 in "[a-z0-9.-]{1,20}", data in prop::collection::vec(any::<u8>(), 1..300)) {
+        prop_assume!(m1 != m2);
+        let p = Params::default();
+        prop_assert_ne!(chain_hashes(&m1, &data, &p)[0], chain_hashes(&m2, &data, &p)[0]);
+    }
+
+    /// (5) Arbitrary input never panics.
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512), e in 0usize..3) {
+        let _ = canonical_prompt(Endpoint::ALL[e], &bytes);
+        let _ = header::decode(&String::from_utf8_lossy(&bytes));
+    }
+
+    #[test]
+    fn json_like_input_never_panics(s in "[\\[\\]{}\",:0-9a-z\\\\ ]{0,200}", e in 0usize..3) {
+        let _ = canonical_prompt(Endpoint::ALL[e], s.as_bytes());
+        let wrapped = format!(r#"{{"model":"m","messages":{s},"prompt":{s},"input":{s}}}"#);
+        let _ = canonical_prompt(Endpoint::ALL[e], wrapped.as_bytes());
+        let _ = header::decode(&format!("v1.2048.{s}"));
+    }
+
+    #[test]
+    fn mistyped_fields_never_panic(v in small_json(), e in 0usize..3) {
+        for key in ["messages", "tools", "prompt", "input", "instructions", "tool_choice"] {
+            let body = json!({"model": "m", key: v.clone()});
+            let _ = canonical_prompt(Endpoint::ALL[e], body.to_string().as_bytes());
+            let msg = json!({"model": "m", "messages": [{"role": "user", "content": v.clone(), "tool_call_id": v.clone()}]});
+            let _ = canonical_prompt(Endpoint::ALL[e], msg.to_string().as_bytes());
+        }
+    }
+
+    /// (6) Header values round-trip.
+    #[test]
+    fn header_roundtrip(block_size in 64u32..=(1 << 20), hashes in prop::collection::vec(any::<u64>(), 0..200)) {
+        let v = header::encode(block_size, &hashes);
+        prop_assert_eq!(header::decode(&v), Ok((block_size, hashes)));
+    }
+}
