@@ -2,9 +2,9 @@
 //! knows of it (warmth, load, health, engine figures, resident
 //! conversations), all under the router's one lock.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::health::ReplicaHealth;
 use crate::replica::{ReloadSummary, Replica};
@@ -25,6 +25,59 @@ pub struct EngineSignals {
     pub own_in_flight: u32,
 }
 
+/// Conversations whose latest turn went to one replica: each by its tip
+/// (the prompt's last full block), with when that turn was routed. They
+/// expire in the order they came, so keeping the set to the resident
+/// window costs O(1) per turn however many conversations it holds.
+#[derive(Debug, Default)]
+pub(crate) struct Residents {
+    at: HashMap<u64, Instant>,
+    /// Every insertion in time order; an entry whose time is no longer
+    /// its tip's (moved away, or come back since) is skipped on expiry.
+    order: VecDeque<(Instant, u64)>,
+}
+
+impl Residents {
+    pub(crate) fn insert(&mut self, tip: u64, now: Instant) {
+        self.at.insert(tip, now);
+        self.order.push_back((now, tip));
+        // Stale entries (conversations that moved on) beyond twice the
+        // live ones: rebuild the order from the live set, so memory stays
+        // proportional to the conversations held (amortized O(log n)).
+        if self.order.len() > 2 * self.at.len() + 4096 {
+            let mut live: Vec<(Instant, u64)> = self.at.iter().map(|(&t, &a)| (a, t)).collect();
+            live.sort_unstable();
+            self.order = live.into();
+        }
+    }
+
+    /// The conversation left (its next turn went elsewhere).
+    pub(crate) fn remove(&mut self, tip: u64) {
+        self.at.remove(&tip);
+    }
+
+    /// Drops conversations whose latest turn here is `window` old or more.
+    pub(crate) fn expire(&mut self, now: Instant, window: Duration) {
+        while let Some(&(at, tip)) = self.order.front() {
+            if now.saturating_duration_since(at) < window {
+                break;
+            }
+            self.order.pop_front();
+            if self.at.get(&tip) == Some(&at) {
+                self.at.remove(&tip);
+            }
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.at.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.at.is_empty()
+    }
+}
+
 /// What the router knows of one replica slot.
 pub(crate) struct ReplicaState {
     pub(crate) warmth: LruBlocks,
@@ -34,9 +87,8 @@ pub(crate) struct ReplicaState {
     pub(crate) health: ReplicaHealth,
     /// The engine's own figures (for this target's share of its address).
     pub(crate) engine: Option<EngineSignals>,
-    /// Conversations whose latest turn went here: their tip (last full
-    /// block) and when that turn was routed.
-    pub(crate) resident: HashMap<u64, Instant>,
+    /// Conversations whose latest turn went here.
+    pub(crate) resident: Residents,
 }
 
 impl ReplicaState {
@@ -48,7 +100,7 @@ impl ReplicaState {
             routed: 0,
             health: ReplicaHealth::default(),
             engine: None,
-            resident: HashMap::new(),
+            resident: Residents::default(),
         }
     }
 }
@@ -155,5 +207,51 @@ impl Fleet {
         };
         fleet.apply(targets, warmth_blocks);
         fleet
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn residents_expire_in_order_and_a_moved_or_returning_one_is_kept_right() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let w = s(120);
+        let mut r = Residents::default();
+        r.insert(1, t0);
+        r.insert(2, t0 + s(10));
+        r.insert(3, t0 + s(20));
+        // 1 comes back later: its first entry is stale, not its expiry.
+        r.insert(1, t0 + s(100));
+        // 2 moved to another replica.
+        r.remove(2);
+        assert_eq!(r.len(), 2);
+        r.expire(t0 + s(125), w);
+        assert_eq!(r.len(), 2, "1 came back at 100 s, 3 is 105 s old");
+        r.expire(t0 + s(140), w);
+        assert_eq!(r.len(), 1, "3 expired");
+        r.expire(t0 + s(220), w);
+        assert!(r.is_empty());
+        assert!(r.order.is_empty());
+    }
+
+    #[test]
+    fn the_order_stays_proportional_to_the_live_conversations() {
+        let t0 = Instant::now();
+        let mut r = Residents::default();
+        // One conversation, 10,000 turns: each turn's tip replaces the last.
+        for k in 0..10_000u64 {
+            if k > 0 {
+                r.remove(k - 1);
+            }
+            r.insert(k, t0 + Duration::from_millis(k));
+        }
+        assert_eq!(r.len(), 1);
+        assert!(r.order.len() <= 2 * r.len() + 4097, "{}", r.order.len());
+        // Compaction kept the live entry expirable.
+        r.expire(t0 + Duration::from_secs(200), Duration::from_secs(120));
+        assert!(r.is_empty());
     }
 }

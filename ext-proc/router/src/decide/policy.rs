@@ -104,9 +104,7 @@ pub fn scores(alpha: f64, credits: &[f64], candidates: &[Candidate]) -> Vec<f64>
 /// Drops conversations whose latest turn is older than the resident
 /// window (they ended, or pause long enough to be evicted anyway).
 pub(crate) fn forget_departed(p: &RouterParams, s: &mut ReplicaState, now: Instant) {
-    let window = p.resident_window;
-    s.resident
-        .retain(|_, at| now.saturating_duration_since(*at) < window);
+    s.resident.expire(now, p.resident_window);
 }
 
 /// Load that a new conversation sees on a replica for the conversations

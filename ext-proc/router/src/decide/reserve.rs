@@ -12,10 +12,6 @@ use crate::fleet::Fleet;
 use crate::router::Router;
 use crate::warmth::LruBlocks;
 
-/// Resident conversations a replica holds before the old ones are dropped
-/// at the next decision rather than at the next first turn.
-const RESIDENT_PRUNE_AT: usize = 4096;
-
 /// Load held on a replica for a request's whole life; released on drop, so
 /// every way a stream can end (completion, client abort, upstream reset,
 /// timeout, gRPC error) gives the load back.
@@ -86,14 +82,13 @@ pub(crate) fn reserve(
         tips.touch(tip);
         if let Some(previous) = warm.continued {
             for s in state.iter_mut() {
-                s.resident.remove(&previous);
+                s.resident.remove(previous);
             }
         }
         let r = &mut state[chosen];
         r.resident.insert(tip, now);
-        if r.resident.len() > RESIDENT_PRUNE_AT {
-            super::policy::forget_departed(p, r, now);
-        }
+        // Expired conversations leave as new ones come (O(1) per turn).
+        super::policy::forget_departed(p, r, now);
     }
     Reservation {
         router: Arc::clone(router),
