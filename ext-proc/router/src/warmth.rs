@@ -159,8 +159,10 @@ impl LruBlocks {
         bounds.into_iter().map(|(lo, _)| lo).collect()
     }
 
-    /// The overlap by a plain scan, for any set (tests compare the two).
-    pub fn leading_overlap_scan(&self, hashes: &[u64]) -> usize {
+    /// The overlap by a plain scan, for any set: the tests' reference for
+    /// the binary search.
+    #[cfg(test)]
+    fn leading_overlap_scan(&self, hashes: &[u64]) -> usize {
         hashes.iter().take_while(|h| self.contains(**h)).count()
     }
 
