@@ -92,13 +92,13 @@ impl Sidecar {
             observe::Observer::new(Arc::clone(&router), settings.affinity_basis, journal);
         let stop = CancellationToken::new();
         if let (Some(path), Some(asked)) = (&settings.upstreams_file, &reload) {
-            tokio::spawn(
-                stop.clone()
-                    .run_until_cancelled_owned(feeds::upstreams::watch(
-                        feeds::upstreams::Reloader::new(Arc::clone(&router), path.clone()),
-                        config::seconds(settings.upstreams_poll_seconds),
-                        Arc::clone(asked),
-                    )),
+            spawn_until(
+                &stop,
+                feeds::upstreams::watch(
+                    feeds::upstreams::Reloader::new(Arc::clone(&router), path.clone()),
+                    config::seconds(settings.upstreams_poll_seconds),
+                    Arc::clone(asked),
+                ),
             );
         }
         let engines = feeds::engines::EngineClient::new(
@@ -202,31 +202,27 @@ async fn serve(
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
     let router = Arc::clone(observer.router());
-    // Background tasks end with the token.
-    let background = |f: std::pin::Pin<Box<dyn Future<Output = ()> + Send>>| {
-        tokio::spawn(stop.clone().run_until_cancelled_owned(f))
-    };
     // The standard gRPC health service mirrors the fleet: SERVING while at
     // least one replica serves.
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    background(Box::pin(report_grpc_health(
-        Arc::clone(&router),
-        health_reporter,
-    )));
-    background(Box::pin(feeds::probe::run(
-        Arc::clone(&router),
-        Arc::clone(&observer),
-        feeds.engines.clone(),
-        feeds.probes,
-    )));
-    background(Box::pin(observe::sample_every_second(Arc::clone(
-        &observer,
-    ))));
-    background(Box::pin(feeds::signals::run(
-        Arc::clone(&router),
-        feeds.engines,
-        feeds.engine_metrics,
-    )));
+    spawn_until(
+        &stop,
+        report_grpc_health(Arc::clone(&router), health_reporter),
+    );
+    spawn_until(
+        &stop,
+        feeds::probe::run(
+            Arc::clone(&router),
+            Arc::clone(&observer),
+            feeds.engines.clone(),
+            feeds.probes,
+        ),
+    );
+    spawn_until(&stop, observe::sample_every_second(Arc::clone(&observer)));
+    spawn_until(
+        &stop,
+        feeds::signals::run(Arc::clone(&router), feeds.engines, feeds.engine_metrics),
+    );
     // Endpoint-discovery streams last as long as Envoy does: they end with
     // the token, or the graceful shutdown would wait for them.
     let grpc_server = tonic::transport::Server::builder()
@@ -243,11 +239,17 @@ async fn serve(
     let admin_server = axum::serve(admin, observe::admin::routes(Arc::clone(&observer)))
         .with_graceful_shutdown(stop.clone().cancelled_owned());
     let (grpc, admin) = tokio::join!(grpc_server, async move { admin_server.await });
-    // A server that failed stops the rest too.
+    // Both servers are done (stopped, or failed): the background tasks end
+    // too.
     stop.cancel();
     grpc.context("gRPC server")?;
     admin.context("state endpoint")?;
     Ok(())
+}
+
+/// Runs a background task until `stop` is cancelled.
+fn spawn_until(stop: &CancellationToken, task: impl Future<Output = ()> + Send + 'static) {
+    tokio::spawn(stop.clone().run_until_cancelled_owned(task));
 }
 
 async fn report_grpc_health(router: Arc<Router>, reporter: tonic_health::server::HealthReporter) {

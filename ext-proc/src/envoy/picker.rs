@@ -129,15 +129,7 @@ pub fn subset_hint(msg: &ProcessingRequest, headers: &HttpHeaders) -> Option<Vec
             Some(Kind::StringValue(s)) => split_list(s),
             _ => Vec::new(),
         });
-    from_metadata.or_else(|| {
-        headers
-            .headers
-            .as_ref()?
-            .headers
-            .iter()
-            .find(|h| h.key == SUBSET_KEY)
-            .map(|h| split_list(crate::envoy::headers::text(h)))
-    })
+    from_metadata.or_else(|| crate::envoy::headers::get(headers, SUBSET_KEY).map(split_list))
 }
 
 fn split_list(s: &str) -> Vec<String> {

@@ -622,8 +622,7 @@ fn reply(response: processing_response::Response, metadata: Option<Struct>) -> P
 /// mismatched fingerprint means "route on load alone".
 pub fn request_info(h: &HttpHeaders, block_size: usize) -> RequestInfo {
     let mut info = RequestInfo::default();
-    let Some(map) = &h.headers else { return info };
-    for hv in &map.headers {
+    for hv in headers::all(h) {
         let value = headers::text(hv);
         match hv.key.as_str() {
             k if k == header::FP => {

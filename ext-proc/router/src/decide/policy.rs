@@ -59,7 +59,9 @@ pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Inst
     let mut residents_count = false;
     if warm.continued.is_none() && p.resident_load > 0.0 {
         for &i in &warm.candidates {
-            forget_departed(p, &mut state[i], now);
+            // Conversations whose latest turn is older than the window
+            // ended, or pause long enough to be evicted anyway.
+            state[i].resident.expire(now, p.resident_window);
         }
         residents_count = warm
             .candidates
@@ -99,12 +101,6 @@ pub fn scores(alpha: f64, credits: &[f64], candidates: &[Candidate]) -> Vec<f64>
         .zip(candidates)
         .map(|(credit, c)| credit - alpha * c.load)
         .collect()
-}
-
-/// Drops conversations whose latest turn is older than the resident
-/// window (they ended, or pause long enough to be evicted anyway).
-pub(crate) fn forget_departed(p: &RouterParams, s: &mut ReplicaState, now: Instant) {
-    s.resident.expire(now, p.resident_window);
 }
 
 /// Load that a new conversation sees on a replica for the conversations

@@ -88,7 +88,7 @@ pub(crate) fn reserve(
         let r = &mut state[chosen];
         r.resident.insert(tip, now);
         // Expired conversations leave as new ones come (O(1) per turn).
-        super::policy::forget_departed(p, r, now);
+        r.resident.expire(now, p.resident_window);
     }
     Reservation {
         router: Arc::clone(router),
