@@ -107,11 +107,11 @@ pub struct Settings {
     pub first_turn_cap: u32,
 
     /// Load units each resident conversation (its latest turn went to the
-    /// replica within HEARTH_RESIDENT_SECONDS, and it is not running now)
-    /// adds when a new conversation is placed while some replica is idle
-    /// (nothing resident, nothing running). Above HEARTH_FIRST_TURN_CAP /
+    /// replica within HEARTH_RESIDENT_SECONDS; running or paused) adds when
+    /// a new conversation is placed while some replica is idle (nothing
+    /// resident, nothing running). Above HEARTH_FIRST_TURN_CAP /
     /// HEARTH_ALPHA, the idle replica wins the newcomer over one holding a
-    /// paused conversation and the newcomer's shared prefix (0 = paused
+    /// conversation and the newcomer's shared prefix (0 = resident
     /// conversations weigh nothing).
     #[arg(long, env = "HEARTH_RESIDENT_LOAD", default_value_t = 5.0)]
     pub resident_load: f64,

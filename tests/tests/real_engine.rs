@@ -309,18 +309,24 @@ async fn an_engine_restarts_on_its_port_and_its_key_guards_all_but_health() {
 #[tokio::test]
 async fn new_conversations_sharing_a_harness_fill_idle_engines_first() {
     // Four engines of two slots; four conversations that share a harness
-    // prompt start one after the other (each pauses before the next
-    // starts, so none is in flight when the next is placed). The engine
-    // that read the harness first must not take them all: its paused
-    // conversations count against it while other engines are idle.
+    // prompt. The first two start one after the other (the first pauses
+    // before the second is placed), the last two at the same moment (the
+    // third still running when the fourth is placed). The engine that read
+    // the harness first must not take them all: the conversations resident
+    // on an engine, paused or running, count against it while other
+    // engines are idle.
     let lf = LlamaFleet::start(4, &engine_config(), &SIDECAR_FLAGS)
         .await
         .unwrap();
     let mut sessions: Vec<Session> = (400..404).map(Session::sharing_a_harness).collect();
     let mut homes = Vec::new();
-    for s in sessions.iter_mut() {
+    let (one_by_one, together) = sessions.split_at_mut(2);
+    for s in one_by_one.iter_mut() {
         homes.push(s.turn(&lf.fleet).await);
     }
+    let (third, fourth) = together.split_at_mut(1);
+    let (a, b) = tokio::join!(third[0].turn(&lf.fleet), fourth[0].turn(&lf.fleet));
+    homes.extend([a, b]);
     let mut used = homes.clone();
     used.sort();
     used.dedup();

@@ -42,7 +42,7 @@ pub struct RouterParams {
     pub engine_load_weight: f64,
     /// How long after its latest turn a conversation stays resident.
     pub resident_window: Duration,
-    /// Load units a resident, paused conversation adds for newcomers
+    /// Load units a resident conversation (running or paused) adds for newcomers
     /// while some replica is idle (0: none).
     pub resident_load: f64,
 }

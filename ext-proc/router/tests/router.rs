@@ -318,6 +318,25 @@ fn paused_conversations_count_against_their_replica_for_new_ones() {
     let mut spread = place(5.0);
     spread.sort();
     assert_eq!(spread, [0, 1, 2, 3]);
+    // The same when the four arrive together: each first turn is still
+    // running (its reservation held) when the next is placed.
+    let together = |resident_load: f64| {
+        let r = four(resident_load);
+        let mut running = Vec::new();
+        for c in 0..4u64 {
+            let mut h: Vec<u64> = (1..=32).collect();
+            h.extend((0..4).map(|k| 1000 * (c + 1) + k));
+            running.push(r.decide(&req(&h)).unwrap());
+        }
+        let mut homes: Vec<usize> = running.iter().map(|d| d.primary()).collect();
+        homes.sort();
+        homes
+    };
+    assert_eq!(together(5.0), [0, 1, 2, 3]);
+    // Without the term, a running first turn's reservation alone does
+    // not outweigh the shared prompt's credit.
+    let packed = together(0.0);
+    assert!(packed.windows(2).any(|w| w[0] == w[1]), "{packed:?}");
     // A conversation's next turn still goes home, whatever resides
     // there; and it does not count against the home twice.
     let r = four(5.0);

@@ -54,8 +54,8 @@ pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Inst
     let p = &router.params;
     let state = &mut fleet.state;
     // A new conversation: while some candidate is idle (nothing resident,
-    // nothing running), conversations paused on the others count against
-    // them.
+    // nothing running), conversations resident on the others count
+    // against them.
     let mut residents_count = false;
     if warm.continued.is_none() && p.resident_load > 0.0 {
         for &i in &warm.candidates {
@@ -104,12 +104,15 @@ pub fn scores(alpha: f64, credits: &[f64], candidates: &[Candidate]) -> Vec<f64>
 }
 
 /// Load that a new conversation sees on a replica for the conversations
-/// resident there and not running now (while another replica is idle):
-/// they will come back, and a slot-based engine evicts one of them for
-/// each newcomer beyond its slots.
+/// resident there, running or paused (while another replica is idle):
+/// the paused ones will come back, and a slot-based engine evicts one of
+/// them for each newcomer beyond its slots. A running first turn counts
+/// too: its reservation alone (about 2 load units for a short prompt)
+/// weighs less than a shared system prompt's first-turn credit, so
+/// conversations arriving together would otherwise pack onto the replica
+/// that holds the prompt.
 fn resident_load(p: &RouterParams, s: &ReplicaState) -> f64 {
-    let idle = s.resident.len().saturating_sub(s.in_flight as usize);
-    p.resident_load * idle as f64
+    p.resident_load * s.resident.len() as f64
 }
 
 /// Load the engine reports beyond this sidecar's own reservations: queued
