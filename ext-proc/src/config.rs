@@ -116,6 +116,15 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_RESIDENT_LOAD", default_value_t = 5.0)]
     pub resident_load: f64,
 
+    /// Correct each replica's warmth index from its answers' usage (the
+    /// cached tokens the engine reports): shrink it toward the engine's
+    /// real cache when it served less than predicted, drop it when the
+    /// engine restarted. Usage is read and counted either way (true/false).
+    #[arg(long, env = "HEARTH_USAGE_FEEDBACK", default_value_t = true,
+          action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub usage_feedback: bool,
+
     /// Seconds after its latest turn that a conversation still counts as
     /// resident on its replica.
     #[arg(long, env = "HEARTH_RESIDENT_SECONDS", default_value_t = 120.0)]
@@ -416,6 +425,7 @@ impl Settings {
             engine_load_weight: self.engine_load_weight,
             resident_window: seconds(self.resident_seconds),
             resident_load: self.resident_load,
+            usage_feedback: self.usage_feedback,
         }
     }
 

@@ -6,7 +6,7 @@ use crate::config::{FilterConfig, Role};
 use crate::metrics::{Metric, SkipCause};
 use crate::outcome::{self, Scanner};
 use crate::policy::{self, BodyOutcome, HeaderDecision};
-use hearth_wire::Endpoint;
+use hearth_wire::{names, Endpoint};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
@@ -97,6 +97,7 @@ impl RootContext for Root {
                 generation: false,
                 scanner: None,
                 reported: false,
+                request_id: None,
             }));
         }
         let metrics = self
@@ -275,6 +276,9 @@ struct OutcomeHttp {
     /// Set while a generation's 200 answer is being watched.
     scanner: Option<Scanner>,
     reported: bool,
+    /// Envoy's `x-request-id`: the sidecar matches the report's usage
+    /// with its decision by it.
+    request_id: Option<String>,
 }
 
 impl Context for OutcomeHttp {
@@ -315,7 +319,11 @@ impl OutcomeHttp {
             .ok()
             .flatten()
             .unwrap_or_default();
-        let body = outcome::report_body(&String::from_utf8_lossy(&upstream), scanner);
+        let body = outcome::report_body(
+            &String::from_utf8_lossy(&upstream),
+            self.request_id.as_deref(),
+            scanner,
+        );
         let headers = vec![
             (":method", "POST"),
             (":path", outcome::REPORT_PATH),
@@ -340,6 +348,13 @@ impl OutcomeHttp {
 impl HttpContext for OutcomeHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.generation = self.request_is_generation();
+        if self.generation {
+            self.request_id =
+                hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, names::REQUEST_ID)
+                    .ok()
+                    .flatten()
+                    .and_then(|id| String::from_utf8(id).ok());
+        }
         Action::Continue
     }
 

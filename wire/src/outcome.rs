@@ -11,10 +11,18 @@
 //! finished for reaching its token limit (`"finish_reason": "length"`): a
 //! reasoning model's first tokens are not visible text. It *ended* when it
 //! shows `[DONE]`, a `"finish_reason"` string or a `"usage"` object.
+//!
+//! The scan also reads the answer's `usage`, when the engine sent one:
+//! `"prompt_tokens"` and `"prompt_tokens_details": {"cached_tokens"}` (the
+//! last value of each; a streamed answer carries usage in its final chunk
+//! when the client asked for it). The sidecar compares the cached tokens
+//! with what it predicted.
+//!
 //! The wasm filter sends the verdict to the sidecar in an asynchronous
-//! `POST /outcome` on its state endpoint: `upstream=IP:PORT;text=0|1;done=0|1`. (A response
-//! trailer would be cheaper, but Envoy 1.40 does not let a wasm filter add
-//! trailers to a response that has a content-length.)
+//! `POST /outcome` on its state endpoint:
+//! `upstream=IP:PORT;text=0|1;done=0|1[;prompt=N;cached=N][;id=REQUEST-ID]`.
+//! (A response trailer would be cheaper, but Envoy 1.40 does not let a wasm
+//! filter add trailers to a response that has a content-length.)
 
 use std::fmt;
 
@@ -67,41 +75,104 @@ impl fmt::Display for Answer {
     }
 }
 
+/// What an answer's `usage` said about its prompt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Usage {
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: u64,
+    /// `usage.prompt_tokens_details.cached_tokens`: prompt tokens the engine
+    /// read from its cache.
+    pub cached_tokens: u64,
+}
+
+/// The longest request id a report carries (Envoy's are 36 characters).
+pub const MAX_REQUEST_ID: usize = 128;
+
+/// A request id fit for a report: non-empty, at most [`MAX_REQUEST_ID`]
+/// characters, none of them a separator, a space or a control character.
+pub fn report_id(id: &str) -> Option<&str> {
+    let fits = !id.is_empty()
+        && id.len() <= MAX_REQUEST_ID
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && b != b';' && b != b'=');
+    fits.then_some(id)
+}
+
 /// One outcome report: the replica that answered (`IP:PORT`, as Envoy's
-/// upstream host) and what its answer showed. On the wire:
-/// `upstream=IP:PORT;text=0|1;done=0|1`.
+/// upstream host), what its answer showed, its usage when it had one, and
+/// the request's id (Envoy's `x-request-id`) when known. On the wire:
+/// `upstream=IP:PORT;text=0|1;done=0|1[;prompt=N;cached=N][;id=ID]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Report {
     pub upstream: String,
     pub answer: Answer,
+    pub usage: Option<Usage>,
+    pub request_id: Option<String>,
 }
 
 impl Report {
     /// Parses a report body; `None` when the upstream or either verdict
-    /// field is missing or malformed.
+    /// field is missing or malformed, when only one of `prompt` and
+    /// `cached` is present, when either is not a number or `cached`
+    /// exceeds `prompt`, or when the id is not fit for a report.
     pub fn parse(body: &str) -> Option<Report> {
-        let upstream = body
-            .split(';')
-            .find_map(|f| f.trim().strip_prefix("upstream="))
-            .filter(|u| !u.is_empty())?;
+        let field = |name: &str| {
+            body.split(';')
+                .find_map(|f| f.trim().strip_prefix(name)?.strip_prefix('='))
+        };
+        let upstream = field("upstream").filter(|u| !u.is_empty())?;
+        let number = |v: &str| {
+            (!v.is_empty() && v.len() <= 19 && v.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| v.parse::<u64>().ok())
+                .flatten()
+        };
+        let usage = match (field("prompt"), field("cached")) {
+            (None, None) => None,
+            (Some(p), Some(c)) => {
+                let u = Usage {
+                    prompt_tokens: number(p)?,
+                    cached_tokens: number(c)?,
+                };
+                (u.cached_tokens <= u.prompt_tokens).then_some(())?;
+                Some(u)
+            }
+            _ => return None,
+        };
+        let request_id = match field("id") {
+            None => None,
+            Some(id) => Some(report_id(id)?.to_string()),
+        };
         Some(Report {
             upstream: upstream.to_string(),
             answer: Answer::parse(body)?,
+            usage,
+            request_id,
         })
     }
 }
 
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "upstream={};{}", self.upstream, self.answer)
+        write!(f, "upstream={};{}", self.upstream, self.answer)?;
+        if let Some(u) = self.usage {
+            write!(f, ";prompt={};cached={}", u.prompt_tokens, u.cached_tokens)?;
+        }
+        if let Some(id) = &self.request_id {
+            write!(f, ";id={id}")?;
+        }
+        Ok(())
     }
 }
 
-/// The report for the replica at `upstream`.
-pub fn report_body(upstream: &str, scanner: &Scanner) -> String {
+/// The report for the replica at `upstream`, for the request `request_id`
+/// (dropped when not fit for a report).
+pub fn report_body(upstream: &str, request_id: Option<&str>, scanner: &Scanner) -> String {
     Report {
         upstream: upstream.to_string(),
         answer: scanner.answer(),
+        usage: scanner.usage(),
+        request_id: request_id.and_then(report_id).map(str::to_string),
     }
     .to_string()
 }
@@ -123,16 +194,23 @@ const CARRY: usize = 64;
 pub struct Scanner {
     text: bool,
     done: bool,
+    prompt_tokens: Option<u64>,
+    cached_tokens: Option<u64>,
     carry: Vec<u8>,
 }
 
 impl Scanner {
     pub fn feed(&mut self, chunk: &[u8]) {
-        if self.text && self.done {
-            return;
-        }
         let mut window = std::mem::take(&mut self.carry);
         window.extend_from_slice(chunk);
+        // Usage comes last in an answer; the last value seen wins (an
+        // engine that reports usage in every chunk counts up).
+        if let Some(n) = last_count(&window, b"\"prompt_tokens\"") {
+            self.prompt_tokens = Some(n);
+        }
+        if let Some(n) = last_count(&window, b"\"cached_tokens\"") {
+            self.cached_tokens = Some(n);
+        }
         if !self.text {
             self.text = TEXT_KEYS.iter().any(|k| has_nonempty_string(&window, k))
                 || has_positive_count(&window, b"\"completion_tokens\"")
@@ -153,6 +231,17 @@ impl Scanner {
 
     pub fn done(&self) -> bool {
         self.done
+    }
+
+    /// The answer's usage: prompt tokens and the cached ones among them.
+    /// `None` unless both were seen (an engine that does not report cached
+    /// tokens says nothing about its cache) or when they contradict.
+    pub fn usage(&self) -> Option<Usage> {
+        let u = Usage {
+            prompt_tokens: self.prompt_tokens?,
+            cached_tokens: self.cached_tokens?,
+        };
+        (u.cached_tokens <= u.prompt_tokens).then_some(u)
     }
 
     /// The verdict so far.
@@ -206,6 +295,20 @@ fn has_positive_count(hay: &[u8], key: &[u8]) -> bool {
         // A value cut at the chunk's end is judged with the next chunk.
         digits.len() < v.len() && digits.iter().any(|&d| d != b'0')
     })
+}
+
+/// The last complete number value of `key` (one followed by a non-digit:
+/// a value cut at the chunk's end is read with the next chunk).
+fn last_count(hay: &[u8], key: &[u8]) -> Option<u64> {
+    values_after(hay, key)
+        .filter_map(|v| {
+            let n = v.iter().take_while(|d| d.is_ascii_digit()).count();
+            if n == 0 || n == v.len() || n > 19 {
+                return None;
+            }
+            std::str::from_utf8(&v[..n]).ok()?.parse().ok()
+        })
+        .last()
 }
 
 /// `key` has exactly the string value `value` (quotes included).
@@ -295,9 +398,84 @@ mod tests {
     fn the_report_names_the_replica_and_the_verdict() {
         let s = scan(&["{\"choices\":[{\"text\":\"x\",\"finish_reason\":\"stop\"}]}"]);
         assert_eq!(
-            report_body("127.0.0.1:8000", &s),
+            report_body("127.0.0.1:8000", None, &s),
             "upstream=127.0.0.1:8000;text=1;done=1"
         );
+        // With usage and a request id; an id that would break the
+        // report's syntax is left out.
+        let s = scan(&[
+            "{\"choices\":[{\"text\":\"x\",\"finish_reason\":\"stop\"}],",
+            "\"usage\":{\"prompt_tokens\":1200,\"completion_tokens\":3,",
+            "\"prompt_tokens_details\":{\"cached_tokens\":1024}}}",
+        ]);
+        assert_eq!(
+            report_body("127.0.0.1:8000", Some("req-1"), &s),
+            "upstream=127.0.0.1:8000;text=1;done=1;prompt=1200;cached=1024;id=req-1"
+        );
+        assert_eq!(
+            report_body("127.0.0.1:8000", Some("a;b"), &s),
+            "upstream=127.0.0.1:8000;text=1;done=1;prompt=1200;cached=1024"
+        );
+    }
+
+    #[test]
+    fn usage_is_read_from_the_final_chunk_across_cuts() {
+        let s = scan(&[
+            "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":98",
+            "76,\"completion_tokens\":5,\"prompt_tokens_details\":{\"cached_",
+            "tokens\":9216}}}\n\ndata: [DONE]\n\n",
+        ]);
+        assert_eq!(
+            s.usage(),
+            Some(Usage {
+                prompt_tokens: 9876,
+                cached_tokens: 9216
+            })
+        );
+        // An engine that reports prompt tokens only says nothing about
+        // its cache; a prompt's text that mentions the key is escaped
+        // and not read.
+        let s = scan(&["{\"usage\":{\"prompt_tokens\":10,\"completion_tokens\":1}}"]);
+        assert_eq!(s.usage(), None);
+        let s = scan(&[
+            "{\"content\":\"\\\"cached_tokens\\\": 5\",",
+            "\"usage\":{\"prompt_tokens\":10}}",
+        ]);
+        assert_eq!(s.usage(), None);
+        // The last report wins (usage in every chunk).
+        let s = scan(&[
+            "data: {\"usage\":{\"prompt_tokens\":10,\"prompt_tokens_details\":{\"cached_tokens\":0}}}\n\n",
+            "data: {\"usage\":{\"prompt_tokens\":10,\"prompt_tokens_details\":{\"cached_tokens\":8}}}\n\n",
+        ]);
+        assert_eq!(s.usage().map(|u| u.cached_tokens), Some(8));
+    }
+
+    #[test]
+    fn reports_parse_their_usage_and_id_and_reject_bad_ones() {
+        let r =
+            Report::parse("upstream=10.0.0.1:80;text=1;done=1;prompt=50;cached=32;id=abc").unwrap();
+        assert_eq!(
+            r.usage,
+            Some(Usage {
+                prompt_tokens: 50,
+                cached_tokens: 32
+            })
+        );
+        assert_eq!(r.request_id.as_deref(), Some("abc"));
+        assert_eq!(Report::parse(&r.to_string()), Some(r));
+        let plain = Report::parse("upstream=10.0.0.1:80;text=1;done=0").unwrap();
+        assert_eq!((plain.usage, plain.request_id), (None, None));
+        for bad in [
+            "upstream=10.0.0.1:80;text=1;done=1;prompt=50",
+            "upstream=10.0.0.1:80;text=1;done=1;prompt=50;cached=x",
+            "upstream=10.0.0.1:80;text=1;done=1;prompt=50;cached=51",
+            "upstream=10.0.0.1:80;text=1;done=1;prompt=-1;cached=0",
+            "upstream=10.0.0.1:80;text=1;done=1;prompt=99999999999999999999;cached=0",
+            "upstream=10.0.0.1:80;text=1;done=1;id=",
+        ] {
+            assert_eq!(Report::parse(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -120,7 +120,7 @@ fn reports() -> Value {
 
 #[test]
 fn every_outcome_report_case_matches() {
-    use hearth_wire::outcome::{report_body, Answer, Report, Scanner};
+    use hearth_wire::outcome::{report_body, Answer, Report, Scanner, Usage};
     let golden = reports();
     let scans = golden["scans"].as_array().expect("scans");
     assert!(scans.len() >= 4);
@@ -131,13 +131,18 @@ fn every_outcome_report_case_matches() {
             scanner.feed(chunk.as_str().expect("chunk").as_bytes());
         }
         let upstream = case["upstream"].as_str().expect("upstream");
+        let id = case["request_id"].as_str();
         let report = case["report"].as_str().expect("report");
-        assert_eq!(report_body(upstream, &scanner), report, "{name}");
+        assert_eq!(report_body(upstream, id, &scanner), report, "{name}");
         // What the filter writes, the sidecar reads back.
         let read = Report::parse(report).unwrap_or_else(|| panic!("{name}: refused"));
         assert_eq!(read.upstream, upstream, "{name}");
         assert_eq!(read.answer, scanner.answer(), "{name}");
+        assert_eq!(read.usage, scanner.usage(), "{name}");
     }
+    assert!(scans
+        .iter()
+        .any(|c| c["report"].as_str().unwrap().contains(";cached=")));
     let parses = golden["parses"].as_array().expect("parses");
     assert!(parses.iter().any(|c| c["upstream"].is_null()));
     for case in parses {
@@ -148,6 +153,11 @@ fn every_outcome_report_case_matches() {
                 text: case["text"].as_bool().expect("text"),
                 done: case["done"].as_bool().expect("done"),
             },
+            usage: case["prompt_tokens"].as_u64().map(|p| Usage {
+                prompt_tokens: p,
+                cached_tokens: case["cached_tokens"].as_u64().expect("cached_tokens"),
+            }),
+            request_id: case["request_id"].as_str().map(str::to_string),
         });
         assert_eq!(Report::parse(body), expected, "{body:?}");
     }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::health::ReplicaHealth;
 use crate::replica::{ReloadSummary, Replica};
+use crate::usage::UsageTally;
 use crate::warmth::LruBlocks;
 
 /// What an engine's Prometheus metrics said, when.
@@ -89,9 +90,18 @@ pub(crate) struct ReplicaState {
     pub(crate) engine: Option<EngineSignals>,
     /// Conversations whose latest turn went here.
     pub(crate) resident: Residents,
+    /// What the engine's answers said of its cache.
+    pub(crate) usage: UsageTally,
 }
 
 impl ReplicaState {
+    /// The engine lost its cache (it restarted): nothing is warm or
+    /// resident here any more.
+    pub(crate) fn forget_cache(&mut self) {
+        self.warmth.clear();
+        self.resident = Residents::default();
+    }
+
     pub(crate) fn new(warmth_blocks: usize) -> ReplicaState {
         ReplicaState {
             warmth: LruBlocks::new(warmth_blocks),
@@ -101,6 +111,7 @@ impl ReplicaState {
             health: ReplicaHealth::default(),
             engine: None,
             resident: Residents::default(),
+            usage: UsageTally::default(),
         }
     }
 }

@@ -14,6 +14,8 @@
 //!   policy, pick, reserve);
 //! - [`health`]: serving or fenced, from real traffic and probes;
 //! - [`warmth`]: the per-replica LRU of block hashes;
+//! - [`usage`]: what the engines served from cache against the
+//!   predictions, and the warmth corrections it makes;
 //! - [`snapshot`]: what `/state` shows.
 
 pub mod decide;
@@ -23,6 +25,7 @@ pub mod params;
 pub mod replica;
 pub mod router;
 pub mod snapshot;
+pub mod usage;
 pub mod warmth;
 
 pub use decide::policy::Candidate;
@@ -39,3 +42,4 @@ pub use replica::{
 };
 pub use router::Router;
 pub use snapshot::{EngineSnapshot, ReplicaSnapshot, Snapshot, UpstreamsSnapshot};
+pub use usage::{Correction, Prediction, Served, Usage, UsageSnapshot};

@@ -42,6 +42,9 @@ pub struct RouterParams {
     pub engine_load_weight: f64,
     /// How long after its latest turn a conversation stays resident.
     pub resident_window: Duration,
+    /// Correct each replica's warmth from what its answers' usage says it
+    /// served from cache (see [`crate::usage`]).
+    pub usage_feedback: bool,
     /// Load units a resident conversation (running or paused) adds for newcomers
     /// while some replica is idle (0: none).
     pub resident_load: f64,
@@ -70,6 +73,7 @@ impl Default for RouterParams {
             engine_load_weight: 1.0,
             resident_window: Duration::from_secs(120),
             resident_load: 5.0,
+            usage_feedback: true,
         }
     }
 }

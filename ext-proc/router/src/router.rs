@@ -11,6 +11,7 @@ use crate::fleet::{EngineSignals, Fleet, ReplicaState};
 use crate::health::{FleetHealth, Outcome};
 use crate::params::RouterParams;
 use crate::replica::{targets, ProbeTarget, ReloadSummary, Replica, ReplicaKey, UpstreamSpec};
+use crate::usage::{Correction, Prediction, Served, Usage};
 use crate::warmth::LruBlocks;
 
 /// Called with the replica list's new version after a reload changed it.
@@ -175,6 +176,36 @@ impl Router {
         if fleet.replicas.get(i).is_some_and(|r| !r.retired) {
             fleet.state[i].health.record_request(outcome, &params, now);
         }
+    }
+
+    /// The usage of an answer from replica `answered`, with the decision's
+    /// prediction when there was one (see [`crate::usage`]). Counts the
+    /// tokens, compares them with the prediction when the predicted replica
+    /// answered, and (with `usage_feedback` on) corrects its warmth. `None`
+    /// when `answered` is no serving replica.
+    pub fn record_usage(
+        &self,
+        answered: usize,
+        prediction: Option<&Prediction>,
+        usage: Usage,
+    ) -> Option<Served> {
+        let mut guard = self.lock();
+        let fleet = &mut *guard;
+        let replica = fleet.replicas.get(answered).filter(|r| !r.retired)?;
+        let prediction = prediction.filter(|p| p.replica == answered && p.key == replica.key());
+        let s = &mut fleet.state[answered];
+        let (predicted_tokens, correction) =
+            s.usage
+                .record(&mut s.warmth, &self.params, prediction, usage);
+        if correction == Some(Correction::Restart) {
+            s.forget_cache();
+        }
+        Some(Served {
+            replica: answered,
+            usage,
+            predicted_tokens,
+            correction,
+        })
     }
 
     /// A probe's outcome on the routing target `key` (active health).

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::health::{FleetHealth, HealthSnapshot};
 use crate::params::AffinityBasis;
 use crate::router::Router;
+use crate::usage::UsageSnapshot;
 
 /// An engine's figures on the state endpoint.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -39,6 +40,8 @@ pub struct ReplicaSnapshot {
     pub dp_rank: Option<u32>,
     /// The engine's last scraped figures, if any.
     pub engine: Option<EngineSnapshot>,
+    /// What its answers' usage said of its cache.
+    pub usage: UsageSnapshot,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -138,6 +141,7 @@ impl Router {
                         kv_usage: e.kv_usage,
                         age_s: now.duration_since(e.at).as_secs_f64(),
                     }),
+                    usage: s.usage.snapshot(),
                 })
                 .collect(),
         }

@@ -59,6 +59,8 @@ pub struct LruBlocks {
     head: u32,
     /// Least recently used: evicted first.
     tail: u32,
+    /// Node slots freed by a shrink, reused before the vector grows.
+    free: Vec<u32>,
 }
 
 impl LruBlocks {
@@ -71,6 +73,7 @@ impl LruBlocks {
             nodes: Vec::new(),
             head: NIL,
             tail: NIL,
+            free: Vec::new(),
         }
     }
 
@@ -181,6 +184,9 @@ impl LruBlocks {
             self.slots.remove(&old);
             self.nodes[victim as usize].hash = hash;
             victim
+        } else if let Some(slot) = self.free.pop() {
+            self.nodes[slot as usize].hash = hash;
+            slot
         } else {
             self.nodes.push(Node {
                 hash,
@@ -215,8 +221,22 @@ impl LruBlocks {
     pub fn clear(&mut self) {
         self.slots.clear();
         self.nodes.clear();
+        self.free.clear();
         self.head = NIL;
         self.tail = NIL;
+    }
+
+    /// Holds at most `capacity` blocks from now on (at least one), evicting
+    /// the least recent ones beyond it.
+    pub fn set_capacity(&mut self, capacity: usize) {
+        self.capacity = capacity.clamp(1, NIL as usize - 1);
+        while self.slots.len() > self.capacity {
+            let victim = self.tail;
+            self.unlink(victim);
+            let old = self.nodes[victim as usize].hash;
+            self.slots.remove(&old);
+            self.free.push(victim);
+        }
     }
 
     fn unlink(&mut self, slot: u32) {
@@ -281,6 +301,26 @@ mod tests {
         assert!(!lru.contains(2));
         assert!(lru.contains(1));
         assert_eq!(lru.leading_overlap(&[1, 2, 3]), 1);
+    }
+
+    #[test]
+    fn a_shrink_drops_the_least_recent_and_its_slots_are_reused() {
+        let mut lru = LruBlocks::new(8);
+        lru.record_prompt(&[1, 2, 3]);
+        lru.record_prompt(&[10, 11, 12]);
+        lru.set_capacity(4);
+        assert_eq!((lru.len(), lru.capacity()), (4, 4));
+        // The older prompt's tail went first; its head survived.
+        assert!(lru.contains(1) && !lru.contains(2) && !lru.contains(3));
+        assert_eq!(lru.leading_overlap(&[10, 11, 12]), 3);
+        let nodes = lru.nodes.len();
+        lru.set_capacity(6);
+        lru.record_prompt(&[20, 21]);
+        assert_eq!(lru.len(), 6);
+        assert_eq!(lru.nodes.len(), nodes, "freed slots are reused");
+        lru.record_prompt(&[30]);
+        assert_eq!(lru.len(), 6);
+        assert!(!lru.contains(1));
     }
 
     #[test]

@@ -35,7 +35,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use hearth_router::health::{self, Failure, Outcome};
-use hearth_router::{Decision, RequestInfo, RouteError, Router};
+use hearth_router::{Decision, Prediction, RequestInfo, RouteError, Router};
 use hearth_wire::names::{DESTINATION, DP_RANK, LB_NAMESPACE, REQUEST_ID, UPSTREAM};
 use hearth_wire::outcome::Scanner;
 use hearth_wire::Endpoint;
@@ -215,6 +215,10 @@ struct Exchange {
     /// scanned as it passes; judged once its last chunk has come.
     answer: Option<Scanner>,
     answer_ended: bool,
+    /// What the decision predicted the chosen replica serves from cache,
+    /// compared with the scanned answer's usage (body shapes; in the
+    /// filter shapes it waits for the outcome report instead).
+    prediction: Option<Prediction>,
 }
 
 /// Type alias for the answers to one message, and whether the exchange is
@@ -247,6 +251,15 @@ impl Drop for Exchange {
             let outcome = health::classify(Some(r.status.unwrap_or(0)), &r.details, answer);
             self.router
                 .record_request(r.served.unwrap_or(primary), outcome);
+            if let Some(scan) = self.answer.as_ref().filter(|_| self.answer_ended) {
+                self.observer.answer_usage(
+                    self.request_id.as_deref(),
+                    r.served.unwrap_or(primary),
+                    self.prediction.as_ref(),
+                    scan.usage().map(Into::into),
+                    scan.done(),
+                );
+            }
             // Served by another replica than the one chosen: Envoy retried
             // away from the primary (connect failure, reset or 503).
             if r.served.is_some_and(|s| s != primary) {
@@ -276,6 +289,7 @@ impl Exchange {
             response: None,
             answer: None,
             answer_ended: false,
+            prediction: None,
         }
     }
 
@@ -555,6 +569,22 @@ impl Exchange {
                 );
                 // A data-parallel target: tell the engine which rank.
                 let rank = decision.replicas[decision.primary()].dp_rank;
+                // The answer's usage will be compared with the prediction:
+                // here when ext_proc sends the response body, else when the
+                // outcome filter's report names this request.
+                if self.mode.bodies_come() {
+                    self.prediction = Some(decision.prediction);
+                } else if let Some(id) = self
+                    .request_id
+                    .as_deref()
+                    .filter(|_| !info.hashes.is_empty())
+                {
+                    self.observer.predictions.insert(
+                        id,
+                        decision.prediction,
+                        std::time::Instant::now(),
+                    );
+                }
                 self.decision = Some(decision);
                 let mut set_headers = vec![headers::set(DESTINATION, &dest)];
                 let mut remove_headers = vec![header::FP.to_string()];

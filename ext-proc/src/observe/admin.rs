@@ -37,10 +37,10 @@ pub fn routes(observer: Arc<Observer>) -> HttpRouter {
     HttpRouter::new()
         .route("/state", get(state))
         .route("/health", get(health))
-        .route(hearth_wire::names::REPORT_PATH, post(outcome))
         .with_state(router)
         .merge(
             HttpRouter::new()
+                .route(hearth_wire::names::REPORT_PATH, post(outcome))
                 .route("/metrics", get(metrics))
                 .route("/debug/decisions", get(decisions))
                 .route("/debug/series", get(series))
@@ -150,16 +150,28 @@ async fn health(State(router): State<Arc<Router>>) -> (StatusCode, Json<serde_js
     (code, Json(serde_json::json!({ "status": fleet })))
 }
 
-async fn outcome(State(router): State<Arc<Router>>, body: String) -> StatusCode {
-    let Some(Report { upstream, answer }) = Report::parse(&body) else {
+async fn outcome(State(observer): State<Arc<Observer>>, body: String) -> StatusCode {
+    let Some(report) = Report::parse(&body) else {
         return StatusCode::BAD_REQUEST;
     };
-    let Some(replica) = router.replica_at(&upstream, None) else {
+    let router = observer.router();
+    let prediction = report
+        .request_id
+        .as_deref()
+        .and_then(|id| observer.predictions.take(id));
+    let Some(replica) = router.replica_at(&report.upstream, prediction.map(|p| p.replica)) else {
         return StatusCode::NOT_FOUND;
     };
     router.record_request(
         replica,
-        health::classify(Some(200), "via_upstream", Some(answer)),
+        health::classify(Some(200), "via_upstream", Some(report.answer)),
+    );
+    observer.answer_usage(
+        report.request_id.as_deref(),
+        replica,
+        prediction.as_ref(),
+        report.usage.map(Into::into),
+        report.answer.done,
     );
     StatusCode::NO_CONTENT
 }

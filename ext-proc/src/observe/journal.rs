@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 
+use hearth_router::Correction;
 use serde::{Deserialize, Serialize};
 
 /// Records waiting for the file writer before new ones are dropped.
@@ -72,6 +73,24 @@ pub struct DecisionRecord {
     pub candidates: Vec<CandidateRecord>,
     /// Time spent deciding, microseconds.
     pub decision_us: f64,
+    /// What the engine said it served, once the answer's usage came
+    /// (in the ring only: the file gets the line at decision time).
+    #[serde(default)]
+    pub served: Option<ServedRecord>,
+}
+
+/// What an answer's usage said, next to the decision's prediction.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ServedRecord {
+    /// The replica that answered (Envoy may have retried elsewhere).
+    pub replica: String,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    /// Cached tokens the decision predicted, when the chosen replica
+    /// answered.
+    pub predicted_cached_tokens: Option<u64>,
+    /// What the answer changed in the replica's warmth.
+    pub correction: Option<Correction>,
 }
 
 pub fn hex(h: u64) -> String {
@@ -127,6 +146,21 @@ impl Journal {
             ring.pop_front();
         }
         ring.push_back(record);
+    }
+
+    /// Puts `served` next to the newest decision for `request_id` still
+    /// in the ring without one.
+    pub fn attach_served(&self, request_id: &str, served: ServedRecord) {
+        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        let found = ring
+            .iter_mut()
+            .rev()
+            .find(|r| r.request_id.as_deref() == Some(request_id) && r.served.is_none());
+        if let Some(slot) = found {
+            let mut record = (**slot).clone();
+            record.served = Some(served);
+            *slot = Arc::new(record);
+        }
     }
 
     /// Records for `request_id`, newest first (a retried request id can
@@ -199,6 +233,7 @@ mod tests {
             previous: None,
             candidates: vec![],
             decision_us: 1.0,
+            served: None,
         }
     }
 
@@ -219,6 +254,32 @@ mod tests {
         let off = Journal::open(0, None).unwrap();
         off.push(record("x"));
         assert!(off.latest(1).is_empty());
+    }
+
+    #[test]
+    fn served_figures_go_next_to_the_newest_decision_of_their_request() {
+        let j = Journal::open(8, None).unwrap();
+        j.push(record("r1"));
+        j.push(record("r1"));
+        j.push(record("r2"));
+        let served = |cached| ServedRecord {
+            replica: "a".into(),
+            prompt_tokens: 100,
+            cached_tokens: cached,
+            predicted_cached_tokens: Some(90),
+            correction: None,
+        };
+        j.attach_served("r1", served(80));
+        let r1 = j.find("r1");
+        assert_eq!(r1[0].served.as_ref().map(|s| s.cached_tokens), Some(80));
+        assert_eq!(r1[1].served, None);
+        // A second answer for the id goes to the older decision; an
+        // unknown id changes nothing.
+        j.attach_served("r1", served(70));
+        j.attach_served("nope", served(1));
+        let r1 = j.find("r1");
+        assert_eq!(r1[1].served.as_ref().map(|s| s.cached_tokens), Some(70));
+        assert_eq!(j.find("r2")[0].served, None);
     }
 
     #[test]

@@ -298,6 +298,69 @@ impl Collector for FleetCollector {
                 .map(|r| (r.id.clone(), ConstCounter::new(r.routed_total))),
             C,
         )?;
+        let counter = |f: &dyn Fn(&hearth_router::UsageSnapshot) -> u64| {
+            rs.iter()
+                .map(|r| (r.id.clone(), ConstCounter::new(f(&r.usage))))
+                .collect::<Vec<_>>()
+        };
+        per_replica(
+            &mut encoder,
+            "hearth_replica_prompt_tokens",
+            "Prompt tokens of the replica's answers that reported usage (the engine's own count)",
+            None,
+            counter(&|u| u.prompt_tokens_total),
+            C,
+        )?;
+        per_replica(
+            &mut encoder,
+            "hearth_replica_cached_tokens",
+            "Of those, prompt tokens the engine read from its cache (usage.prompt_tokens_details.cached_tokens)",
+            None,
+            counter(&|u| u.cached_tokens_total),
+            C,
+        )?;
+        per_replica(
+            &mut encoder,
+            "hearth_replica_predicted_cached_tokens",
+            "Cached tokens the decisions predicted, for the answers from the chosen replica",
+            None,
+            counter(&|u| u.predicted_cached_tokens_total),
+            C,
+        )?;
+        per_replica(
+            &mut encoder,
+            "hearth_replica_compared_cached_tokens",
+            "Cached tokens the engine served on those same answers (compare with the predicted counter)",
+            None,
+            counter(&|u| u.compared_cached_tokens_total),
+            C,
+        )?;
+        per_replica(
+            &mut encoder,
+            "hearth_replica_warmth_shrinks",
+            "Warmth corrections: the engine served less than predicted, the index shrank toward its real cache",
+            None,
+            counter(&|u| u.shrinks_total),
+            C,
+        )?;
+        per_replica(
+            &mut encoder,
+            "hearth_replica_warmth_growths",
+            "Warmth corrections: a full index predicted less than the engine served, the index grew",
+            None,
+            counter(&|u| u.growths_total),
+            C,
+        )?;
+        per_replica(
+            &mut encoder,
+            "hearth_replica_restarts",
+            "Engine restarts seen in the answers (continuing turns served nothing from cache, three in a row); the replica's warmth was dropped",
+            None,
+            counter(&|u| u.restarts_total),
+            C,
+        )?;
+        let prompt: u64 = rs.iter().map(|r| r.usage.prompt_tokens_total).sum();
+        let cached: u64 = rs.iter().map(|r| r.usage.cached_tokens_total).sum();
         let plain =
             |encoder: &mut DescriptorEncoder, name: &str, help: &str, metric: &dyn EncodeMetric| {
                 let e = encoder.encode_descriptor(name, help, None, metric.metric_type())?;
@@ -344,6 +407,16 @@ impl Collector for FleetCollector {
             "hearth_session_stay_ratio",
             "Stays / (stays + moves) of returning sessions over the last 60 s (NaN when none returned)",
             &ConstGauge::new(self.series.stay_ratio(60)),
+        )?;
+        plain(
+            &mut encoder,
+            "hearth_cache_hit_share",
+            "Share of the fleet's prompt tokens the engines read from cache, over the answers that reported usage (NaN before any)",
+            &ConstGauge::new(if prompt > 0 {
+                cached as f64 / prompt as f64
+            } else {
+                f64::NAN
+            }),
         )?;
         plain(
             &mut encoder,

@@ -28,6 +28,7 @@ pub mod admin;
 pub mod journal;
 pub mod metrics;
 pub mod series;
+pub mod usage;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -37,11 +38,14 @@ use std::time::Duration;
 use prometheus_client::registry::Registry;
 
 use hearth_router::health::Outcome;
-use hearth_router::{AffinityBasis, Decision, ReplicaKey, RequestInfo, RouteError, Router};
+use hearth_router::{
+    AffinityBasis, Decision, Prediction, ReplicaKey, RequestInfo, RouteError, Router, Usage,
+};
 
-use crate::observe::journal::{hex, CandidateRecord, DecisionRecord, Journal};
+use crate::observe::journal::{hex, CandidateRecord, DecisionRecord, Journal, ServedRecord};
 use crate::observe::metrics::{DecisionMetrics, FleetCollector, ProbeMetrics};
 use crate::observe::series::{unix_now, DecisionOutcome, Series, SessionResult};
+use crate::observe::usage::{Predictions, UsageMetrics};
 
 /// Conversations remembered for the stay ratio.
 pub const TIP_CAPACITY: usize = 65_536;
@@ -121,6 +125,9 @@ pub struct Observer {
     decisions: DecisionMetrics,
     probes: ProbeMetrics,
     tips: Mutex<SessionTips<ReplicaKey>>,
+    usage: UsageMetrics,
+    /// Decisions' predictions waiting for their outcome report.
+    pub predictions: Predictions,
     pub series: Arc<Series>,
     pub journal: Journal,
 }
@@ -131,6 +138,7 @@ impl Observer {
         let series = Arc::new(Series::default());
         let decisions = DecisionMetrics::register(&mut registry, basis);
         let probes = ProbeMetrics::register(&mut registry);
+        let usage = UsageMetrics::register(&mut registry);
         FleetCollector::register(
             &mut registry,
             Arc::clone(&router),
@@ -144,6 +152,8 @@ impl Observer {
             decisions,
             probes,
             tips: Mutex::new(SessionTips::default()),
+            usage,
+            predictions: Predictions::default(),
             series,
             journal,
         })
@@ -263,6 +273,52 @@ impl Observer {
             previous: None,
             candidates: Vec::new(),
             decision_us: elapsed.as_secs_f64() * 1e6,
+            served: None,
+        }
+    }
+
+    /// A generation's answer from replica `answered` ended: its usage, if
+    /// it carried one, goes to the router with the decision's prediction
+    /// (when known), to the metrics and next to the decision in the
+    /// journal. An answer that ended without usage is counted.
+    pub fn answer_usage(
+        &self,
+        request_id: Option<&str>,
+        answered: usize,
+        prediction: Option<&Prediction>,
+        usage: Option<Usage>,
+        ended: bool,
+    ) {
+        let Some(usage) = usage else {
+            if ended {
+                self.usage.missing();
+            }
+            return;
+        };
+        if prediction.is_none() {
+            self.usage.unmatched();
+        }
+        let Some(served) = self.router.record_usage(answered, prediction, usage) else {
+            return;
+        };
+        self.usage.served(&served);
+        if let Some(id) = request_id {
+            let replica = self
+                .router
+                .replicas()
+                .get(served.replica)
+                .map(|r| r.id.clone())
+                .unwrap_or_default();
+            self.journal.attach_served(
+                id,
+                ServedRecord {
+                    replica,
+                    prompt_tokens: usage.prompt_tokens,
+                    cached_tokens: usage.cached_tokens,
+                    predicted_cached_tokens: served.predicted_tokens,
+                    correction: served.correction,
+                },
+            );
         }
     }
 

@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use crate::replica::Replica;
 use crate::router::lock;
 use crate::router::Router;
+use crate::usage::{Prediction, Served, Usage};
 
 pub mod candidates;
 pub mod overlap;
@@ -52,6 +53,9 @@ pub struct Decision {
     /// The replica table the indices above refer to (a reload may reuse a
     /// retired slot later; this table is the one the decision saw).
     pub replicas: Arc<[Replica]>,
+    /// What the chosen replica should serve from cache, for comparison
+    /// with the answer's usage.
+    pub prediction: Prediction,
     pub reservation: Reservation,
 }
 
@@ -73,6 +77,14 @@ pub struct ScoredCandidate {
 impl Decision {
     pub fn primary(&self) -> usize {
         self.order[0]
+    }
+
+    /// The answer's usage, from the chosen replica (see
+    /// [`Router::record_usage`]).
+    pub fn record_usage(&self, usage: Usage) -> Option<Served> {
+        self.reservation
+            .router()
+            .record_usage(self.primary(), Some(&self.prediction), usage)
     }
 
     /// `ip:port,ip:port,...` for the first `limit` entries of the order,
@@ -137,12 +149,21 @@ impl Router {
                 score,
             })
             .collect();
+        let chosen = picked.order[0];
+        let prediction = Prediction {
+            replica: chosen,
+            key: replicas[chosen].key(),
+            blocks: picked.overlap,
+            prompt_bytes: req.prompt_bytes,
+            continues: warm.continued.is_some(),
+        };
         Ok(Decision {
             order: picked.order,
             overlap: picked.overlap,
             continues: warm.continued.is_some(),
             candidates,
             replicas,
+            prediction,
             reservation,
         })
     }

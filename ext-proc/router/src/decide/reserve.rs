@@ -30,6 +30,12 @@ impl std::fmt::Debug for Reservation {
     }
 }
 
+impl Reservation {
+    pub(crate) fn router(&self) -> &Arc<Router> {
+        &self.router
+    }
+}
+
 impl Drop for Reservation {
     fn drop(&mut self) {
         let mut fleet = self.router.lock();

@@ -1,0 +1,251 @@
+//! Closing the loop: what an engine served from its cache, against what
+//! the decision predicted.
+//!
+//! Every OpenAI-compatible engine can say in an answer's `usage` how many
+//! prompt tokens it read from its cache
+//! (`prompt_tokens_details.cached_tokens`). The decision predicted that
+//! number: the chosen replica's overlap, in blocks. The router
+//! compares the two, per replica
+//! ([`crate::Router::record_usage`] takes the report):
+//!
+//! - **Bytes per token**: the fingerprint counts canonical prompt bytes and
+//!   the engine counts tokens; each replica's ratio (`prompt_bytes /
+//!   prompt_tokens`, a moving average) converts one into the other.
+//! - **A miss** (feedback on): a continuing turn, which the engine read in
+//!   full when it served the previous turn, came back with more than one
+//!   block less from cache than predicted. The engine evicted what the
+//!   index still holds: the index is larger than the engine's cache. Its
+//!   capacity shrinks to nine tenths of what it holds (never below
+//!   [`MIN_WARMTH_BLOCKS`]), dropping its least recent blocks, the way the
+//!   engine did.
+//! - **An under-prediction**: a turn served more than one block beyond the
+//!   prediction while the index was full. The index forgot what the engine
+//!   kept; its capacity grows by a tenth, up to `HEARTH_WARMTH_BLOCKS`.
+//!   (Any turn counts: a conversation whose tail the index dropped no
+//!   longer looks like a continuation.)
+//! - **A restart**: three continuing turns in a row, each predicted to
+//!   find at least two blocks, were served nothing at all from cache (not
+//!   even a shared prefix). The engine lost everything: the replica's
+//!   warmth and resident conversations are dropped. (The first two also
+//!   shrank the capacity, as misses; under-predictions grow it back once
+//!   the index is full again.) Where conversations share no prefix, an
+//!   engine whose cache is far too small for them also serves some turns
+//!   nothing; a turn served anything from cache in between breaks the
+//!   streak.
+//!
+//! The conversation's own chain is not cut back on a miss: the engine
+//! re-reads what it missed while serving the turn, so when the answer
+//! comes its cache holds the whole prompt again, as the index says. What a
+//! miss tells about is everything older on that replica.
+
+use serde::{Deserialize, Serialize};
+
+use crate::params::RouterParams;
+use crate::replica::ReplicaKey;
+use crate::warmth::LruBlocks;
+
+/// The smallest warmth capacity a replica's corrections shrink to.
+pub const MIN_WARMTH_BLOCKS: usize = 64;
+
+/// Continuing turns in a row served nothing from cache before the replica
+/// counts as restarted.
+pub const RESTART_STREAK: u32 = 3;
+
+/// Weight of each new report in the bytes-per-token average.
+const BPT_WEIGHT: f64 = 0.05;
+
+/// What a decision predicted for the replica it chose.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Prediction {
+    /// The chosen replica's slot.
+    pub replica: usize,
+    /// Its address and rank (a reload may have reused the slot by the time
+    /// the answer comes).
+    pub key: ReplicaKey,
+    /// Leading blocks of the prompt it held.
+    pub blocks: u32,
+    /// Canonical prompt bytes.
+    pub prompt_bytes: u64,
+    /// The prompt continues an earlier one (its previous turn was read in
+    /// full by the engine that served it).
+    pub continues: bool,
+}
+
+/// An answer's usage: prompt tokens, and the ones read from cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+}
+
+impl From<hearth_wire::outcome::Usage> for Usage {
+    fn from(u: hearth_wire::outcome::Usage) -> Usage {
+        Usage {
+            prompt_tokens: u.prompt_tokens,
+            cached_tokens: u.cached_tokens,
+        }
+    }
+}
+
+/// What one answer's usage told, and what it changed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Served {
+    /// The replica that answered.
+    pub replica: usize,
+    pub usage: Usage,
+    /// Cached tokens the decision predicted (its overlap in tokens, at the
+    /// replica's bytes per token), when the answer is the predicted
+    /// replica's.
+    pub predicted_tokens: Option<u64>,
+    pub correction: Option<Correction>,
+}
+
+/// A change to a replica's warmth made from its answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Correction {
+    /// Served less than predicted: the capacity shrank to this.
+    Shrunk(usize),
+    /// Served more than a full index predicted: the capacity grew to this.
+    Grew(usize),
+    /// Served nothing where much was predicted, [`RESTART_STREAK`] times in
+    /// a row: warmth dropped.
+    Restart,
+}
+
+/// Each replica's running account of its answers' usage.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct UsageTally {
+    pub(crate) reports: u64,
+    pub(crate) prompt_tokens: u64,
+    pub(crate) cached_tokens: u64,
+    /// Answers with a prediction to compare (the chosen replica answered),
+    /// and their predicted and served cached tokens.
+    pub(crate) compared: u64,
+    pub(crate) predicted_tokens: u64,
+    pub(crate) compared_cached_tokens: u64,
+    /// Canonical prompt bytes per engine token (a moving average).
+    pub(crate) bytes_per_token: Option<f64>,
+    pub(crate) shrinks: u64,
+    pub(crate) growths: u64,
+    pub(crate) restarts: u64,
+    /// Continuing turns in a row served nothing from cache.
+    cold_streak: u32,
+}
+
+/// A replica's usage account on `/state`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct UsageSnapshot {
+    /// Answers whose usage the sidecar read.
+    pub reports_total: u64,
+    pub prompt_tokens_total: u64,
+    pub cached_tokens_total: u64,
+    /// `cached / prompt` tokens (None before the first report).
+    pub cache_hit_share: Option<f64>,
+    /// Of those, answers from the replica the decision chose: what it
+    /// predicted from cache, and what the engine served.
+    pub compared_total: u64,
+    pub predicted_cached_tokens_total: u64,
+    pub compared_cached_tokens_total: u64,
+    /// Canonical prompt bytes per engine token.
+    pub bytes_per_token: Option<f64>,
+    /// Warmth corrections: capacity shrunk, capacity grown, restarts seen.
+    pub shrinks_total: u64,
+    pub growths_total: u64,
+    pub restarts_total: u64,
+}
+
+impl UsageTally {
+    pub(crate) fn snapshot(&self) -> UsageSnapshot {
+        UsageSnapshot {
+            reports_total: self.reports,
+            prompt_tokens_total: self.prompt_tokens,
+            cached_tokens_total: self.cached_tokens,
+            cache_hit_share: (self.prompt_tokens > 0)
+                .then(|| self.cached_tokens as f64 / self.prompt_tokens as f64),
+            compared_total: self.compared,
+            predicted_cached_tokens_total: self.predicted_tokens,
+            compared_cached_tokens_total: self.compared_cached_tokens,
+            bytes_per_token: self.bytes_per_token,
+            shrinks_total: self.shrinks,
+            growths_total: self.growths,
+            restarts_total: self.restarts,
+        }
+    }
+}
+
+impl UsageTally {
+    /// Counts an answer's usage and, with the decision's prediction (the
+    /// predicted replica answered), compares the two and corrects `warmth`
+    /// (with `usage_feedback` on). Returns the predicted cached tokens and
+    /// the correction; on [`Correction::Restart`] the warmth is cleared
+    /// here and the caller drops the replica's resident conversations.
+    pub(crate) fn record(
+        &mut self,
+        warmth: &mut LruBlocks,
+        p: &RouterParams,
+        prediction: Option<&Prediction>,
+        usage: Usage,
+    ) -> (Option<u64>, Option<Correction>) {
+        self.reports += 1;
+        self.prompt_tokens += usage.prompt_tokens;
+        self.cached_tokens += usage.cached_tokens;
+        let Some(pr) = prediction else {
+            return (None, None);
+        };
+        if pr.prompt_bytes > 0 && usage.prompt_tokens > 0 {
+            let ratio = (pr.prompt_bytes as f64 / usage.prompt_tokens as f64).clamp(0.5, 64.0);
+            self.bytes_per_token = Some(match self.bytes_per_token {
+                Some(b) => b + BPT_WEIGHT * (ratio - b),
+                None => ratio,
+            });
+        }
+        let bpt = self.bytes_per_token.unwrap_or(DEFAULT_BYTES_PER_TOKEN);
+        let block = p.block_size as f64;
+        let predicted = ((f64::from(pr.blocks) * block / bpt).round() as u64)
+            .min(usage.prompt_tokens.saturating_sub(1));
+        self.compared += 1;
+        self.predicted_tokens += predicted;
+        self.compared_cached_tokens += usage.cached_tokens;
+        let served_blocks = (usage.cached_tokens as f64 * bpt / block).floor() as u64;
+        let predicted_blocks = u64::from(pr.blocks);
+        // Only a continuing turn's prompt was surely in the engine's cache
+        // (it read the previous turn in full); a first turn's shared
+        // prefix may still be in another request's prefill.
+        let cold = pr.continues && usage.cached_tokens == 0 && predicted_blocks >= 2;
+        if pr.continues {
+            self.cold_streak = if cold { self.cold_streak + 1 } else { 0 };
+        }
+        if !p.usage_feedback {
+            return (Some(predicted), None);
+        }
+        let correction = if cold && self.cold_streak >= RESTART_STREAK {
+            self.cold_streak = 0;
+            self.restarts += 1;
+            warmth.clear();
+            Some(Correction::Restart)
+        } else if pr.continues && served_blocks + 1 < predicted_blocks {
+            let capacity = (warmth.len().min(warmth.capacity()) * 9 / 10)
+                .max(MIN_WARMTH_BLOCKS)
+                .min(warmth.capacity());
+            warmth.set_capacity(capacity);
+            self.shrinks += 1;
+            Some(Correction::Shrunk(capacity))
+        } else if served_blocks > predicted_blocks + 1
+            && warmth.len() >= warmth.capacity()
+            && warmth.capacity() < p.warmth_blocks
+        {
+            let capacity = (warmth.capacity() + warmth.capacity() / 10 + 1).min(p.warmth_blocks);
+            warmth.set_capacity(capacity);
+            self.growths += 1;
+            Some(Correction::Grew(capacity))
+        } else {
+            None
+        };
+        (Some(predicted), correction)
+    }
+}
+
+/// Bytes per token before a replica's first report (English text and code
+/// run about four).
+pub const DEFAULT_BYTES_PER_TOKEN: f64 = 4.0;
