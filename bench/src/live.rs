@@ -153,6 +153,7 @@ async fn agent(
                 restart: turn.restart,
                 long: false,
                 failed,
+                predicted_cached_tokens: None,
             };
             shared
                 .lock()
@@ -307,6 +308,7 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
         records,
         mean_inflight: sums.iter().map(|s| s / f64::from(samples.max(1))).collect(),
         long_unfinished: 0,
+        corrections: None,
     };
     drop(envoy);
     drop(sidecar);

@@ -119,8 +119,10 @@ pub struct HearthKnobs {
     pub long_replicas: usize,
     pub long_lane: hearth_router::LongLane,
     pub long_prompt_bytes: u64,
-    /// Load units a resident, paused conversation adds for newcomers.
+    /// Load units a resident conversation adds for newcomers.
     pub resident_load: f64,
+    /// HEARTH_USAGE_FEEDBACK: correct warmth from the answers' usage.
+    pub usage_feedback: bool,
 }
 
 impl Default for HearthKnobs {
@@ -137,6 +139,7 @@ impl Default for HearthKnobs {
             long_lane: p.long_lane,
             long_prompt_bytes: p.long_prompt_bytes,
             resident_load: p.resident_load,
+            usage_feedback: p.usage_feedback,
         }
     }
 }
@@ -157,6 +160,7 @@ impl HearthKnobs {
             long_lane: self.long_lane,
             long_prompt_bytes: self.long_prompt_bytes,
             resident_load: self.resident_load,
+            usage_feedback: self.usage_feedback,
             ..d
         }
     }
@@ -244,6 +248,15 @@ fn hash64(a: u64, b: u64) -> u64 {
 }
 
 impl Policy {
+    /// The sidecars behind a Hearth policy (none for the others).
+    pub fn routers(&self) -> Vec<Arc<Router>> {
+        match self {
+            Policy::Hearth(r) => vec![Arc::clone(r)],
+            Policy::HearthSplit(rs, _) => rs.clone(),
+            _ => Vec::new(),
+        }
+    }
+
     pub fn new(kind: PolicyKind, replicas: usize, seed: u64, knobs: &HearthKnobs) -> Policy {
         let rng = Rng::derive(seed, 0x9011C7);
         if let Some(basis) = kind.hearth_basis() {

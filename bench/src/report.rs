@@ -25,6 +25,9 @@ pub struct RequestRecord {
     /// At or over the sidecar's long-prompt threshold.
     pub long: bool,
     pub failed: bool,
+    /// Cached tokens the Hearth decision predicted (Hearth policies in the
+    /// simulator).
+    pub predicted_cached_tokens: Option<u32>,
 }
 
 /// Everything a driver measured for one cell.
@@ -39,6 +42,9 @@ pub struct RunResult {
     pub mean_inflight: Vec<f64>,
     /// Long-prompt requests still unanswered when the run ended.
     pub long_unfinished: usize,
+    /// Warmth corrections the sidecar made from the answers' usage over
+    /// the whole run: shrinks, growths, restarts (Hearth policies).
+    pub corrections: Option<[u64; 3]>,
 }
 
 /// The summary row of one cell.
@@ -84,6 +90,13 @@ pub struct Row {
     pub short_ttft_p99_s: f64,
     pub long_ttft_p50_s: Option<f64>,
     pub long_ttft_p99_s: Option<f64>,
+    /// Predicted cached tokens over served ones, minus one: the bias of
+    /// the sidecar's prediction (Hearth policies).
+    pub prediction_bias: Option<f64>,
+    /// Sum of |predicted - served| cached tokens over prompt tokens.
+    pub prediction_abs_error: Option<f64>,
+    /// Warmth corrections: shrinks, growths, restarts.
+    pub corrections: Option<[u64; 3]>,
 }
 
 /// The `q` quantile of sorted values (nearest rank; NaN when empty).
@@ -133,6 +146,17 @@ impl RunResult {
         let mean_load = self.mean_inflight.iter().sum::<f64>() / self.replicas.max(1) as f64;
         let max_load = self.mean_inflight.iter().copied().fold(0.0, f64::max);
         let frac = |x: f64| if prompt > 0.0 { x / prompt } else { 0.0 };
+        let predicted: Vec<(f64, f64)> = ok
+            .iter()
+            .filter_map(|r| {
+                r.predicted_cached_tokens
+                    .map(|p| (f64::from(p), f64::from(r.cached_tokens)))
+            })
+            .collect();
+        let (pred_sum, served_sum, abs_sum) =
+            predicted.iter().fold((0.0, 0.0, 0.0), |(p, s, a), (x, y)| {
+                (p + x, s + y, a + (x - y).abs())
+            });
         Row {
             scenario: scenario.to_string(),
             driver: driver.to_string(),
@@ -176,6 +200,10 @@ impl RunResult {
             short_ttft_p99_s: percentile(&short_ttft, 0.99),
             long_ttft_p50_s: long_pct(0.5),
             long_ttft_p99_s: long_pct(0.99),
+            prediction_bias: (!predicted.is_empty() && served_sum > 0.0)
+                .then(|| pred_sum / served_sum - 1.0),
+            prediction_abs_error: (!predicted.is_empty()).then(|| frac(abs_sum)),
+            corrections: self.corrections,
         }
     }
 }
@@ -232,6 +260,30 @@ pub fn table(rows: &[Row]) -> String {
             r.e2e_p99_s,
             r.load_max_over_mean,
             r.failures
+        ));
+    }
+    out
+}
+
+/// The sidecar's predicted cached tokens against what the engines served,
+/// and the corrections it made from them (Hearth rows only).
+pub fn prediction_table(rows: &[Row]) -> String {
+    let mut out = format!(
+        "{:<28} {:>6} {:>8} {:>10} {:>10} {:>8} {:>8} {:>8}\n",
+        "policy", "agents", "cached%", "pred bias%", "|err|/prm%", "shrinks", "growths", "restarts"
+    );
+    for r in rows.iter().filter(|r| r.prediction_bias.is_some()) {
+        let [shrinks, growths, restarts] = r.corrections.unwrap_or_default();
+        out.push_str(&format!(
+            "{:<28} {:>6} {:>8.1} {:>10} {:>10} {:>8} {:>8} {:>8}\n",
+            r.policy,
+            r.agents,
+            r.cached_fraction * 100.0,
+            opt(r.prediction_bias, 100.0, 1),
+            opt(r.prediction_abs_error, 100.0, 1),
+            shrinks,
+            growths,
+            restarts
         ));
     }
     out
@@ -400,6 +452,7 @@ mod tests {
             restart: false,
             long: false,
             failed: false,
+            predicted_cached_tokens: None,
         }
     }
 
@@ -417,6 +470,7 @@ mod tests {
             ],
             mean_inflight: vec![3.0, 1.0],
             long_unfinished: 0,
+            corrections: None,
         };
         let mut rows = vec![run.row("s", "sim")];
         let r = &rows[0];

@@ -29,11 +29,20 @@ pub struct Scenario {
     /// Engine seconds run before measuring, then measured.
     pub warmup_s: f64,
     pub duration_s: f64,
+    /// Seconds into the measured window when the first replica's engine
+    /// restarts (its cache is emptied; running requests carry on).
+    pub restart_at_s: Option<f64>,
+    /// Share of the agents whose traffic reaches the engines around Hearth
+    /// (another gateway hashing their session onto a replica).
+    pub bypass_share: f64,
 }
 
-pub const NAMES: [&str; 7] = [
+pub const NAMES: [&str; 10] = [
     "cache-never-fills",
     "cache-runs-out",
+    "undersized-kv",
+    "engine-restart",
+    "bypass",
     "fleet",
     "shared-prefix",
     "unique",
@@ -66,6 +75,8 @@ impl Scenario {
             },
             warmup_s: 60.0,
             duration_s: 300.0,
+            restart_at_s: None,
+            bypass_share: 0.0,
         };
         let swarm = Workload::AgentSwarm(AgentSwarm::default());
         Some(match name {
@@ -74,6 +85,28 @@ impl Scenario {
             // Eight replicas with 1M tokens each: a session's replica can keep
             // its share of conversations, but not everyone's.
             "cache-runs-out" => scenario(swarm, 8, &[48, 64, 96, 128], 1_000_000),
+            // cache-runs-out with the sidecar at its default warmth index
+            // (100,000 blocks, about 51M tokens a replica) where each
+            // engine holds 1M tokens: the index is 50 times too large.
+            "undersized-kv" => {
+                let mut s = scenario(swarm, 8, &[64], 1_000_000);
+                s.hearth.warmth_blocks = HearthKnobs::default().warmth_blocks;
+                s
+            }
+            // cache-runs-out where the first replica's engine restarts 60 s
+            // into the measured window.
+            "engine-restart" => {
+                let mut s = scenario(swarm, 8, &[64], 1_000_000);
+                s.restart_at_s = Some(60.0);
+                s
+            }
+            // cache-runs-out where a quarter of the agents reach the
+            // engines through another gateway (ring hash on their session).
+            "bypass" => {
+                let mut s = scenario(swarm, 8, &[64], 1_000_000);
+                s.bypass_share = 0.25;
+                s
+            }
             // Forty replicas, eight agents each.
             "fleet" => {
                 let mut s = scenario(swarm, 40, &[320], 1_000_000);

@@ -19,6 +19,7 @@ use crate::policies::{Policy, PolicyKind, RouteInput, Routed};
 use crate::report::{RequestRecord, RunResult};
 use crate::scenario::Scenario;
 use crate::workload::{Client, Generator, BYTES_PER_TOKEN};
+use hearth_router::Usage;
 
 /// One cell of a sweep.
 #[derive(Clone, Debug)]
@@ -38,6 +39,8 @@ enum Ev {
     Send(usize),
     /// A replica's current step ends.
     StepEnd(usize),
+    /// A replica's engine restarts (its cache is emptied).
+    Restart(usize),
 }
 
 struct Pending {
@@ -53,6 +56,12 @@ struct Pending {
     restart: bool,
     long: bool,
     routed: Routed,
+}
+
+/// Agent `c` of `agents` reaches the engines around Hearth: the first
+/// of every `1 / share` agents, spread evenly.
+fn bypasses(c: usize, share: f64) -> bool {
+    ((c + 1) as f64 * share).floor() > (c as f64 * share).floor()
 }
 
 /// Runs one cell and returns its per-request records and load samples.
@@ -91,6 +100,11 @@ pub fn run(spec: &RunSpec) -> RunResult {
         let t = (c as u64 * 10_000_000) / spec.agents.max(1) as u64;
         push(&mut queue, t, Ev::Send(c));
     }
+    if let Some(at) = sc.restart_at_s {
+        push(&mut queue, warmup_us + (at * 1e6) as u64, Ev::Restart(0));
+    }
+    // The other gateway of the agents that bypass Hearth.
+    let mut bypass_ring = Policy::new(PolicyKind::RingHash, n, spec.seed, &sc.hearth);
 
     let mut inflight = vec![0u32; n];
     let mut load_area = vec![0f64; n];
@@ -130,16 +144,17 @@ pub fn run(spec: &RunSpec) -> RunResult {
                 ideal.extend(hashes.iter().copied());
                 let ideal_cached =
                     ((ideal_blocks * sc.engine.block_tokens) as u32).min(prompt_tokens - 1);
-                let routed = policy.route(
-                    &RouteInput {
-                        prompt: &rendered.prompt,
-                        engine_hashes: &hashes,
-                        fingerprint: fp.as_ref(),
-                        session: turn.session,
-                    },
-                    &inflight,
-                    &engines,
-                );
+                let input = RouteInput {
+                    prompt: &rendered.prompt,
+                    engine_hashes: &hashes,
+                    fingerprint: fp.as_ref(),
+                    session: turn.session,
+                };
+                let routed = if bypasses(c, sc.bypass_share) {
+                    bypass_ring.route(&input, &inflight, &engines)
+                } else {
+                    policy.route(&input, &inflight, &engines)
+                };
                 let r = routed.replica;
                 let previous = last_replica.insert(turn.session, r);
                 let stayed = if turn.first_of_session {
@@ -198,7 +213,16 @@ pub fn run(spec: &RunSpec) -> RunResult {
                                 continue;
                             };
                             inflight[p.replica] -= 1;
-                            // Ends the sidecar reservation, if any.
+                            // The answer's usage goes back to the sidecar
+                            // (as the outcome filter reports it), then the
+                            // reservation ends.
+                            let predicted = p.routed.hearth.as_ref().and_then(|d| {
+                                d.record_usage(Usage {
+                                    prompt_tokens: u64::from(p.prompt_tokens),
+                                    cached_tokens: u64::from(p.cached_tokens),
+                                })
+                                .and_then(|s| s.predicted_tokens)
+                            });
                             drop(p.routed);
                             if t >= warmup_us {
                                 records.push(RequestRecord {
@@ -214,6 +238,8 @@ pub fn run(spec: &RunSpec) -> RunResult {
                                     restart: p.restart,
                                     long: p.long,
                                     failed: false,
+                                    predicted_cached_tokens: predicted
+                                        .map(|t| t.min(u64::from(u32::MAX)) as u32),
                                 });
                             }
                             let think = clients[p.client].think_seconds();
@@ -231,8 +257,23 @@ pub fn run(spec: &RunSpec) -> RunResult {
                     |t, ev| push(&mut queue, t, ev),
                 );
             }
+            Ev::Restart(r) => engines[r].flush_cache(),
         }
     }
+    let corrections = {
+        let routers = policy.routers();
+        (!routers.is_empty()).then(|| {
+            let mut sum = [0u64; 3];
+            for router in routers {
+                for r in router.snapshot().replicas {
+                    sum[0] += r.usage.shrinks_total;
+                    sum[1] += r.usage.growths_total;
+                    sum[2] += r.usage.restarts_total;
+                }
+            }
+            sum
+        })
+    };
     let window = sc.duration_s * 1e6;
     RunResult {
         policy: spec.policy,
@@ -242,6 +283,7 @@ pub fn run(spec: &RunSpec) -> RunResult {
         records,
         mean_inflight: load_area.iter().map(|a| a / window).collect(),
         long_unfinished: pending.values().filter(|p| p.long).count(),
+        corrections,
     }
 }
 
@@ -319,6 +361,17 @@ pub struct SimArgs {
     pub load_unit_bytes: Option<u64>,
     #[arg(long)]
     pub warmth_blocks: Option<usize>,
+    /// HEARTH_USAGE_FEEDBACK for the Hearth policies (default: on).
+    #[arg(long, action = clap::ArgAction::Set)]
+    pub usage_feedback: Option<bool>,
+    /// Seconds into the measured window when the first replica's engine
+    /// restarts (default: the scenario's; engine-restart: 60).
+    #[arg(long)]
+    pub restart_at: Option<f64>,
+    /// Share of agents that reach the engines around Hearth, through a
+    /// ring hash on their session (default: the scenario's; bypass: 0.25).
+    #[arg(long)]
+    pub bypass_share: Option<f64>,
     /// Runs simulated at once (each is single-threaded and deterministic).
     #[arg(long, default_value_t = 2)]
     pub jobs: usize,
@@ -389,6 +442,23 @@ impl SimArgs {
         }
         if let Some(w) = self.warmth_blocks {
             sc.hearth.warmth_blocks = w;
+        }
+        if let Some(f) = self.usage_feedback {
+            sc.hearth.usage_feedback = f;
+        }
+        if let Some(at) = self.restart_at {
+            anyhow::ensure!(
+                at.is_finite() && at >= 0.0,
+                "--restart-at must be a number of seconds, 0 or more"
+            );
+            sc.restart_at_s = Some(at);
+        }
+        if let Some(b) = self.bypass_share {
+            anyhow::ensure!(
+                (0.0..1.0).contains(&b),
+                "--bypass-share must be 0 to below 1"
+            );
+            sc.bypass_share = b;
         }
         anyhow::ensure!((1..=64).contains(&sc.replicas), "replicas must be 1 to 64");
         anyhow::ensure!(
@@ -522,6 +592,13 @@ pub fn main(args: SimArgs) -> anyhow::Result<()> {
             sc.hearth.long_lane.as_str()
         );
         print!("{}", crate::report::long_table(&rows));
+    }
+    if rows.iter().any(|r| r.prediction_bias.is_some()) {
+        println!(
+            "# the sidecar's predicted cached tokens against the engines' (usage feedback {}): bias = predicted / served - 1; |err|/prm = sum |predicted - served| / prompt tokens",
+            if sc.hearth.usage_feedback { "on" } else { "off" }
+        );
+        print!("{}", crate::report::prediction_table(&rows));
     }
     println!(
         "# {} runs in {:.1} s wall-clock",

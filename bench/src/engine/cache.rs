@@ -61,6 +61,15 @@ impl PrefixCache {
         }
     }
 
+    /// Drops every block not in use by a running sequence (an engine
+    /// restarted, or its cache was reset).
+    pub fn flush(&mut self) {
+        let pins = &self.pins;
+        self.by_hash.retain(|h, _| pins.contains_key(h));
+        let by_hash = &self.by_hash;
+        self.by_tick.retain(|_, h| by_hash.contains_key(h));
+    }
+
     /// Marks blocks as in use (by a running sequence): they are not evicted
     /// until [`PrefixCache::unpin`] is called as often.
     pub fn pin(&mut self, hashes: &[u64]) {
@@ -194,6 +203,21 @@ mod tests {
         assert_eq!(cache.admit(&b), 5);
         // A gap stops the match even if later blocks are present.
         assert_eq!(cache.matched_blocks(&[7, a[0]]), 0);
+    }
+
+    #[test]
+    fn a_flush_keeps_only_the_running_blocks() {
+        let mut cache = PrefixCache::new(100);
+        cache.admit(&[1, 2, 3]);
+        cache.admit(&[7, 8]);
+        cache.pin(&[7, 8]);
+        cache.flush();
+        assert_eq!(cache.len(), 2);
+        assert_eq!(cache.matched_blocks(&[1, 2, 3]), 0);
+        assert_eq!(cache.matched_blocks(&[7, 8]), 2);
+        cache.unpin(&[7, 8]);
+        cache.admit(&[1]);
+        assert_eq!(cache.len(), 3);
     }
 
     #[test]

@@ -155,6 +155,12 @@ impl EngineCore {
         self
     }
 
+    /// Drops the cache's blocks that no running sequence uses (a restart of
+    /// the engine's cache; its running requests carry on).
+    pub fn flush_cache(&mut self) {
+        self.cache.flush();
+    }
+
     pub fn cost(&self) -> &CostModel {
         &self.cost
     }
