@@ -457,6 +457,11 @@ pub struct Summary {
     pub per_engine: Vec<usize>,
     /// The sidecar's active probes during the run (hearth only).
     pub probes: Option<u64>,
+    /// Prompt and cached tokens the sidecar counted from the engines'
+    /// answers (`/metrics`, hearth only), against the turns' own.
+    pub sidecar_usage: Option<(u64, u64)>,
+    /// Prompt and cached tokens of the answered turns, from their usage.
+    pub answered_usage: (u64, u64),
 }
 
 /// Summarises one policy's records.
@@ -525,6 +530,11 @@ pub fn summarize(policy: &str, records: &[TurnRecord], engines: usize, wall_s: f
         other_failures: failed(&|s| s.is_none_or(|s| s != 429 && !(500..600).contains(&s))),
         per_engine,
         probes: None,
+        sidecar_usage: None,
+        answered_usage: ok
+            .iter()
+            .filter_map(|r| Some((r.prompt_tokens?, r.cached_tokens?)))
+            .fold((0, 0), |(p, c), (rp, rc)| (p + rp, c + rc)),
     }
 }
 
@@ -740,6 +750,26 @@ async fn decisions(sidecar: &SidecarProcess, limit: usize) -> Option<Value> {
     Some(v["decisions"].clone())
 }
 
+/// The sums of the sidecar's per-replica prompt and cached token counters.
+async fn usage_counted(sidecar: &SidecarProcess) -> Option<(u64, u64)> {
+    let text = reqwest::get(format!("http://{}/metrics", sidecar.admin))
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    let sum = |name: &str| {
+        text.lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    };
+    Some((
+        sum("hearth_replica_prompt_tokens_total{"),
+        sum("hearth_replica_cached_tokens_total{"),
+    ))
+}
+
 /// The sum of the sidecar's `hearth_probes_total` counters.
 async fn probes_sent(sidecar: &SidecarProcess) -> Option<u64> {
     let text = reqwest::get(format!("http://{}/metrics", sidecar.admin))
@@ -867,6 +897,7 @@ async fn run_policy(
             (None, b) => b,
             _ => None,
         };
+        summary.sidecar_usage = usage_counted(s).await;
         journal = decisions(s, records.len()).await;
         state = s.state().await.ok();
     }
@@ -964,6 +995,18 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
     print!("{}", table(&summaries));
     if let Some(p) = summaries.iter().find_map(|r| r.probes) {
         println!("\nhearth: the sidecar sent {p} active probes to the engines during its run");
+    }
+    for r in &summaries {
+        if let Some((prompt, cached)) = r.sidecar_usage {
+            let share = |c: u64, p: u64| 100.0 * c as f64 / p.max(1) as f64;
+            let (ap, ac) = r.answered_usage;
+            println!(
+                "{}: the sidecar's /metrics counted {prompt} prompt and {cached} cached tokens ({:.1}% from cache); the answers' usage says {ap} and {ac} ({:.1}%)",
+                r.policy,
+                share(cached, prompt),
+                share(ac, ap)
+            );
+        }
     }
     if let Some(path) = &args.json {
         let doc = json!({

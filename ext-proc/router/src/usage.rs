@@ -11,27 +11,29 @@
 //! - **Bytes per token**: the fingerprint counts canonical prompt bytes and
 //!   the engine counts tokens; each replica's ratio (`prompt_bytes /
 //!   prompt_tokens`, a moving average) converts one into the other.
-//! - **A miss** (feedback on): a continuing turn, which the engine read in
-//!   full when it served the previous turn, came back with more than one
-//!   block less from cache than predicted. The engine evicted what the
-//!   index still holds: the index is larger than the engine's cache. Its
-//!   capacity shrinks to nine tenths of what it holds (never below
-//!   [`MIN_WARMTH_BLOCKS`]), dropping its least recent blocks, the way the
-//!   engine did.
+//! - **A miss** (feedback on): a continuing turn (its prompt was in the
+//!   engine's cache: the engine read the previous turn in full) came back
+//!   with less than half of the predicted blocks from cache. A few tail
+//!   blocks short is the ordinary disagreement of two LRUs that count
+//!   different things (output tokens, running requests' blocks), not a
+//!   miss. Where the lost block sat in the index tells what the miss
+//!   means; the decision noted the block's clock
+//!   ([`crate::warmth::LruBlocks::stamp`]) and the depth is counted now:
+//!   - *deep* (the blocks other prompts used since this conversation's
+//!     previous turn are at least a quarter of what the index holds): the
+//!     engine's cache is smaller than the index. The capacity shrinks to
+//!     that depth, by at most a tenth per miss (an engine's room for
+//!     paused conversations comes and goes with what it runs), never
+//!     below [`MIN_WARMTH_BLOCKS`], dropping the least recent blocks;
+//!   - *shallow*: the engine lost a recent conversation, which no cache
+//!     size explains. [`RESTART_STREAK`] shallow misses in a row are a
+//!     restart (or a reset cache): the replica's warmth and resident
+//!     conversations are dropped, its capacity kept.
 //! - **An under-prediction**: a turn served more than one block beyond the
 //!   prediction while the index was full. The index forgot what the engine
-//!   kept; its capacity grows by a tenth, up to `HEARTH_WARMTH_BLOCKS`.
+//!   kept; its capacity grows by a quarter, up to `HEARTH_WARMTH_BLOCKS`.
 //!   (Any turn counts: a conversation whose tail the index dropped no
 //!   longer looks like a continuation.)
-//! - **A restart**: three continuing turns in a row, each predicted to
-//!   find at least two blocks, were served nothing at all from cache (not
-//!   even a shared prefix). The engine lost everything: the replica's
-//!   warmth and resident conversations are dropped. (The first two also
-//!   shrank the capacity, as misses; under-predictions grow it back once
-//!   the index is full again.) Where conversations share no prefix, an
-//!   engine whose cache is far too small for them also serves some turns
-//!   nothing; a turn served anything from cache in between breaks the
-//!   streak.
 //!
 //! The conversation's own chain is not cut back on a miss: the engine
 //! re-reads what it missed while serving the turn, so when the answer
@@ -47,7 +49,7 @@ use crate::warmth::LruBlocks;
 /// The smallest warmth capacity a replica's corrections shrink to.
 pub const MIN_WARMTH_BLOCKS: usize = 64;
 
-/// Continuing turns in a row served nothing from cache before the replica
+/// Continuing turns in a row that lost recent blocks before the replica
 /// counts as restarted.
 pub const RESTART_STREAK: u32 = 3;
 
@@ -69,6 +71,9 @@ pub struct Prediction {
     /// The prompt continues an earlier one (its previous turn was read in
     /// full by the engine that served it).
     pub continues: bool,
+    /// The replica's warmth clock when it last used the deepest block of
+    /// the prediction ([`crate::warmth::LruBlocks::stamp`]).
+    pub stamp: Option<u32>,
 }
 
 /// An answer's usage: prompt tokens, and the ones read from cache.
@@ -129,8 +134,10 @@ pub(crate) struct UsageTally {
     pub(crate) shrinks: u64,
     pub(crate) growths: u64,
     pub(crate) restarts: u64,
-    /// Continuing turns in a row served nothing from cache.
-    cold_streak: u32,
+    /// Continuing turns in a row that lost recent blocks, and the
+    /// capacity before the first of them.
+    miss_streak: u32,
+    capacity_before_streak: usize,
 }
 
 /// A replica's usage account on `/state`.
@@ -209,33 +216,56 @@ impl UsageTally {
         self.compared_cached_tokens += usage.cached_tokens;
         let served_blocks = (usage.cached_tokens as f64 * bpt / block).floor() as u64;
         let predicted_blocks = u64::from(pr.blocks);
-        // Only a continuing turn's prompt was surely in the engine's cache
-        // (it read the previous turn in full); a first turn's shared
-        // prefix may still be in another request's prefill.
-        let cold = pr.continues && usage.cached_tokens == 0 && predicted_blocks >= 2;
+        // A miss: a continuing turn (its prompt was in the engine's cache:
+        // it read the previous turn in full) for which the engine lost
+        // most of what the index holds. A few tail blocks short is the
+        // ordinary disagreement of two LRUs that count different things.
+        let missed = pr.continues && served_blocks * 2 < predicted_blocks;
+        let under = served_blocks > predicted_blocks + 1;
+        // How deep the lost block sat in the index. Shallow (the blocks
+        // other prompts used since this conversation's previous turn are
+        // under a quarter of what the index holds): the engine lost a
+        // recent conversation, which no cache size explains. Deeper: its
+        // cache is smaller than the index.
+        let held = warmth.len().min(warmth.capacity());
+        let depth = pr.stamp.filter(|_| missed).map(|s| warmth.newer_than(s));
+        let shallow = missed
+            && depth.is_none_or(|d| (d as u64).saturating_sub(predicted_blocks) * 4 < held as u64);
         if pr.continues {
-            self.cold_streak = if cold { self.cold_streak + 1 } else { 0 };
+            if shallow {
+                if self.miss_streak == 0 {
+                    self.capacity_before_streak = warmth.capacity();
+                }
+                self.miss_streak += 1;
+            } else {
+                self.miss_streak = 0;
+            }
         }
         if !p.usage_feedback {
             return (Some(predicted), None);
         }
-        let correction = if cold && self.cold_streak >= RESTART_STREAK {
-            self.cold_streak = 0;
+        let correction = if shallow && self.miss_streak >= RESTART_STREAK {
+            // The engine lost what it read last: a restart (or its cache
+            // was reset). The capacity stays what it was.
+            self.miss_streak = 0;
             self.restarts += 1;
             warmth.clear();
+            warmth.set_capacity(self.capacity_before_streak);
             Some(Correction::Restart)
-        } else if pr.continues && served_blocks + 1 < predicted_blocks {
-            let capacity = (warmth.len().min(warmth.capacity()) * 9 / 10)
-                .max(MIN_WARMTH_BLOCKS)
-                .min(warmth.capacity());
-            warmth.set_capacity(capacity);
-            self.shrinks += 1;
-            Some(Correction::Shrunk(capacity))
-        } else if served_blocks > predicted_blocks + 1
-            && warmth.len() >= warmth.capacity()
-            && warmth.capacity() < p.warmth_blocks
+        } else if let Some(depth) = depth.filter(|_| missed && !shallow) {
+            // The engine lost a block that sat `depth` blocks deep in the
+            // index: its cache held fewer than that, then. An engine's room
+            // for paused conversations comes and goes with what it runs,
+            // so one miss takes at most a tenth off.
+            let capacity = depth.max(held * 9 / 10).max(MIN_WARMTH_BLOCKS);
+            (capacity < warmth.capacity()).then(|| {
+                warmth.set_capacity(capacity);
+                self.shrinks += 1;
+                Correction::Shrunk(capacity)
+            })
+        } else if under && warmth.len() >= warmth.capacity() && warmth.capacity() < p.warmth_blocks
         {
-            let capacity = (warmth.capacity() + warmth.capacity() / 10 + 1).min(p.warmth_blocks);
+            let capacity = (warmth.capacity() + warmth.capacity() / 4 + 1).min(p.warmth_blocks);
             warmth.set_capacity(capacity);
             self.growths += 1;
             Some(Correction::Grew(capacity))

@@ -61,6 +61,11 @@ pub struct LruBlocks {
     tail: u32,
     /// Node slots freed by a shrink, reused before the vector grows.
     free: Vec<u32>,
+    /// Per node, the clock when it last came to the front (wrapping):
+    /// how many blocks are more recent than one is the walk from the head
+    /// to the first that is not newer.
+    stamps: Vec<u32>,
+    clock: u32,
 }
 
 impl LruBlocks {
@@ -74,6 +79,8 @@ impl LruBlocks {
             head: NIL,
             tail: NIL,
             free: Vec::new(),
+            stamps: Vec::new(),
+            clock: 0,
         }
     }
 
@@ -96,7 +103,9 @@ impl LruBlocks {
     /// Bytes held by this set's tables (reported on the state endpoint).
     pub fn memory_bytes(&self) -> usize {
         let map_entry = std::mem::size_of::<(u64, u32)>() + 1;
-        self.slots.capacity() * map_entry + self.nodes.capacity() * std::mem::size_of::<Node>()
+        self.slots.capacity() * map_entry
+            + self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.stamps.capacity() * std::mem::size_of::<u32>()
     }
 
     /// Number of leading `hashes` present: the replica's prefix overlap.
@@ -193,6 +202,7 @@ impl LruBlocks {
                 prev: NIL,
                 next: NIL,
             });
+            self.stamps.push(0);
             (self.nodes.len() - 1) as u32
         };
         self.slots.insert(hash, slot);
@@ -222,6 +232,7 @@ impl LruBlocks {
         self.slots.clear();
         self.nodes.clear();
         self.free.clear();
+        self.stamps.clear();
         self.head = NIL;
         self.tail = NIL;
     }
@@ -253,7 +264,34 @@ impl LruBlocks {
         }
     }
 
+    /// The clock of `hash`'s last use, if present: compare it later with
+    /// [`LruBlocks::newer_than`].
+    pub fn stamp(&self, hash: u64) -> Option<u32> {
+        self.slots
+            .get(&hash)
+            .map(|&slot| self.stamps[slot as usize])
+    }
+
+    /// Blocks used after the clock read `stamp`: how deep in this LRU a
+    /// block stamped then would sit now. Walks from the head, so it costs
+    /// the answer.
+    pub fn newer_than(&self, stamp: u32) -> usize {
+        let mut n = 0;
+        let mut at = self.head;
+        while at != NIL {
+            let age = self.stamps[at as usize].wrapping_sub(stamp);
+            if age == 0 || age > u32::MAX / 2 {
+                break;
+            }
+            n += 1;
+            at = self.nodes[at as usize].next;
+        }
+        n
+    }
+
     fn push_front(&mut self, slot: u32) {
+        self.clock = self.clock.wrapping_add(1);
+        self.stamps[slot as usize] = self.clock;
         let old_head = self.head;
         {
             let node = &mut self.nodes[slot as usize];
@@ -321,6 +359,24 @@ mod tests {
         lru.record_prompt(&[30]);
         assert_eq!(lru.len(), 6);
         assert!(!lru.contains(1));
+    }
+
+    #[test]
+    fn the_depth_of_a_block_is_what_was_used_after_it() {
+        let mut lru = LruBlocks::new(100);
+        lru.record_prompt(&[1, 2, 3]);
+        let s3 = lru.stamp(3).unwrap();
+        let s1 = lru.stamp(1).unwrap();
+        // Block 3 was touched first (prompts go last to first).
+        assert_eq!(lru.newer_than(s3), 2);
+        assert_eq!(lru.newer_than(s1), 0);
+        lru.record_prompt(&[10, 11]);
+        assert_eq!(lru.newer_than(s3), 4);
+        // Re-touching a block counts it once.
+        lru.touch(2);
+        assert_eq!(lru.newer_than(s3), 4);
+        assert_eq!(lru.newer_than(s1), 3);
+        assert_eq!(lru.stamp(99), None);
     }
 
     #[test]

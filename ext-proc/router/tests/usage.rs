@@ -3,7 +3,6 @@
 
 use std::sync::Arc;
 
-use hearth_router::usage::MIN_WARMTH_BLOCKS;
 use hearth_router::{Correction, RequestInfo, Router, RouterParams, Snapshot, UpstreamSpec, Usage};
 
 /// Two replicas.
@@ -66,113 +65,114 @@ fn a_served_prediction_is_counted_and_changes_nothing() {
     assert_eq!(s.warmth_capacity, RouterParams::default().warmth_blocks);
 }
 
-#[test]
-fn a_miss_shrinks_the_index_toward_the_engine_and_drops_its_oldest_blocks() {
-    let r = fleet_of("127.0.0.1:1", |p| p.warmth_blocks = 10_000);
-    // Three conversations of 200 blocks on one replica.
-    let convs: Vec<Vec<u64>> = (0..3).map(|k| conversation(1 + k * 10_000, 200)).collect();
+/// `n` conversations of `blocks` blocks each, placed in order on a
+/// one-replica fleet.
+fn placed(r: &Arc<Router>, n: u64, blocks: u64) -> Vec<Vec<u64>> {
+    let convs: Vec<Vec<u64>> = (0..n)
+        .map(|k| conversation(1 + k * 10_000, blocks))
+        .collect();
     for c in &convs {
         drop(r.decide(&req(c)).unwrap());
     }
-    let home = 0;
-    let held = replica(&r, home).warmth_blocks;
-    assert_eq!(held, 600);
-    // The newest conversation comes back; the engine kept only 50 of its
-    // 200 blocks: its cache is smaller than the index.
-    let mut c = convs[2].clone();
-    c.push(900_099);
-    let d = r.decide(&req(&c)).unwrap();
-    assert_eq!((d.primary(), d.overlap), (home, 200));
-    let served = d.record_usage(usage(c.len(), 50)).unwrap();
-    // What it holds now (this turn's 201 blocks recorded), nine tenths.
-    let expected = ((held + 1) * 9 / 10).max(MIN_WARMTH_BLOCKS);
-    assert_eq!(served.correction, Some(Correction::Shrunk(expected)));
-    let s = replica(&r, home);
-    assert_eq!((s.warmth_capacity, s.warmth_blocks), (expected, expected));
-    assert_eq!(s.usage.shrinks_total, 1);
-    // This conversation's chain stays whole (the engine re-read it); the
-    // oldest conversation lost its tail (61 blocks, and one more for the
-    // block this turn added).
-    drop(d);
-    c.push(900_100);
-    assert_eq!(r.decide(&req(&c)).unwrap().overlap, 201);
-    let mut oldest = convs[0].clone();
-    oldest.push(900_005);
-    assert_eq!(r.decide(&req(&oldest)).unwrap().overlap, 200 - 62);
+    convs
 }
 
 #[test]
-fn continuing_turns_served_nothing_three_times_in_a_row_are_a_restart() {
-    let r = fleet_of("127.0.0.1:1", |_| {});
-    let mut convs: Vec<Vec<u64>> = (0..4).map(|k| conversation(1 + k * 1_000, 300)).collect();
-    for c in &convs {
-        drop(r.decide(&req(c)).unwrap());
-    }
-    let mut corrections = Vec::new();
-    // The engine restarted: each conversation's next turn finds nothing.
-    // One turn served from cache in between breaks the streak.
-    for (k, c) in convs.iter_mut().enumerate() {
-        c.push(900_007);
-        let d = r.decide(&req(c)).unwrap();
-        assert!(d.continues);
-        let cached = if k == 1 { u64::from(d.overlap) } else { 0 };
-        corrections.push(d.record_usage(usage(c.len(), cached)).unwrap().correction);
-    }
-    // Each cold turn is also a miss: the index held 1,201 blocks at the
-    // first, and stays full at its shrinking capacity.
-    assert_eq!(
-        corrections,
-        [
-            Some(Correction::Shrunk(1_080)),
-            None,
-            Some(Correction::Shrunk(972)),
-            Some(Correction::Shrunk(874)),
-        ]
-    );
-    // The most recent conversation, still whole in the index, finds
-    // nothing either: the third in a row.
-    let mut c = convs[3].clone();
-    c.push(900_008);
+fn a_miss_shrinks_the_index_toward_the_engine_and_drops_its_oldest_blocks() {
+    let r = fleet_of("127.0.0.1:1", |p| p.warmth_blocks = 10_000);
+    let convs = placed(&r, 4, 100);
+    assert_eq!(replica(&r, 0).warmth_blocks, 400);
+    // The third conversation comes back; the engine kept only 10 of its
+    // 100 blocks. Since its previous turn, the index took in the fourth
+    // (100 blocks): as many as a quarter of what it holds, so not a
+    // recent loss but a cache smaller than the index. A tenth goes.
+    let mut c = convs[2].clone();
+    c.push(900_001);
     let d = r.decide(&req(&c)).unwrap();
-    assert_eq!(
-        d.record_usage(usage(c.len(), 0)).unwrap().correction,
-        Some(Correction::Restart)
-    );
+    assert_eq!(d.overlap, 100);
+    let served = d.record_usage(usage(c.len(), 10)).unwrap();
+    assert_eq!(served.correction, Some(Correction::Shrunk(360)));
+    let s = replica(&r, 0);
+    assert_eq!((s.warmth_capacity, s.warmth_blocks), (360, 360));
+    assert_eq!(s.usage.shrinks_total, 1);
+    drop(d);
+    // This conversation's chain stays whole (the engine re-read it); the
+    // oldest lost the 41 blocks of its tail, and one more for the block
+    // this turn added.
+    c.push(900_002);
+    assert_eq!(r.decide(&req(&c)).unwrap().overlap, 101);
+    let mut oldest = convs[0].clone();
+    oldest.push(900_003);
+    assert_eq!(r.decide(&req(&oldest)).unwrap().overlap, 58);
+}
+
+#[test]
+fn recent_conversations_lost_three_times_in_a_row_are_a_restart() {
+    let r = fleet_of("127.0.0.1:1", |_| {});
+    let convs = placed(&r, 12, 100);
+    // The engine restarted: the three latest conversations come back
+    // (latest first) and find nothing; each lost what the index took in
+    // last, which no cache size explains, so none shrinks the index.
+    let mut corrections = Vec::new();
+    for (k, c) in convs.iter().rev().take(3).enumerate() {
+        let mut c = c.clone();
+        c.push(900_000 + k as u64);
+        let d = r.decide(&req(&c)).unwrap();
+        assert!(d.continues);
+        corrections.push(d.record_usage(usage(c.len(), 0)).unwrap().correction);
+    }
+    assert_eq!(corrections, [None, None, Some(Correction::Restart)]);
     let s = replica(&r, 0);
     assert_eq!((s.warmth_blocks, s.resident_conversations), (0, 0));
+    assert_eq!(s.warmth_capacity, RouterParams::default().warmth_blocks);
     assert_eq!(s.usage.restarts_total, 1);
-    drop(d);
     // Nothing holds any conversation now: the next turn is a new one.
-    c.push(900_009);
+    let mut c = convs[0].clone();
+    c.push(900_002);
     let next = r.decide(&req(&c)).unwrap();
     assert_eq!(next.overlap, 0);
     assert!(!next.continues);
 }
 
 #[test]
+fn a_recent_loss_between_ordinary_turns_is_no_restart() {
+    let r = fleet_of("127.0.0.1:1", |_| {});
+    let convs = placed(&r, 12, 100);
+    let mut corrections = Vec::new();
+    for (k, c) in convs.iter().rev().take(3).enumerate() {
+        let mut c = c.clone();
+        c.push(900_000 + k as u64);
+        let d = r.decide(&req(&c)).unwrap();
+        // The middle one was served as predicted.
+        let cached = if k == 1 { 100 } else { 0 };
+        corrections.push(d.record_usage(usage(c.len(), cached)).unwrap().correction);
+    }
+    assert_eq!(corrections, [None, None, None]);
+    assert_eq!(replica(&r, 0).warmth_blocks, 1_203);
+}
+
+#[test]
 fn a_full_index_that_under_predicts_grows_back() {
     let r = fleet_of("127.0.0.1:1", |p| p.warmth_blocks = 1_000);
-    let c = conversation(1, 300);
-    drop(r.decide(&req(&c)).unwrap());
-    let mut c2 = c.clone();
-    c2.push(900_005);
-    let d = r.decide(&req(&c2)).unwrap();
-    // A miss shrinks it to nine tenths of its 301 blocks.
+    let convs = placed(&r, 2, 300);
+    // The older comes back and misses: capped at what the index holds.
+    let mut a = convs[0].clone();
+    a.push(900_001);
+    let d = r.decide(&req(&a)).unwrap();
     assert_eq!(
-        d.record_usage(usage(c2.len(), 10)).unwrap().correction,
-        Some(Correction::Shrunk(270))
+        d.record_usage(usage(a.len(), 10)).unwrap().correction,
+        Some(Correction::Shrunk(601))
     );
     drop(d);
-    // A newer conversation fills the index and pushes out the older one's
-    // tail; the engine still had all of it.
-    let other = conversation(50_000, 200);
-    drop(r.decide(&req(&other)).unwrap());
-    let mut c3 = c2.clone();
-    c3.push(900_006);
-    let d = r.decide(&req(&c3)).unwrap();
-    assert!(d.overlap < 301, "the index lost the tail: {}", d.overlap);
-    let grown = d.record_usage(usage(c3.len(), 301)).unwrap().correction;
-    assert_eq!(grown, Some(Correction::Grew(270 + 27 + 1)));
+    // A third conversation pushes the second's tail out of the index; the
+    // engine still had all of it.
+    drop(r.decide(&req(&conversation(50_000, 200))).unwrap());
+    let mut b = convs[1].clone();
+    b.push(900_002);
+    let d = r.decide(&req(&b)).unwrap();
+    assert_eq!(d.overlap, 100, "the index lost the tail");
+    let grown = d.record_usage(usage(b.len(), 300)).unwrap().correction;
+    assert_eq!(grown, Some(Correction::Grew(601 + 150 + 1)));
     assert_eq!(replica(&r, 0).usage.growths_total, 1);
 }
 

@@ -140,6 +140,7 @@ mod tests {
             blocks,
             prompt_bytes: 4096,
             continues: true,
+            stamp: None,
         }
     }
 

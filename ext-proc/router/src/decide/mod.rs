@@ -131,6 +131,14 @@ impl Router {
         let warm = overlap::measure(self, fleet, &tips, req, admitted);
         let scored = policy::score(self, fleet, &warm, now);
         let picked = pick::pick(self, fleet, req, &warm, &scored);
+        // When the chosen replica last used the deepest block it holds of
+        // this prompt: how deep that block sat, should the engine not
+        // have it (see `usage`).
+        let chosen = picked.order[0];
+        let stamp = (picked.overlap as usize)
+            .checked_sub(1)
+            .and_then(|k| req.hashes.get(k))
+            .and_then(|&h| fleet.state[chosen].warmth.stamp(h));
         let reservation = reserve::reserve(self, fleet, &mut tips, req, &warm, &picked, now);
         drop(tips);
         let replicas = Arc::clone(&fleet.replicas);
@@ -149,13 +157,13 @@ impl Router {
                 score,
             })
             .collect();
-        let chosen = picked.order[0];
         let prediction = Prediction {
             replica: chosen,
             key: replicas[chosen].key(),
             blocks: picked.overlap,
             prompt_bytes: req.prompt_bytes,
             continues: warm.continued.is_some(),
+            stamp,
         };
         Ok(Decision {
             order: picked.order,
