@@ -85,25 +85,27 @@ impl Scenario {
             // Eight replicas with 1M tokens each: a session's replica can keep
             // its share of conversations, but not everyone's.
             "cache-runs-out" => scenario(swarm, 8, &[48, 64, 96, 128], 1_000_000),
-            // cache-runs-out with the sidecar at its default warmth index
-            // (100,000 blocks, about 51M tokens a replica) where each
-            // engine holds 1M tokens: the index is 50 times too large.
+            // Eight replicas whose engines hold 300,000 tokens each (a few of
+            // their eight conversations), with the sidecar at its default
+            // warmth index (100,000 blocks, about 51M tokens a replica):
+            // the index is 170 times too large.
             "undersized-kv" => {
-                let mut s = scenario(swarm, 8, &[64], 1_000_000);
+                let mut s = scenario(swarm, 8, &[64], 300_000);
                 s.hearth.warmth_blocks = HearthKnobs::default().warmth_blocks;
                 s
             }
-            // cache-runs-out where the first replica's engine restarts 60 s
-            // into the measured window.
+            // The same engines, the index sized to them, and the first
+            // replica's engine restarting 60 s into the measured window.
             "engine-restart" => {
-                let mut s = scenario(swarm, 8, &[64], 1_000_000);
+                let mut s = scenario(swarm, 8, &[64], 300_000);
                 s.restart_at_s = Some(60.0);
                 s
             }
-            // cache-runs-out where a quarter of the agents reach the
-            // engines through another gateway (ring hash on their session).
+            // The same engines and index, and a quarter of the agents
+            // reaching the engines through another gateway (ring hash on
+            // their session).
             "bypass" => {
-                let mut s = scenario(swarm, 8, &[64], 1_000_000);
+                let mut s = scenario(swarm, 8, &[64], 300_000);
                 s.bypass_share = 0.25;
                 s
             }

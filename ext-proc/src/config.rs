@@ -84,8 +84,10 @@ pub struct Settings {
     pub block_size: usize,
 
     /// Warmth index capacity per replica, in blocks (LRU beyond it).
-    #[arg(long, env = "HEARTH_WARMTH_BLOCKS", default_value_t = 100_000)]
-    pub warmth_blocks: usize,
+    /// Unset: 100,000, or for an engine that reports its KV capacity in
+    /// its metrics (vLLM, SGLang), what that holds.
+    #[arg(long, env = "HEARTH_WARMTH_BLOCKS")]
+    pub warmth_blocks: Option<usize>,
 
     /// Credit basis: absolute, marginal or relative.
     #[arg(long, env = "HEARTH_AFFINITY_BASIS", default_value = "relative")]
@@ -280,6 +282,10 @@ pub struct Settings {
 
 /// The wasm module's path in the shipped config (relative to the
 /// repository root, where `scripts/setup` builds it).
+/// The warmth index of a replica whose engine does not report its KV
+/// capacity, when `HEARTH_WARMTH_BLOCKS` is unset.
+pub const DEFAULT_WARMTH_BLOCKS: usize = 100_000;
+
 pub const DEFAULT_WASM: &str = "target/wasm32-wasip1/wasm-release/hearth_filter.wasm";
 
 /// Flags of `hearth-ext-proc envoy-config` (rendered by
@@ -413,7 +419,8 @@ impl Settings {
                 probe_retry: seconds(self.probe_retry_seconds),
             },
             block_size: self.block_size,
-            warmth_blocks: self.warmth_blocks,
+            warmth_blocks: self.warmth_blocks.unwrap_or(DEFAULT_WARMTH_BLOCKS),
+            warmth_from_engine: self.warmth_blocks.is_none(),
             load_unit_bytes: self.load_unit_bytes,
             max_inflight: self.max_inflight,
             max_queue: self.max_queue,
@@ -440,7 +447,7 @@ impl Settings {
         if let Err(e) = fp.validate() {
             problems.push(format!("HEARTH_BLOCK_SIZE: {e}"));
         }
-        if self.warmth_blocks == 0 {
+        if self.warmth_blocks == Some(0) {
             problems.push("HEARTH_WARMTH_BLOCKS must be at least 1".into());
         }
         if !(self.alpha.is_finite() && self.alpha >= 0.0) {

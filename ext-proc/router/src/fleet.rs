@@ -24,6 +24,29 @@ pub struct EngineSignals {
     /// This sidecar's own in-flight requests on the target when the
     /// figures arrived: `running` beyond it is other gateways' traffic.
     pub own_in_flight: u32,
+    /// The engine's count of prompt tokens processed since it started:
+    /// lower than the last figure, the engine restarted.
+    pub prompt_tokens_total: Option<f64>,
+    /// When the engine's process started (Unix seconds), when it says.
+    pub started_at: Option<f64>,
+    /// Tokens its KV cache holds, when it says (vLLM's cache config,
+    /// SGLang's token capacity).
+    pub kv_capacity_tokens: Option<f64>,
+}
+
+impl EngineSignals {
+    /// The engine restarted between `self` and `next`: its start time
+    /// changed, or its prompt-token count went down.
+    pub fn restarted_by(&self, next: &EngineSignals) -> bool {
+        let moved = |a: Option<f64>, b: Option<f64>, by: f64| {
+            a.zip(b).is_some_and(|(a, b)| b < a - by || b > a + by)
+        };
+        let fell = self
+            .prompt_tokens_total
+            .zip(next.prompt_tokens_total)
+            .is_some_and(|(a, b)| b < a);
+        fell || moved(self.started_at, next.started_at, 1.0)
+    }
 }
 
 /// Conversations whose latest turn went to one replica: each by its tip
@@ -92,6 +115,9 @@ pub(crate) struct ReplicaState {
     pub(crate) resident: Residents,
     /// What the engine's answers said of its cache.
     pub(crate) usage: UsageTally,
+    /// The largest its warmth index may grow: `HEARTH_WARMTH_BLOCKS`, or
+    /// what the engine says its KV cache holds.
+    pub(crate) warmth_limit: usize,
 }
 
 impl ReplicaState {
@@ -112,6 +138,7 @@ impl ReplicaState {
             engine: None,
             resident: Residents::default(),
             usage: UsageTally::default(),
+            warmth_limit: warmth_blocks,
         }
     }
 }

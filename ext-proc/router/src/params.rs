@@ -19,6 +19,9 @@ pub struct RouterParams {
     pub block_size: usize,
     /// Warmth index capacity per replica, in blocks.
     pub warmth_blocks: usize,
+    /// `warmth_blocks` is a default, not the operator's: an engine that
+    /// reports its KV capacity sets its replica's instead.
+    pub warmth_from_engine: bool,
     /// Uncached prompt bytes that weigh one extra load unit.
     pub load_unit_bytes: u64,
     /// In-flight requests per replica beyond which it takes no more (0: no
@@ -62,6 +65,7 @@ impl Default for RouterParams {
             health: HealthParams::default(),
             block_size: 2048,
             warmth_blocks: 100_000,
+            warmth_from_engine: true,
             load_unit_bytes: 65_536,
             max_inflight: 0,
             max_queue: 0,

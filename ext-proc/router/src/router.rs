@@ -11,7 +11,9 @@ use crate::fleet::{EngineSignals, Fleet, ReplicaState};
 use crate::health::{FleetHealth, Outcome};
 use crate::params::RouterParams;
 use crate::replica::{targets, ProbeTarget, ReloadSummary, Replica, ReplicaKey, UpstreamSpec};
-use crate::usage::{Correction, Prediction, Served, Usage};
+use crate::usage::{
+    blocks_for_tokens, Correction, Prediction, Served, Usage, DEFAULT_BYTES_PER_TOKEN,
+};
 use crate::warmth::LruBlocks;
 
 /// Called with the replica list's new version after a reload changed it.
@@ -136,6 +138,27 @@ impl Router {
             .max(1) as f64;
         for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
             if r.addr == addr && !r.retired {
+                // A restart the engine's own figures show: its cache is gone.
+                let restarted = s.engine.is_some_and(|old| old.restarted_by(&signals));
+                if restarted {
+                    s.forget_cache();
+                    s.usage.restarts += 1;
+                }
+                // Its KV capacity, when it says and the operator set none:
+                // the index takes that size when first told (or after a
+                // restart), and never exceeds it; in between, the answers'
+                // corrections move it below.
+                let told = signals
+                    .kv_capacity_tokens
+                    .filter(|_| self.params.warmth_from_engine);
+                if let Some(kv) = told {
+                    let first = s.engine.is_none_or(|e| e.kv_capacity_tokens.is_none());
+                    let bpt = s.usage.bytes_per_token.unwrap_or(DEFAULT_BYTES_PER_TOKEN);
+                    s.warmth_limit = blocks_for_tokens(kv, bpt, self.params.block_size, ranks);
+                    if first || restarted || s.warmth.capacity() > s.warmth_limit {
+                        s.warmth.set_capacity(s.warmth_limit);
+                    }
+                }
                 s.engine = Some(EngineSignals {
                     waiting: signals.waiting / ranks,
                     running: signals.running / ranks,
@@ -194,9 +217,13 @@ impl Router {
         let replica = fleet.replicas.get(answered).filter(|r| !r.retired)?;
         let prediction = prediction.filter(|p| p.replica == answered && p.key == replica.key());
         let s = &mut fleet.state[answered];
-        let (predicted_tokens, correction) =
-            s.usage
-                .record(&mut s.warmth, &self.params, prediction, usage);
+        let (predicted_tokens, correction) = s.usage.record(
+            &mut s.warmth,
+            s.warmth_limit,
+            &self.params,
+            prediction,
+            usage,
+        );
         if correction == Some(Correction::Restart) {
             s.forget_cache();
         }

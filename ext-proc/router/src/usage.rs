@@ -31,7 +31,8 @@
 //!     conversations are dropped, its capacity kept.
 //! - **An under-prediction**: a turn served more than one block beyond the
 //!   prediction while the index was full. The index forgot what the engine
-//!   kept; its capacity grows by a quarter, up to `HEARTH_WARMTH_BLOCKS`.
+//!   kept; its capacity grows by a quarter, up to `HEARTH_WARMTH_BLOCKS`
+//!   (or what the engine says its cache holds).
 //!   (Any turn counts: a conversation whose tail the index dropped no
 //!   longer looks like a continuation.)
 //!
@@ -190,6 +191,7 @@ impl UsageTally {
     pub(crate) fn record(
         &mut self,
         warmth: &mut LruBlocks,
+        limit: usize,
         p: &RouterParams,
         prediction: Option<&Prediction>,
         usage: Usage,
@@ -263,9 +265,8 @@ impl UsageTally {
                 self.shrinks += 1;
                 Correction::Shrunk(capacity)
             })
-        } else if under && warmth.len() >= warmth.capacity() && warmth.capacity() < p.warmth_blocks
-        {
-            let capacity = (warmth.capacity() + warmth.capacity() / 4 + 1).min(p.warmth_blocks);
+        } else if under && warmth.len() >= warmth.capacity() && warmth.capacity() < limit {
+            let capacity = (warmth.capacity() + warmth.capacity() / 4 + 1).min(limit);
             warmth.set_capacity(capacity);
             self.growths += 1;
             Some(Correction::Grew(capacity))
@@ -274,6 +275,18 @@ impl UsageTally {
         };
         (Some(predicted), correction)
     }
+}
+
+/// Blocks of the warmth index that `kv_tokens` tokens of an engine's KV
+/// cache hold, at `bytes_per_token` (shared by `ranks` routing targets).
+pub fn blocks_for_tokens(
+    kv_tokens: f64,
+    bytes_per_token: f64,
+    block_size: usize,
+    ranks: f64,
+) -> usize {
+    let blocks = kv_tokens / ranks.max(1.0) * bytes_per_token / block_size.max(1) as f64;
+    (blocks as usize).max(MIN_WARMTH_BLOCKS)
 }
 
 /// Bytes per token before a replica's first report (English text and code

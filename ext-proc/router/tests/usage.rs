@@ -229,3 +229,72 @@ fn bytes_per_token_is_learned_from_the_answers() {
     let bpt = replica(&r, home).usage.bytes_per_token.unwrap();
     assert!((bpt - 2.0).abs() < 0.01, "{bpt}");
 }
+
+/// What a vLLM-like engine's metrics said: `kv` tokens of KV cache,
+/// `prompts` prompt tokens since a start at `started`.
+fn engine(kv: Option<f64>, prompts: f64, started: f64) -> hearth_router::EngineSignals {
+    hearth_router::EngineSignals {
+        waiting: 0.0,
+        running: 0.0,
+        kv_usage: Some(0.1),
+        at: std::time::Instant::now(),
+        own_in_flight: 0,
+        prompt_tokens_total: Some(prompts),
+        started_at: Some(started),
+        kv_capacity_tokens: kv,
+    }
+}
+
+#[test]
+fn an_engine_that_reports_its_kv_capacity_sizes_the_index() {
+    let r = fleet(|_| {});
+    let a = "127.0.0.1:1".parse().unwrap();
+    // 256,000 tokens at four bytes a token: 500 blocks of 2 KiB.
+    r.set_engine_signals(a, engine(Some(256_000.0), 10.0, 1_000.0));
+    assert_eq!(replica(&r, 0).warmth_capacity, 500);
+    // Replica 1 said nothing: the default stays.
+    assert_eq!(
+        replica(&r, 1).warmth_capacity,
+        RouterParams::default().warmth_blocks
+    );
+    // The index never grows past it.
+    let placed = conversation(1, 700);
+    drop(r.decide(&req(&placed)).unwrap());
+    let s = replica(&r, 0);
+    assert_eq!((s.warmth_blocks, s.warmth_capacity), (500, 500));
+
+    // An operator's HEARTH_WARMTH_BLOCKS wins over what the engine says.
+    let fixed = fleet(|p| p.warmth_from_engine = false);
+    fixed.set_engine_signals(a, engine(Some(256_000.0), 10.0, 1_000.0));
+    assert_eq!(
+        replica(&fixed, 0).warmth_capacity,
+        RouterParams::default().warmth_blocks
+    );
+}
+
+#[test]
+fn an_engine_whose_metrics_show_a_restart_loses_its_warmth() {
+    let r = fleet_of("127.0.0.1:1", |_| {});
+    let a = "127.0.0.1:1".parse().unwrap();
+    r.set_engine_signals(a, engine(None, 5_000.0, 1_000.0));
+    let mut c = conversation(1, 50);
+    drop(r.decide(&req(&c)).unwrap());
+    // Still counting up, same start: nothing happened.
+    r.set_engine_signals(a, engine(None, 9_000.0, 1_000.0));
+    assert_eq!(replica(&r, 0).warmth_blocks, 50);
+    assert_eq!(replica(&r, 0).usage.restarts_total, 0);
+    // The prompt-token count fell: a new process.
+    r.set_engine_signals(a, engine(None, 300.0, 1_000.0));
+    let s = replica(&r, 0);
+    assert_eq!((s.warmth_blocks, s.usage.restarts_total), (0, 1));
+    c.push(60_000);
+    assert!(
+        !r.decide(&req(&c)).unwrap().continues,
+        "nothing of the conversation is left to continue"
+    );
+    // A new start time alone says so too.
+    drop(r.decide(&req(&c)).unwrap());
+    r.set_engine_signals(a, engine(None, 800.0, 2_000.0));
+    let s = replica(&r, 0);
+    assert_eq!((s.warmth_blocks, s.usage.restarts_total), (0, 2));
+}

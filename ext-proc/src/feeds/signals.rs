@@ -11,24 +11,27 @@ use std::time::{Duration, Instant};
 use crate::feeds::engines::EngineClient;
 use hearth_router::{EngineSignals, Router};
 
-/// Metric names, per engine family: (waiting, running, KV utilisation).
-/// llama.cpp (`--metrics`) counts requests waiting for a free slot as
-/// deferred, and busy slots as processing.
-const FAMILIES: [(&str, &str, &[&str]); 3] = [
+/// Metric names, per engine family: (waiting, running, KV utilisation,
+/// prompt tokens processed). llama.cpp (`--metrics`) counts requests
+/// waiting for a free slot as deferred, and busy slots as processing.
+const FAMILIES: [(&str, &str, &[&str], &str); 3] = [
     (
         "vllm:num_requests_waiting",
         "vllm:num_requests_running",
         &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+        "vllm:prompt_tokens_total",
     ),
     (
         "sglang:num_queue_reqs",
         "sglang:num_running_reqs",
         &["sglang:token_usage"],
+        "sglang:prompt_tokens_total",
     ),
     (
         "llamacpp:requests_deferred",
         "llamacpp:requests_processing",
         &["llamacpp:kv_cache_usage_ratio"],
+        "llamacpp:prompt_tokens_total",
     ),
 ];
 
@@ -36,7 +39,7 @@ const FAMILIES: [(&str, &str, &[&str]); 3] = [
 /// (samples with several label sets are summed; KV utilisation averaged).
 /// `None` when the page has neither family's queue metrics.
 pub fn parse(text: &str, at: Instant) -> Option<EngineSignals> {
-    for (waiting, running, kv) in FAMILIES {
+    for (waiting, running, kv, prompt_tokens) in FAMILIES {
         let w = sum(text, waiting);
         let r = sum(text, running);
         if w.is_none() && r.is_none() {
@@ -49,9 +52,28 @@ pub fn parse(text: &str, at: Instant) -> Option<EngineSignals> {
             kv_usage,
             at,
             own_in_flight: 0,
+            prompt_tokens_total: sum(text, prompt_tokens),
+            started_at: samples(text, "process_start_time_seconds").next(),
+            kv_capacity_tokens: kv_capacity(text),
         });
     }
     None
+}
+
+/// Tokens the engine's KV cache holds: vLLM's `cache_config_info` labels
+/// (`num_gpu_blocks` x `block_size`), or SGLang's `max_total_num_tokens`.
+fn kv_capacity(text: &str) -> Option<f64> {
+    let label = |line: &str, key: &str| -> Option<f64> {
+        let at = line.find(&format!("{key}=\""))? + key.len() + 2;
+        let rest = &line[at..];
+        rest[..rest.find('"')?].parse().ok()
+    };
+    let vllm = text
+        .lines()
+        .filter(|l| l.starts_with("vllm:cache_config_info{"))
+        .find_map(|l| Some(label(l, "num_gpu_blocks")? * label(l, "block_size")?));
+    vllm.or_else(|| sum(text, "sglang:max_total_num_tokens"))
+        .filter(|t| t.is_finite() && *t > 0.0)
 }
 
 /// Values of every sample of metric `name`.
@@ -135,6 +157,15 @@ mod tests {
             vllm:kv_cache_usage_perc{model_name=\"a\"} 0.5\n";
         let s = parse(page, Instant::now()).unwrap();
         assert_eq!((s.waiting, s.running, s.kv_usage), (5.0, 7.0, Some(0.5)));
+        assert_eq!((s.kv_capacity_tokens, s.started_at), (None, None));
+        let more = format!(
+            "{page}vllm:cache_config_info{{block_size=\"16\",gpu_memory_utilization=\"0.9\",num_gpu_blocks=\"2048\"}} 1.0\n\
+             process_start_time_seconds 1.7e9\nvllm:prompt_tokens_total{{model_name=\"a\"}} 5000\n"
+        );
+        let s = parse(&more, Instant::now()).unwrap();
+        assert_eq!(s.kv_capacity_tokens, Some(32_768.0));
+        assert_eq!(s.started_at, Some(1.7e9));
+        assert_eq!(s.prompt_tokens_total, Some(5000.0));
     }
 
     #[test]
@@ -142,6 +173,9 @@ mod tests {
         let page = "sglang:num_queue_reqs{tp_rank=\"0\"} 4\nsglang:num_running_reqs 1\nsglang:token_usage 0.25\n";
         let s = parse(page, Instant::now()).unwrap();
         assert_eq!((s.waiting, s.running, s.kv_usage), (4.0, 1.0, Some(0.25)));
+        let told = format!("{page}sglang:max_total_num_tokens 500000\n");
+        let s = parse(&told, Instant::now()).unwrap();
+        assert_eq!(s.kv_capacity_tokens, Some(500_000.0));
         assert!(parse("process_cpu_seconds_total 4\n", Instant::now()).is_none());
         assert!(parse("vllm:num_requests_waiting NaN\n", Instant::now()).is_none());
     }
@@ -155,6 +189,7 @@ mod tests {
             llamacpp:prompt_tokens_total 900\n";
         let s = parse(page, Instant::now()).unwrap();
         assert_eq!((s.waiting, s.running, s.kv_usage), (3.0, 2.0, None));
+        assert_eq!(s.prompt_tokens_total, Some(900.0));
         let with_kv = format!("{page}llamacpp:kv_cache_usage_ratio 0.75\n");
         assert_eq!(
             parse(&with_kv, Instant::now()).unwrap().kv_usage,
