@@ -165,12 +165,17 @@ impl HearthKnobs {
         }
     }
 
+    /// The address the sidecar knows replica `i` by.
+    pub fn replica_addr(&self, i: usize) -> std::net::SocketAddr {
+        ([127, 0, 0, 1], 20_000 + i as u16).into()
+    }
+
     /// `replicas` engines (`engine-N`), the last `long_replicas` tagged
     /// `long`.
     pub fn upstreams(&self, replicas: usize) -> Vec<UpstreamSpec> {
         (0..replicas)
             .map(|i| UpstreamSpec {
-                addr: ([127, 0, 0, 1], 20_000 + i as u16).into(),
+                addr: self.replica_addr(i),
                 id: Some(format!("engine-{i}")),
                 models: Vec::new(),
                 long: i + self.long_replicas >= replicas,

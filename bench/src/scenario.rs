@@ -35,6 +35,11 @@ pub struct Scenario {
     /// Share of the agents whose traffic reaches the engines around Hearth
     /// (another gateway hashing their session onto a replica).
     pub bypass_share: f64,
+    /// Seconds between the sidecar's scrapes of the engines' metrics
+    /// (queue, running, KV use, prompt tokens since the engine started,
+    /// its start time; no KV capacity, as llama.cpp); None: no scrapes, the
+    /// sidecar sees only its own traffic.
+    pub engine_metrics_s: Option<f64>,
 }
 
 pub const NAMES: [&str; 10] = [
@@ -77,6 +82,7 @@ impl Scenario {
             duration_s: 300.0,
             restart_at_s: None,
             bypass_share: 0.0,
+            engine_metrics_s: None,
         };
         let swarm = Workload::AgentSwarm(AgentSwarm::default());
         Some(match name {
@@ -99,6 +105,7 @@ impl Scenario {
             "engine-restart" => {
                 let mut s = scenario(swarm, 8, &[64], 300_000);
                 s.restart_at_s = Some(60.0);
+                s.engine_metrics_s = Some(2.0);
                 s
             }
             // The same engines and index, and a quarter of the agents

@@ -11,6 +11,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::time::Instant;
 
 use crate::engine::cache::block_hashes;
 use crate::engine::core::{EngineCore, SeqEvent};
@@ -19,7 +20,7 @@ use crate::policies::{Policy, PolicyKind, RouteInput, Routed};
 use crate::report::{RequestRecord, RunResult};
 use crate::scenario::Scenario;
 use crate::workload::{Client, Generator, BYTES_PER_TOKEN};
-use hearth_router::Usage;
+use hearth_router::{EngineSignals, Usage};
 
 /// One cell of a sweep.
 #[derive(Clone, Debug)]
@@ -41,6 +42,8 @@ enum Ev {
     StepEnd(usize),
     /// A replica's engine restarts (its cache is emptied).
     Restart(usize),
+    /// The sidecars scrape every engine's metrics.
+    Scrape,
 }
 
 struct Pending {
@@ -103,6 +106,14 @@ pub fn run(spec: &RunSpec) -> RunResult {
     if let Some(at) = sc.restart_at_s {
         push(&mut queue, warmup_us + (at * 1e6) as u64, Ev::Restart(0));
     }
+    let scrape_us = sc.engine_metrics_s.map(|s| (s * 1e6).max(1.0) as u64);
+    if let Some(every) = scrape_us {
+        push(&mut queue, every, Ev::Scrape);
+    }
+    // What each engine's metrics would say: prompt tokens since its start,
+    // and when it started (seconds).
+    let mut prompt_counter = vec![0f64; n];
+    let mut started_s = vec![0f64; n];
     // The other gateway of the agents that bypass Hearth.
     let mut bypass_ring = Policy::new(PolicyKind::RingHash, n, spec.seed, &sc.hearth);
 
@@ -166,6 +177,7 @@ pub fn run(spec: &RunSpec) -> RunResult {
                 let id = next_id;
                 next_id += 1;
                 engines[r].submit(id, hashes, prompt_tokens, turn.output_tokens);
+                prompt_counter[r] += f64::from(prompt_tokens);
                 pending.insert(
                     id,
                     Pending {
@@ -257,7 +269,31 @@ pub fn run(spec: &RunSpec) -> RunResult {
                     |t, ev| push(&mut queue, t, ev),
                 );
             }
-            Ev::Restart(r) => engines[r].flush_cache(),
+            Ev::Restart(r) => {
+                engines[r].flush_cache();
+                prompt_counter[r] = 0.0;
+                started_s[r] = t as f64 / 1e6;
+            }
+            Ev::Scrape => {
+                for router in policy.routers() {
+                    for (r, e) in engines.iter().enumerate() {
+                        let signals = EngineSignals {
+                            waiting: e.waiting() as f64,
+                            running: e.running() as f64,
+                            kv_usage: Some(e.kv_usage()),
+                            at: Instant::now(),
+                            own_in_flight: 0,
+                            prompt_tokens_total: Some(prompt_counter[r]),
+                            started_at: Some(started_s[r]),
+                            kv_capacity_tokens: None,
+                        };
+                        router.set_engine_signals(sc.hearth.replica_addr(r), signals);
+                    }
+                }
+                if let Some(every) = scrape_us {
+                    push(&mut queue, t + every, Ev::Scrape);
+                }
+            }
         }
     }
     let corrections = {
@@ -368,6 +404,10 @@ pub struct SimArgs {
     /// restarts (default: the scenario's; engine-restart: 60).
     #[arg(long)]
     pub restart_at: Option<f64>,
+    /// Seconds between the sidecar's scrapes of the engines' metrics
+    /// (default: the scenario's; engine-restart: 2; 0 = none).
+    #[arg(long)]
+    pub engine_metrics: Option<f64>,
     /// Share of agents that reach the engines around Hearth, through a
     /// ring hash on their session (default: the scenario's; bypass: 0.25).
     #[arg(long)]
@@ -452,6 +492,13 @@ impl SimArgs {
                 "--restart-at must be a number of seconds, 0 or more"
             );
             sc.restart_at_s = Some(at);
+        }
+        if let Some(every) = self.engine_metrics {
+            anyhow::ensure!(
+                every.is_finite() && every >= 0.0,
+                "--engine-metrics must be a number of seconds, 0 or more"
+            );
+            sc.engine_metrics_s = (every > 0.0).then_some(every);
         }
         if let Some(b) = self.bypass_share {
             anyhow::ensure!(

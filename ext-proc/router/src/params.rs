@@ -46,7 +46,8 @@ pub struct RouterParams {
     /// How long after its latest turn a conversation stays resident.
     pub resident_window: Duration,
     /// Correct each replica's warmth from what its answers' usage says it
-    /// served from cache (see [`crate::usage`]).
+    /// served from cache (see [`crate::usage`]), and drop it when the
+    /// engine's metrics show a restart.
     pub usage_feedback: bool,
     /// Load units a resident conversation (running or paused) adds for newcomers
     /// while some replica is idle (0: none).

@@ -139,7 +139,8 @@ impl Router {
         for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
             if r.addr == addr && !r.retired {
                 // A restart the engine's own figures show: its cache is gone.
-                let restarted = s.engine.is_some_and(|old| old.restarted_by(&signals));
+                let restarted = self.params.usage_feedback
+                    && s.engine.is_some_and(|old| old.restarted_by(&signals));
                 if restarted {
                     s.forget_cache();
                     s.usage.restarts += 1;

@@ -298,3 +298,14 @@ fn an_engine_whose_metrics_show_a_restart_loses_its_warmth() {
     let s = replica(&r, 0);
     assert_eq!((s.warmth_blocks, s.usage.restarts_total), (0, 2));
 }
+
+#[test]
+fn without_feedback_an_engine_restart_is_not_acted_on() {
+    let r = fleet_of("127.0.0.1:1", |p| p.usage_feedback = false);
+    let a = "127.0.0.1:1".parse().unwrap();
+    r.set_engine_signals(a, engine(None, 5_000.0, 1_000.0));
+    drop(r.decide(&req(&conversation(1, 50))).unwrap());
+    r.set_engine_signals(a, engine(None, 300.0, 2_000.0));
+    let s = replica(&r, 0);
+    assert_eq!((s.warmth_blocks, s.usage.restarts_total), (50, 0));
+}
