@@ -1,8 +1,9 @@
 //! What Hearth's parts say to each other, shared by the Envoy wasm filter
 //! (`wasm32-wasip1`), the ext-proc sidecar (native) and the tests, so all
 //! sides agree byte for byte: the prompt fingerprint (below), the header
-//! and metadata names ([`names`], [`header`]), and the outcome report a
-//! response's scan produces ([`outcome`]). `golden/` pins the fingerprint
+//! and metadata names ([`names`], [`header`]), the outcome report a
+//! response's scan produces ([`outcome`]), and the messages the sidecars of
+//! a fleet exchange over their peer bus ([`peer`]). `golden/` pins the fingerprint
 //! (`vectors.json`) and the report (`outcome-reports.json`).
 //!
 //! A fingerprint names the prompt of an OpenAI-style request as a chain of
@@ -86,6 +87,7 @@ pub mod header;
 mod json;
 pub mod names;
 pub mod outcome;
+pub mod peer;
 
 pub use canonical::canonical_prompt;
 pub use hash::{chain_hashes, fnv1a64};
