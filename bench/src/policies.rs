@@ -123,6 +123,12 @@ pub struct HearthKnobs {
     pub resident_load: f64,
     /// HEARTH_USAGE_FEEDBACK: correct warmth from the answers' usage.
     pub usage_feedback: bool,
+    /// Sidecars behind a random split (each request reaches one).
+    pub sidecars: usize,
+    /// With several sidecars: each one's updates reach its peers this
+    /// many milliseconds later (as the bus would carry them); None: they
+    /// share nothing.
+    pub peer_delay_ms: Option<f64>,
 }
 
 impl Default for HearthKnobs {
@@ -140,6 +146,8 @@ impl Default for HearthKnobs {
             long_prompt_bytes: p.long_prompt_bytes,
             resident_load: p.resident_load,
             usage_feedback: p.usage_feedback,
+            sidecars: 1,
+            peer_delay_ms: None,
         }
     }
 }
@@ -207,6 +215,8 @@ pub struct Routed {
     pub replica: usize,
     /// The sidecar's decision: dropping it releases its load reservation.
     pub hearth: Option<Decision>,
+    /// Which of several sidecars decided.
+    pub sidecar: Option<usize>,
 }
 
 /// One policy instance for one run.
@@ -265,6 +275,15 @@ impl Policy {
     pub fn new(kind: PolicyKind, replicas: usize, seed: u64, knobs: &HearthKnobs) -> Policy {
         let rng = Rng::derive(seed, 0x9011C7);
         if let Some(basis) = kind.hearth_basis() {
+            if knobs.sidecars > 1 {
+                let routers: Vec<Arc<Router>> = (0..knobs.sidecars)
+                    .map(|_| knobs.router(basis, replicas))
+                    .collect();
+                if knobs.peer_delay_ms.is_some() {
+                    routers.iter().for_each(|r| r.enable_peers());
+                }
+                return Policy::HearthSplit(routers, rng);
+            }
             return Policy::Hearth(knobs.router(basis, replicas));
         }
         if kind == PolicyKind::HearthRelativeTwoSidecars {
@@ -332,10 +351,11 @@ impl Policy {
                 ring[i % ring.len()].1
             }
             Policy::Hearth(_) | Policy::HearthSplit(..) => {
-                let router = match self {
-                    Policy::Hearth(router) => Arc::clone(router),
+                let (router, sidecar) = match self {
+                    Policy::Hearth(router) => (Arc::clone(router), None),
                     Policy::HearthSplit(routers, rng) => {
-                        Arc::clone(&routers[rng.below(routers.len())])
+                        let k = rng.below(routers.len());
+                        (Arc::clone(&routers[k]), Some(k))
                     }
                     _ => unreachable!("matched above"),
                 };
@@ -354,6 +374,7 @@ impl Policy {
                 return Routed {
                     replica: decision.primary(),
                     hearth: Some(decision),
+                    sidecar,
                 };
             }
             Policy::Oracle(rr) => {
@@ -434,6 +455,7 @@ impl Policy {
         Routed {
             replica,
             hearth: None,
+            sidecar: None,
         }
     }
 }

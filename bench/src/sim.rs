@@ -11,6 +11,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::engine::cache::block_hashes;
@@ -20,7 +21,8 @@ use crate::policies::{Policy, PolicyKind, RouteInput, Routed};
 use crate::report::{RequestRecord, RunResult};
 use crate::scenario::Scenario;
 use crate::workload::{Client, Generator, BYTES_PER_TOKEN};
-use hearth_router::{EngineSignals, Usage};
+use hearth_router::{EngineSignals, Router, Usage};
+use hearth_wire::peer::Update;
 
 /// One cell of a sweep.
 #[derive(Clone, Debug)]
@@ -44,6 +46,8 @@ enum Ev {
     Restart(usize),
     /// The sidecars scrape every engine's metrics.
     Scrape,
+    /// A sidecar's update reaches its peers (an index into the mailbox).
+    PeerDeliver(usize),
 }
 
 struct Pending {
@@ -65,6 +69,52 @@ struct Pending {
 /// of every `1 / share` agents, spread evenly.
 fn bypasses(c: usize, share: f64) -> bool {
     ((c + 1) as f64 * share).floor() > (c as f64 * share).floor()
+}
+
+/// Sidecar `from` of `routers` sends what it learned to the others, who get
+/// it `delay_us` from `now` (at once when 0).
+fn share(
+    routers: &[Arc<Router>],
+    from: usize,
+    delay_us: u64,
+    now: u64,
+    mailbox: &mut Mailbox,
+    mut push: impl FnMut(u64, Ev),
+) {
+    let update = routers[from].take_update();
+    if delay_us == 0 {
+        deliver(routers, from, &update);
+        return;
+    }
+    let m = match mailbox.free.pop() {
+        Some(m) => m,
+        None => {
+            mailbox.slots.push(None);
+            mailbox.slots.len() - 1
+        }
+    };
+    mailbox.slots[m] = Some((from, update));
+    push(now + delay_us, Ev::PeerDeliver(m));
+}
+
+/// Updates between sidecars on their way: (sender, update) by slot;
+/// delivered slots are reused, so it stays as small as the updates in
+/// flight.
+#[derive(Default)]
+struct Mailbox {
+    slots: Vec<Option<(usize, Update)>>,
+    free: Vec<usize>,
+}
+
+/// Sidecar `from`'s update applied by every other sidecar.
+fn deliver(routers: &[Arc<Router>], from: usize, update: &Update) {
+    for (k, router) in routers.iter().enumerate() {
+        if k != from {
+            router
+                .apply_update(from as u64, router.list_digest(), update, false)
+                .expect("the simulated sidecars share one replica list");
+        }
+    }
 }
 
 /// Runs one cell and returns its per-request records and load samples.
@@ -114,6 +164,8 @@ pub fn run(spec: &RunSpec) -> RunResult {
     // and when it started (seconds).
     let mut prompt_counter = vec![0f64; n];
     let mut started_s = vec![0f64; n];
+    let mut mailbox = Mailbox::default();
+    let peer_delay_us = sc.hearth.peer_delay_ms.map(|ms| (ms * 1e3).max(0.0) as u64);
     // The other gateway of the agents that bypass Hearth.
     let mut bypass_ring = Policy::new(PolicyKind::RingHash, n, spec.seed, &sc.hearth);
 
@@ -167,6 +219,11 @@ pub fn run(spec: &RunSpec) -> RunResult {
                     policy.route(&input, &inflight, &engines)
                 };
                 let r = routed.replica;
+                if let (Some(k), Some(delay)) = (routed.sidecar, peer_delay_us) {
+                    share(&policy.routers(), k, delay, t, &mut mailbox, |t, ev| {
+                        push(&mut queue, t, ev)
+                    });
+                }
                 let previous = last_replica.insert(turn.session, r);
                 let stayed = if turn.first_of_session {
                     None
@@ -235,7 +292,13 @@ pub fn run(spec: &RunSpec) -> RunResult {
                                 })
                                 .and_then(|s| s.predicted_tokens)
                             });
+                            let sidecar = p.routed.sidecar;
                             drop(p.routed);
+                            if let (Some(k), Some(delay)) = (sidecar, peer_delay_us) {
+                                share(&policy.routers(), k, delay, t, &mut mailbox, |t, ev| {
+                                    push(&mut queue, t, ev)
+                                });
+                            }
                             if t >= warmup_us {
                                 records.push(RequestRecord {
                                     replica: p.replica,
@@ -268,6 +331,12 @@ pub fn run(spec: &RunSpec) -> RunResult {
                     r,
                     |t, ev| push(&mut queue, t, ev),
                 );
+            }
+            Ev::PeerDeliver(m) => {
+                if let Some((from, update)) = mailbox.slots.get_mut(m).and_then(Option::take) {
+                    mailbox.free.push(m);
+                    deliver(&policy.routers(), from, &update);
+                }
             }
             Ev::Restart(r) => {
                 engines[r].flush_cache();
@@ -404,6 +473,15 @@ pub struct SimArgs {
     /// restarts (default: the scenario's; engine-restart: 60).
     #[arg(long)]
     pub restart_at: Option<f64>,
+    /// Hearth sidecars behind a random split: each request reaches one
+    /// (default 1).
+    #[arg(long)]
+    pub sidecars: Option<usize>,
+    /// With several sidecars, the delay (ms) before one's updates (warmth,
+    /// load, fencing) reach the others, as over the peer bus; unset: the
+    /// sidecars share nothing.
+    #[arg(long)]
+    pub peer_delay_ms: Option<f64>,
     /// Seconds between the sidecar's scrapes of the engines' metrics
     /// (default: the scenario's; engine-restart: 2; 0 = none).
     #[arg(long)]
@@ -492,6 +570,17 @@ impl SimArgs {
                 "--restart-at must be a number of seconds, 0 or more"
             );
             sc.restart_at_s = Some(at);
+        }
+        if let Some(n) = self.sidecars {
+            anyhow::ensure!((1..=64).contains(&n), "--sidecars must be between 1 and 64");
+            sc.hearth.sidecars = n;
+        }
+        if let Some(ms) = self.peer_delay_ms {
+            anyhow::ensure!(
+                ms.is_finite() && ms >= 0.0,
+                "--peer-delay-ms must be a number of milliseconds, 0 or more"
+            );
+            sc.hearth.peer_delay_ms = Some(ms);
         }
         if let Some(every) = self.engine_metrics {
             anyhow::ensure!(

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::health::ReplicaHealth;
+use crate::peers::Peers;
 use crate::replica::{ReloadSummary, Replica};
 use crate::usage::UsageTally;
 use crate::warmth::LruBlocks;
@@ -100,6 +101,11 @@ impl Residents {
     pub(crate) fn is_empty(&self) -> bool {
         self.at.is_empty()
     }
+
+    /// The resident conversations' tips.
+    pub(crate) fn tips(&self) -> impl Iterator<Item = u64> + '_ {
+        self.at.keys().copied()
+    }
 }
 
 /// What the router knows of one replica slot.
@@ -118,6 +124,10 @@ pub(crate) struct ReplicaState {
     /// The largest its warmth index may grow: `HEARTH_WARMTH_BLOCKS`, or
     /// what the engine says its KV cache holds.
     pub(crate) warmth_limit: usize,
+    /// Requests in flight here through the peer sidecars, and their load
+    /// (the sum of their latest figures; see [`crate::peers`]).
+    pub(crate) peer_in_flight: u32,
+    pub(crate) peer_load: f64,
 }
 
 impl ReplicaState {
@@ -139,6 +149,8 @@ impl ReplicaState {
             resident: Residents::default(),
             usage: UsageTally::default(),
             warmth_limit: warmth_blocks,
+            peer_in_flight: 0,
+            peer_load: 0.0,
         }
     }
 }
@@ -155,6 +167,8 @@ pub(crate) struct Fleet {
     pub(crate) any_long: bool,
     /// Some serving replica has `profile=short-output`.
     pub(crate) any_short_output: bool,
+    /// What is kept for, and learned from, the peer sidecars.
+    pub(crate) peers: Peers,
 }
 
 impl Fleet {
@@ -229,6 +243,7 @@ impl Fleet {
         self.any_long = table.iter().any(|r| !r.retired && r.long);
         self.any_short_output = table.iter().any(|r| !r.retired && r.short_output);
         self.replicas = table.into();
+        self.reset_peers();
         summary
     }
 }
@@ -242,6 +257,7 @@ impl Fleet {
             listed: Vec::new(),
             any_long: false,
             any_short_output: false,
+            peers: Peers::default(),
         };
         fleet.apply(targets, warmth_blocks);
         fleet

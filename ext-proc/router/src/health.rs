@@ -267,6 +267,17 @@ impl ReplicaHealth {
         (!served_within && !probed_within(p.probe_interval)).then_some(ProbeReason::Idle)
     }
 
+    /// A peer sidecar fenced the replica on its own evidence: fenced here
+    /// too, with the backoff this sidecar would have given it.
+    pub fn fence_by_peer(&mut self, p: &HealthParams, now: Instant) {
+        self.fence(p, now);
+    }
+
+    /// A peer sidecar re-admitted the replica (its probe succeeded).
+    pub fn readmit_by_peer(&mut self) {
+        self.succeed();
+    }
+
     fn busy(&self, p: &HealthParams, now: Instant) -> bool {
         self.last_served
             .is_some_and(|t| now.saturating_duration_since(t) < p.busy_grace)

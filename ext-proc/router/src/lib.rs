@@ -22,6 +22,7 @@ pub mod decide;
 pub mod fleet;
 pub mod health;
 pub mod params;
+pub mod peers;
 pub mod replica;
 pub mod router;
 pub mod snapshot;
@@ -36,6 +37,7 @@ pub use health::{
     ReplicaHealth,
 };
 pub use params::{AffinityBasis, LongLane, RouterParams, ScoreParams};
+pub use peers::{Applied, PeerRefusal, PeersSnapshot, PEER_SILENCE};
 pub use replica::{
     check_upstreams, default_replica_id, targets, ProbeTarget, ReloadSummary, Replica, ReplicaKey,
     UpstreamSpec,

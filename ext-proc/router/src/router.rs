@@ -163,7 +163,7 @@ impl Router {
                 s.engine = Some(EngineSignals {
                     waiting: signals.waiting / ranks,
                     running: signals.running / ranks,
-                    own_in_flight: s.in_flight,
+                    own_in_flight: s.in_flight + s.peer_in_flight,
                     ..signals
                 });
             }
@@ -198,7 +198,13 @@ impl Router {
         let now = Instant::now();
         let mut fleet = self.lock();
         if fleet.replicas.get(i).is_some_and(|r| !r.retired) {
-            fleet.state[i].health.record_request(outcome, &params, now);
+            let health = &mut fleet.state[i].health;
+            let was = health.is_serving();
+            health.record_request(outcome, &params, now);
+            let is = health.is_serving();
+            if was != is {
+                fleet.peers.note_health(i, is);
+            }
         }
     }
 
@@ -242,9 +248,19 @@ impl Router {
         let now = Instant::now();
         let mut guard = self.lock();
         let fleet = &mut *guard;
-        for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
+        for (i, (r, s)) in fleet
+            .replicas
+            .iter()
+            .zip(fleet.state.iter_mut())
+            .enumerate()
+        {
             if r.key() == key && !r.retired {
+                let was = s.health.is_serving();
                 s.health.record_probe(outcome, &params, now, s.in_flight);
+                let is = s.health.is_serving();
+                if was != is {
+                    fleet.peers.note_health(i, is);
+                }
             }
         }
     }

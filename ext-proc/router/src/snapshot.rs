@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::health::{FleetHealth, HealthSnapshot};
 use crate::params::AffinityBasis;
+use crate::peers::PeersSnapshot;
 use crate::router::Router;
 use crate::usage::UsageSnapshot;
 
@@ -28,6 +29,12 @@ pub struct ReplicaSnapshot {
     pub models: Vec<String>,
     pub in_flight: u32,
     pub load: f64,
+    /// Requests in flight here through the peer sidecars, and their load,
+    /// as they last said (0 without peers).
+    #[serde(default)]
+    pub peer_in_flight: u32,
+    #[serde(default)]
+    pub peer_load: f64,
     pub warmth_blocks: usize,
     pub warmth_capacity: usize,
     pub warmth_memory_bytes: usize,
@@ -63,6 +70,9 @@ pub struct Snapshot {
     /// gave up first, or the upstream failed).
     pub unanswered_total: u64,
     pub upstreams: UpstreamsSnapshot,
+    /// The peer sidecars (absent without `HEARTH_PEERS_URL`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peers: Option<PeersSnapshot>,
     /// The serving replicas (removed ones are not listed).
     pub replicas: Vec<ReplicaSnapshot>,
 }
@@ -85,6 +95,7 @@ pub struct UpstreamsSnapshot {
 impl Router {
     pub fn snapshot(&self) -> Snapshot {
         let now = Instant::now();
+        let peers = self.peers_snapshot();
         let fleet = self.lock();
         let state = &fleet.state;
         let decisions = self.decisions.load(Ordering::Relaxed);
@@ -101,6 +112,7 @@ impl Router {
             rejected_total: self.rejected.load(Ordering::Relaxed),
             answered_total: self.answered.load(Ordering::Relaxed),
             unanswered_total: self.unanswered.load(Ordering::Relaxed),
+            peers,
             upstreams: UpstreamsSnapshot {
                 version: self.version(),
                 reloads_total: self.reloads.load(Ordering::Relaxed),
@@ -127,6 +139,8 @@ impl Router {
                     models: r.models.clone(),
                     in_flight: s.in_flight,
                     load: s.load,
+                    peer_in_flight: s.peer_in_flight,
+                    peer_load: s.peer_load,
                     warmth_blocks: s.warmth.len(),
                     warmth_capacity: s.warmth.capacity(),
                     warmth_memory_bytes: s.warmth.memory_bytes(),

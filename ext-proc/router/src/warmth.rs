@@ -228,6 +228,17 @@ impl LruBlocks {
         }
     }
 
+    /// The blocks held, least recently used first (replaying them with
+    /// [`LruBlocks::touch`] in this order rebuilds the same recency).
+    pub fn oldest_first(&self) -> impl Iterator<Item = u64> + '_ {
+        let mut at = self.tail;
+        std::iter::from_fn(move || {
+            let node = self.nodes.get(at as usize)?;
+            at = node.prev;
+            Some(node.hash)
+        })
+    }
+
     pub fn clear(&mut self) {
         self.slots.clear();
         self.nodes.clear();

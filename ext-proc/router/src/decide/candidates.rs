@@ -72,7 +72,9 @@ pub(crate) fn admit(
     // Admission: in-flight and engine-queue limits.
     let candidates: Vec<usize> = healthy
         .into_iter()
-        .filter(|&i| p.max_inflight == 0 || state[i].in_flight < p.max_inflight)
+        .filter(|&i| {
+            p.max_inflight == 0 || state[i].in_flight + state[i].peer_in_flight < p.max_inflight
+        })
         .filter(|&i| {
             p.max_queue == 0
                 || router

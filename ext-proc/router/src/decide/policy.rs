@@ -63,10 +63,10 @@ pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Inst
             // ended, or pause long enough to be evicted anyway.
             state[i].resident.expire(now, p.resident_window);
         }
-        residents_count = warm
-            .candidates
-            .iter()
-            .any(|&i| state[i].resident.is_empty() && state[i].in_flight == 0);
+        residents_count = warm.candidates.iter().any(|&i| {
+            let s = &state[i];
+            s.resident.is_empty() && s.in_flight + s.peer_in_flight == 0
+        });
     }
     let candidates: Vec<Candidate> = warm
         .candidates
@@ -75,6 +75,7 @@ pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Inst
         .map(|(&i, &overlap)| Candidate {
             overlap: overlap as u32,
             load: state[i].load
+                + state[i].peer_load
                 + engine_load(router, &state[i], now)
                 + if residents_count {
                     resident_load(p, &state[i])

@@ -69,8 +69,7 @@ pub(crate) fn reserve(
     let cached_bytes = u64::from(picked.overlap) * p.block_size as u64;
     let uncached = req.prompt_bytes.saturating_sub(cached_bytes);
     let weight = 1.0 + uncached as f64 / p.load_unit_bytes as f64;
-    let state = &mut fleet.state;
-    let r = &mut state[chosen];
+    let r = &mut fleet.state[chosen];
     r.in_flight += 1;
     r.load += weight;
     r.routed += 1;
@@ -84,7 +83,10 @@ pub(crate) fn reserve(
             .len()
             .min((req.prompt_bytes / p.block_size as u64) as usize)
     };
-    if let Some(&tip) = full.checked_sub(1).and_then(|k| req.hashes.get(k)) {
+    let tip = full.checked_sub(1).and_then(|k| req.hashes.get(k)).copied();
+    fleet.peers.note_decision(chosen, &req.hashes, tip);
+    let state = &mut fleet.state;
+    if let Some(tip) = tip {
         tips.touch(tip);
         if let Some(previous) = warm.continued {
             for s in state.iter_mut() {

@@ -1,0 +1,163 @@
+//! Active-active sidecars: one router's updates applied by another.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hearth_router::{
+    Failure, HealthState, Outcome, PeerRefusal, RequestInfo, Router, RouterParams, UpstreamSpec,
+};
+
+const LIST: &str = "127.0.0.1:1,127.0.0.1:2";
+
+fn sidecar(list: &str, tune: impl FnOnce(&mut RouterParams)) -> Arc<Router> {
+    let mut p = RouterParams::default();
+    tune(&mut p);
+    let specs: Vec<UpstreamSpec> = list.split(',').map(|s| s.parse().unwrap()).collect();
+    let r = Router::new(p, &specs);
+    r.enable_peers();
+    r
+}
+
+fn req(hashes: &[u64]) -> RequestInfo {
+    RequestInfo {
+        hashes: hashes.to_vec(),
+        prompt_bytes: hashes.len() as u64 * 2048,
+        model: Some("m".into()),
+        max_output_tokens: None,
+    }
+}
+
+/// `from`'s update applied by `to`.
+fn share(from: &Router, to: &Router) -> hearth_router::Applied {
+    to.apply_update(1, from.list_digest(), &from.take_update(), false)
+        .unwrap()
+}
+
+#[test]
+fn a_turn_that_reaches_the_other_sidecar_stays_on_its_warm_replica() {
+    let (a, b) = (sidecar(LIST, |_| {}), sidecar(LIST, |_| {}));
+    let mut c: Vec<u64> = (1..=40).collect();
+    let first = a.decide(&req(&c)).unwrap();
+    let home = first.primary();
+    drop(first);
+    let applied = share(&a, &b);
+    assert_eq!((applied.warmth_records, applied.blocks), (1, 40));
+    c.extend(1_000..1_010);
+    let next = b.decide(&req(&c)).unwrap();
+    assert_eq!(next.primary(), home);
+    assert_eq!(next.overlap, 40);
+    assert!(next.continues, "the tip came with the warmth");
+    let s = b.snapshot();
+    assert_eq!(s.replicas[home].resident_conversations, 1);
+}
+
+#[test]
+fn a_peers_load_counts_until_it_is_released() {
+    let (a, b) = (sidecar(LIST, |_| {}), sidecar(LIST, |_| {}));
+    // Ten requests running through A on replica 0 (no warmth anywhere:
+    // unhashed, so load alone decides, and A fills from the first).
+    let held: Vec<_> = (0..10)
+        .map(|_| a.decide(&RequestInfo::default()).unwrap())
+        .collect();
+    let on = |i: usize| held.iter().filter(|d| d.primary() == i).count();
+    let busy = if on(0) >= on(1) { 0 } else { 1 };
+    share(&a, &b);
+    let s = b.snapshot();
+    assert_eq!(
+        s.replicas[busy].peer_in_flight as usize,
+        on(busy),
+        "B sees A's requests"
+    );
+    let d = b.decide(&RequestInfo::default()).unwrap();
+    if on(0) != on(1) {
+        assert_ne!(d.primary(), busy, "B avoids the replica A loaded");
+    }
+    drop(d);
+    drop(held);
+    share(&a, &b);
+    let s = b.snapshot();
+    assert_eq!(
+        s.replicas[0].peer_in_flight + s.replicas[1].peer_in_flight,
+        0
+    );
+    assert_eq!(s.replicas[0].peer_load + s.replicas[1].peer_load, 0.0);
+}
+
+#[test]
+fn a_replica_one_sidecar_fences_is_fenced_by_its_peers_and_readmitted_with_it() {
+    let no_backoff = |p: &mut RouterParams| p.health.backoff = Duration::ZERO;
+    let (a, b) = (sidecar(LIST, no_backoff), sidecar(LIST, no_backoff));
+    for _ in 0..RouterParams::default().health.eject_after {
+        a.record_request(0, Outcome::Failure(Failure::ServerError));
+    }
+    assert_eq!(a.snapshot().replicas[0].health.state, HealthState::Fenced);
+    let applied = share(&a, &b);
+    assert_eq!(applied.fenced, 1);
+    assert_eq!(b.snapshot().replicas[0].health.state, HealthState::Fenced);
+    for _ in 0..4 {
+        assert_eq!(b.decide(&RequestInfo::default()).unwrap().primary(), 1);
+    }
+    // What B was told is not passed on again.
+    assert!(b.take_update().health.is_empty());
+    // A's probe re-admits it; B follows.
+    let key = "127.0.0.1:1".parse::<std::net::SocketAddr>().unwrap();
+    a.record_probe((key, None), Outcome::Success);
+    assert_eq!(share(&a, &b).readmitted, 1);
+    assert_eq!(b.snapshot().replicas[0].health.state, HealthState::Serving);
+}
+
+#[test]
+fn updates_over_another_replica_list_are_refused() {
+    let a = sidecar(LIST, |_| {});
+    let b = sidecar("127.0.0.1:1,127.0.0.1:3", |_| {});
+    drop(a.decide(&req(&[1, 2, 3])).unwrap());
+    let update = a.take_update();
+    assert_eq!(
+        b.apply_update(1, a.list_digest(), &update, false),
+        Err(PeerRefusal::OtherList)
+    );
+    // The same list in another order is the same list.
+    let c = sidecar("127.0.0.1:2,127.0.0.1:1", |_| {});
+    assert_eq!(c.list_digest(), a.list_digest());
+    assert!(c.apply_update(1, a.list_digest(), &update, false).is_ok());
+    let mut bad = update.clone();
+    bad.warmth[0].replica = 9;
+    assert_eq!(
+        c.apply_update(1, a.list_digest(), &bad, false),
+        Err(PeerRefusal::UnknownReplica)
+    );
+}
+
+#[test]
+fn a_starting_sidecar_takes_a_peers_whole_state() {
+    let a = sidecar(LIST, |_| {});
+    let convs: Vec<Vec<u64>> = (0..6u64)
+        .map(|k| (k * 1_000..k * 1_000 + 30).collect())
+        .collect();
+    let homes: Vec<usize> = convs
+        .iter()
+        .map(|c| a.decide(&req(c)).unwrap().primary())
+        .collect();
+    let fresh = sidecar(LIST, |_| {});
+    let applied = fresh
+        .apply_update(1, a.list_digest(), &a.state_update(), true)
+        .unwrap();
+    assert_eq!(applied.blocks, 6 * 30);
+    for (c, &home) in convs.iter().zip(&homes) {
+        let mut next = c.clone();
+        next.push(c[0] + 500_000);
+        let d = fresh.decide(&req(&next)).unwrap();
+        assert_eq!((d.primary(), d.overlap), (home, 30));
+        assert!(d.continues);
+    }
+}
+
+#[test]
+fn without_peers_nothing_is_kept_for_them() {
+    let specs: Vec<UpstreamSpec> = LIST.split(',').map(|s| s.parse().unwrap()).collect();
+    let r = Router::new(RouterParams::default(), &specs);
+    drop(r.decide(&req(&[1, 2, 3])).unwrap());
+    assert!(r.take_update().warmth.is_empty());
+    assert!(r.peers_snapshot().is_none());
+    assert!(r.snapshot().peers.is_none());
+}
