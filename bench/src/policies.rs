@@ -49,10 +49,6 @@ pub enum PolicyKind {
     GieDefaultEmulated,
     SglangCacheAwareEmulated,
     Oracle,
-    /// Two independent sidecars (relative basis) behind two gateways, each
-    /// request reaching one of them at random: warmth and load are not
-    /// shared. Not in the default set; name it with `--policies`.
-    HearthRelativeTwoSidecars,
 }
 
 impl PolicyKind {
@@ -81,18 +77,11 @@ impl PolicyKind {
             PolicyKind::GieDefaultEmulated => "gie_default_emulated",
             PolicyKind::SglangCacheAwareEmulated => "sglang_cache_aware_emulated",
             PolicyKind::Oracle => "oracle",
-            PolicyKind::HearthRelativeTwoSidecars => "hearth_relative_two_sidecars",
         }
     }
 
-    /// Policies run only when named.
-    pub const EXTRA: [PolicyKind; 1] = [PolicyKind::HearthRelativeTwoSidecars];
-
     pub fn parse(s: &str) -> Option<PolicyKind> {
-        PolicyKind::ALL
-            .into_iter()
-            .chain(PolicyKind::EXTRA)
-            .find(|p| p.name() == s)
+        PolicyKind::ALL.into_iter().find(|p| p.name() == s)
     }
 
     /// The sidecar's credit basis, for the Hearth policies.
@@ -226,7 +215,8 @@ pub enum Policy {
     LeastRequest(Rng),
     RingHash(Vec<(u64, usize)>),
     Hearth(Arc<Router>),
-    /// Independent sidecars; each request goes to one picked at random.
+    /// Several sidecars (`--sidecars`), each request reaching one at random;
+    /// they share what they learn when `--peer-delay-ms` is set.
     HearthSplit(Vec<Arc<Router>>, Rng),
     Oracle(usize),
     Gie(GieState),
@@ -285,12 +275,6 @@ impl Policy {
                 return Policy::HearthSplit(routers, rng);
             }
             return Policy::Hearth(knobs.router(basis, replicas));
-        }
-        if kind == PolicyKind::HearthRelativeTwoSidecars {
-            let two = (0..2)
-                .map(|_| knobs.router(AffinityBasis::Relative, replicas))
-                .collect();
-            return Policy::HearthSplit(two, rng);
         }
         match kind {
             PolicyKind::RoundRobin => Policy::RoundRobin(0),

@@ -622,9 +622,8 @@ impl SimArgs {
             .map(|p| {
                 PolicyKind::parse(p).ok_or_else(|| {
                     anyhow::anyhow!(
-                        "unknown policy {p:?}; known: all, {}, {}",
-                        PolicyKind::ALL.map(PolicyKind::name).join(", "),
-                        PolicyKind::EXTRA.map(PolicyKind::name).join(", ")
+                        "unknown policy {p:?}; known: all, {}",
+                        PolicyKind::ALL.map(PolicyKind::name).join(", ")
                     )
                 })
             })

@@ -271,6 +271,52 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_JOURNAL_FILE")]
     pub journal_file: Option<std::path::PathBuf>,
 
+    /// The NATS server(s) the sidecars of one fleet share what they learn
+    /// through (`nats://host:4222`, `tls://...` for TLS; several separated
+    /// by commas). Unset: this sidecar shares nothing.
+    #[arg(long, env = "HEARTH_PEERS_URL")]
+    pub peers_url: Option<String>,
+
+    /// The fleet's name on the bus: sidecars share only with peers of the
+    /// same name (letters, digits, `-` and `_`).
+    #[arg(long, env = "HEARTH_FLEET", default_value = "default")]
+    pub fleet: String,
+
+    /// User name for the NATS server (with HEARTH_PEERS_PASSWORD).
+    #[arg(long, env = "HEARTH_PEERS_USER", requires = "peers_password")]
+    pub peers_user: Option<String>,
+
+    /// Password for the NATS server (never logged).
+    #[arg(
+        long,
+        env = "HEARTH_PEERS_PASSWORD",
+        hide_env_values = true,
+        requires = "peers_user"
+    )]
+    pub peers_password: Option<Secret>,
+
+    /// Token for the NATS server, instead of a user and password (never
+    /// logged).
+    #[arg(
+        long,
+        env = "HEARTH_PEERS_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "peers_user"
+    )]
+    pub peers_token: Option<Secret>,
+
+    /// Milliseconds between two updates to the peers (decisions' warmth,
+    /// load, fencing, batched); an idle sidecar still sends its load once
+    /// a second.
+    #[arg(long, env = "HEARTH_PEERS_FLUSH_MS", default_value_t = 10)]
+    pub peers_flush_ms: u64,
+
+    /// At start, seconds to wait for a running peer's state before taking
+    /// requests (none answers, as for the first sidecar: it starts after
+    /// this long, cold).
+    #[arg(long, env = "HEARTH_PEERS_SYNC_SECONDS", default_value_t = 2.0)]
+    pub peers_sync_seconds: f64,
+
     /// Seconds open streams get to finish on shutdown before they are cut.
     #[arg(long, env = "HEARTH_DRAIN_SECONDS", default_value_t = 10)]
     pub drain_seconds: u64,
@@ -280,12 +326,12 @@ pub struct Settings {
     pub log: String,
 }
 
-/// The wasm module's path in the shipped config (relative to the
-/// repository root, where `scripts/setup` builds it).
 /// The warmth index of a replica whose engine does not report its KV
 /// capacity, when `HEARTH_WARMTH_BLOCKS` is unset.
 pub const DEFAULT_WARMTH_BLOCKS: usize = 100_000;
 
+/// The wasm module's path in the shipped config (relative to the
+/// repository root, where `scripts/setup` builds it).
 pub const DEFAULT_WASM: &str = "target/wasm32-wasip1/wasm-release/hearth_filter.wasm";
 
 /// Flags of `hearth-ext-proc envoy-config` (rendered by
@@ -477,6 +523,7 @@ impl Settings {
                 "HEARTH_FIRST_BYTE_TIMEOUT_SECONDS",
                 self.first_byte_timeout_seconds,
             ),
+            ("HEARTH_PEERS_SYNC_SECONDS", self.peers_sync_seconds),
         ] {
             if !(v.is_finite() && (0.0..=86_400.0).contains(&v)) {
                 problems.push(format!(
@@ -501,6 +548,20 @@ impl Settings {
         }
         if let Err(e) = self.engine_api_key() {
             problems.push(e);
+        }
+        if let Err(e) = crate::feeds::peers::check_fleet(&self.fleet) {
+            problems.push(format!("HEARTH_FLEET: {e}"));
+        }
+        if let Some(url) = &self.peers_url {
+            if let Err(e) = crate::feeds::peers::check_url(url) {
+                problems.push(format!("HEARTH_PEERS_URL: {e}"));
+            }
+        }
+        if !(1..=10_000).contains(&self.peers_flush_ms) {
+            problems.push(format!(
+                "HEARTH_PEERS_FLUSH_MS must be between 1 and 10000, got {}",
+                self.peers_flush_ms
+            ));
         }
         if self.eject_after == 0 {
             problems.push("HEARTH_EJECT_AFTER must be at least 1".into());

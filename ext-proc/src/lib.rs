@@ -101,6 +101,19 @@ impl Sidecar {
                 ),
             );
         }
+        if let Some(peer_settings) = feeds::peers::PeerSettings::of(settings) {
+            let mut bus = feeds::peers::PeerBus::connect(
+                Arc::clone(&router),
+                peer_settings,
+                Arc::clone(&observer.peers),
+            )
+            .await?;
+            // A peer's state before the first decision (bounded: the
+            // first sidecar of a fleet waits HEARTH_PEERS_SYNC_SECONDS).
+            let warm = bus.sync().await;
+            tracing::info!(warm, "peer bus: started");
+            spawn_until(&stop, bus.run());
+        }
         let engines = feeds::engines::EngineClient::new(
             settings.engine_api_key().map_err(|e| anyhow::anyhow!(e))?,
         );

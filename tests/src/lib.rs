@@ -20,6 +20,7 @@ use serde_json::Value;
 
 pub use hearth_bench::conversation::{cached_and_prompt_tokens, filler, reply_text, Conversation};
 
+pub mod nats;
 pub mod snippets;
 
 /// The model the simulated engines serve.

@@ -4,6 +4,7 @@
 //! ([`engines`]).
 
 pub mod engines;
+pub mod peers;
 pub mod probe;
 pub mod signals;
 pub mod upstreams;

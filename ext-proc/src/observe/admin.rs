@@ -142,7 +142,13 @@ async fn state(State(router): State<Arc<Router>>) -> Json<Snapshot> {
 }
 
 async fn health(State(router): State<Arc<Router>>) -> (StatusCode, Json<serde_json::Value>) {
-    let fleet = router.fleet_health();
+    let mut fleet = router.fleet_health();
+    // Peers configured and the bus down: still routing, on this sidecar's
+    // own state alone.
+    let bus_down = router.peers_snapshot().is_some_and(|p| !p.connected);
+    if bus_down && fleet == FleetHealth::Ok {
+        fleet = FleetHealth::Degraded;
+    }
     let code = match fleet {
         FleetHealth::Unhealthy => StatusCode::SERVICE_UNAVAILABLE,
         FleetHealth::Ok | FleetHealth::Degraded => StatusCode::OK,

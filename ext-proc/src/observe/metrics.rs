@@ -15,7 +15,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 
@@ -425,5 +425,97 @@ impl Collector for FleetCollector {
             &ConstCounter::new(self.journal_dropped.load(Ordering::Relaxed)),
         )?;
         Ok(())
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabel {
+    direction: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+/// The peer bus's metrics (`feeds/peers.rs`); all zero without peers.
+#[derive(Debug, Default)]
+pub struct PeerMetrics {
+    messages: Family<DirectionLabel, Counter>,
+    dropped: Family<ReasonLabel, Counter>,
+    applied: Counter,
+    resyncs: Counter,
+    connected: Gauge,
+    live: Gauge,
+}
+
+impl PeerMetrics {
+    pub fn register(reg: &mut Registry) -> Self {
+        let m = PeerMetrics::default();
+        reg.register(
+            "hearth_peer_messages",
+            "Messages on the peer bus: sent, and received from peers of this fleet",
+            m.messages.clone(),
+        );
+        reg.register(
+            "hearth_peer_messages_dropped",
+            "Peer messages not applied or not sent, by reason (malformed, oversized, unknown_format, foreign_fleet, other_list, unknown_replica, send_failed)",
+            m.dropped.clone(),
+        );
+        reg.register(
+            "hearth_peer_updates_applied",
+            "Peer updates and state parts applied to this sidecar's state",
+            m.applied.clone(),
+        );
+        reg.register(
+            "hearth_peer_resyncs",
+            "Times the bus (re)connected and this sidecar exchanged its whole state with the peers",
+            m.resyncs.clone(),
+        );
+        reg.register(
+            "hearth_peer_bus_connected",
+            "1 while the peer bus is reachable (0: routing on this sidecar's own state)",
+            m.connected.clone(),
+        );
+        reg.register(
+            "hearth_peers_live",
+            "Peer sidecars heard from within the last 3 s",
+            m.live.clone(),
+        );
+        m
+    }
+
+    pub fn sent(&self) {
+        self.messages
+            .get_or_create(&DirectionLabel { direction: "sent" })
+            .inc();
+    }
+
+    pub fn received(&self) {
+        self.messages
+            .get_or_create(&DirectionLabel {
+                direction: "received",
+            })
+            .inc();
+    }
+
+    pub fn dropped(&self, reason: &'static str) {
+        self.dropped.get_or_create(&ReasonLabel { reason }).inc();
+    }
+
+    pub fn applied(&self) {
+        self.applied.inc();
+    }
+
+    pub fn resync(&self) {
+        self.resyncs.inc();
+    }
+
+    pub fn set_connected(&self, connected: bool) {
+        self.connected.set(i64::from(connected));
+    }
+
+    pub fn set_live(&self, live: i64) {
+        self.live.set(live);
     }
 }

@@ -43,7 +43,7 @@ use hearth_router::{
 };
 
 use crate::observe::journal::{hex, CandidateRecord, DecisionRecord, Journal, ServedRecord};
-use crate::observe::metrics::{DecisionMetrics, FleetCollector, ProbeMetrics};
+use crate::observe::metrics::{DecisionMetrics, FleetCollector, PeerMetrics, ProbeMetrics};
 use crate::observe::series::{unix_now, DecisionOutcome, Series, SessionResult};
 use crate::observe::usage::{Predictions, UsageMetrics};
 
@@ -126,6 +126,8 @@ pub struct Observer {
     probes: ProbeMetrics,
     tips: Mutex<SessionTips<ReplicaKey>>,
     usage: UsageMetrics,
+    /// The peer bus's counters.
+    pub peers: Arc<PeerMetrics>,
     /// Decisions' predictions waiting for their outcome report.
     pub predictions: Predictions,
     pub series: Arc<Series>,
@@ -139,6 +141,7 @@ impl Observer {
         let decisions = DecisionMetrics::register(&mut registry, basis);
         let probes = ProbeMetrics::register(&mut registry);
         let usage = UsageMetrics::register(&mut registry);
+        let peers = Arc::new(PeerMetrics::register(&mut registry));
         FleetCollector::register(
             &mut registry,
             Arc::clone(&router),
@@ -153,6 +156,7 @@ impl Observer {
             probes,
             tips: Mutex::new(SessionTips::default()),
             usage,
+            peers,
             predictions: Predictions::default(),
             series,
             journal,
