@@ -3,8 +3,8 @@
 //! sides agree byte for byte: the prompt fingerprint (below), the header
 //! and metadata names ([`names`], [`header`]), the outcome report a
 //! response's scan produces ([`outcome`]), and the messages the sidecars of
-//! a fleet exchange over their peer bus ([`peer`]). `golden/` pins the fingerprint
-//! (`vectors.json`) and the report (`outcome-reports.json`).
+//! a fleet exchange over their peer bus ([`peer`]). `golden/` pins the
+//! fingerprint (`vectors.json`) and the report (`outcome-reports.json`).
 //!
 //! A fingerprint names the prompt of an OpenAI-style request as a chain of
 //! block hashes: block *i*'s hash covers the whole canonical prompt up to the
