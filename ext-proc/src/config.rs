@@ -427,6 +427,36 @@ impl FromStr for Secret {
     }
 }
 
+/// Checks a fleet name: it becomes a NATS subject token.
+pub fn check_fleet(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > 64 {
+        return Err(format!("must be 1 to 64 characters, got {}", name.len()));
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        return Err(format!(
+            "{name:?} may hold only letters, digits, '-' and '_'"
+        ));
+    }
+    Ok(())
+}
+
+/// Checks `HEARTH_PEERS_URL`: one or more `nats://` or `tls://` addresses.
+pub fn check_url(url: &str) -> Result<(), String> {
+    for one in url.split(',').map(str::trim) {
+        let rest = one
+            .strip_prefix("nats://")
+            .or_else(|| one.strip_prefix("tls://"))
+            .ok_or_else(|| format!("{one:?} must start with nats:// or tls://"))?;
+        if rest.is_empty() || rest.contains('/') {
+            return Err(format!("{one:?} must be scheme://host:port"));
+        }
+    }
+    Ok(())
+}
+
 impl Settings {
     /// The engines' bearer key: the setting, or the file's contents.
     pub fn engine_api_key(&self) -> Result<Option<Secret>, String> {
@@ -549,11 +579,11 @@ impl Settings {
         if let Err(e) = self.engine_api_key() {
             problems.push(e);
         }
-        if let Err(e) = crate::feeds::peers::check_fleet(&self.fleet) {
+        if let Err(e) = check_fleet(&self.fleet) {
             problems.push(format!("HEARTH_FLEET: {e}"));
         }
         if let Some(url) = &self.peers_url {
-            if let Err(e) = crate::feeds::peers::check_url(url) {
+            if let Err(e) = check_url(url) {
                 problems.push(format!("HEARTH_PEERS_URL: {e}"));
             }
         }
@@ -623,6 +653,23 @@ pub fn check_env<I: IntoIterator<Item = String>>(names: I) -> Result<(), String>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fleet_names_are_subject_tokens() {
+        assert!(check_fleet("prod-eu_1").is_ok());
+        for bad in ["", "a.b", "a b", "a*", "a>", &"x".repeat(65)] {
+            assert!(check_fleet(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn peer_urls_name_nats_or_tls_servers() {
+        assert!(check_url("nats://127.0.0.1:4222").is_ok());
+        assert!(check_url("tls://nats.example:4222, nats://10.0.0.2:4222").is_ok());
+        for bad in ["127.0.0.1:4222", "http://x:1", "nats://", "nats://x:1/path"] {
+            assert!(check_url(bad).is_err(), "{bad:?}");
+        }
+    }
 
     fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
         Cli::try_parse_from(std::iter::once("hearth-ext-proc").chain(args.iter().copied()))

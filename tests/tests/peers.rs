@@ -1,7 +1,8 @@
 //! Active-active sidecars: two or three sidecars of one fleet, each with
 //! its own Envoy, sharing warmth, load and fencing over a real
-//! `nats-server`. A conversation whose turns alternate between them stays
-//! on its warm engine; a fencing by one is a fencing by all; the bus going
+//! `nats-server`. A conversation whose turns alternate between them, or
+//! that enters one Envoy whose cluster names both, stays on its warm
+//! engine; a fencing by one is a fencing by all; the bus going
 //! away loses no request, and coming back brings the sidecars back in
 //! step; a sidecar that joins late is warm before its first decision.
 
@@ -57,6 +58,31 @@ async fn get(admin: SocketAddr, path: &str) -> (u16, String) {
 
 async fn state(admin: SocketAddr) -> Snapshot {
     serde_json::from_str(&get(admin, "/state").await.1).unwrap()
+}
+
+/// `config` with a second endpoint, after each sidecar's, in the gRPC and
+/// outcome clusters: `grpc` and `admin` are (first sidecar, second).
+fn both_sidecars(
+    config: &str,
+    grpc: (SocketAddr, SocketAddr),
+    admin: (SocketAddr, SocketAddr),
+) -> String {
+    let mut out = String::new();
+    let mut added = 0;
+    for line in config.lines() {
+        out.push_str(line);
+        out.push('\n');
+        for (first, second) in [grpc, admin] {
+            let port = format!("port_value: {} ", first.port());
+            if line.contains("- endpoint:") && line.contains(&port) {
+                out.push_str(&line.replace(&port, &format!("port_value: {} ", second.port())));
+                out.push('\n');
+                added += 1;
+            }
+        }
+    }
+    assert_eq!(added, 2, "{config}");
+    out
 }
 
 /// Polls `admin`'s state until `ok` holds (at most 10 s).
@@ -136,6 +162,38 @@ async fn turns_alternating_between_sidecars_stay_warm_and_a_fencing_is_shared() 
             tokio::time::sleep(Duration::from_millis(30)).await;
         }
     }
+    // One Envoy whose sidecar clusters name both: any sidecar may decide
+    // any request.
+    let both = fleet
+        .start_envoy(&both_sidecars(
+            &render(&fleet.gateway),
+            (fleet.settings.listen, b.sidecar.grpc_addr),
+            (a_admin, b.sidecar.admin_addr),
+        ))
+        .await
+        .unwrap();
+    let before = [
+        state(a_admin).await.decisions_total,
+        state(b.sidecar.admin_addr).await.decisions_total,
+    ];
+    for s in 0..4u64 {
+        let mut conv = Conversation::new(MODEL, &format!("{system} both {s}"), true, 400 + s);
+        let mut home = Home::new(format!("shared session {s}"));
+        for _ in 0..4 {
+            home.check(&turn(&fleet, &both, &mut conv).await, 16_384 / 4);
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+    }
+    let after = [
+        state(a_admin).await.decisions_total,
+        state(b.sidecar.admin_addr).await.decisions_total,
+    ];
+    assert_eq!(after[0] - before[0] + after[1] - before[1], 16);
+    assert!(
+        after[0] > before[0] && after[1] > before[1],
+        "one Envoy reached both sidecars: {before:?} -> {after:?}"
+    );
+
     // Each sidecar decided half the turns, and saw the other's.
     let (_, metrics) = get(b.sidecar.admin_addr, "/metrics").await;
     let received = metric_sample(

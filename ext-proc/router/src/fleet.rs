@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::health::ReplicaHealth;
-use crate::peers::Peers;
+use crate::peers::{canonical, Peers, PEER_SILENCE};
 use crate::replica::{ReloadSummary, Replica};
 use crate::usage::UsageTally;
 use crate::warmth::LruBlocks;
+use hearth_wire::peer::Load;
 
 /// What an engine's Prometheus metrics said, when.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -261,6 +262,58 @@ impl Fleet {
         };
         fleet.apply(targets, warmth_blocks);
         fleet
+    }
+}
+
+impl Fleet {
+    /// Sum of the live peers' figures into each replica's peer load.
+    pub(crate) fn sum_peer_loads(&mut self, now: Instant) {
+        self.peers
+            .loads
+            .retain(|_, l| now.saturating_duration_since(l.at) < PEER_SILENCE);
+        for s in &mut self.state {
+            s.peer_in_flight = 0;
+            s.peer_load = 0.0;
+        }
+        for l in self.peers.loads.values() {
+            for &(slot, in_flight, load) in &l.per_slot {
+                if let Some(s) = self.state.get_mut(slot) {
+                    s.peer_in_flight += in_flight;
+                    s.peer_load += load;
+                }
+            }
+        }
+    }
+
+    /// The list changed: peers' figures name places in the old one.
+    pub(crate) fn reset_peers(&mut self) {
+        let (canonical, digest) = canonical(&self.replicas, &self.listed);
+        self.peers.canonical = canonical;
+        self.peers.digest = digest;
+        self.peers.loads.clear();
+        self.peers.warmth.clear();
+        self.peers.health.clear();
+        for s in &mut self.state {
+            s.peer_in_flight = 0;
+            s.peer_load = 0.0;
+        }
+    }
+
+    /// This sidecar's own load on every replica, in canonical order.
+    pub(crate) fn own_load(&self) -> Vec<Load> {
+        self.peers
+            .canonical
+            .iter()
+            .enumerate()
+            .filter_map(|(place, &slot)| {
+                let s = &self.state[slot];
+                Some(Load {
+                    replica: u16::try_from(place).ok()?,
+                    in_flight: s.in_flight,
+                    load: s.load as f32,
+                })
+            })
+            .collect()
     }
 }
 

@@ -16,6 +16,8 @@
 //! - [`warmth`]: the per-replica LRU of block hashes;
 //! - [`usage`]: what the engines served from cache against the
 //!   predictions, and the warmth corrections it makes;
+//! - [`peers`], [`sharing`]: what the router keeps for its peer sidecars,
+//!   and the updates it exchanges with them;
 //! - [`snapshot`]: what `/state` shows.
 
 pub mod decide;
@@ -25,6 +27,7 @@ pub mod params;
 pub mod peers;
 pub mod replica;
 pub mod router;
+pub mod sharing;
 pub mod snapshot;
 pub mod usage;
 pub mod warmth;

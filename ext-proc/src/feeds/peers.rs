@@ -43,36 +43,6 @@ const HEARTBEAT: Duration = Duration::from_secs(1);
 /// Room left in a message for the envelope around an update.
 const ENVELOPE_ROOM: usize = 512;
 
-/// Checks a fleet name: it becomes a NATS subject token.
-pub fn check_fleet(name: &str) -> Result<(), String> {
-    if name.is_empty() || name.len() > 64 {
-        return Err(format!("must be 1 to 64 characters, got {}", name.len()));
-    }
-    if !name
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-    {
-        return Err(format!(
-            "{name:?} may hold only letters, digits, '-' and '_'"
-        ));
-    }
-    Ok(())
-}
-
-/// Checks `HEARTH_PEERS_URL`: one or more `nats://` or `tls://` addresses.
-pub fn check_url(url: &str) -> Result<(), String> {
-    for one in url.split(',').map(str::trim) {
-        let rest = one
-            .strip_prefix("nats://")
-            .or_else(|| one.strip_prefix("tls://"))
-            .ok_or_else(|| format!("{one:?} must start with nats:// or tls://"))?;
-        if rest.is_empty() || rest.contains('/') {
-            return Err(format!("{one:?} must be scheme://host:port"));
-        }
-    }
-    Ok(())
-}
-
 /// What the bus needs from the settings.
 #[derive(Clone, Debug)]
 pub struct PeerSettings {
@@ -411,26 +381,4 @@ fn random_id() -> u64 {
     );
     h.write_u32(std::process::id());
     h.finish()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fleet_names_are_subject_tokens() {
-        assert!(check_fleet("prod-eu_1").is_ok());
-        for bad in ["", "a.b", "a b", "a*", "a>", &"x".repeat(65)] {
-            assert!(check_fleet(bad).is_err(), "{bad:?}");
-        }
-    }
-
-    #[test]
-    fn peer_urls_name_nats_or_tls_servers() {
-        assert!(check_url("nats://127.0.0.1:4222").is_ok());
-        assert!(check_url("tls://nats.example:4222, nats://10.0.0.2:4222").is_ok());
-        for bad in ["127.0.0.1:4222", "http://x:1", "nats://", "nats://x:1/path"] {
-            assert!(check_url(bad).is_err(), "{bad:?}");
-        }
-    }
 }
