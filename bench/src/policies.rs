@@ -7,6 +7,11 @@
 //!   sidecar's own [`hearth_ext_proc::Router`], fed the real fingerprint of
 //!   each request body; its [`Decision`] is held for the request's life, so
 //!   its load accounting is the sidecar's.
+//! - `hearth_informed`: `hearth_relative` whose overlaps come from the
+//!   engines' real caches instead of the sidecar's warmth index (the
+//!   share of the prompt each engine holds, in the fingerprint's blocks):
+//!   the same scoring with perfect knowledge, the yardstick for what the
+//!   approximate index costs. Not a practical router.
 //! - `oracle`: reads every engine's real prefix cache and sends each request
 //!   where the most of its prompt is cached (ties: fewest requests, then
 //!   round-robin). An upper bound for the cached fraction, not a practical
@@ -46,13 +51,14 @@ pub enum PolicyKind {
     HearthAbsolute,
     HearthMarginal,
     HearthRelative,
+    HearthInformed,
     GieDefaultEmulated,
     SglangCacheAwareEmulated,
     Oracle,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 10] = [
+    pub const ALL: [PolicyKind; 11] = [
         PolicyKind::RoundRobin,
         PolicyKind::Random,
         PolicyKind::LeastRequest,
@@ -60,6 +66,7 @@ impl PolicyKind {
         PolicyKind::HearthAbsolute,
         PolicyKind::HearthMarginal,
         PolicyKind::HearthRelative,
+        PolicyKind::HearthInformed,
         PolicyKind::GieDefaultEmulated,
         PolicyKind::SglangCacheAwareEmulated,
         PolicyKind::Oracle,
@@ -74,6 +81,7 @@ impl PolicyKind {
             PolicyKind::HearthAbsolute => "hearth_absolute",
             PolicyKind::HearthMarginal => "hearth_marginal",
             PolicyKind::HearthRelative => "hearth_relative",
+            PolicyKind::HearthInformed => "hearth_informed",
             PolicyKind::GieDefaultEmulated => "gie_default_emulated",
             PolicyKind::SglangCacheAwareEmulated => "sglang_cache_aware_emulated",
             PolicyKind::Oracle => "oracle",
@@ -89,7 +97,9 @@ impl PolicyKind {
         match self {
             PolicyKind::HearthAbsolute => Some(AffinityBasis::Absolute),
             PolicyKind::HearthMarginal => Some(AffinityBasis::Marginal),
-            PolicyKind::HearthRelative => Some(AffinityBasis::Relative),
+            PolicyKind::HearthRelative | PolicyKind::HearthInformed => {
+                Some(AffinityBasis::Relative)
+            }
             _ => None,
         }
     }
@@ -214,7 +224,9 @@ pub enum Policy {
     Random(Rng),
     LeastRequest(Rng),
     RingHash(Vec<(u64, usize)>),
-    Hearth(Arc<Router>),
+    /// The sidecar's router; `true`: told the engines' real overlaps
+    /// (`hearth_informed`).
+    Hearth(Arc<Router>, bool),
     /// Several sidecars (`--sidecars`), each request reaching one at random;
     /// they share what they learn when `--peer-delay-ms` is set.
     HearthSplit(Vec<Arc<Router>>, Rng),
@@ -256,7 +268,7 @@ impl Policy {
     /// The sidecars behind a Hearth policy (none for the others).
     pub fn routers(&self) -> Vec<Arc<Router>> {
         match self {
-            Policy::Hearth(r) => vec![Arc::clone(r)],
+            Policy::Hearth(r, _) => vec![Arc::clone(r)],
             Policy::HearthSplit(rs, _) => rs.clone(),
             _ => Vec::new(),
         }
@@ -265,7 +277,8 @@ impl Policy {
     pub fn new(kind: PolicyKind, replicas: usize, seed: u64, knobs: &HearthKnobs) -> Policy {
         let rng = Rng::derive(seed, 0x9011C7);
         if let Some(basis) = kind.hearth_basis() {
-            if knobs.sidecars > 1 {
+            // The informed yardstick is one router that knows everything.
+            if knobs.sidecars > 1 && kind != PolicyKind::HearthInformed {
                 let routers: Vec<Arc<Router>> = (0..knobs.sidecars)
                     .map(|_| knobs.router(basis, replicas))
                     .collect();
@@ -274,7 +287,10 @@ impl Policy {
                 }
                 return Policy::HearthSplit(routers, rng);
             }
-            return Policy::Hearth(knobs.router(basis, replicas));
+            return Policy::Hearth(
+                knobs.router(basis, replicas),
+                kind == PolicyKind::HearthInformed,
+            );
         }
         match kind {
             PolicyKind::RoundRobin => Policy::RoundRobin(0),
@@ -334,12 +350,12 @@ impl Policy {
                 let i = ring.partition_point(|(p, _)| *p < h);
                 ring[i % ring.len()].1
             }
-            Policy::Hearth(_) | Policy::HearthSplit(..) => {
-                let (router, sidecar) = match self {
-                    Policy::Hearth(router) => (Arc::clone(router), None),
+            Policy::Hearth(..) | Policy::HearthSplit(..) => {
+                let (router, sidecar, informed) = match self {
+                    Policy::Hearth(router, informed) => (Arc::clone(router), None, *informed),
                     Policy::HearthSplit(routers, rng) => {
                         let k = rng.below(routers.len());
-                        (Arc::clone(&routers[k]), Some(k))
+                        (Arc::clone(&routers[k]), Some(k), false)
                     }
                     _ => unreachable!("matched above"),
                 };
@@ -349,6 +365,17 @@ impl Policy {
                         prompt_bytes: fp.prompt_bytes,
                         model: Some(fp.model.clone()),
                         max_output_tokens: fp.max_output_tokens,
+                        known_overlaps: informed.then(|| {
+                            let blocks = fp.prompt_bytes as f64 / f64::from(fp.block_size.max(1));
+                            engines
+                                .iter()
+                                .map(|e| match e.cached_share(req.engine_hashes) {
+                                    // The whole prompt, its last partial block too.
+                                    share if share >= 1.0 => fp.hashes.len(),
+                                    share => (share * blocks) as usize,
+                                })
+                                .collect()
+                        }),
                     },
                     None => RequestInfo::default(),
                 };
@@ -540,6 +567,52 @@ mod tests {
         drop(first);
         for _ in 0..5 {
             assert_eq!(p.route(&req, &[0, 0], &e).replica, home);
+        }
+    }
+
+    #[test]
+    fn hearth_informed_follows_the_engines_caches_not_its_index() {
+        let mut e = engines(3);
+        let words = "lorem ipsum dolor ".repeat(1200);
+        let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{words}"}}]}}"#);
+        let fp = hearth_wire::fingerprint(
+            hearth_wire::Endpoint::ChatCompletions,
+            body.as_bytes(),
+            &hearth_wire::Params::default(),
+        )
+        .unwrap();
+        assert!(fp.hashes.len() >= 8, "{} blocks", fp.hashes.len());
+        let engine_hashes: Vec<u64> = (1..=10).collect();
+        let req = RouteInput {
+            prompt: b"x",
+            engine_hashes: &engine_hashes,
+            fingerprint: Some(&fp),
+            session: 0,
+        };
+        let warm = |e: &mut EngineCore| {
+            e.submit(1, engine_hashes.clone(), 160, 1);
+            while e.step().is_some() {}
+        };
+        warm(&mut e[2]);
+        let mut p = Policy::new(PolicyKind::HearthInformed, 3, 1, &HearthKnobs::default());
+        for _ in 0..3 {
+            let routed = p.route(&req, &[0; 3], &e);
+            assert_eq!(routed.replica, 2);
+            assert_eq!(
+                routed.hearth.as_ref().unwrap().overlap as usize,
+                fp.hashes.len()
+            );
+        }
+        // Replica 2 restarts and replica 0 reads the prompt: its index
+        // still says 2, the engines say 0.
+        e[2].flush_cache();
+        warm(&mut e[0]);
+        assert_eq!(p.route(&req, &[0; 3], &e).replica, 0);
+        // The plain policy, on the same engines, follows its index.
+        let mut plain = Policy::new(PolicyKind::HearthRelative, 3, 1, &HearthKnobs::default());
+        let home = plain.route(&req, &[0; 3], &e).replica;
+        for _ in 0..3 {
+            assert_eq!(plain.route(&req, &[0; 3], &e).replica, home);
         }
     }
 

@@ -171,6 +171,14 @@ impl EngineCore {
     }
 
     /// Leading prompt tokens of `hashes` the cache holds now.
+    /// The share of a prompt (its engine block hashes) cached here.
+    pub fn cached_share(&self, hashes: &[u64]) -> f64 {
+        if hashes.is_empty() {
+            return 0.0;
+        }
+        self.cache.matched_blocks(hashes) as f64 / hashes.len() as f64
+    }
+
     pub fn cached_tokens_for(&self, hashes: &[u64]) -> u64 {
         self.cache.matched_blocks(hashes) as u64 * u64::from(self.block_tokens)
     }

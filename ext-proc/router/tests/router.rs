@@ -30,6 +30,7 @@ fn req(hashes: &[u64]) -> RequestInfo {
         prompt_bytes: hashes.len() as u64 * 2048,
         model: Some("m".into()),
         max_output_tokens: None,
+        known_overlaps: None,
     }
 }
 
@@ -45,6 +46,36 @@ fn a_session_returns_to_the_replica_that_read_it() {
         assert_eq!(d.primary(), home);
         assert_eq!(d.overlap, (turn - 1) as u32);
     }
+}
+
+#[test]
+fn known_overlaps_replace_the_warmth_index() {
+    let router = fleet("127.0.0.1:1001,127.0.0.1:1002", |_| {});
+    let hashes = [1, 2, 3, 4];
+    let home = router.decide(&req(&hashes)).unwrap().primary();
+    let other = 1 - home;
+    // Told that the other replica holds three blocks and home none, the
+    // router goes there, with that overlap.
+    let mut known = vec![0; 2];
+    known[other] = 3;
+    let told = RequestInfo {
+        known_overlaps: Some(known),
+        ..req(&hashes)
+    };
+    let d = router.decide(&told).unwrap();
+    assert_eq!(d.primary(), other);
+    assert_eq!(d.overlap, 3);
+    drop(d);
+    // An overlap beyond the prompt counts as the whole prompt.
+    let mut known = vec![0; 2];
+    known[home] = 99;
+    let d = router
+        .decide(&RequestInfo {
+            known_overlaps: Some(known),
+            ..req(&hashes)
+        })
+        .unwrap();
+    assert_eq!((d.primary(), d.overlap), (home, 4));
 }
 
 #[test]
@@ -165,6 +196,7 @@ fn sized(hashes: &[u64], bytes: u64) -> RequestInfo {
         prompt_bytes: bytes,
         model: None,
         max_output_tokens: None,
+        known_overlaps: None,
     }
 }
 

@@ -56,6 +56,7 @@ pub fn request_info(endpoint: Endpoint, body: &[u8], block_size: usize) -> Reque
             prompt_bytes: fp.prompt_bytes,
             model: Some(fp.model),
             max_output_tokens: fp.max_output_tokens,
+            known_overlaps: None,
         },
         Err(reason) => {
             tracing::debug!(%reason, "body not fingerprinted; routing on load");

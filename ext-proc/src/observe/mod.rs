@@ -437,6 +437,7 @@ mod tests {
             hashes,
             model: None,
             max_output_tokens: None,
+            known_overlaps: None,
         };
         // Turn 1 lands on replica x, as the observer sees it.
         let first = info(chain(1, 0, 3));

@@ -30,8 +30,17 @@ pub(crate) fn measure(
         long_request,
     } = admitted;
     // The overlap searches of all candidates run together.
-    let sets: Vec<&LruBlocks> = candidates.iter().map(|&i| &fleet.state[i].warmth).collect();
-    let overlaps = LruBlocks::leading_overlaps(&sets, &req.hashes);
+    let overlaps = match &req.known_overlaps {
+        Some(known) => candidates
+            .iter()
+            .map(|&i| known.get(i).map_or(0, |&k| k.min(req.hashes.len())))
+            .collect(),
+        None => {
+            let sets: Vec<&LruBlocks> =
+                candidates.iter().map(|&i| &fleet.state[i].warmth).collect();
+            LruBlocks::leading_overlaps(&sets, &req.hashes)
+        }
+    };
     let (candidates, overlaps) = if long_request
         || !fleet.any_long
         || router.params.long_lane != LongLane::AvoidUnlessWarm

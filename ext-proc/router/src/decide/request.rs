@@ -12,6 +12,11 @@ pub struct RequestInfo {
     pub model: Option<String>,
     /// The request's output cap, when the client set one.
     pub max_output_tokens: Option<u64>,
+    /// How many leading blocks of the prompt each replica holds (by
+    /// replica index), when something knows better than the warmth index:
+    /// the simulator's `hearth_informed` yardstick reads the engines' real
+    /// caches. None (always, in the sidecar): the warmth index says.
+    pub known_overlaps: Option<Vec<usize>>,
 }
 
 /// Why a request could not be routed.
