@@ -371,6 +371,25 @@ pub struct EnvoyConfigArgs {
     /// ORIGINAL_DST cluster has no endpoint list.
     #[arg(long, value_enum)]
     pub endpoints: Option<Endpoints>,
+    /// Another sidecar of the fleet, as `GRPC_ADDR,HTTP_ADDR` (its
+    /// `HEARTH_LISTEN` and `HEARTH_ADMIN_LISTEN`); repeat for each. Envoy
+    /// spreads its streams over this sidecar and these, which share what
+    /// they learn over `HEARTH_PEERS_URL`.
+    #[arg(long = "also-sidecar", value_name = "GRPC_ADDR,HTTP_ADDR", value_parser = sidecar_pair)]
+    pub more_sidecars: Vec<(SocketAddr, SocketAddr)>,
+}
+
+/// `GRPC_ADDR,HTTP_ADDR` of `--also-sidecar`.
+fn sidecar_pair(s: &str) -> Result<(SocketAddr, SocketAddr), String> {
+    let (grpc, http) = s
+        .split_once(',')
+        .ok_or_else(|| format!("{s:?}: expected GRPC_ADDR,HTTP_ADDR (two ip:port)"))?;
+    let parse = |what: &str, a: &str| {
+        a.trim()
+            .parse::<SocketAddr>()
+            .map_err(|e| format!("{what} address {a:?}: {e}"))
+    };
+    Ok((parse("gRPC", grpc)?, parse("HTTP", http)?))
 }
 
 /// Where the engines cluster's endpoints come from.

@@ -35,6 +35,7 @@ impl EnvoyConfigArgs {
             admin: self.envoy_admin,
             sidecar: settings.listen,
             sidecar_admin: settings.admin_listen,
+            more_sidecars: self.more_sidecars.clone(),
             upstreams: settings.upstreams.iter().map(|u| u.addr).collect(),
             wasm: self.wasm.clone(),
             block_size: settings.block_size,
@@ -60,6 +61,11 @@ pub struct Gateway {
     pub sidecar: SocketAddr,
     /// The sidecar's HTTP endpoint (outcome reports).
     pub sidecar_admin: SocketAddr,
+    /// The fleet's other sidecars (gRPC, HTTP), listed after the first in
+    /// the same two clusters: Envoy spreads streams and reports over all
+    /// of them, and any may decide any request (they share what they
+    /// learn over `HEARTH_PEERS_URL`).
+    pub more_sidecars: Vec<(SocketAddr, SocketAddr)>,
     pub upstreams: Vec<SocketAddr>,
     pub wasm: PathBuf,
     pub block_size: usize,
@@ -89,6 +95,7 @@ impl Gateway {
             admin: SocketAddr::from(([127, 0, 0, 1], 0)),
             sidecar,
             sidecar_admin,
+            more_sidecars: Vec::new(),
             upstreams,
             wasm,
             block_size: hearth_wire::DEFAULT_BLOCK_SIZE,
@@ -199,7 +206,40 @@ pub fn render_plain(g: &Gateway) -> String {
 /// The cluster of the sidecar's gRPC service (ext_proc, and endpoint
 /// discovery in EDS mode).
 fn sidecar_cluster(g: &Gateway) -> String {
-    snippets::SIDECAR_CLUSTER.body(&g.snippet_values(), 2)
+    let more: Vec<SocketAddr> = g.more_sidecars.iter().map(|&(grpc, _)| grpc).collect();
+    with_more_endpoints(
+        snippets::SIDECAR_CLUSTER.body(&g.snippet_values(), 2),
+        g.sidecar,
+        &more,
+    )
+}
+
+/// The cluster of the sidecar's HTTP endpoint (the outcome filter's
+/// reports).
+fn outcome_cluster(g: &Gateway) -> String {
+    let more: Vec<SocketAddr> = g.more_sidecars.iter().map(|&(_, admin)| admin).collect();
+    with_more_endpoints(
+        snippets::OUTCOME_CLUSTER.body(&g.snippet_values(), 2),
+        g.sidecar_admin,
+        &more,
+    )
+}
+
+/// `cluster` with an endpoint for each of `more` after the one of `first`.
+fn with_more_endpoints(cluster: String, first: SocketAddr, more: &[SocketAddr]) -> String {
+    if more.is_empty() {
+        return cluster;
+    }
+    let mut out = String::with_capacity(cluster.len() + 100 * more.len());
+    for line in cluster.split_inclusive('\n') {
+        out.push_str(line);
+        if line.contains("- endpoint:") && line.contains(&socket(&first)) {
+            for addr in more {
+                out.push_str(&line.replace(&socket(&first), &socket(addr)));
+            }
+        }
+    }
+    out
 }
 
 fn socket(addr: &SocketAddr) -> String {
@@ -249,7 +289,7 @@ pub fn render(g: &Gateway) -> String {
         engines = snippets::ENGINES_CLUSTER.body_as_item(&v, 2),
         buffer = g.buffer_limit(),
         sidecar = sidecar_cluster(g),
-        outcome = snippets::OUTCOME_CLUSTER.body(&v, 2),
+        outcome = outcome_cluster(g),
     )
 }
 
@@ -299,6 +339,7 @@ mod tests {
             admin: "127.0.0.1:9901".parse().unwrap(),
             sidecar: "127.0.0.1:50051".parse().unwrap(),
             sidecar_admin: "127.0.0.1:9190".parse().unwrap(),
+            more_sidecars: Vec::new(),
             upstreams: vec![
                 "127.0.0.1:8001".parse().unwrap(),
                 "127.0.0.1:8002".parse().unwrap(),
@@ -627,6 +668,95 @@ pub fn render_gie(g: &Gateway) -> String {
         ),
         sidecar = sidecar_cluster(g),
     )
+}
+
+#[cfg(test)]
+mod more_sidecar_tests {
+    use clap::Parser;
+
+    fn cli(extra: &[&str]) -> Result<crate::config::Cli, clap::Error> {
+        let mut args = vec![
+            "hearth-ext-proc",
+            "--upstreams",
+            "127.0.0.1:8001",
+            "envoy-config",
+        ];
+        args.extend_from_slice(extra);
+        crate::config::Cli::try_parse_from(args)
+    }
+
+    fn config(extra: &[&str], mode: &str) -> String {
+        let mut all = extra.to_vec();
+        all.extend_from_slice(&["--mode", mode]);
+        let cli = cli(&all).unwrap();
+        let Some(crate::config::Command::EnvoyConfig(args)) = &cli.command else {
+            panic!("envoy-config did not parse")
+        };
+        args.render(&cli.settings)
+    }
+
+    /// The endpoints of cluster `name` in `yaml`, in order.
+    fn endpoints(yaml: &str, name: &str) -> Vec<String> {
+        let start = yaml
+            .find(&format!("- name: {name}\n"))
+            .unwrap_or_else(|| panic!("no cluster {name}"));
+        let rest = &yaml[start + 1..];
+        let end = rest.find("\n  - name: ").unwrap_or(rest.len());
+        rest[..end]
+            .lines()
+            .filter(|l| l.contains("- endpoint:"))
+            .map(|l| l.trim().to_string())
+            .collect()
+    }
+
+    #[test]
+    fn every_sidecar_is_an_endpoint_of_both_sidecar_clusters() {
+        let extra = [
+            "--also-sidecar",
+            "10.0.0.7:50051,10.0.0.7:9190",
+            "--also-sidecar",
+            "10.0.0.8:50051, 10.0.0.8:9191",
+        ];
+        for mode in ["filter", "body", "gie"] {
+            let yaml = config(&extra, mode);
+            let grpc = endpoints(&yaml, "hearth_sidecar");
+            assert_eq!(grpc.len(), 3, "{mode}: {grpc:?}");
+            assert!(
+                grpc[0].contains("\"127.0.0.1\", port_value: 50051 "),
+                "{grpc:?}"
+            );
+            assert!(
+                grpc[1].contains("\"10.0.0.7\", port_value: 50051 "),
+                "{grpc:?}"
+            );
+            assert!(
+                grpc[2].contains("\"10.0.0.8\", port_value: 50051 "),
+                "{grpc:?}"
+            );
+            if mode == "filter" {
+                let http = endpoints(&yaml, "hearth_sidecar_admin");
+                assert_eq!(http.len(), 3, "{http:?}");
+                assert!(
+                    http[2].contains("\"10.0.0.8\", port_value: 9191 "),
+                    "{http:?}"
+                );
+            }
+        }
+        // Without the flag, one sidecar, as before.
+        assert_eq!(endpoints(&config(&[], "filter"), "hearth_sidecar").len(), 1);
+    }
+
+    #[test]
+    fn a_bad_sidecar_pair_is_refused_with_its_reason() {
+        for bad in [
+            "10.0.0.7:50051",
+            "10.0.0.7:50051,nowhere",
+            "x,10.0.0.7:9190",
+        ] {
+            let err = cli(&["--also-sidecar", bad]).unwrap_err().to_string();
+            assert!(err.contains("--also-sidecar"), "{bad}: {err}");
+        }
+    }
 }
 
 #[cfg(test)]
