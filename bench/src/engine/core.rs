@@ -170,7 +170,6 @@ impl EngineCore {
         &self.cache
     }
 
-    /// Leading prompt tokens of `hashes` the cache holds now.
     /// The share of a prompt (its engine block hashes) cached here.
     pub fn cached_share(&self, hashes: &[u64]) -> f64 {
         if hashes.is_empty() {
@@ -179,6 +178,7 @@ impl EngineCore {
         self.cache.matched_blocks(hashes) as f64 / hashes.len() as f64
     }
 
+    /// Leading prompt tokens of `hashes` the cache holds now.
     pub fn cached_tokens_for(&self, hashes: &[u64]) -> u64 {
         self.cache.matched_blocks(hashes) as u64 * u64::from(self.block_tokens)
     }

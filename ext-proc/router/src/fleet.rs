@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::health::ReplicaHealth;
-use crate::peers::{canonical, Peers, PEER_SILENCE};
+use crate::peers::{canonical, Peers};
 use crate::replica::{ReloadSummary, Replica};
 use crate::usage::UsageTally;
 use crate::warmth::LruBlocks;
@@ -268,9 +268,7 @@ impl Fleet {
 impl Fleet {
     /// Sum of the live peers' figures into each replica's peer load.
     pub(crate) fn sum_peer_loads(&mut self, now: Instant) {
-        self.peers
-            .loads
-            .retain(|_, l| now.saturating_duration_since(l.at) < PEER_SILENCE);
+        self.peers.loads.retain(|_, l| l.is_live(now));
         for s in &mut self.state {
             s.peer_in_flight = 0;
             s.peer_load = 0.0;

@@ -72,6 +72,13 @@ pub(crate) struct PeerLoad {
     pub(crate) per_slot: Vec<(usize, u32, f64)>,
 }
 
+impl PeerLoad {
+    /// Heard from within [`PEER_SILENCE`] of `now`: its figures count.
+    pub(crate) fn is_live(&self, now: Instant) -> bool {
+        now.saturating_duration_since(self.at) < PEER_SILENCE
+    }
+}
+
 /// Why a peer's update was not applied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PeerRefusal {

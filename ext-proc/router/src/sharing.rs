@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use hearth_wire::peer::{Health, Update, Warmth};
 
-use crate::peers::{Applied, PeerLoad, PeerRefusal, PeersSnapshot, PEER_SILENCE};
+use crate::peers::{Applied, PeerLoad, PeerRefusal, PeersSnapshot};
 use crate::router::{lock, Router};
 
 impl Router {
@@ -180,7 +180,7 @@ impl Router {
         Ok(applied)
     }
 
-    /// Drops the load of peers silent for [`PEER_SILENCE`] (the bus calls
+    /// Drops the load of peers silent for [`crate::peers::PEER_SILENCE`] (the bus calls
     /// it as it flushes; applying an update does it too).
     pub fn expire_peers(&self) {
         self.lock().sum_peer_loads(Instant::now());
@@ -205,7 +205,7 @@ impl Router {
                 .peers
                 .loads
                 .values()
-                .filter(|l| now.saturating_duration_since(l.at) < PEER_SILENCE)
+                .filter(|l| l.is_live(now))
                 .count(),
             list_digest: format!("{:016x}", fleet.peers.digest),
             outbox_dropped_total: fleet.peers.dropped,

@@ -206,36 +206,34 @@ pub fn render_plain(g: &Gateway) -> String {
 /// The cluster of the sidecar's gRPC service (ext_proc, and endpoint
 /// discovery in EDS mode).
 fn sidecar_cluster(g: &Gateway) -> String {
-    let more: Vec<SocketAddr> = g.more_sidecars.iter().map(|&(grpc, _)| grpc).collect();
-    with_more_endpoints(
-        snippets::SIDECAR_CLUSTER.body(&g.snippet_values(), 2),
-        g.sidecar,
-        &more,
-    )
+    every_sidecar(g, &snippets::SIDECAR_CLUSTER, |(grpc, _)| grpc)
 }
 
 /// The cluster of the sidecar's HTTP endpoint (the outcome filter's
 /// reports).
 fn outcome_cluster(g: &Gateway) -> String {
-    let more: Vec<SocketAddr> = g.more_sidecars.iter().map(|&(_, admin)| admin).collect();
-    with_more_endpoints(
-        snippets::OUTCOME_CLUSTER.body(&g.snippet_values(), 2),
-        g.sidecar_admin,
-        &more,
-    )
+    every_sidecar(g, &snippets::OUTCOME_CLUSTER, |(_, http)| http)
 }
 
-/// `cluster` with an endpoint for each of `more` after the one of `first`.
-fn with_more_endpoints(cluster: String, first: SocketAddr, more: &[SocketAddr]) -> String {
-    if more.is_empty() {
-        return cluster;
+/// `cluster` filled in for the sidecar, with an endpoint after its own for
+/// each of [`Gateway::more_sidecars`]; `pick` takes the address this
+/// cluster dials from a sidecar's (gRPC, HTTP) pair.
+fn every_sidecar(
+    g: &Gateway,
+    cluster: &snippets::Snippet,
+    pick: fn((SocketAddr, SocketAddr)) -> SocketAddr,
+) -> String {
+    let body = cluster.body(&g.snippet_values(), 2);
+    if g.more_sidecars.is_empty() {
+        return body;
     }
-    let mut out = String::with_capacity(cluster.len() + 100 * more.len());
-    for line in cluster.split_inclusive('\n') {
+    let first = socket(&pick((g.sidecar, g.sidecar_admin)));
+    let mut out = String::with_capacity(body.len() + 100 * g.more_sidecars.len());
+    for line in body.split_inclusive('\n') {
         out.push_str(line);
-        if line.contains("- endpoint:") && line.contains(&socket(&first)) {
-            for addr in more {
-                out.push_str(&line.replace(&socket(&first), &socket(addr)));
+        if line.contains("- endpoint:") && line.contains(&first) {
+            for &pair in &g.more_sidecars {
+                out.push_str(&line.replace(&first, &socket(&pick(pair))));
             }
         }
     }
