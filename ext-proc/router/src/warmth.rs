@@ -15,30 +15,73 @@
 //! present, so is every block before it, and the overlap is found by a
 //! binary search (about 9 lookups for 256 blocks) instead of a scan.
 
+use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::{BuildHasher, Hasher};
 
-/// Block hashes are already well-mixed FNV-1a outputs; hashing them again
-/// with SipHash would only cost time.
-#[derive(Default)]
-pub struct BlockHasher(u64);
+/// Block hashes name clients' prompts, so a client chooses them: with a
+/// fixed table hash, prompts could be crafted whose blocks all land in a
+/// few buckets, and every lookup in a replica's index would crawl. So each
+/// table keys its hash with a seed and a multiplier drawn from the
+/// process's random keys (std's `RandomState`), which no client sees; one
+/// 64x64->128-bit multiply folded in half mixes a key with them, as fast
+/// as the fixed multiply it replaced (SipHash would cost more, and block
+/// hashes are already well-mixed FNV-1a outputs).
+#[derive(Clone, Copy, Debug)]
+pub struct BlockHashState {
+    seed: u64,
+    multiplier: u64,
+}
 
-impl Hasher for BlockHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+impl Default for BlockHashState {
+    fn default() -> Self {
+        let draw = |n: u64| {
+            let mut h = RandomState::new().build_hasher();
+            h.write_u64(n);
+            h.finish()
+        };
+        BlockHashState {
+            seed: draw(0),
+            // Odd: the multiply loses no bit of the key.
+            multiplier: draw(1) | 1,
         }
-    }
-    fn write_u64(&mut self, v: u64) {
-        // One multiply spreads the low bits the table uses.
-        self.0 = v.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (v >> 29);
     }
 }
 
-type BlockMap<V> = HashMap<u64, V, BuildHasherDefault<BlockHasher>>;
+impl BuildHasher for BlockHashState {
+    type Hasher = BlockHasher;
+    fn build_hasher(&self) -> BlockHasher {
+        BlockHasher {
+            state: self.seed,
+            multiplier: self.multiplier,
+        }
+    }
+}
+
+/// The hasher of [`BlockHashState`].
+pub struct BlockHasher {
+    state: u64,
+    multiplier: u64,
+}
+
+impl Hasher for BlockHasher {
+    fn finish(&self) -> u64 {
+        self.state
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        let product = u128::from(self.state ^ v) * u128::from(self.multiplier);
+        self.state = (product as u64) ^ ((product >> 64) as u64);
+    }
+}
+
+type BlockMap<V> = HashMap<u64, V, BlockHashState>;
 
 const NIL: u32 = u32::MAX;
 
@@ -321,6 +364,19 @@ impl LruBlocks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_table_hashes_blocks_with_its_own_random_keys() {
+        let (a, b) = (BlockHashState::default(), BlockHashState::default());
+        assert_eq!(a.hash_one(7u64), a.hash_one(7u64));
+        assert_ne!(a.hash_one(7u64), b.hash_one(7u64));
+        // Keys that differ only in their high bits (which a fixed
+        // multiply leaves out of the low bits a table indexes by) spread.
+        let keys: Vec<u64> = (0..256u64).map(|i| i << 48).collect();
+        let buckets: std::collections::HashSet<u64> =
+            keys.iter().map(|k| a.hash_one(k) & 0xfff).collect();
+        assert!(buckets.len() > 200, "{} buckets", buckets.len());
+    }
 
     #[test]
     fn overlap_counts_leading_blocks_only() {
