@@ -188,6 +188,7 @@ impl HearthKnobs {
                 long: i + self.long_replicas >= replicas,
                 dp_ranks: 1,
                 short_output: false,
+                tls: false,
             })
             .collect()
     }

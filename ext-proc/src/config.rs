@@ -222,6 +222,12 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_ENGINE_API_KEY_FILE")]
     pub engine_api_key_file: Option<std::path::PathBuf>,
 
+    /// PEM file of the CA certificate(s) that `https://` engines'
+    /// certificates must chain to, instead of the system's roots (for a
+    /// private CA).
+    #[arg(long, env = "HEARTH_ENGINE_CA_FILE")]
+    pub engine_ca_file: Option<std::path::PathBuf>,
+
     /// Canonical prompt bytes from which a request is "long" and goes only
     /// to replicas tagged `long` (when any are).
     #[arg(long, env = "HEARTH_LONG_PROMPT_BYTES", default_value_t = 400_000)]
@@ -431,18 +437,32 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+/// Parsing never fails, so that no parser error message can quote the
+/// value; [`Secret::check`] (run by [`Settings::validate`]) says what is
+/// wrong with it without showing it.
 impl FromStr for Secret {
-    type Err = String;
+    type Err = std::convert::Infallible;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let key = s.trim();
-        if key.is_empty() {
-            return Err("the key is empty".into());
+        Ok(Secret(s.trim().to_string()))
+    }
+}
+
+impl Secret {
+    /// Whether the credential can go into an HTTP header (or a NATS
+    /// connect) as is: not empty, printable ASCII without spaces. The
+    /// message names the first bad byte's position, never the value.
+    pub fn check(&self) -> Result<(), String> {
+        if self.0.is_empty() {
+            return Err("is empty".into());
         }
-        // It goes into an HTTP header as is.
-        if !key.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err("the key has characters an HTTP header cannot carry".into());
+        match self.0.bytes().position(|b| !b.is_ascii_graphic()) {
+            None => Ok(()),
+            Some(at) => Err(format!(
+                "has a character an HTTP header cannot carry (a control character, a space \
+                 or non-ASCII) at byte {at} of {}; the value is not shown",
+                self.0.len()
+            )),
         }
-        Ok(Secret(key.to_string()))
     }
 }
 
@@ -480,6 +500,8 @@ impl Settings {
     /// The engines' bearer key: the setting, or the file's contents.
     pub fn engine_api_key(&self) -> Result<Option<Secret>, String> {
         if let Some(key) = &self.engine_api_key {
+            key.check()
+                .map_err(|e| format!("HEARTH_ENGINE_API_KEY: the key {e}"))?;
             return Ok(Some(key.clone()));
         }
         let Some(path) = &self.engine_api_key_file else {
@@ -491,9 +513,68 @@ impl Settings {
                 path.display()
             )
         })?;
-        text.parse()
-            .map(Some)
-            .map_err(|e| format!("HEARTH_ENGINE_API_KEY_FILE: {}: {e}", path.display()))
+        let key: Secret = text.parse().unwrap_or_else(|e| match e {});
+        key.check().map_err(|e| {
+            format!(
+                "HEARTH_ENGINE_API_KEY_FILE: the key in {} {e}",
+                path.display()
+            )
+        })?;
+        Ok(Some(key))
+    }
+
+    /// The setting that holds the engine key, for messages.
+    fn engine_key_setting(&self) -> &'static str {
+        if self.engine_api_key_file.is_some() {
+            "HEARTH_ENGINE_API_KEY_FILE"
+        } else {
+            "HEARTH_ENGINE_API_KEY"
+        }
+    }
+
+    /// The warning for an engine key sent in clear: with a key set, the
+    /// engines the sidecar reaches over plain HTTP at an address that is
+    /// not loopback (their traffic leaves the host). `None` when the key
+    /// stays on TLS or loopback, or there is no key.
+    pub fn engine_key_exposure(&self) -> Option<String> {
+        if self.engine_api_key.is_none() && self.engine_api_key_file.is_none() {
+            return None;
+        }
+        let exposed: Vec<String> = self
+            .upstreams
+            .iter()
+            .filter(|u| !u.tls && !u.addr.ip().is_loopback())
+            .map(|u| u.addr.to_string())
+            .collect();
+        let first = exposed.first()?;
+        Some(format!(
+            "{setting} is sent in clear over plain HTTP with every probe and metrics scrape \
+             to {n} engine(s) not on loopback (first: {first}): anyone on that network path \
+             can read it. Serve the engines over TLS and list them as https://IP:PORT in \
+             HEARTH_UPSTREAMS (HEARTH_ENGINE_CA_FILE for a private CA)",
+            setting = self.engine_key_setting(),
+            n = exposed.len(),
+        ))
+    }
+
+    /// The PEM text of `HEARTH_ENGINE_CA_FILE`, when set.
+    pub fn engine_ca_pem(&self) -> Result<Option<Vec<u8>>, String> {
+        let Some(path) = &self.engine_ca_file else {
+            return Ok(None);
+        };
+        let pem = std::fs::read(path).map_err(|e| {
+            format!("HEARTH_ENGINE_CA_FILE: cannot read {}: {e}", path.display())
+        })?;
+        if !pem
+            .windows(27)
+            .any(|w| w == b"-----BEGIN CERTIFICATE-----")
+        {
+            return Err(format!(
+                "HEARTH_ENGINE_CA_FILE: {} holds no PEM certificate",
+                path.display()
+            ));
+        }
+        Ok(Some(pem))
     }
 
     /// The router's parameters (see `hearth_router::RouterParams`).
@@ -598,19 +679,16 @@ impl Settings {
         if let Err(e) = self.engine_api_key() {
             problems.push(e);
         }
-        if let Err(e) = check_fleet(&self.fleet) {
-            problems.push(format!("HEARTH_FLEET: {e}"));
+        if let Err(e) = self.engine_ca_pem() {
+            problems.push(e);
         }
-        if let Some(url) = &self.peers_url {
-            if let Err(e) = check_url(url) {
-                problems.push(format!("HEARTH_PEERS_URL: {e}"));
+        for (name, secret) in [
+            ("HEARTH_PEERS_PASSWORD", &self.peers_password),
+            ("HEARTH_PEERS_TOKEN", &self.peers_token),
+        ] {
+            if let Some(Err(e)) = secret.as_ref().map(Secret::check) {
+                problems.push(format!("{name}: the value {e}"));
             }
-        }
-        if !(1..=10_000).contains(&self.peers_flush_ms) {
-            problems.push(format!(
-                "HEARTH_PEERS_FLUSH_MS must be between 1 and 10000, got {}",
-                self.peers_flush_ms
-            ));
         }
         if self.eject_after == 0 {
             problems.push("HEARTH_EJECT_AFTER must be at least 1".into());
@@ -770,6 +848,93 @@ mod tests {
             err.contains("HEARTH_AFFINITY_BASIS"),
             "names the valid ones: {err}"
         );
+    }
+
+    #[test]
+    fn a_malformed_key_is_reported_without_showing_it() {
+        let secret = "s3cr3t-\u{7}-value";
+        let cli = parse(&["--upstreams", "127.0.0.1:1", "--engine-api-key", secret]);
+        // The parser takes it (a parser error would quote it) ...
+        let problems = cli.unwrap().settings.validate().unwrap_err();
+        // ... and the check names the setting and the place, not the value.
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].starts_with("HEARTH_ENGINE_API_KEY: "), "{}", problems[0]);
+        assert!(problems[0].contains("byte 7"), "{}", problems[0]);
+        assert!(!problems[0].contains("s3cr3t"), "{}", problems[0]);
+        // The same from a file (a trailing newline is fine, one inside is not).
+        let dir = std::env::temp_dir().join(format!("hearth-key-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("key");
+        std::fs::write(&file, "s3cr3t\nsecond-line\n").unwrap();
+        let path = file.to_str().unwrap();
+        let s = parse(&["--upstreams", "127.0.0.1:1", "--engine-api-key-file", path])
+            .unwrap()
+            .settings;
+        let e = s.engine_api_key().unwrap_err();
+        assert!(e.starts_with("HEARTH_ENGINE_API_KEY_FILE: "), "{e}");
+        assert!(!e.contains("s3cr3t") && !e.contains("second"), "{e}");
+        std::fs::write(&file, "good-key\n").unwrap();
+        assert_eq!(s.engine_api_key().unwrap().unwrap().expose(), "good-key");
+        std::fs::remove_dir_all(&dir).unwrap();
+        // Peer credentials get the same check.
+        let s = parse(&["--upstreams", "127.0.0.1:1", "--peers-token", "a b"])
+            .unwrap()
+            .settings;
+        let problems = s.validate().unwrap_err();
+        assert!(problems[0].starts_with("HEARTH_PEERS_TOKEN: "), "{problems:?}");
+        assert!(format!("{:?}", s.peers_token).contains("redacted"));
+    }
+
+    #[test]
+    fn a_key_over_plain_http_beyond_loopback_is_warned_about() {
+        let settings = |args: &[&str]| parse(args).unwrap().settings;
+        // No key: nothing to expose.
+        let s = settings(&["--upstreams", "10.0.0.1:8000"]);
+        assert_eq!(s.engine_key_exposure(), None);
+        // A key to loopback or TLS engines stays off the network in clear.
+        let s = settings(&[
+            "--upstreams",
+            "127.0.0.1:8000,https://10.0.0.1:8000,[::1]:8000",
+            "--engine-api-key",
+            "k",
+        ]);
+        assert_eq!(s.engine_key_exposure(), None);
+        // Plain HTTP to another host: one warning naming the setting and
+        // the fix.
+        let s = settings(&[
+            "--upstreams",
+            "127.0.0.1:8000,10.0.0.2:8000,http://10.0.0.3:8000",
+            "--engine-api-key",
+            "k",
+        ]);
+        let w = s.engine_key_exposure().unwrap();
+        assert!(w.starts_with("HEARTH_ENGINE_API_KEY is sent in clear"), "{w}");
+        assert!(w.contains("2 engine(s)") && w.contains("10.0.0.2:8000"), "{w}");
+        assert!(w.contains("https://IP:PORT"), "{w}");
+        assert!(!w.contains(" k "), "{w}");
+        let s = settings(&[
+            "--upstreams",
+            "10.0.0.2:8000",
+            "--engine-api-key-file",
+            "/run/secrets/key",
+        ]);
+        assert!(s
+            .engine_key_exposure()
+            .unwrap()
+            .starts_with("HEARTH_ENGINE_API_KEY_FILE"));
+    }
+
+    #[test]
+    fn upstreams_written_https_speak_tls() {
+        let u: UpstreamSpec = "https://10.0.0.1:8000;id=a".parse().unwrap();
+        assert!(u.tls);
+        assert_eq!(u.addr, "10.0.0.1:8000".parse().unwrap());
+        let plain: UpstreamSpec = "http://10.0.0.1:8000".parse().unwrap();
+        assert!(!plain.tls);
+        assert!(!"10.0.0.1:8000".parse::<UpstreamSpec>().unwrap().tls);
+        for bad in ["https://engine:8000", "https://10.0.0.1:8000/v1", "ftp://10.0.0.1:1"] {
+            assert!(bad.parse::<UpstreamSpec>().is_err(), "{bad}");
+        }
     }
 
     #[test]

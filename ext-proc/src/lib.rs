@@ -114,9 +114,17 @@ impl Sidecar {
             tracing::info!(warm, "peer bus: started");
             spawn_until(&stop, bus.run());
         }
+        if let Some(warning) = settings.engine_key_exposure() {
+            tracing::warn!("{warning}");
+        }
         let engines = feeds::engines::EngineClient::new(
             settings.engine_api_key().map_err(|e| anyhow::anyhow!(e))?,
-        );
+            settings
+                .engine_ca_pem()
+                .map_err(|e| anyhow::anyhow!(e))?
+                .as_deref(),
+        )
+        .map_err(|e| anyhow::anyhow!(e))?;
         let feeds = Feeds {
             engines,
             probes: feeds::probe::ProbeParams::of(settings),

@@ -48,6 +48,9 @@ async fn run() -> anyhow::Result<()> {
         (None, _) => {}
     }
     if let Some(Command::EnvoyConfig(args)) = &cli.command {
+        if let Err(e) = args.check(&cli.settings) {
+            exit_with("envoy-config: ", &[e]);
+        }
         print!("{}", args.render(&cli.settings));
         return Ok(());
     }

@@ -82,6 +82,23 @@ async fn start(engine: Engine) -> (String, Shared) {
             "/v1/chat/completions",
             post(|s, h, b| generate("/v1/chat/completions", s, h, b)),
         )
+        .route(
+            "/metrics",
+            get(|State(e): State<Shared>, h: HeaderMap| async move {
+                let mut e = e.lock().unwrap();
+                e.seen.push((
+                    "/metrics".into(),
+                    header(&h, "authorization"),
+                    None,
+                    Value::Null,
+                ));
+                if !authorized(&e, &h) {
+                    return (StatusCode::UNAUTHORIZED, String::new());
+                }
+                let text = "vllm:num_requests_waiting 3\nvllm:num_requests_running 1\n";
+                (StatusCode::OK, text.to_string())
+            }),
+        )
         .with_state(Arc::clone(&shared));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -103,7 +120,7 @@ async fn the_probe_asks_for_one_token_of_its_raw_prompt_with_the_key_and_the_ran
         ..Engine::default()
     })
     .await;
-    let client = EngineClient::new(key());
+    let client = EngineClient::new(key(), None).unwrap();
     assert_eq!(
         probe_once(&client, &base, None, Some(3), T).await,
         Outcome::Success
@@ -126,7 +143,7 @@ async fn a_refused_key_is_reported_as_such_not_as_a_failure() {
         ..Engine::default()
     })
     .await;
-    let none = EngineClient::new(None);
+    let none = EngineClient::new(None, None).unwrap();
     assert_eq!(
         probe_once(&none, &base, None, None, T).await,
         Outcome::Unauthorized(401)
@@ -151,7 +168,7 @@ async fn a_chat_only_engine_is_probed_with_a_chat_completion() {
         ..Engine::default()
     })
     .await;
-    let client = EngineClient::new(None);
+    let client = EngineClient::new(None, None).unwrap();
     assert_eq!(
         probe_once(&client, &base, Some("m"), None, T).await,
         Outcome::Success
@@ -180,9 +197,113 @@ async fn an_answer_with_nothing_generated_fails() {
         ..Engine::default()
     })
     .await;
-    let client = EngineClient::new(None);
+    let client = EngineClient::new(None, None).unwrap();
     assert_eq!(
         probe_once(&client, &base, None, None, T).await,
         Outcome::Failure(Failure::EmptyAnswer)
     );
+}
+
+/// A private CA and a certificate it signed for 127.0.0.1: (CA PEM, TLS
+/// acceptor presenting the certificate).
+fn private_ca() -> (String, tokio_rustls::TlsAcceptor) {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+    use tokio_rustls::rustls;
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(DnType::CommonName, "hearth test engines CA");
+    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec!["127.0.0.1".to_string()])
+        .unwrap()
+        .signed_by(&key, &ca)
+        .unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![cert.der().clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+        )
+        .unwrap();
+    (ca.pem(), tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+}
+
+/// A TLS front for the plain stand-in engine at `plain`: `https://` base.
+async fn behind_tls(plain: &str, acceptor: tokio_rustls::TlsAcceptor) -> String {
+    let backend: std::net::SocketAddr = plain.trim_start_matches("http://").parse().unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                // A client that does not trust the certificate ends here,
+                // before any request (or key) is sent.
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let Ok(mut inner) = tokio::net::TcpStream::connect(backend).await else {
+                    return;
+                };
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut inner).await;
+            });
+        }
+    });
+    format!("https://{addr}")
+}
+
+#[tokio::test]
+async fn probes_and_scrapes_reach_an_https_engine_with_a_private_ca() {
+    let (plain, engine) = start(Engine {
+        key: Some("k-1".into()),
+        answer: json!({"choices": [{"text": " yes", "finish_reason": "length"}]}),
+        ..Engine::default()
+    })
+    .await;
+    let (ca_pem, acceptor) = private_ca();
+    let base = behind_tls(&plain, acceptor).await;
+
+    // The probe, over TLS, with the key.
+    let client = EngineClient::new(key(), Some(ca_pem.as_bytes())).unwrap();
+    assert_eq!(probe_once(&client, &base, None, None, T).await, Outcome::Success);
+
+    // The metrics scrape of a replica written https://: its figures come.
+    let spec: hearth_router::UpstreamSpec = base.parse().unwrap();
+    assert!(spec.tls);
+    let router = hearth_router::Router::new(hearth_router::RouterParams::default(), &[spec]);
+    let scrape = tokio::spawn(hearth_ext_proc::feeds::signals::run(
+        Arc::clone(&router),
+        client.clone(),
+        Duration::from_millis(100),
+    ));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let engine_figures = loop {
+        let snap = router.snapshot();
+        if let Some(e) = snap.replicas[0].engine.clone() {
+            break e;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no scrape came");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    scrape.abort();
+    assert_eq!(engine_figures.waiting, 3.0);
+    let seen = engine.lock().unwrap().seen.clone();
+    assert!(seen.iter().any(|(p, ..)| p == "/metrics"));
+    for (path, auth, ..) in &seen {
+        assert_eq!(auth.as_deref(), Some("Bearer k-1"), "{path}");
+    }
+
+    // Without the private CA (the system's roots), the engine is not
+    // trusted: the probe fails to connect and the key is never sent.
+    let before = engine.lock().unwrap().seen.len();
+    let untrusting = EngineClient::new(key(), None).unwrap();
+    assert_eq!(
+        probe_once(&untrusting, &base, None, None, T).await,
+        Outcome::Failure(Failure::ConnectFailure)
+    );
+    assert_eq!(engine.lock().unwrap().seen.len(), before);
 }

@@ -42,7 +42,8 @@ pub use health::{
 pub use params::{AffinityBasis, LongLane, RouterParams, ScoreParams};
 pub use peers::{Applied, PeerRefusal, PeersSnapshot, PEER_SILENCE};
 pub use replica::{
-    check_upstreams, default_replica_id, targets, ProbeTarget, ReloadSummary, Replica, ReplicaKey,
+    check_upstreams, default_replica_id, engine_url, targets, ProbeTarget, ReloadSummary, Replica,
+    ReplicaKey,
     UpstreamSpec,
 };
 pub use router::Router;

@@ -21,16 +21,24 @@ pub struct UpstreamSpec {
     pub dp_ranks: u32,
     /// `profile=short-output`: preferred for short outputs on ties.
     pub short_output: bool,
+    /// Written `https://ip:port`: the engine speaks TLS, and the sidecar's
+    /// own requests to it (probes, metrics scrapes, with the engine key)
+    /// use `https://`. Envoy's endpoint is `ip:port` either way.
+    pub tls: bool,
 }
 
 impl FromStr for UpstreamSpec {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let mut parts = s.trim().split(';');
-        let addr_text = parts.next().unwrap_or_default().trim();
+        let written = parts.next().unwrap_or_default().trim();
+        let (addr_text, tls) = match written.strip_prefix("https://") {
+            Some(rest) => (rest, true),
+            None => (written.strip_prefix("http://").unwrap_or(written), false),
+        };
         let addr: SocketAddr = addr_text.parse().map_err(|_| {
             format!(
-                "upstream {addr_text:?} is not ip:port (Envoy's override_host needs an IP address)"
+                "upstream {written:?} is not [https://]ip:port (Envoy's override_host needs an IP address)"
             )
         })?;
         let mut spec = UpstreamSpec {
@@ -40,6 +48,7 @@ impl FromStr for UpstreamSpec {
             long: false,
             dp_ranks: 1,
             short_output: false,
+            tls,
         };
         for part in parts {
             let (key, value) = part
@@ -122,6 +131,8 @@ pub struct Replica {
     /// Suited to short outputs (e.g. speculative decoding): preferred for
     /// them when cache and load tie.
     pub short_output: bool,
+    /// The engine speaks TLS (see [`UpstreamSpec::tls`]).
+    pub tls: bool,
     /// Removed from the replica list by a reload: never a candidate again;
     /// its slot is reused once the requests it still runs have ended.
     pub retired: bool,
@@ -146,6 +157,7 @@ pub fn targets(upstreams: &[UpstreamSpec]) -> Vec<Replica> {
                 long: u.long,
                 dp_rank: (u.dp_ranks > 1).then_some(rank),
                 short_output: u.short_output,
+                tls: u.tls,
                 retired: false,
             })
         })
@@ -191,6 +203,12 @@ impl Replica {
         (self.addr, self.dp_rank)
     }
 
+    /// Where the sidecar itself reaches the engine: `http://ip:port`, or
+    /// `https://ip:port` for an engine written with `https://`.
+    pub fn engine_url(&self) -> String {
+        engine_url(self.addr, self.tls)
+    }
+
     pub(crate) fn serves(&self, model: Option<&str>) -> bool {
         match model {
             Some(m) if !self.models.is_empty() => self.models.iter().any(|x| x == m),
@@ -199,11 +217,18 @@ impl Replica {
     }
 }
 
+/// `http://addr`, or `https://addr` when `tls`.
+pub fn engine_url(addr: SocketAddr, tls: bool) -> String {
+    let scheme = if tls { "https" } else { "http" };
+    format!("{scheme}://{addr}")
+}
+
 /// A routing target to probe: its engine address and rank, its id (for
-/// logs), and the model to ask for.
+/// logs), the model to ask for, and the engine's base URL.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ProbeTarget {
     pub key: ReplicaKey,
     pub id: String,
     pub model: Option<String>,
+    pub url: String,
 }

@@ -297,6 +297,7 @@ impl Router {
                 key: r.key(),
                 id: r.id.clone(),
                 model: r.models.first().cloned(),
+                url: r.engine_url(),
             })
             .collect()
     }
@@ -307,6 +308,18 @@ impl Router {
         for (_, r) in self.lock().serving() {
             if !out.iter().any(|(a, _)| *a == r.addr) {
                 out.push((r.addr, r.models.first().cloned()));
+            }
+        }
+        out
+    }
+
+    /// Each engine once, by address, with the base URL the sidecar reaches
+    /// it at (probes, metrics scrapes).
+    pub fn engine_urls(&self) -> Vec<(SocketAddr, String)> {
+        let mut out: Vec<(SocketAddr, String)> = Vec::new();
+        for (_, r) in self.lock().serving() {
+            if !out.iter().any(|(a, _)| *a == r.addr) {
+                out.push((r.addr, r.engine_url()));
             }
         }
         out

@@ -29,7 +29,24 @@ impl EnvoyConfigArgs {
         }
     }
 
+    /// What keeps these flags and settings from rendering: engines of one
+    /// cluster that mix TLS and plain HTTP.
+    pub fn check(&self, settings: &Settings) -> Result<(), String> {
+        let tls = settings.upstreams.iter().filter(|u| u.tls).count();
+        if tls > 0 && tls < settings.upstreams.len() {
+            return Err(format!(
+                "{tls} of the {} upstreams are https:// and the others plain: Envoy's \
+                 engines cluster has one transport socket, so its engines must all speak \
+                 TLS or none (or write the cluster with transport_socket_matches by hand)",
+                settings.upstreams.len()
+            ));
+        }
+        Ok(())
+    }
+
     pub fn gateway(&self, settings: &Settings) -> Gateway {
+        let all_tls =
+            !settings.upstreams.is_empty() && settings.upstreams.iter().all(|u| u.tls);
         Gateway {
             listen: self.gateway_listen,
             admin: self.envoy_admin,
@@ -49,9 +66,19 @@ impl EnvoyConfigArgs {
                     Endpoints::Static
                 })
                 == Endpoints::Eds,
+            engines_tls: all_tls.then(|| {
+                settings
+                    .engine_ca_file
+                    .clone()
+                    .unwrap_or_else(|| SYSTEM_CA_FILE.into())
+            }),
         }
     }
 }
+
+/// The CA bundle Envoy checks TLS engines against when
+/// `HEARTH_ENGINE_CA_FILE` is unset (Debian's and Envoy's images' path).
+pub const SYSTEM_CA_FILE: &str = "/etc/ssl/certs/ca-certificates.crt";
 
 /// Everything the bootstrap depends on.
 #[derive(Clone, Debug)]
@@ -77,6 +104,10 @@ pub struct Gateway {
     /// (xDS requires it). The GIE template has no endpoint list and
     /// ignores it.
     pub eds: bool,
+    /// The engines speak TLS (written `https://` in the replica list):
+    /// the engines cluster gets a TLS transport socket that checks their
+    /// certificates against this CA file. `None`: plain HTTP.
+    pub engines_tls: Option<PathBuf>,
 }
 
 impl Gateway {
@@ -102,6 +133,7 @@ impl Gateway {
             max_prefix_bytes: hearth_wire::DEFAULT_MAX_PREFIX_BYTES,
             max_body_bytes: 8 << 20,
             eds: false,
+            engines_tls: None,
         }
     }
 }
@@ -161,6 +193,29 @@ fn listener_head(g: &Gateway, node: &str) -> String {
     )
 }
 
+/// The engines cluster's transport socket, when the engines speak TLS:
+/// one per cluster, so all its engines do, or none. Envoy checks each
+/// engine's certificate chain against the CA file; it does not match the
+/// certificate's names against the engine's IP (override_host picks the
+/// host per request), so the CA should sign only the engines.
+fn engines_tls(g: &Gateway) -> String {
+    let Some(ca) = &g.engines_tls else {
+        return String::new();
+    };
+    format!(
+        r#"    # The engines speak TLS (https:// in the sidecar's replica list).
+    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context:
+          validation_context:
+            trusted_ca: {{ filename: "{ca}" }}
+"#,
+        ca = ca.display()
+    )
+}
+
 /// The engines cluster's `load_assignment`: the upstreams, in order.
 fn static_endpoints(g: &Gateway) -> String {
     let endpoints: String = g
@@ -196,9 +251,10 @@ pub fn render_plain(g: &Gateway) -> String {
     connect_timeout: 2s
     per_connection_buffer_limit_bytes: {buffer}
     lb_policy: LEAST_REQUEST
-{endpoints}"#,
+{tls}{endpoints}"#,
         head = listener_head(g, ""),
         buffer = g.buffer_limit(),
+        tls = engines_tls(g),
         endpoints = static_endpoints(g),
     )
 }
@@ -279,13 +335,14 @@ pub fn render(g: &Gateway) -> String {
   clusters:
 {engines}    connect_timeout: 2s
     per_connection_buffer_limit_bytes: {buffer}
-{engines_endpoints}{sidecar}{outcome}"#,
+{tls}{engines_endpoints}{sidecar}{outcome}"#,
         head = listener_head(g, &node),
         connection_manager = snippets::CONNECTION_MANAGER.body(&v, 10),
         route = snippets::ROUTE.body(&v, 16),
         filters = snippets::HTTP_FILTERS.body(&v, 10),
         engines = snippets::ENGINES_CLUSTER.body_as_item(&v, 2),
         buffer = g.buffer_limit(),
+        tls = engines_tls(g),
         sidecar = sidecar_cluster(g),
         outcome = outcome_cluster(g),
     )
@@ -347,6 +404,7 @@ mod tests {
             max_prefix_bytes: 1 << 21,
             max_body_bytes: 1 << 23,
             eds: false,
+            engines_tls: None,
         };
         let yaml = render(&g);
         assert!(yaml.contains("port_value: 8001") && yaml.contains("port_value: 8002"));
@@ -654,7 +712,7 @@ pub fn render_gie(g: &Gateway) -> String {
     original_dst_lb_config:
       use_http_header: true
       http_header_name: x-gateway-destination-endpoint
-{sidecar}"#,
+{tls}{sidecar}"#,
         head = listener_head(g, ""),
         hearth_headers = hearth_headers(),
         strip_reserved = strip_reserved(
@@ -665,6 +723,7 @@ pub fn render_gie(g: &Gateway) -> String {
             &["x-gateway-destination-endpoint-served"],
         ),
         sidecar = sidecar_cluster(g),
+        tls = engines_tls(g),
     )
 }
 
@@ -691,6 +750,62 @@ mod more_sidecar_tests {
             panic!("envoy-config did not parse")
         };
         args.render(&cli.settings)
+    }
+
+    #[test]
+    fn tls_engines_get_a_tls_transport_socket_in_every_shape() {
+        let tls = ["--upstreams", "https://10.0.0.1:8000,https://10.0.0.2:8000"];
+        for mode in ["filter", "body", "gie"] {
+            let mut args = vec!["hearth-ext-proc"];
+            args.extend_from_slice(&tls);
+            args.extend_from_slice(&["--engine-ca-file", "/etc/hearth/engines-ca.pem"]);
+            args.extend_from_slice(&["envoy-config", "--mode", mode]);
+            let cli = crate::config::Cli::try_parse_from(args).unwrap();
+            let Some(crate::config::Command::EnvoyConfig(a)) = &cli.command else {
+                panic!("envoy-config did not parse")
+            };
+            assert_eq!(a.check(&cli.settings), Ok(()));
+            let yaml = a.render(&cli.settings);
+            let engines = &yaml[yaml.find("- name: engines\n").unwrap()..];
+            let engines = &engines[..engines.find("- name: hearth_sidecar").unwrap()];
+            assert!(engines.contains("UpstreamTlsContext"), "{mode}: {engines}");
+            assert!(
+                engines.contains(r#"trusted_ca: { filename: "/etc/hearth/engines-ca.pem" }"#),
+                "{mode}"
+            );
+            // Envoy's endpoints stay ip:port.
+            if mode != "gie" {
+                assert!(engines.contains("address: \"10.0.0.1\", port_value: 8000"));
+            }
+            // Only the engines' cluster.
+            assert_eq!(yaml.matches("UpstreamTlsContext").count(), 1, "{mode}");
+        }
+        // Without a CA file, the system's bundle; plain engines, no socket.
+        let plain = config(&[], "filter");
+        assert!(!plain.contains("transport_socket"));
+        let cli = crate::config::Cli::try_parse_from([
+            "hearth-ext-proc",
+            "--upstreams",
+            "https://10.0.0.1:8000",
+            "envoy-config",
+        ])
+        .unwrap();
+        let Some(crate::config::Command::EnvoyConfig(a)) = &cli.command else {
+            panic!()
+        };
+        assert!(a.render(&cli.settings).contains(super::SYSTEM_CA_FILE));
+        // Mixed engines cannot share the cluster's one transport socket.
+        let mixed = crate::config::Cli::try_parse_from([
+            "hearth-ext-proc",
+            "--upstreams",
+            "https://10.0.0.1:8000,10.0.0.2:8000",
+            "envoy-config",
+        ])
+        .unwrap();
+        let Some(crate::config::Command::EnvoyConfig(a)) = &mixed.command else {
+            panic!()
+        };
+        assert!(a.check(&mixed.settings).unwrap_err().contains("1 of the 2"));
     }
 
     /// The endpoints of cluster `name` in `yaml`, in order.

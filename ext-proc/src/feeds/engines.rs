@@ -1,6 +1,9 @@
 //! How the sidecar talks to engines itself (probes, metrics scrapes): one
 //! HTTP client that carries the engines' credentials. The key goes only
-//! into the `Authorization` header; it is never logged.
+//! into the `Authorization` header; it is never logged. Engines written
+//! `https://ip:port` in the replica list are reached over TLS (rustls),
+//! their certificates checked against `HEARTH_ENGINE_CA_FILE` when set,
+//! else the system's roots; a certificate must name the engine's IP.
 
 use std::time::Duration;
 
@@ -15,12 +18,25 @@ pub struct EngineClient {
 }
 
 impl EngineClient {
-    pub fn new(key: Option<Secret>) -> EngineClient {
-        let http = reqwest::Client::builder()
+    /// A client sending `key`; `ca_pem`: the only CA certificates
+    /// `https://` engines may chain to (PEM, one or more), or `None` for
+    /// the system's roots.
+    pub fn new(key: Option<Secret>, ca_pem: Option<&[u8]>) -> Result<EngineClient, String> {
+        let mut builder = reqwest::Client::builder()
             .pool_max_idle_per_host(1)
+            .use_rustls_tls();
+        if let Some(pem) = ca_pem {
+            let roots = reqwest::Certificate::from_pem_bundle(pem)
+                .map_err(|e| format!("HEARTH_ENGINE_CA_FILE: not a PEM certificate bundle: {e}"))?;
+            builder = builder.tls_built_in_root_certs(false);
+            for cert in roots {
+                builder = builder.add_root_certificate(cert);
+            }
+        }
+        let http = builder
             .build()
-            .unwrap_or_default();
-        EngineClient { http, key }
+            .map_err(|e| format!("the engines' HTTP client: {e}"))?;
+        Ok(EngineClient { http, key })
     }
 
     fn authorize(&self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {

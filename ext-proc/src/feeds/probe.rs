@@ -60,7 +60,7 @@ pub const PROBE_PROMPT: &str = "Hearth gateway health probe. This fixed text che
 /// How often the prober looks for replicas that are due.
 const TICK: Duration = Duration::from_millis(250);
 
-/// Probes the engine at `base` (`http://ip:port`), rank `rank` when it
+/// Probes the engine at `base` (`http://ip:port` or `https://ip:port`), rank `rank` when it
 /// has data-parallel ranks. `model` is the model to ask for; when `None`
 /// the first one `/v1/models` lists is used.
 pub async fn probe_once(
@@ -193,7 +193,13 @@ pub async fn run(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        for ProbeTarget { key, id, model } in router.probe_targets() {
+        for ProbeTarget {
+            key,
+            id,
+            model,
+            url: base,
+        } in router.probe_targets()
+        {
             if !lock(&running).insert(key) {
                 continue;
             }
@@ -206,7 +212,6 @@ pub async fn run(
             tokio::spawn(async move {
                 if let Ok(_permit) = limit.acquire().await {
                     let (addr, rank) = key;
-                    let base = format!("http://{addr}");
                     let outcome =
                         probe_once(&client, &base, model.as_deref(), rank, params.timeout).await;
                     let was_refused = lock(&refused).contains(&key);

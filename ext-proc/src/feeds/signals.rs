@@ -113,10 +113,10 @@ pub async fn run(router: Arc<Router>, client: EngineClient, interval: Duration) 
     loop {
         tick.tick().await;
         let mut round = tokio::task::JoinSet::new();
-        for (addr, _) in router.engines() {
+        for (addr, base) in router.engine_urls() {
             let (client, router) = (client.clone(), Arc::clone(&router));
             round.spawn(async move {
-                let url = format!("http://{addr}/metrics");
+                let url = format!("{base}/metrics");
                 let text = match client.get(&url, timeout).await {
                     Ok(r) if matches!(r.status().as_u16(), 401 | 403) => {
                         let status = r.status().as_u16();
