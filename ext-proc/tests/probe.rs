@@ -269,7 +269,10 @@ async fn probes_and_scrapes_reach_an_https_engine_with_a_private_ca() {
 
     // The probe, over TLS, with the key.
     let client = EngineClient::new(key(), Some(ca_pem.as_bytes())).unwrap();
-    assert_eq!(probe_once(&client, &base, None, None, T).await, Outcome::Success);
+    assert_eq!(
+        probe_once(&client, &base, None, None, T).await,
+        Outcome::Success
+    );
 
     // The metrics scrape of a replica written https://: its figures come.
     let spec: hearth_router::UpstreamSpec = base.parse().unwrap();

@@ -111,6 +111,33 @@ fn eds_bootstraps_validate() {
     }
 }
 
+/// Engines written `https://` get a TLS transport socket on the engines
+/// cluster that Envoy accepts, in every shape.
+#[test]
+fn tls_engine_bootstraps_validate() {
+    let wasm = hearth_bench::gateway::find_wasm().expect("wasm built");
+    let wasm = wasm.canonicalize().unwrap().display().to_string();
+    let ca = hearth_ext_proc::envoy::render::SYSTEM_CA_FILE;
+    for mode in ["filter", "body", "gie"] {
+        let cli = Cli::try_parse_from([
+            "hearth-ext-proc",
+            "--upstreams=https://127.0.0.1:8001,https://127.0.0.1:8002",
+            &format!("--engine-ca-file={ca}"),
+            "envoy-config",
+            &format!("--mode={mode}"),
+            &format!("--wasm={wasm}"),
+        ])
+        .unwrap();
+        let Some(Command::EnvoyConfig(args)) = cli.command else {
+            panic!("envoy-config did not parse")
+        };
+        let yaml = args.render(&cli.settings);
+        assert!(yaml.contains("UpstreamTlsContext"), "{mode}");
+        validate_config(&format!("tls-{mode}"), &yaml)
+            .unwrap_or_else(|e| panic!("{mode} with https:// engines: {e:#}"));
+    }
+}
+
 #[test]
 fn the_plain_baseline_validates() {
     // What `hearth-bench overhead` compares the gateway with.

@@ -43,8 +43,7 @@ pub use params::{AffinityBasis, LongLane, RouterParams, ScoreParams};
 pub use peers::{Applied, PeerRefusal, PeersSnapshot, PEER_SILENCE};
 pub use replica::{
     check_upstreams, default_replica_id, engine_url, targets, ProbeTarget, ReloadSummary, Replica,
-    ReplicaKey,
-    UpstreamSpec,
+    ReplicaKey, UpstreamSpec,
 };
 pub use router::Router;
 pub use snapshot::{EngineSnapshot, ReplicaSnapshot, Snapshot, UpstreamsSnapshot};

@@ -45,8 +45,7 @@ impl EnvoyConfigArgs {
     }
 
     pub fn gateway(&self, settings: &Settings) -> Gateway {
-        let all_tls =
-            !settings.upstreams.is_empty() && settings.upstreams.iter().all(|u| u.tls);
+        let all_tls = !settings.upstreams.is_empty() && settings.upstreams.iter().all(|u| u.tls);
         Gateway {
             listen: self.gateway_listen,
             admin: self.envoy_admin,
