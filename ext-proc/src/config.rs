@@ -268,6 +268,19 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_MAX_QUEUE", default_value_t = 0)]
     pub max_queue: u64,
 
+    /// Endpoint-picker mode: request bodies held at once (all streams)
+    /// while they arrive, before the decision; a prompt request past it
+    /// gets 429 with Retry-After.
+    #[arg(long, env = "HEARTH_PICKER_HELD_BODIES", default_value_t = 64)]
+    pub picker_held_bodies: usize,
+
+    /// Endpoint-picker mode: bytes of request bodies held at once (all
+    /// streams). A body grows only while at least as many bytes stay free
+    /// as it holds (so one body takes at most half, and large bodies are
+    /// refused first); past it, 429 with Retry-After.
+    #[arg(long, env = "HEARTH_PICKER_HELD_BYTES", default_value_t = 256 << 20)]
+    pub picker_held_bytes: usize,
+
     /// Decisions kept in memory for `GET /debug/decisions` (0 = none).
     #[arg(long, env = "HEARTH_JOURNAL_SIZE", default_value_t = 10_000)]
     pub journal_size: usize,
@@ -276,6 +289,11 @@ pub struct Settings {
     /// unset). Hashes and numbers only, never prompt text.
     #[arg(long, env = "HEARTH_JOURNAL_FILE")]
     pub journal_file: Option<std::path::PathBuf>,
+
+    /// The journal file's size, in bytes, at which it is renamed to
+    /// `PATH.1` (replacing the previous one) and a new file is started.
+    #[arg(long, env = "HEARTH_JOURNAL_FILE_MAX_BYTES", default_value_t = 100 << 20)]
+    pub journal_file_max_bytes: u64,
 
     /// The NATS server(s) the sidecars of one fleet share what they learn
     /// through (`nats://host:4222`, `tls://...` for TLS; several separated
@@ -562,13 +580,9 @@ impl Settings {
         let Some(path) = &self.engine_ca_file else {
             return Ok(None);
         };
-        let pem = std::fs::read(path).map_err(|e| {
-            format!("HEARTH_ENGINE_CA_FILE: cannot read {}: {e}", path.display())
-        })?;
-        if !pem
-            .windows(27)
-            .any(|w| w == b"-----BEGIN CERTIFICATE-----")
-        {
+        let pem = std::fs::read(path)
+            .map_err(|e| format!("HEARTH_ENGINE_CA_FILE: cannot read {}: {e}", path.display()))?;
+        if !pem.windows(27).any(|w| w == b"-----BEGIN CERTIFICATE-----") {
             return Err(format!(
                 "HEARTH_ENGINE_CA_FILE: {} holds no PEM certificate",
                 path.display()
@@ -689,6 +703,35 @@ impl Settings {
             if let Some(Err(e)) = secret.as_ref().map(Secret::check) {
                 problems.push(format!("{name}: the value {e}"));
             }
+        }
+        if self.picker_held_bodies == 0 {
+            problems.push("HEARTH_PICKER_HELD_BODIES must be at least 1".into());
+        }
+        if self.picker_held_bytes < 1 << 20 {
+            problems.push(format!(
+                "HEARTH_PICKER_HELD_BYTES must be at least 1 MiB (1048576), got {}",
+                self.picker_held_bytes
+            ));
+        }
+        if self.journal_file_max_bytes < 1 << 20 {
+            problems.push(format!(
+                "HEARTH_JOURNAL_FILE_MAX_BYTES must be at least 1 MiB (1048576), got {}",
+                self.journal_file_max_bytes
+            ));
+        }
+        if let Err(e) = check_fleet(&self.fleet) {
+            problems.push(format!("HEARTH_FLEET: {e}"));
+        }
+        if let Some(url) = &self.peers_url {
+            if let Err(e) = check_url(url) {
+                problems.push(format!("HEARTH_PEERS_URL: {e}"));
+            }
+        }
+        if !(1..=10_000).contains(&self.peers_flush_ms) {
+            problems.push(format!(
+                "HEARTH_PEERS_FLUSH_MS must be between 1 and 10000, got {}",
+                self.peers_flush_ms
+            ));
         }
         if self.eject_after == 0 {
             problems.push("HEARTH_EJECT_AFTER must be at least 1".into());
@@ -858,7 +901,11 @@ mod tests {
         let problems = cli.unwrap().settings.validate().unwrap_err();
         // ... and the check names the setting and the place, not the value.
         assert_eq!(problems.len(), 1, "{problems:?}");
-        assert!(problems[0].starts_with("HEARTH_ENGINE_API_KEY: "), "{}", problems[0]);
+        assert!(
+            problems[0].starts_with("HEARTH_ENGINE_API_KEY: "),
+            "{}",
+            problems[0]
+        );
         assert!(problems[0].contains("byte 7"), "{}", problems[0]);
         assert!(!problems[0].contains("s3cr3t"), "{}", problems[0]);
         // The same from a file (a trailing newline is fine, one inside is not).
@@ -881,7 +928,10 @@ mod tests {
             .unwrap()
             .settings;
         let problems = s.validate().unwrap_err();
-        assert!(problems[0].starts_with("HEARTH_PEERS_TOKEN: "), "{problems:?}");
+        assert!(
+            problems[0].starts_with("HEARTH_PEERS_TOKEN: "),
+            "{problems:?}"
+        );
         assert!(format!("{:?}", s.peers_token).contains("redacted"));
     }
 
@@ -908,8 +958,14 @@ mod tests {
             "k",
         ]);
         let w = s.engine_key_exposure().unwrap();
-        assert!(w.starts_with("HEARTH_ENGINE_API_KEY is sent in clear"), "{w}");
-        assert!(w.contains("2 engine(s)") && w.contains("10.0.0.2:8000"), "{w}");
+        assert!(
+            w.starts_with("HEARTH_ENGINE_API_KEY is sent in clear"),
+            "{w}"
+        );
+        assert!(
+            w.contains("2 engine(s)") && w.contains("10.0.0.2:8000"),
+            "{w}"
+        );
         assert!(w.contains("https://IP:PORT"), "{w}");
         assert!(!w.contains(" k "), "{w}");
         let s = settings(&[
@@ -925,16 +981,25 @@ mod tests {
     }
 
     #[test]
-    fn upstreams_written_https_speak_tls() {
+    fn upstreams_written_https_speak_tls_and_configured_models_are_capped() {
         let u: UpstreamSpec = "https://10.0.0.1:8000;id=a".parse().unwrap();
         assert!(u.tls);
         assert_eq!(u.addr, "10.0.0.1:8000".parse().unwrap());
         let plain: UpstreamSpec = "http://10.0.0.1:8000".parse().unwrap();
         assert!(!plain.tls);
         assert!(!"10.0.0.1:8000".parse::<UpstreamSpec>().unwrap().tls);
-        for bad in ["https://engine:8000", "https://10.0.0.1:8000/v1", "ftp://10.0.0.1:1"] {
+        for bad in [
+            "https://engine:8000",
+            "https://10.0.0.1:8000/v1",
+            "ftp://10.0.0.1:1",
+        ] {
             assert!(bad.parse::<UpstreamSpec>().is_err(), "{bad}");
         }
+        let max = hearth_wire::names::MAX_MODEL_BYTES;
+        let fits = format!("10.0.0.1:8000;model={}", "m".repeat(max));
+        assert!(fits.parse::<UpstreamSpec>().is_ok());
+        let long = format!("10.0.0.1:8000;model={}", "m".repeat(max + 1));
+        assert!(long.parse::<UpstreamSpec>().unwrap_err().contains("longer"));
     }
 
     #[test]

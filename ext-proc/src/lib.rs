@@ -85,7 +85,10 @@ impl Sidecar {
         let router = Router::new(settings.router_params(), &settings.upstreams);
         let journal = observe::journal::Journal::open(
             settings.journal_size,
-            settings.journal_file.as_deref(),
+            settings
+                .journal_file
+                .as_deref()
+                .map(|path| (path, settings.journal_file_max_bytes)),
         )
         .context("opening HEARTH_JOURNAL_FILE")?;
         let observer =
@@ -137,6 +140,11 @@ impl Sidecar {
                 timeout: config::seconds(settings.first_byte_timeout_seconds),
                 prefill_bytes_per_second: settings.prefill_bytes_per_second,
             },
+            envoy::picker::HeldBudget::new(
+                settings.picker_held_bodies,
+                settings.picker_held_bytes,
+                observer.picker.clone(),
+            ),
             grpc,
             admin,
             stop.clone(),
@@ -218,6 +226,7 @@ async fn serve(
     observer: Arc<observe::Observer>,
     feeds: Feeds,
     first_byte: envoy::service::FirstByte,
+    held: envoy::picker::HeldBudget,
     grpc: TcpListener,
     admin: TcpListener,
     stop: CancellationToken,
@@ -248,7 +257,11 @@ async fn serve(
     // the token, or the graceful shutdown would wait for them.
     let grpc_server = tonic::transport::Server::builder()
         .add_service(health_service)
-        .add_service(envoy::service::server(Arc::clone(&observer), first_byte))
+        .add_service(envoy::service::server(
+            Arc::clone(&observer),
+            first_byte,
+            held,
+        ))
         .add_service(envoy::eds::server(Arc::clone(&router), stop.clone()))
         // TCP_NODELAY: without it, Envoy's small ext_proc messages meet
         // Nagle and delayed ACKs and a decision waits ~40 ms (measured by

@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::str::FromStr;
 
+use hearth_wire::names::MAX_MODEL_BYTES;
 use serde::{Deserialize, Serialize};
 
 /// One replica as configured.
@@ -60,6 +61,15 @@ impl FromStr for UpstreamSpec {
             }
             match key.trim() {
                 "id" => spec.id = Some(value.to_string()),
+                // Longer names are cut where requests enter, so they
+                // could never match.
+                "model" if value.len() > MAX_MODEL_BYTES => {
+                    return Err(format!(
+                        "a model= name of {} bytes is longer than the {MAX_MODEL_BYTES} a \
+                         request's model may have",
+                        value.len()
+                    ))
+                }
                 "model" => spec.models.push(value.to_string()),
                 "tag" => match value {
                     "long" => spec.long = true,

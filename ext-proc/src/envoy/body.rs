@@ -54,7 +54,7 @@ pub fn request_info(endpoint: Endpoint, body: &[u8], block_size: usize) -> Reque
         Ok(fp) => RequestInfo {
             hashes: fp.hashes,
             prompt_bytes: fp.prompt_bytes,
-            model: Some(fp.model),
+            model: Some(hearth_wire::names::capped_model(&fp.model)),
             max_output_tokens: fp.max_output_tokens,
             known_overlaps: None,
         },

@@ -12,20 +12,30 @@
 //! stream with the shared code, and only then answers the headers (with the
 //! destination) followed by the body, re-chunked.
 //!
+//! Held bodies are bounded across all streams by a [`HeldBudget`]
+//! (`HEARTH_PICKER_HELD_BODIES`, `HEARTH_PICKER_HELD_BYTES`): a prompt
+//! request past it gets a 429 at once, and whatever a stream held is given
+//! back when its [`HeldBody`] is dropped, however the stream ends.
+//!
 //! The data plane may restrict the choice to a subset of endpoints
 //! ([`subset_hint`]) and reports which endpoint served the request
 //! ([`served_endpoint`]).
 
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation, processing_response, BodyMutation, BodyResponse, CommonResponse, HttpHeaders,
-    ProcessingRequest, ProcessingResponse,
+    body_mutation, processing_response, BodyMutation, BodyResponse, CommonResponse, HeaderMutation,
+    HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse,
 };
 use envoy_types::pb::google::protobuf::value::Kind;
 
 use hearth_router::Router;
 use hearth_wire::names::{LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE};
+
+use crate::envoy::headers;
+use crate::observe::metrics::PickerMetrics;
 
 /// Largest request body held for fingerprinting. Beyond it the request is
 /// routed on load alone and the rest of the body streams straight through,
@@ -35,18 +45,193 @@ pub const MAX_HELD_BODY: usize = 16 << 20;
 /// Body chunks sent back to Envoy stay below the 64 KiB Envoy recommends.
 const CHUNK: usize = 60 << 10;
 
-/// A request body held until its end, in arrival order.
+/// The bound on the request bodies held at once by all streams: how
+/// many, and the bytes of their buffers (capacity, not length: what the
+/// memory really is).
+///
+/// Bytes are shared by one rule: a body may grow only while, after the
+/// growth, at least as many bytes stay free as it holds. So one body takes
+/// at most half the budget, the largest bodies are the first refused when
+/// bodies compete, and a small request still finds room while large ones
+/// flood in. Cheap to clone (one budget, shared).
+#[derive(Clone, Debug)]
+pub struct HeldBudget {
+    inner: Arc<BudgetInner>,
+}
+
+#[derive(Debug)]
+struct BudgetInner {
+    max_bodies: usize,
+    max_bytes: usize,
+    held: Mutex<Held>,
+    metrics: PickerMetrics,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    bodies: usize,
+    bytes: usize,
+    peak: usize,
+}
+
+/// Why a body cannot be held now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OverBudget {
+    /// `HEARTH_PICKER_HELD_BODIES` bodies are held already.
+    Bodies,
+    /// The body would grow past its share of `HEARTH_PICKER_HELD_BYTES`.
+    Bytes,
+}
+
+impl HeldBudget {
+    /// At most `max_bodies` bodies and `max_bytes` bytes at once; the
+    /// figures go to `metrics`.
+    pub fn new(max_bodies: usize, max_bytes: usize, metrics: PickerMetrics) -> HeldBudget {
+        HeldBudget {
+            inner: Arc::new(BudgetInner {
+                max_bodies,
+                max_bytes,
+                held: Mutex::new(Held::default()),
+                metrics,
+            }),
+        }
+    }
+
+    /// An empty body to fill, counted against the budget until dropped.
+    pub fn hold(&self) -> Result<HeldBody, OverBudget> {
+        let mut held = self.lock();
+        if held.bodies >= self.inner.max_bodies {
+            drop(held);
+            self.inner.metrics.refused("bodies");
+            return Err(OverBudget::Bodies);
+        }
+        held.bodies += 1;
+        self.publish(&held);
+        Ok(HeldBody {
+            bytes: Vec::new(),
+            budget: Some(self.clone()),
+        })
+    }
+
+    /// Bodies and bytes held now.
+    pub fn held(&self) -> (usize, usize) {
+        let held = self.lock();
+        (held.bodies, held.bytes)
+    }
+
+    /// A body's buffer grows from `from` to `to` bytes, if the rule allows.
+    fn grow(&self, from: usize, to: usize) -> Result<(), OverBudget> {
+        let mut held = self.lock();
+        let after = held.bytes - from + to;
+        if after.saturating_add(to) > self.inner.max_bytes {
+            drop(held);
+            self.inner.metrics.refused("bytes");
+            return Err(OverBudget::Bytes);
+        }
+        held.bytes = after;
+        held.peak = held.peak.max(after);
+        self.publish(&held);
+        Ok(())
+    }
+
+    /// A body of `bytes` bytes is let go.
+    fn release(&self, bytes: usize) {
+        let mut held = self.lock();
+        held.bodies -= 1;
+        held.bytes -= bytes;
+        self.publish(&held);
+    }
+
+    fn publish(&self, held: &Held) {
+        let m = &self.inner.metrics;
+        m.held_bodies.set(held.bodies as i64);
+        m.held_bytes.set(held.bytes as i64);
+        m.held_bytes_peak.set(held.peak as i64);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.inner.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl OverBudget {
+    /// The 429 a request refused for it gets: an OpenAI-shaped error with
+    /// `Retry-After`, as Hearth's other refusals.
+    pub fn refusal(self) -> ProcessingResponse {
+        let message = match self {
+            OverBudget::Bodies => {
+                "the gateway is holding as many request bodies as it may; retry shortly"
+            }
+            OverBudget::Bytes => {
+                "the gateway cannot hold this request body now (its memory for request \
+                 bodies is in use); retry shortly"
+            }
+        };
+        let code = "request_bodies_full";
+        let body = serde_json::json!({
+            "error": {"message": message, "type": "rate_limit_exceeded", "code": code, "param": null}
+        });
+        ProcessingResponse {
+            response: Some(processing_response::Response::ImmediateResponse(
+                ImmediateResponse {
+                    status: Some(HttpStatus { code: 429 }),
+                    headers: Some(HeaderMutation {
+                        set_headers: vec![
+                            headers::set("content-type", "application/json"),
+                            headers::set("retry-after", "1"),
+                        ],
+                        remove_headers: vec![],
+                    }),
+                    body: body.to_string().into_bytes(),
+                    details: format!("hearth_{code}"),
+                    ..Default::default()
+                },
+            )),
+            ..Default::default()
+        }
+    }
+}
+
+/// A request body held until its end, in arrival order; its buffer is
+/// counted against its [`HeldBudget`] until it is dropped.
 #[derive(Debug, Default)]
 pub struct HeldBody {
     bytes: Vec<u8>,
+    /// `None`: not counted (tests, tools).
+    budget: Option<HeldBudget>,
+}
+
+impl Drop for HeldBody {
+    fn drop(&mut self) {
+        if let Some(budget) = self.budget.take() {
+            budget.release(self.bytes.capacity());
+        }
+    }
 }
 
 impl HeldBody {
-    /// Adds a chunk; `false` once the body has grown past [`MAX_HELD_BODY`]
-    /// (the chunk is kept either way: nothing is lost).
-    pub fn push(&mut self, chunk: &[u8]) -> bool {
+    /// Adds a chunk: `Ok(false)` once the body has grown past
+    /// [`MAX_HELD_BODY`] (the chunk is kept either way: nothing is lost),
+    /// `Err` when its budget cannot take it (nothing is added).
+    pub fn push(&mut self, chunk: &[u8]) -> Result<bool, OverBudget> {
+        let needed = self.bytes.len() + chunk.len();
+        let capacity = self.bytes.capacity();
+        if needed > capacity {
+            // Double, as a Vec does, but not past the per-body cap: the
+            // budget counts what is allocated.
+            let target = needed.max((2 * capacity).min(MAX_HELD_BODY));
+            if let Some(budget) = &self.budget {
+                budget.grow(capacity, target)?;
+            }
+            self.bytes.reserve_exact(target - self.bytes.len());
+            // An allocator may round up: count what it gave.
+            if let Some(budget) = &self.budget {
+                let mut held = budget.lock();
+                held.bytes = held.bytes - target + self.bytes.capacity();
+            }
+        }
         self.bytes.extend_from_slice(chunk);
-        self.bytes.len() <= MAX_HELD_BODY
+        Ok(self.bytes.len() <= MAX_HELD_BODY)
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -55,7 +240,8 @@ impl HeldBody {
 
     /// The held body as request-body answers of at most [`CHUNK`] bytes;
     /// the last one carries `end_of_stream` when the body has ended. An
-    /// empty body still gets one answer when it ends.
+    /// empty body still gets one answer when it ends. (The answers are a
+    /// copy, outside the budget for the moment it takes to send them.)
     pub fn into_responses(self, end_of_stream: bool) -> Vec<ProcessingResponse> {
         let mut out: Vec<ProcessingResponse> = Vec::new();
         let mut pieces = self.bytes.chunks(CHUNK).peekable();
@@ -240,7 +426,7 @@ mod tests {
         let mut held = HeldBody::default();
         let body: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
         for piece in body.chunks(7000) {
-            assert!(held.push(piece));
+            assert_eq!(held.push(piece), Ok(true));
         }
         let responses = held.into_responses(true);
         let mut back = Vec::new();
@@ -262,7 +448,82 @@ mod tests {
         assert!(HeldBody::default().into_responses(false).is_empty());
         // Past the cap the push reports it (and keeps the bytes).
         let mut big = HeldBody::default();
-        assert!(!big.push(&vec![0; MAX_HELD_BODY + 1]));
+        assert_eq!(big.push(&vec![0; MAX_HELD_BODY + 1]), Ok(false));
         assert_eq!(big.bytes().len(), MAX_HELD_BODY + 1);
+    }
+
+    const KB: usize = 1 << 10;
+    const MB: usize = 1 << 20;
+
+    #[test]
+    fn the_budget_bounds_how_many_bodies_are_held_and_gives_them_back() {
+        let metrics = PickerMetrics::default();
+        let budget = HeldBudget::new(2, 64 * MB, metrics.clone());
+        let a = budget.hold().unwrap();
+        let b = budget.hold().unwrap();
+        assert_eq!(budget.hold().unwrap_err(), OverBudget::Bodies);
+        assert_eq!(metrics.held_bodies.get(), 2);
+        drop(a);
+        let c = budget.hold().unwrap();
+        drop((b, c));
+        assert_eq!(budget.held(), (0, 0));
+        assert_eq!(metrics.held_bodies.get(), 0);
+    }
+
+    #[test]
+    fn a_body_grows_only_while_as_much_stays_free_as_it_holds() {
+        let metrics = PickerMetrics::default();
+        let budget = HeldBudget::new(8, 8 * MB, metrics.clone());
+        let chunk = vec![7u8; 64 * KB];
+        // Alone, a body gets half the budget, no more.
+        let mut big = budget.hold().unwrap();
+        let mut pushed = 0;
+        let refused = loop {
+            match big.push(&chunk) {
+                Ok(_) => pushed += chunk.len(),
+                Err(e) => break e,
+            }
+            assert!(pushed <= 8 * MB, "never refused");
+        };
+        assert_eq!(refused, OverBudget::Bytes);
+        assert_eq!(big.bytes().len(), pushed, "a refused chunk is not kept");
+        let (_, bytes) = budget.held();
+        assert!(bytes <= 4 * MB, "{bytes}");
+        assert!(pushed >= 2 * MB, "{pushed}");
+        // A small request still finds room next to it.
+        let mut small = budget.hold().unwrap();
+        assert_eq!(small.push(&[1; 2000]), Ok(true));
+        // The figures are published, the peak kept; dropping gives all back.
+        assert_eq!(metrics.held_bytes.get() as usize, budget.held().1);
+        assert!(metrics.held_bytes_peak.get() as usize >= bytes);
+        drop((big, small));
+        assert_eq!(budget.held(), (0, 0));
+        assert_eq!(metrics.held_bytes.get(), 0);
+    }
+
+    #[test]
+    fn competing_large_bodies_are_refused_before_small_ones() {
+        let budget = HeldBudget::new(64, 16 * MB, PickerMetrics::default());
+        let chunk = vec![0u8; 64 * KB];
+        // Sixteen bodies grow in turn, as a flood would.
+        let mut large: Vec<Option<HeldBody>> =
+            (0..16).map(|_| Some(budget.hold().unwrap())).collect();
+        for _round in 0..64 {
+            for slot in large.iter_mut() {
+                if let Some(body) = slot {
+                    if body.push(&chunk).is_err() {
+                        *slot = None; // refused: the stream ends, its memory returns
+                    }
+                }
+            }
+            assert!(budget.held().1 <= 16 * MB);
+            // Between the large bodies' chunks, ordinary requests get in.
+            let mut small = budget.hold().unwrap();
+            assert_eq!(small.push(&[1; 4000]), Ok(true), "round {_round}");
+        }
+        assert!(
+            large.iter().any(Option::is_none),
+            "some large body was refused"
+        );
     }
 }

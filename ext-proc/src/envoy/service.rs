@@ -36,13 +36,13 @@ use tonic::{Request, Response, Status, Streaming};
 
 use hearth_router::health::{self, Failure, Outcome};
 use hearth_router::{Decision, Prediction, RequestInfo, RouteError, Router};
-use hearth_wire::names::{DESTINATION, DP_RANK, LB_NAMESPACE, REQUEST_ID, UPSTREAM};
+use hearth_wire::names::{self, DESTINATION, DP_RANK, LB_NAMESPACE, REQUEST_ID, UPSTREAM};
 use hearth_wire::outcome::Scanner;
 use hearth_wire::Endpoint;
 
 use crate::envoy::body;
 use crate::envoy::headers;
-use crate::envoy::picker::{self, HeldBody, Side};
+use crate::envoy::picker::{self, HeldBody, HeldBudget, Side};
 use crate::observe::Observer;
 
 /// The ext_proc filter's attribute namespace in `ProcessingRequest.attributes`.
@@ -53,11 +53,13 @@ const EXT_PROC_ATTRIBUTES: &str = "envoy.filters.http.ext_proc";
 pub fn server(
     observer: Arc<Observer>,
     first_byte: FirstByte,
+    held: HeldBudget,
 ) -> ExternalProcessorServer<Processor> {
     ExternalProcessorServer::new(Processor {
         router: Arc::clone(observer.router()),
         observer,
         first_byte,
+        held,
     })
     // Body mode sends whole request bodies (up to the gateway's 8 MiB).
     .max_decoding_message_size(16 << 20)
@@ -67,6 +69,8 @@ pub struct Processor {
     router: Arc<Router>,
     observer: Arc<Observer>,
     first_byte: FirstByte,
+    /// Endpoint-picker mode: the bound on held bodies, all streams.
+    held: HeldBudget,
 }
 
 /// How long a routed request may wait for its response headers before
@@ -107,7 +111,11 @@ impl ExternalProcessor for Processor {
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(4);
-        let mut exchange = Exchange::new(Arc::clone(&self.router), Arc::clone(&self.observer));
+        let mut exchange = Exchange::new(
+            Arc::clone(&self.router),
+            Arc::clone(&self.observer),
+            self.held.clone(),
+        );
         let first_byte = self.first_byte;
         tokio::spawn(async move {
             loop {
@@ -197,6 +205,7 @@ struct Exchange {
     pending: Option<Endpoint>,
     /// Full duplex: the request body held until the decision.
     held: Option<HeldBody>,
+    budget: HeldBudget,
     /// The request is a generation (a prompt request whose body Envoy
     /// sends): its answer is scanned.
     generation: bool,
@@ -271,10 +280,11 @@ impl Drop for Exchange {
 }
 
 impl Exchange {
-    fn new(router: Arc<Router>, observer: Arc<Observer>) -> Self {
+    fn new(router: Arc<Router>, observer: Arc<Observer>, budget: HeldBudget) -> Self {
         Exchange {
             router,
             observer,
+            budget,
             mode: BodyMode::default(),
             response_duplex: false,
             request_id: None,
@@ -336,7 +346,7 @@ impl Exchange {
         // Bounded: a request id is an id, not a payload.
         self.request_id = headers::get(h, REQUEST_ID)
             .filter(|id| !id.is_empty())
-            .map(|id| id.chars().take(128).collect());
+            .map(names::capped_request_id);
         if let Some(subset) = picker::subset_hint(msg, h) {
             let allowed = picker::allowed_replicas(&self.router, &subset);
             if allowed.is_empty() {
@@ -359,10 +369,13 @@ impl Exchange {
         match (self.mode, self.pending.is_some()) {
             // Full duplex: a prompt request's headers are answered once its
             // body is in and decided on.
-            (BodyMode::FullDuplex, true) => {
-                self.held = Some(HeldBody::default());
-                (vec![], false)
-            }
+            (BodyMode::FullDuplex, true) => match self.budget.hold() {
+                Ok(held) => {
+                    self.held = Some(held);
+                    (vec![], false)
+                }
+                Err(over) => (vec![over.refusal()], true),
+            },
             // Body mode: a prompt request is routed once its body is in.
             (BodyMode::Buffered, true) => {
                 let go_on = processing_response::Response::RequestHeaders(Default::default());
@@ -396,7 +409,10 @@ impl Exchange {
                         false,
                     );
                 };
-                let within = held.push(&b.body);
+                let within = match held.push(&b.body) {
+                    Ok(within) => within,
+                    Err(over) => return (vec![over.refusal()], true),
+                };
                 if b.end_of_stream || !within {
                     self.release_held(b.end_of_stream, within)
                 } else {
@@ -667,7 +683,7 @@ pub fn request_info(h: &HttpHeaders, block_size: usize) -> RequestInfo {
                 }
             }
             k if k == header::PROMPT_BYTES => info.prompt_bytes = value.trim().parse().unwrap_or(0),
-            k if k == header::MODEL => info.model = Some(value.to_string()),
+            k if k == header::MODEL => info.model = Some(names::capped_model(value)),
             k if k == header::MAX_TOKENS => info.max_output_tokens = value.trim().parse().ok(),
             _ => {}
         }

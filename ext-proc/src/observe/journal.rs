@@ -5,15 +5,18 @@
 //! `HEARTH_JOURNAL_FILE` is set, one JSON line per decision appended to
 //! that file by a writer thread (the decision path only hands the record
 //! over; when the writer falls behind by [`FILE_QUEUE`] records, records
-//! are dropped from the file and counted, never from the ring).
+//! are dropped from the file and counted, never from the ring). The file
+//! rotates: a line that would take it past `HEARTH_JOURNAL_FILE_MAX_BYTES`
+//! goes to a new file, the full one becoming `PATH.1` (replacing the
+//! previous `PATH.1`), so the journal takes at most twice that on disk.
 //!
 //! Privacy: a record holds hashes (hex), sizes, replica ids and scores;
 //! never prompt text, never an engine's address.
 
 use std::collections::VecDeque;
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
@@ -107,19 +110,20 @@ pub struct Journal {
 }
 
 impl Journal {
-    /// A journal of `size` records (0: no ring), appending to `file` when
-    /// given. Fails when the file cannot be opened for appending.
-    pub fn open(size: usize, file: Option<&Path>) -> std::io::Result<Journal> {
+    /// A journal of `size` records (0: no ring), appending to the file
+    /// `(path, max_bytes)` when given, rotated at `max_bytes`. Fails when
+    /// the file cannot be opened for appending.
+    pub fn open(size: usize, file: Option<(&Path, u64)>) -> std::io::Result<Journal> {
         let dropped = Arc::new(AtomicU64::new(0));
         let file = match file {
             None => None,
-            Some(path) => {
-                let f = OpenOptions::new().create(true).append(true).open(path)?;
+            Some((path, max_bytes)) => {
+                let out = RotatingFile::open(path, max_bytes)?;
                 let (tx, rx) = sync_channel(FILE_QUEUE);
                 let dropped = Arc::clone(&dropped);
                 std::thread::Builder::new()
                     .name("hearth-journal".into())
-                    .spawn(move || write_lines(rx, BufWriter::new(f), &dropped))?;
+                    .spawn(move || write_lines(rx, out, &dropped))?;
                 Some(tx)
             }
         };
@@ -191,9 +195,97 @@ impl Journal {
     }
 }
 
-fn write_lines(rx: Receiver<Arc<DecisionRecord>>, mut out: impl Write, dropped: &AtomicU64) {
-    let write = |r: &DecisionRecord, out: &mut dyn Write| {
-        let ok = serde_json::to_writer(&mut *out, r).is_ok() && out.write_all(b"\n").is_ok();
+/// Where the writer thread puts whole lines.
+trait Lines {
+    /// Writes one line (`line` ends with its newline).
+    fn line(&mut self, line: &[u8]) -> std::io::Result<()>;
+    fn flush(&mut self) -> std::io::Result<()>;
+}
+
+impl<W: Write> Lines for W {
+    fn line(&mut self, line: &[u8]) -> std::io::Result<()> {
+        self.write_all(line)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Write::flush(self)
+    }
+}
+
+/// The journal file, rotated by size: a line that would take it past
+/// `max_bytes` is written to a fresh file after the full one is renamed
+/// `PATH.1`.
+struct RotatingFile {
+    path: PathBuf,
+    max_bytes: u64,
+    /// Bytes in the current file (what it held when opened, plus ours).
+    size: u64,
+    /// `None` after a failed rotation: lines are refused (and counted as
+    /// dropped) until a later rotation succeeds, so the bound holds.
+    out: Option<BufWriter<File>>,
+}
+
+impl RotatingFile {
+    fn open(path: &Path, max_bytes: u64) -> std::io::Result<RotatingFile> {
+        let f = OpenOptions::new().create(true).append(true).open(path)?;
+        let size = f.metadata()?.len();
+        Ok(RotatingFile {
+            path: path.to_path_buf(),
+            max_bytes,
+            size,
+            out: Some(BufWriter::new(f)),
+        })
+    }
+
+    /// `PATH.1`.
+    fn previous(&self) -> PathBuf {
+        let mut name = self.path.clone().into_os_string();
+        name.push(".1");
+        PathBuf::from(name)
+    }
+
+    fn rotate(&mut self) -> std::io::Result<()> {
+        if let Some(mut out) = self.out.take() {
+            Write::flush(&mut out)?;
+        }
+        std::fs::rename(&self.path, self.previous())?;
+        let f = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)?;
+        self.size = 0;
+        self.out = Some(BufWriter::new(f));
+        Ok(())
+    }
+}
+
+impl Lines for RotatingFile {
+    fn line(&mut self, line: &[u8]) -> std::io::Result<()> {
+        let len = line.len() as u64;
+        if self.out.is_none() || (self.size > 0 && self.size + len > self.max_bytes) {
+            if let Err(e) = self.rotate() {
+                tracing::warn!(error = %e, "decision journal: rotating the file failed; lines are dropped until it succeeds");
+                return Err(e);
+            }
+        }
+        let out = self.out.as_mut().ok_or(std::io::ErrorKind::NotFound)?;
+        out.write_all(line)?;
+        self.size += len;
+        Ok(())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self.out.as_mut() {
+            Some(out) => Write::flush(out),
+            None => Ok(()),
+        }
+    }
+}
+
+fn write_lines(rx: Receiver<Arc<DecisionRecord>>, mut out: impl Lines, dropped: &AtomicU64) {
+    let write = |r: &DecisionRecord, out: &mut dyn Lines| {
+        let ok = serde_json::to_vec(r).is_ok_and(|mut line| {
+            line.push(b'\n');
+            out.line(&line).is_ok()
+        });
         if !ok {
             dropped.fetch_add(1, Ordering::Relaxed);
         }
@@ -288,7 +380,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("decisions.jsonl");
         let _ = std::fs::remove_file(&path);
-        let j = Journal::open(0, Some(&path)).unwrap();
+        let j = Journal::open(0, Some((&path, 1 << 20))).unwrap();
         for i in 0..3 {
             j.push(record(&format!("f{i}")));
         }
@@ -307,6 +399,53 @@ mod tests {
         };
         assert_eq!(lines.len(), 3);
         assert_eq!(lines[2].request_id.as_deref(), Some("f2"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_file_rotates_at_its_size_and_keeps_one_previous_file() {
+        let dir = std::env::temp_dir().join(format!("hearth-rotate-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("decisions.jsonl");
+        let previous = dir.join("decisions.jsonl.1");
+        let _ = std::fs::remove_file(&path);
+        let _ = std::fs::remove_file(&previous);
+        let line = serde_json::to_vec(&record("r000")).unwrap().len() as u64 + 1;
+        // Room for three lines per file; eleven lines go through it.
+        let max = 3 * line + line / 2;
+        let rx = {
+            let (tx, rx) = sync_channel(16);
+            for i in 0..11 {
+                tx.send(Arc::new(record(&format!("r{i:03}")))).unwrap();
+            }
+            rx
+        };
+        let dropped = AtomicU64::new(0);
+        write_lines(rx, RotatingFile::open(&path, max).unwrap(), &dropped);
+        assert_eq!(dropped.load(Ordering::Relaxed), 0);
+        let ids = |p: &Path| -> Vec<String> {
+            std::fs::read_to_string(p)
+                .unwrap()
+                .lines()
+                .map(|l| serde_json::from_str::<DecisionRecord>(l).unwrap())
+                .map(|r| r.request_id.unwrap())
+                .collect()
+        };
+        // Whole lines only, each file within its bound, the newest last.
+        assert_eq!(ids(&path), ["r009", "r010"]);
+        assert_eq!(ids(&previous), ["r006", "r007", "r008"]);
+        assert!(std::fs::metadata(&path).unwrap().len() <= max);
+        assert!(std::fs::metadata(&previous).unwrap().len() <= max);
+        // A restart appends to the current file and counts what it holds.
+        let mut again = RotatingFile::open(&path, max).unwrap();
+        assert_eq!(again.size, 2 * line);
+        again.line(&[b'x'; 10]).unwrap();
+        again.line(&vec![b'y'; 2 * line as usize]).unwrap();
+        Lines::flush(&mut again).unwrap();
+        assert_eq!(
+            std::fs::read(&previous).unwrap().len() as u64,
+            2 * line + 10
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -519,3 +519,44 @@ impl PeerMetrics {
         self.live.set(live);
     }
 }
+
+/// The endpoint-picker mode's held request bodies
+/// ([`crate::envoy::picker::HeldBudget`]); all zero in the other modes.
+#[derive(Clone, Debug, Default)]
+pub struct PickerMetrics {
+    pub held_bytes: Gauge,
+    pub held_bodies: Gauge,
+    pub held_bytes_peak: Gauge,
+    refused: Family<ReasonLabel, Counter>,
+}
+
+impl PickerMetrics {
+    pub fn register(reg: &mut Registry) -> Self {
+        let m = PickerMetrics::default();
+        reg.register(
+            "hearth_picker_held_bytes",
+            "Bytes of request-body buffers held now, before their decision (endpoint-picker mode; bounded by HEARTH_PICKER_HELD_BYTES)",
+            m.held_bytes.clone(),
+        );
+        reg.register(
+            "hearth_picker_held_bodies",
+            "Request bodies held now, before their decision (endpoint-picker mode; bounded by HEARTH_PICKER_HELD_BODIES)",
+            m.held_bodies.clone(),
+        );
+        reg.register(
+            "hearth_picker_held_bytes_peak",
+            "The most bytes of request-body buffers held at once since the start",
+            m.held_bytes_peak.clone(),
+        );
+        reg.register(
+            "hearth_picker_refused",
+            "Requests refused with 429 because the held bodies were at their bound, by reason (bodies, bytes)",
+            m.refused.clone(),
+        );
+        m
+    }
+
+    pub fn refused(&self, reason: &'static str) {
+        self.refused.get_or_create(&ReasonLabel { reason }).inc();
+    }
+}

@@ -43,7 +43,9 @@ use hearth_router::{
 };
 
 use crate::observe::journal::{hex, CandidateRecord, DecisionRecord, Journal, ServedRecord};
-use crate::observe::metrics::{DecisionMetrics, FleetCollector, PeerMetrics, ProbeMetrics};
+use crate::observe::metrics::{
+    DecisionMetrics, FleetCollector, PeerMetrics, PickerMetrics, ProbeMetrics,
+};
 use crate::observe::series::{unix_now, DecisionOutcome, Series, SessionResult};
 use crate::observe::usage::{Predictions, UsageMetrics};
 
@@ -128,6 +130,8 @@ pub struct Observer {
     usage: UsageMetrics,
     /// The peer bus's counters.
     pub peers: Arc<PeerMetrics>,
+    /// The endpoint-picker mode's held bodies.
+    pub picker: PickerMetrics,
     /// Decisions' predictions waiting for their outcome report.
     pub predictions: Predictions,
     pub series: Arc<Series>,
@@ -142,6 +146,7 @@ impl Observer {
         let probes = ProbeMetrics::register(&mut registry);
         let usage = UsageMetrics::register(&mut registry);
         let peers = Arc::new(PeerMetrics::register(&mut registry));
+        let picker = PickerMetrics::register(&mut registry);
         FleetCollector::register(
             &mut registry,
             Arc::clone(&router),
@@ -157,6 +162,7 @@ impl Observer {
             tips: Mutex::new(SessionTips::default()),
             usage,
             peers,
+            picker,
             predictions: Predictions::default(),
             series,
             journal,
