@@ -270,8 +270,11 @@ pub struct Settings {
 
     /// Endpoint-picker mode: request bodies held at once (all streams)
     /// while they arrive, before the decision; a prompt request past it
-    /// gets 429 with Retry-After.
-    #[arg(long, env = "HEARTH_PICKER_HELD_BODIES", default_value_t = 64)]
+    /// gets 429 with Retry-After. A backstop to the bytes: uploads last
+    /// milliseconds, so legitimate traffic rarely holds many at once, and
+    /// slow uploads that fill it lock out prompt requests, so it is not
+    /// set low.
+    #[arg(long, env = "HEARTH_PICKER_HELD_BODIES", default_value_t = 256)]
     pub picker_held_bodies: usize,
 
     /// Endpoint-picker mode: bytes of request bodies held at once (all

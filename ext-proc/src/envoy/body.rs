@@ -119,4 +119,24 @@ mod tests {
             .hashes
             .is_empty());
     }
+
+    #[test]
+    fn a_model_past_the_cap_is_kept_cut_and_matches_no_configured_model() {
+        use hearth_wire::names::MAX_MODEL_BYTES;
+        let listed = "m".repeat(MAX_MODEL_BYTES);
+        // The configured name, then the client's: the same 256 bytes and more.
+        let sent = format!("{listed}-and-more");
+        let body = serde_json::json!({"model": sent, "prompt": "hello"}).to_string();
+        let info = request_info(Endpoint::Completions, body.as_bytes(), 2048);
+        let kept = info.model.clone().unwrap();
+        assert!(kept.len() <= MAX_MODEL_BYTES + hearth_wire::names::CUT_MARK.len());
+        assert!(kept.starts_with(&listed) && kept != listed);
+        // Every replica lists its model: the cut name is an unknown model.
+        let spec = format!("127.0.0.1:1;model={listed}").parse().unwrap();
+        let router = hearth_router::Router::new(Default::default(), &[spec]);
+        assert!(matches!(
+            router.decide(&info),
+            Err(hearth_router::RouteError::NoReplicaForModel(_))
+        ));
+    }
 }
