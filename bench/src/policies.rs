@@ -376,6 +376,7 @@ impl Policy {
                                 })
                                 .collect()
                         }),
+                        cache: fp.cache,
                     },
                     None => RequestInfo::default(),
                 };

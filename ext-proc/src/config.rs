@@ -153,10 +153,18 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_PROBE_INTERVAL_SECONDS", default_value_t = 30.0)]
     pub probe_interval_seconds: f64,
 
-    /// Seconds between two probes of a replica that failed since its last
-    /// success, or is fenced with its backoff over.
+    /// Seconds between two probes of a replica whose probe failed (or whose
+    /// connection was refused) since its last success, or that is fenced
+    /// with its backoff over.
     #[arg(long, env = "HEARTH_PROBE_RETRY_SECONDS", default_value_t = 2.0)]
     pub probe_retry_seconds: f64,
+
+    /// A replica made suspect by evidence a client could have provoked (an
+    /// empty answer, a 5xx, a first-byte timeout, a retry, a peer's
+    /// fencing) is probed at once, and at most once per this many seconds;
+    /// only its probes can fence it.
+    #[arg(long, env = "HEARTH_SUSPECT_PROBE_SECONDS", default_value_t = 10.0)]
+    pub suspect_probe_seconds: f64,
 
     /// Deadline of each probe request, in seconds.
     #[arg(long, env = "HEARTH_PROBE_TIMEOUT_SECONDS", default_value_t = 5.0)]
@@ -512,6 +520,7 @@ impl Settings {
                 busy_grace: seconds(self.busy_grace_seconds),
                 probe_interval: seconds(self.probe_interval_seconds),
                 probe_retry: seconds(self.probe_retry_seconds),
+                suspect_probe_interval: seconds(self.suspect_probe_seconds),
             },
             block_size: self.block_size,
             warmth_blocks: self.warmth_blocks.unwrap_or(DEFAULT_WARMTH_BLOCKS),
@@ -560,6 +569,7 @@ impl Settings {
             ("HEARTH_PROBE_INTERVAL_SECONDS", self.probe_interval_seconds),
             ("HEARTH_PROBE_TIMEOUT_SECONDS", self.probe_timeout_seconds),
             ("HEARTH_PROBE_RETRY_SECONDS", self.probe_retry_seconds),
+            ("HEARTH_SUSPECT_PROBE_SECONDS", self.suspect_probe_seconds),
             ("HEARTH_EJECT_BACKOFF_SECONDS", self.eject_backoff_seconds),
             (
                 "HEARTH_EJECT_MAX_BACKOFF_SECONDS",

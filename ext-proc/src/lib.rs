@@ -14,8 +14,10 @@
 //!   discovery) and the Envoy configurations;
 //! - [`feeds`]: what flows into the fleet state (replica list and reloads,
 //!   probes, engine metrics);
+//! - [`outcomes`]: a request's end, whoever reports it: health evidence
+//!   and the answer's usage go to the router from here only;
 //! - [`observe`]: metrics, the decision journal, the dashboard's series,
-//!   the admin HTTP endpoint;
+//!   the admin HTTP endpoint (it only reads);
 //! - [`config`]: the settings; this file: starting, running and draining
 //!   the whole.
 
@@ -23,6 +25,7 @@ pub mod config;
 pub mod envoy;
 pub mod feeds;
 pub mod observe;
+pub mod outcomes;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -45,6 +48,8 @@ pub struct Sidecar {
     pub router: Arc<Router>,
     /// Metrics, decision journal and the dashboard's history.
     pub observer: Arc<observe::Observer>,
+    /// Where requests end (health evidence, usage against predictions).
+    pub outcomes: Arc<outcomes::Outcomes>,
     /// Set when the replica list comes from `HEARTH_UPSTREAMS_FILE`:
     /// notify it to reload now (SIGHUP).
     reload: Option<Arc<Notify>>,
@@ -90,6 +95,7 @@ impl Sidecar {
         .context("opening HEARTH_JOURNAL_FILE")?;
         let observer =
             observe::Observer::new(Arc::clone(&router), settings.affinity_basis, journal);
+        let outcomes = outcomes::Outcomes::new(Arc::clone(&observer));
         let stop = CancellationToken::new();
         if let (Some(path), Some(asked)) = (&settings.upstreams_file, &reload) {
             spawn_until(
@@ -124,6 +130,7 @@ impl Sidecar {
         };
         let task = tokio::spawn(serve(
             Arc::clone(&observer),
+            Arc::clone(&outcomes),
             feeds,
             envoy::service::FirstByte {
                 timeout: config::seconds(settings.first_byte_timeout_seconds),
@@ -138,6 +145,7 @@ impl Sidecar {
             admin_addr,
             router,
             observer,
+            outcomes,
             reload,
             stop,
             drain: Duration::from_secs(settings.drain_seconds),
@@ -208,6 +216,7 @@ struct Feeds {
 
 async fn serve(
     observer: Arc<observe::Observer>,
+    outcomes: Arc<outcomes::Outcomes>,
     feeds: Feeds,
     first_byte: envoy::service::FirstByte,
     grpc: TcpListener,
@@ -240,7 +249,11 @@ async fn serve(
     // the token, or the graceful shutdown would wait for them.
     let grpc_server = tonic::transport::Server::builder()
         .add_service(health_service)
-        .add_service(envoy::service::server(Arc::clone(&observer), first_byte))
+        .add_service(envoy::service::server(
+            Arc::clone(&observer),
+            Arc::clone(&outcomes),
+            first_byte,
+        ))
         .add_service(envoy::eds::server(Arc::clone(&router), stop.clone()))
         // TCP_NODELAY: without it, Envoy's small ext_proc messages meet
         // Nagle and delayed ACKs and a decision waits ~40 ms (measured by
@@ -249,8 +262,10 @@ async fn serve(
             tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
             stop.clone().cancelled_owned(),
         );
-    let admin_server = axum::serve(admin, observe::admin::routes(Arc::clone(&observer)))
-        .with_graceful_shutdown(stop.clone().cancelled_owned());
+    let admin_routes =
+        observe::admin::routes(Arc::clone(&observer)).merge(envoy::report::routes(outcomes));
+    let admin_server =
+        axum::serve(admin, admin_routes).with_graceful_shutdown(stop.clone().cancelled_owned());
     let (grpc, admin) = tokio::join!(grpc_server, async move { admin_server.await });
     // Both servers are done (stopped, or failed): the background tasks end
     // too.

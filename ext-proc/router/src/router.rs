@@ -230,6 +230,7 @@ impl Router {
             &self.params,
             prediction,
             usage,
+            Instant::now(),
         );
         if correction == Some(Correction::Restart) {
             s.forget_cache();

@@ -155,11 +155,14 @@ impl Router {
         for h in &update.health {
             let s = slot(h.replica);
             let health = &mut fleet.state[s].health;
+            // A peer's word is a hint: a fencing makes the replica suspect
+            // here (probed at once), a re-admission lets the next probe
+            // re-admit it; only this sidecar's own probe changes health.
             if h.serving && !health.is_serving() {
-                health.readmit_by_peer();
+                health.readmit_by_peer(now);
                 applied.readmitted += 1;
             } else if !h.serving && health.is_serving() {
-                health.fence_by_peer(&self.params.health, now);
+                health.fence_by_peer();
                 applied.fenced += 1;
             }
         }

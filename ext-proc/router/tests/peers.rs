@@ -25,6 +25,7 @@ fn req(hashes: &[u64]) -> RequestInfo {
         model: Some("m".into()),
         max_output_tokens: None,
         known_overlaps: None,
+        cache: Default::default(),
     }
 }
 
@@ -85,25 +86,40 @@ fn a_peers_load_counts_until_it_is_released() {
 }
 
 #[test]
-fn a_replica_one_sidecar_fences_is_fenced_by_its_peers_and_readmitted_with_it() {
+fn a_peers_fencing_makes_a_replica_suspect_and_only_a_local_probe_fences_or_readmits_it() {
     let no_backoff = |p: &mut RouterParams| p.health.backoff = Duration::ZERO;
     let (a, b) = (sidecar(LIST, no_backoff), sidecar(LIST, no_backoff));
-    for _ in 0..RouterParams::default().health.eject_after {
-        a.record_request(0, Outcome::Failure(Failure::ServerError));
+    let key = "127.0.0.1:1".parse::<std::net::SocketAddr>().unwrap();
+    let eject_after = RouterParams::default().health.eject_after;
+    // A fences replica 0 on its own evidence (refused connections).
+    for _ in 0..eject_after {
+        a.record_request(0, Outcome::Failure(Failure::ConnectFailure));
     }
     assert_eq!(a.snapshot().replicas[0].health.state, HealthState::Fenced);
     let applied = share(&a, &b);
     assert_eq!(applied.fenced, 1);
+    // At B the peer's word is a suspicion: still serving, probed at once.
+    let at_b = &b.snapshot().replicas[0].health;
+    assert_eq!(at_b.state, HealthState::Serving);
+    assert_eq!(at_b.suspect, Some(Failure::PeerFenced));
+    assert!(b.probe_targets().iter().any(|t| t.key == (key, None)));
+    // What B was told is not passed on again.
+    assert!(b.take_update().health.is_empty());
+    // B's own probes agree: fenced at B too.
+    for _ in 0..eject_after {
+        b.record_probe((key, None), Outcome::Failure(Failure::EmptyAnswer));
+    }
     assert_eq!(b.snapshot().replicas[0].health.state, HealthState::Fenced);
     for _ in 0..4 {
         assert_eq!(b.decide(&RequestInfo::default()).unwrap().primary(), 1);
     }
-    // What B was told is not passed on again.
-    assert!(b.take_update().health.is_empty());
-    // A's probe re-admits it; B follows.
-    let key = "127.0.0.1:1".parse::<std::net::SocketAddr>().unwrap();
+    // A's probe re-admits it; B only probes it again, and its own probe
+    // re-admits it.
     a.record_probe((key, None), Outcome::Success);
     assert_eq!(share(&a, &b).readmitted, 1);
+    assert_eq!(b.snapshot().replicas[0].health.state, HealthState::Fenced);
+    assert!(b.probe_targets().iter().any(|t| t.key == (key, None)));
+    b.record_probe((key, None), Outcome::Success);
     assert_eq!(b.snapshot().replicas[0].health.state, HealthState::Serving);
 }
 

@@ -496,13 +496,15 @@ const BODY_HEADER: &str = "\
 # generator, not this.
 ";
 
-/// The headers the filter sets for the sidecar: never from a client, never
-/// to an engine.
-pub const HEARTH_HEADERS: [&str; 4] = [
+/// The headers the filter sets for the sidecar, and the sidecar's ticket
+/// for the outcome filter: never from a client, never to an engine.
+pub const HEARTH_HEADERS: [&str; 6] = [
     header::FP,
     header::PROMPT_BYTES,
     header::MODEL,
     header::MAX_TOKENS,
+    header::CACHE,
+    header::TICKET,
 ];
 
 /// `["x-hearth-fp", ...]`: [`HEARTH_HEADERS`] as a YAML flow list.

@@ -1,10 +1,8 @@
-//! The sidecar's HTTP endpoint: `GET /state` (JSON: per-replica health,
-//! in-flight load and warmth), `GET /health` (`ok`, `degraded` or
-//! `unhealthy`; HTTP 503 only when no replica is serving), and
-//! `POST /outcome`, where Envoy's outcome filter reports whether a 200
-//! answer carried text (`upstream=IP:PORT;text=0|1;done=0|1`). Bind it to
-//! loopback or a private interface: a client that can post outcomes can
-//! fence replicas.
+//! The sidecar's HTTP endpoint, read-only: `GET /state` (JSON: per-replica
+//! health, in-flight load and warmth), `GET /health` (`ok`, `degraded` or
+//! `unhealthy`; HTTP 503 only when no replica is serving). The same
+//! listener takes the outcome filter's reports (`POST /outcome`,
+//! [`crate::envoy::report`]), merged in by the sidecar.
 //!
 //! Observability: `GET /metrics` (Prometheus text), `GET /debug/decisions`
 //! (`?request_id=ID` for one request's decisions, else `?limit=N` for the
@@ -17,13 +15,12 @@ use std::sync::Arc;
 use axum::extract::{Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{Html, IntoResponse};
-use axum::routing::{get, post};
+use axum::routing::get;
 use axum::{Json, Router as HttpRouter};
 use serde::{Deserialize, Serialize};
 
-use hearth_router::health::{self, FleetHealth};
+use hearth_router::health::FleetHealth;
 use hearth_router::{Router, Snapshot};
-use hearth_wire::outcome::Report;
 
 use crate::observe::journal::DecisionRecord;
 use crate::observe::series::{Second, SERIES_SECONDS};
@@ -40,7 +37,6 @@ pub fn routes(observer: Arc<Observer>) -> HttpRouter {
         .with_state(router)
         .merge(
             HttpRouter::new()
-                .route(hearth_wire::names::REPORT_PATH, post(outcome))
                 .route("/metrics", get(metrics))
                 .route("/debug/decisions", get(decisions))
                 .route("/debug/series", get(series))
@@ -154,30 +150,4 @@ async fn health(State(router): State<Arc<Router>>) -> (StatusCode, Json<serde_js
         FleetHealth::Ok | FleetHealth::Degraded => StatusCode::OK,
     };
     (code, Json(serde_json::json!({ "status": fleet })))
-}
-
-async fn outcome(State(observer): State<Arc<Observer>>, body: String) -> StatusCode {
-    let Some(report) = Report::parse(&body) else {
-        return StatusCode::BAD_REQUEST;
-    };
-    let router = observer.router();
-    let prediction = report
-        .request_id
-        .as_deref()
-        .and_then(|id| observer.predictions.take(id));
-    let Some(replica) = router.replica_at(&report.upstream, prediction.map(|p| p.replica)) else {
-        return StatusCode::NOT_FOUND;
-    };
-    router.record_request(
-        replica,
-        health::classify(Some(200), "via_upstream", Some(report.answer)),
-    );
-    observer.answer_usage(
-        report.request_id.as_deref(),
-        replica,
-        prediction.as_ref(),
-        report.usage.map(Into::into),
-        report.answer.done,
-    );
-    StatusCode::NO_CONTENT
 }

@@ -162,7 +162,8 @@ impl Router {
             key: replicas[chosen].key(),
             blocks: picked.overlap,
             prompt_bytes: req.prompt_bytes,
-            continues: warm.continued.is_some(),
+            conversation: warm.conversation,
+            compare: !req.hashes.is_empty() && req.cache == hearth_wire::CacheUse::Shared,
             stamp,
         };
         Ok(Decision {
