@@ -46,6 +46,9 @@ fn fleet_options(nats: &NatsServer) -> FleetOptions {
             format!("--peers-url={}", nats.url()),
             "--fleet=e2e".into(),
             "--peers-sync-seconds=1".into(),
+            // A peer's fencing is a suspicion: confirmed by a probe soon.
+            "--suspect-probe-seconds=0.2".into(),
+            "--probe-retry-seconds=0.2".into(),
         ],
         ..FleetOptions::default()
     }
@@ -177,13 +180,19 @@ async fn turns_alternating_between_sidecars_stay_warm_and_a_fencing_is_shared() 
     );
     assert!(received.is_some_and(|n| n > 0.0), "{metrics}");
 
-    // A fences engine-2 on its own evidence; B stops sending it traffic.
+    // engine-2 breaks (200 with nothing); A fences it on its own evidence
+    // (refused connections, here told directly). At B that is a suspicion:
+    // B probes it at once, its probes fail too, and B stops sending it
+    // traffic.
+    fleet.engines[2]
+        .engine
+        .set_fault(hearth_bench::engine::Fault::Empty);
     let router = &fleet.sidecar.as_ref().unwrap().router;
     let fenced = router
         .replica_at(&fleet.engines[2].addr.to_string(), None)
         .unwrap();
     for _ in 0..3 {
-        router.record_request(fenced, Outcome::Failure(Failure::ServerError));
+        router.record_request(fenced, Outcome::Failure(Failure::ConnectFailure));
     }
     wait_for(b.sidecar.admin_addr, "B fences engine-2", |s| {
         s.replicas[fenced].health.state == HealthState::Fenced

@@ -82,9 +82,17 @@ impl Decision {
     /// The answer's usage, from the chosen replica (see
     /// [`Router::record_usage`]).
     pub fn record_usage(&self, usage: Usage) -> Option<Served> {
-        self.reservation
-            .router()
-            .record_usage(self.primary(), Some(&self.prediction), usage)
+        self.record_usage_at(usage, Instant::now())
+    }
+
+    /// [`Decision::record_usage`] at `now` (the simulator's engine time).
+    pub fn record_usage_at(&self, usage: Usage, now: Instant) -> Option<Served> {
+        self.reservation.router().record_usage_at(
+            self.primary(),
+            Some(&self.prediction),
+            usage,
+            now,
+        )
     }
 
     /// `ip:port,ip:port,...` for the first `limit` entries of the order,
