@@ -34,8 +34,9 @@
 //!     cannot make a restart; the engine's own evidence (a new start time,
 //!     a falling prompt-token counter) needs no such quorum.
 //!
-//! Shrinking is bounded in time too: at most [`MAX_SHRINKS_PER_MINUTE`]
-//! shrinks a minute per replica. Answers to requests that partition or
+//! Shrinking is bounded in time too: within a minute a replica's index
+//! shrinks to no less than [`SHRINK_FLOOR_PER_MINUTE`] of the blocks it
+//! held at the minute's start (no burst of misses empties it at once). Answers to requests that partition or
 //! bypass the engine's cache (`cache_salt`, `cache_prompt: false`, a
 //! pinned slot) are counted but never compared ([`Prediction::compare`]),
 //! and a report is matched with its decision by the sidecar's own ticket,
@@ -52,7 +53,6 @@
 //! comes its cache holds the whole prompt again, as the index says. What a
 //! miss tells about is everything older on that replica.
 
-use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -72,8 +72,12 @@ pub const RESTART_CONVERSATIONS: usize = 3;
 /// How close together those misses must come.
 pub const RESTART_WINDOW: Duration = Duration::from_secs(60);
 
-/// Shrinks of a replica's warmth index a minute, at most.
-pub const MAX_SHRINKS_PER_MINUTE: usize = 3;
+/// The share of its capacity a replica's warmth index keeps, at least,
+/// over a minute of shrinking.
+pub const SHRINK_FLOOR_PER_MINUTE: f64 = 0.5;
+
+/// The window of [`SHRINK_FLOOR_PER_MINUTE`].
+const SHRINK_WINDOW: Duration = Duration::from_secs(60);
 
 /// Weight of each new report in the bytes-per-token average.
 const BPT_WEIGHT: f64 = 0.05;
@@ -165,8 +169,8 @@ pub(crate) struct UsageTally {
     /// last hit (each once, with when), and the capacity before the first.
     missed: Vec<(u64, Instant)>,
     capacity_before_streak: usize,
-    /// When the index shrank within the last minute.
-    shrunk_at: VecDeque<Instant>,
+    /// The current shrink window's start, and the blocks held then.
+    shrink_window: Option<(Instant, usize)>,
 }
 
 /// A replica's usage account on `/state`.
@@ -279,8 +283,6 @@ impl UsageTally {
         if !p.usage_feedback {
             return (Some(predicted), None);
         }
-        self.shrunk_at
-            .retain(|&at| now.saturating_duration_since(at) < Duration::from_secs(60));
         let correction = if shallow && self.missed.len() >= RESTART_CONVERSATIONS {
             // Several conversations lost what the engine read last: a
             // restart (or its cache was reset). The capacity stays what it
@@ -295,13 +297,19 @@ impl UsageTally {
             // index: its cache held fewer than that, then. An engine's room
             // for paused conversations comes and goes with what it runs,
             // so one miss takes at most a tenth off, and a minute at most
-            // MAX_SHRINKS_PER_MINUTE tenths.
-            let capacity = depth.max(held * 9 / 10).max(MIN_WARMTH_BLOCKS);
-            let room = self.shrunk_at.len() < MAX_SHRINKS_PER_MINUTE;
-            (room && capacity < warmth.capacity()).then(|| {
+            // half.
+            let (since, before) = match self.shrink_window {
+                Some((at, c)) if now.saturating_duration_since(at) < SHRINK_WINDOW => (at, c),
+                // What it held, not its capacity: an index larger than
+                // what it holds gives up nothing by shrinking to it.
+                _ => (now, held),
+            };
+            self.shrink_window = Some((since, before));
+            let floor = (before as f64 * SHRINK_FLOOR_PER_MINUTE).ceil() as usize;
+            let capacity = depth.max(held * 9 / 10).max(MIN_WARMTH_BLOCKS).max(floor);
+            (capacity < warmth.capacity()).then(|| {
                 warmth.set_capacity(capacity);
                 self.shrinks += 1;
-                self.shrunk_at.push_back(now);
                 Correction::Shrunk(capacity)
             })
         } else if under && warmth.len() >= warmth.capacity() && warmth.capacity() < limit {
@@ -331,3 +339,63 @@ pub fn blocks_for_tokens(
 /// Bytes per token before a replica's first report (English text and code
 /// run about four).
 pub const DEFAULT_BYTES_PER_TOKEN: f64 = 4.0;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A continuing turn of conversation `k` whose prediction's deepest
+    /// block sits halfway down the index, served nothing from cache.
+    fn deep_miss(
+        tally: &mut UsageTally,
+        warmth: &mut LruBlocks,
+        k: u64,
+        now: Instant,
+    ) -> Option<Correction> {
+        let held = warmth.len();
+        let middle = warmth.oldest_first().nth(held / 2).unwrap();
+        let prediction = Prediction {
+            replica: 0,
+            key: ("127.0.0.1:1".parse().unwrap(), None),
+            blocks: 10,
+            prompt_bytes: 10 * 2048,
+            conversation: Some(k),
+            compare: true,
+            stamp: warmth.stamp(middle),
+        };
+        let usage = Usage {
+            prompt_tokens: 10 * 512,
+            cached_tokens: 0,
+        };
+        let p = RouterParams::default();
+        tally
+            .record(warmth, 100_000, &p, Some(&prediction), usage, now)
+            .1
+    }
+
+    #[test]
+    fn a_burst_of_deep_misses_takes_at_most_half_the_index_a_minute() {
+        let mut warmth = LruBlocks::new(100_000);
+        warmth.record_prompt(&(1..=10_000).collect::<Vec<u64>>());
+        let mut tally = UsageTally::default();
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut shrunk = 0;
+        for k in 0..40 {
+            if let Some(Correction::Shrunk(_)) = deep_miss(&mut tally, &mut warmth, k, t0 + ms(k)) {
+                shrunk += 1;
+            }
+        }
+        // Each miss is worth a tenth: unbounded, forty would leave a
+        // hundredth; within the minute the index keeps half.
+        assert!(shrunk >= 5, "{shrunk}");
+        assert_eq!(warmth.capacity(), 5_000);
+        assert_eq!(warmth.len(), 5_000);
+        // The next minute may take half of that.
+        let later = t0 + SHRINK_WINDOW;
+        for k in 0..40 {
+            deep_miss(&mut tally, &mut warmth, 100 + k, later + ms(k));
+        }
+        assert_eq!(warmth.capacity(), 2_500);
+    }
+}

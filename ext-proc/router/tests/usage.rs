@@ -359,22 +359,3 @@ fn answers_to_requests_that_partition_or_bypass_the_cache_are_not_compared() {
         assert!(s.warmth_blocks >= 1_200);
     }
 }
-
-#[test]
-fn shrinking_is_bounded_per_minute() {
-    let r = fleet_of("127.0.0.1:1", |p| p.warmth_blocks = 100_000);
-    let convs = placed(&r, 40, 100);
-    // Old conversations come back one after another, each with little of
-    // it served: deep misses, but only a few shrinks within a minute.
-    let mut shrinks = 0;
-    for (k, c) in convs.iter().skip(20).take(10).enumerate() {
-        let mut c = c.clone();
-        c.push(900_000 + k as u64);
-        let d = r.decide(&req(&c)).unwrap();
-        if let Some(Correction::Shrunk(_)) = d.record_usage(usage(c.len(), 0)).unwrap().correction {
-            shrinks += 1;
-        }
-    }
-    assert_eq!(shrinks, hearth_router::usage::MAX_SHRINKS_PER_MINUTE);
-    assert_eq!(replica(&r, 0).usage.shrinks_total, shrinks as u64);
-}
