@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use hearth_wire::header;
 
-use crate::config::Settings;
+use crate::config::{Secret, Settings};
 pub use crate::config::{Endpoints, EnvoyConfigArgs, Mode, DEFAULT_WASM};
 
 pub mod snippets;
@@ -49,6 +49,8 @@ impl EnvoyConfigArgs {
                     Endpoints::Static
                 })
                 == Endpoints::Eds,
+            // A bad file was reported when the settings were validated.
+            control_token: settings.control_token().ok().flatten(),
         }
     }
 }
@@ -77,6 +79,10 @@ pub struct Gateway {
     /// (xDS requires it). The GIE template has no endpoint list and
     /// ignores it.
     pub eds: bool,
+    /// The sidecar's control token: Envoy sends it on its gRPC calls to
+    /// the sidecar and the outcome filter on its reports. None: nothing
+    /// is sent (a sidecar without `HEARTH_CONTROL_TOKEN_FILE`).
+    pub control_token: Option<Secret>,
 }
 
 impl Gateway {
@@ -102,6 +108,7 @@ impl Gateway {
             max_prefix_bytes: hearth_wire::DEFAULT_MAX_PREFIX_BYTES,
             max_body_bytes: 8 << 20,
             eds: false,
+            control_token: None,
         }
     }
 }
@@ -126,6 +133,13 @@ impl Gateway {
             ("MAX_PREFIX_BYTES", self.max_prefix_bytes.to_string()),
             ("MAX_BODY_BYTES", self.max_body_bytes.to_string()),
             ("BUFFER_LIMIT_BYTES", self.buffer_limit().to_string()),
+            (
+                "CONTROL_TOKEN",
+                self.control_token
+                    .as_ref()
+                    .map(|t| t.expose().to_string())
+                    .unwrap_or_default(),
+            ),
         ];
         values.extend(snippets::sidecar_values(self.sidecar, self.sidecar_admin));
         values
@@ -254,7 +268,7 @@ fn socket(addr: &SocketAddr) -> String {
 /// result is exactly that).
 pub fn render(g: &Gateway) -> String {
     let (node, engines_endpoints) = if g.eds {
-        (EDS_NODE.to_string(), eds_endpoints())
+        (EDS_NODE.to_string(), eds_endpoints(g))
     } else {
         (String::new(), static_endpoints(g))
     };
@@ -302,7 +316,8 @@ node:
 
 /// The engines cluster's endpoints in EDS mode, in place of a
 /// `load_assignment`.
-fn eds_endpoints() -> String {
+fn eds_endpoints(g: &Gateway) -> String {
+    let token = control_metadata(g, "            ");
     format!(
         r#"    # The sidecar is the source of truth of the replica list: it streams
     # the endpoints over EDS and pushes every change. If the sidecar goes
@@ -321,9 +336,42 @@ fn eds_endpoints() -> String {
           transport_api_version: V3
           grpc_services:
           - envoy_grpc: {{ cluster_name: hearth_sidecar }}
-          set_node_on_first_message_only: true
+{token}          set_node_on_first_message_only: true
 "#
     )
+}
+
+/// A `grpc_service`'s `initial_metadata` with the control token, at
+/// `indent` (nothing without a token).
+fn control_metadata(g: &Gateway, indent: &str) -> String {
+    match &g.control_token {
+        Some(t) => format!(
+            "{indent}# The sidecar's HEARTH_CONTROL_TOKEN_FILE: it refuses calls without it.\n\
+             {indent}initial_metadata: [{{ key: authorization, value: \"Bearer {}\" }}]\n",
+            t.expose()
+        ),
+        None => String::new(),
+    }
+}
+
+/// The headers ext_proc forwards to the sidecar: what routing reads
+/// (the allow-list of `envoy/snippets/http-filters.yaml`), at `indent`.
+fn forward_rules(indent: &str) -> String {
+    let snippet = snippets::HTTP_FILTERS.text;
+    let start = snippet
+        .find("    # Only what routing reads")
+        .expect("the snippet's forward_rules");
+    // Its comment, the key, and the lines indented under it.
+    let mut key_seen = false;
+    snippet[start..]
+        .lines()
+        .take_while(|l| {
+            let inside = !key_seen || l.starts_with("     ");
+            key_seen |= l.starts_with("    forward_rules:");
+            inside
+        })
+        .map(|l| format!("{indent}{}\n", &l[4..]))
+        .collect()
 }
 
 #[cfg(test)]
@@ -347,6 +395,7 @@ mod tests {
             max_prefix_bytes: 1 << 21,
             max_body_bytes: 1 << 23,
             eds: false,
+            control_token: None,
         };
         let yaml = render(&g);
         assert!(yaml.contains("port_value: 8001") && yaml.contains("port_value: 8002"));
@@ -617,7 +666,7 @@ pub fn render_gie(g: &Gateway) -> String {
               grpc_service:
                 envoy_grpc: {{ cluster_name: hearth_sidecar }}
                 timeout: 10s
-              # Fail closed, as the extension's reference does: without a
+{token}              # Fail closed, as the extension's reference does: without a
               # picked endpoint an ORIGINAL_DST cluster has nowhere safe to
               # go (requests get an error while the sidecar is down).
               failure_mode_allow: false
@@ -634,7 +683,7 @@ pub fn render_gie(g: &Gateway) -> String {
                 request_trailer_mode: SEND
                 response_trailer_mode: SEND
               response_attributes: ["upstream.address", "response.code_details"]
-              metadata_options:
+{forward_rules}              metadata_options:
                 # The subset hint (a controller may set it) and envoy.lb
                 # (a served-endpoint report) reach the sidecar; the
                 # destination comes back under envoy.lb.
@@ -665,6 +714,8 @@ pub fn render_gie(g: &Gateway) -> String {
             &["x-gateway-destination-endpoint-served"],
         ),
         sidecar = sidecar_cluster(g),
+        token = control_metadata(g, "                "),
+        forward_rules = forward_rules("              "),
     )
 }
 

@@ -2,9 +2,11 @@
 //! in-flight load and warmth), `GET /health` (`ok`, `degraded` or
 //! `unhealthy`; HTTP 503 only when no replica is serving), and
 //! `POST /outcome`, where Envoy's outcome filter reports whether a 200
-//! answer carried text (`upstream=IP:PORT;text=0|1;done=0|1`). Bind it to
-//! loopback or a private interface: a client that can post outcomes can
-//! fence replicas.
+//! answer carried text (`upstream=IP:PORT;text=0|1;done=0|1`). A client
+//! that can post outcomes can fence replicas: with
+//! `HEARTH_CONTROL_TOKEN_FILE`, every write needs the token
+//! ([`crate::guard::admin_guard`]), and `/debug/decisions` shows request
+//! ids only to a caller that has it.
 //!
 //! Observability: `GET /metrics` (Prometheus text), `GET /debug/decisions`
 //! (`?request_id=ID` for one request's decisions, else `?limit=N` for the
@@ -14,17 +16,18 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Query, State};
+use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{Html, IntoResponse};
 use axum::routing::{get, post};
-use axum::{Json, Router as HttpRouter};
+use axum::{Extension, Json, Router as HttpRouter};
 use serde::{Deserialize, Serialize};
 
 use hearth_router::health::{self, FleetHealth};
 use hearth_router::{Router, Snapshot};
 use hearth_wire::outcome::Report;
 
+use crate::guard::{self, Caller, ControlToken};
 use crate::observe::journal::DecisionRecord;
 use crate::observe::series::{Second, SERIES_SECONDS};
 use crate::observe::Observer;
@@ -32,7 +35,9 @@ use crate::observe::Observer;
 /// The dashboard: one page, inline script and style, no external fetches.
 pub const DASHBOARD: &str = include_str!("dashboard.html");
 
-pub fn routes(observer: Arc<Observer>) -> HttpRouter {
+/// Every route, behind the guard: `token` (the control token, if set)
+/// for writes and request ids, a body limit and a request deadline.
+pub fn routes(observer: Arc<Observer>, token: Option<Arc<ControlToken>>) -> HttpRouter {
     let router = Arc::clone(observer.router());
     HttpRouter::new()
         .route("/state", get(state))
@@ -48,6 +53,11 @@ pub fn routes(observer: Arc<Observer>) -> HttpRouter {
                 .route("/dashboard", get(dashboard))
                 .with_state(observer),
         )
+        .layer(DefaultBodyLimit::max(guard::ADMIN_BODY_LIMIT))
+        .layer(axum::middleware::from_fn_with_state(
+            token,
+            guard::admin_guard,
+        ))
 }
 
 async fn metrics(State(observer): State<Arc<Observer>>) -> impl IntoResponse {
@@ -74,10 +84,16 @@ pub struct Decisions {
     pub decisions: Vec<DecisionRecord>,
 }
 
+/// Request ids are the gateway's business: a caller without the control
+/// token (when one is set) sees none and cannot look one up.
 async fn decisions(
     State(observer): State<Arc<Observer>>,
+    Extension(caller): Extension<Caller>,
     Query(q): Query<DecisionQuery>,
-) -> (StatusCode, Json<Decisions>) {
+) -> axum::response::Response {
+    if caller == Caller::Anyone && q.request_id.is_some() {
+        return guard::unauthorized();
+    }
     let journal = &observer.journal;
     let found = match &q.request_id {
         Some(id) => journal.find(id),
@@ -91,7 +107,13 @@ async fn decisions(
     let decisions = found
         .into_iter()
         .take(q.limit.unwrap_or(usize::MAX))
-        .map(|r| (*r).clone())
+        .map(|r| {
+            let mut r = (*r).clone();
+            if caller == Caller::Anyone {
+                r.request_id = None;
+            }
+            r
+        })
         .collect();
     (
         code,
@@ -100,6 +122,7 @@ async fn decisions(
             decisions,
         }),
     )
+        .into_response()
 }
 
 #[derive(Debug, Deserialize)]
