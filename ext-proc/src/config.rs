@@ -76,11 +76,19 @@ pub struct Settings {
 
     /// PEM certificate chain the gRPC port serves TLS with (with
     /// HEARTH_GRPC_TLS_KEY_FILE); unset: plain HTTP/2.
-    #[arg(long, env = "HEARTH_GRPC_TLS_CERT_FILE", requires = "grpc_tls_key_file")]
+    #[arg(
+        long,
+        env = "HEARTH_GRPC_TLS_CERT_FILE",
+        requires = "grpc_tls_key_file"
+    )]
     pub grpc_tls_cert_file: Option<PathBuf>,
 
     /// PEM private key of HEARTH_GRPC_TLS_CERT_FILE.
-    #[arg(long, env = "HEARTH_GRPC_TLS_KEY_FILE", requires = "grpc_tls_cert_file")]
+    #[arg(
+        long,
+        env = "HEARTH_GRPC_TLS_KEY_FILE",
+        requires = "grpc_tls_cert_file"
+    )]
     pub grpc_tls_key_file: Option<PathBuf>,
 
     /// PEM CA certificate(s): with TLS on, the gRPC port accepts only
@@ -501,7 +509,9 @@ pub const MIN_CONTROL_TOKEN_CHARS: usize = 32;
 pub fn read_control_token(path: &std::path::Path) -> Result<Secret, String> {
     let bytes = std::fs::read(path).map_err(|e| format!("cannot read it: {e}"))?;
     let text = String::from_utf8(bytes).map_err(|_| "it is not UTF-8 text".to_string())?;
-    let token: Secret = text.parse().map_err(|e: String| e.replace("key", "token"))?;
+    let token: Secret = text
+        .parse()
+        .map_err(|e: String| e.replace("key", "token"))?;
     // It is written into Envoy's YAML and the filter's JSON as is.
     if !token
         .expose()
@@ -730,7 +740,10 @@ impl Settings {
         for (name, file) in [
             ("HEARTH_GRPC_TLS_CERT_FILE", &self.grpc_tls_cert_file),
             ("HEARTH_GRPC_TLS_KEY_FILE", &self.grpc_tls_key_file),
-            ("HEARTH_GRPC_TLS_CLIENT_CA_FILE", &self.grpc_tls_client_ca_file),
+            (
+                "HEARTH_GRPC_TLS_CLIENT_CA_FILE",
+                &self.grpc_tls_client_ca_file,
+            ),
         ] {
             if let Some(path) = file {
                 if let Err(e) = check_pem(path) {
@@ -922,8 +935,7 @@ mod tests {
     }
 
     fn token_file(name: &str, text: &str) -> PathBuf {
-        let path =
-            std::env::temp_dir().join(format!("hearth-token-{}-{name}", std::process::id()));
+        let path = std::env::temp_dir().join(format!("hearth-token-{}-{name}", std::process::id()));
         std::fs::write(&path, text).unwrap();
         path
     }
@@ -969,9 +981,12 @@ mod tests {
         assert_eq!(problems.len(), 2, "{problems:?}");
         assert!(problems
             .iter()
-            .all(|p| p.contains("HEARTH_CONTROL_TOKEN_FILE") && p.contains("HEARTH_CONTROL_INSECURE")));
+            .all(|p| p.contains("HEARTH_CONTROL_TOKEN_FILE")
+                && p.contains("HEARTH_CONTROL_INSECURE")));
         // Loopback, as by default: nothing to authenticate.
-        let local = parse(&["--upstreams=127.0.0.1:1", "--listen=[::1]:0"]).unwrap().settings;
+        let local = parse(&["--upstreams=127.0.0.1:1", "--listen=[::1]:0"])
+            .unwrap()
+            .settings;
         assert!(local.validate().is_ok());
         // The token closes both; the insecure setting silences both.
         let token = token_file("listeners", &"k".repeat(40));

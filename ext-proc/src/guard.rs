@@ -168,9 +168,10 @@ pub fn unauthorized() -> Response {
         "control_token_required",
         "authorization: Bearer <HEARTH_CONTROL_TOKEN_FILE's token> is missing or wrong",
     );
-    response
-        .headers_mut()
-        .insert(header::WWW_AUTHENTICATE, "Bearer".parse().expect("a header"));
+    response.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        "Bearer".parse().expect("a header"),
+    );
     response
 }
 

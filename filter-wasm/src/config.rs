@@ -269,7 +269,12 @@ mod tests {
         )
         .unwrap();
         assert_eq!(with.control_token.as_deref(), Some(token.as_str()));
-        for bad in ["short-secret", "", &("b".repeat(40) + "\"x"), &("c".repeat(40) + " ")] {
+        for bad in [
+            "short-secret",
+            "",
+            &("b".repeat(40) + "\"x"),
+            &("c".repeat(40) + " "),
+        ] {
             let json = serde_json::json!({ "role": "outcome", "control_token": bad });
             let err = FilterConfig::parse(json.to_string().as_bytes()).unwrap_err();
             let text = err.to_string();

@@ -330,7 +330,11 @@ impl OutcomeHttp {
             (":authority", "hearth-sidecar"),
             ("content-type", "text/plain"),
         ];
-        let authorization = self.config.control_token.as_ref().map(|t| format!("Bearer {t}"));
+        let authorization = self
+            .config
+            .control_token
+            .as_ref()
+            .map(|t| format!("Bearer {t}"));
         if let Some(value) = &authorization {
             headers.push(("authorization", value));
         }

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 
 use hearth_wire::header;
 
-use crate::config::{Secret, Settings};
 pub use crate::config::{Endpoints, EnvoyConfigArgs, Mode, DEFAULT_WASM};
+use crate::config::{Secret, Settings};
 
 pub mod snippets;
 
@@ -840,5 +840,68 @@ mod gie_mode_tests {
             .unwrap();
         assert!(strip < yaml.find("ext_proc.v3.ExternalProcessor").unwrap());
         assert!(!yaml.contains('\t'));
+    }
+}
+
+#[cfg(test)]
+mod control_token_tests {
+    use clap::Parser;
+
+    /// `envoy-config` in `mode` with EDS endpoints, with the token in a
+    /// file given after the subcommand when `token` is set.
+    fn config(mode: &str, token: Option<&str>) -> String {
+        let path = std::env::temp_dir().join(format!(
+            "hearth-render-token-{}-{mode}-{}",
+            std::process::id(),
+            token.is_some()
+        ));
+        let mut args = vec![
+            "hearth-ext-proc".to_string(),
+            "--upstreams=127.0.0.1:8001".into(),
+            "envoy-config".into(),
+            format!("--mode={mode}"),
+            "--endpoints=eds".into(),
+        ];
+        if let Some(t) = token {
+            std::fs::write(&path, t).unwrap();
+            args.push(format!("--control-token-file={}", path.display()));
+        }
+        let cli = crate::config::Cli::try_parse_from(args).unwrap();
+        let Some(crate::config::Command::EnvoyConfig(a)) = &cli.command else {
+            panic!("envoy-config did not parse")
+        };
+        let yaml = a.render(&cli.settings);
+        let _ = std::fs::remove_file(path);
+        yaml
+    }
+
+    #[test]
+    fn every_call_to_the_sidecar_carries_the_token_and_only_routing_headers_go() {
+        let token = "0123456789abcdef0123456789abcdef-token";
+        let bearer =
+            format!("initial_metadata: [{{ key: authorization, value: \"Bearer {token}\" }}]");
+        for mode in ["filter", "body", "gie"] {
+            let yaml = config(mode, Some(token));
+            // ext_proc, and endpoint discovery where it is used.
+            let want = if mode == "gie" { 1 } else { 2 };
+            assert_eq!(yaml.matches(&bearer).count(), want, "{mode}: {yaml}");
+            assert!(yaml.contains("forward_rules:"), "{mode}");
+            assert!(yaml.contains("- prefix: \"x-hearth-\""), "{mode}");
+            assert!(!yaml.contains("exact: \"authorization\""), "{mode}");
+            let outcome = format!(r#""control_token":"{token}"}}'"#);
+            assert_eq!(yaml.contains(&outcome), mode == "filter", "{mode}");
+        }
+        // Without a token, nothing of it, and the same forward rules.
+        for mode in ["filter", "body", "gie"] {
+            let yaml = config(mode, None);
+            let settings = yaml.lines().filter(|l| !l.trim_start().starts_with('#'));
+            for line in settings {
+                assert!(
+                    !line.contains("initial_metadata") && !line.contains("control_token"),
+                    "{mode}: {line}"
+                );
+            }
+            assert!(yaml.contains("forward_rules:"), "{mode}");
+        }
     }
 }

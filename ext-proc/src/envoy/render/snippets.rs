@@ -225,7 +225,10 @@ fn leave_out(text: &str, mark: &str) -> String {
         }
         // `,"key":"${NAME}"` inside a JSON object.
         if let Some(at) = line.find(&quoted) {
-            if let Some(start) = line[..at].rfind(",\"").filter(|&s| line[s..at].ends_with("\":")) {
+            if let Some(start) = line[..at]
+                .rfind(",\"")
+                .filter(|&s| line[s..at].ends_with("\":"))
+            {
                 out.push(format!("{}{}", &line[..start], &line[at + quoted.len()..]));
                 continue;
             }
@@ -257,7 +260,8 @@ mod tests {
                 || l.contains("control_token")),
             "{without}"
         );
-        assert!(without.contains(r#"value: '{"role":"outcome","outcome_cluster":"hearth_sidecar_admin"}'"#));
+        assert!(without
+            .contains(r#"value: '{"role":"outcome","outcome_cluster":"hearth_sidecar_admin"}'"#));
         // Only the lines that needed it are gone.
         assert_eq!(
             with.lines().count(),
