@@ -342,16 +342,14 @@ impl axum::serve::Listener for AdminListener {
     type Io = Held<TcpStream>;
     type Addr = SocketAddr;
 
-    fn accept(&mut self) -> impl Future<Output = (Self::Io, Self::Addr)> + Send {
-        async move {
-            let place = Arc::clone(&self.places)
-                .acquire_owned()
-                .await
-                .expect("the semaphore is never closed");
-            // axum's accept retries (with a pause) on errors.
-            let (io, addr) = axum::serve::Listener::accept(&mut self.inner).await;
-            (Held::new(io, place, Some(ADMIN_IDLE_TIMEOUT)), addr)
-        }
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        let place = Arc::clone(&self.places)
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed");
+        // axum's accept retries (with a pause) on errors.
+        let (io, addr) = axum::serve::Listener::accept(&mut self.inner).await;
+        (Held::new(io, place, Some(ADMIN_IDLE_TIMEOUT)), addr)
     }
 
     fn local_addr(&self) -> io::Result<Self::Addr> {

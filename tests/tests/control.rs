@@ -229,8 +229,12 @@ async fn request_ids_in_the_journal_only_with_the_token() {
 /// `authorization` metadata and every header name and value Envoy sent.
 #[derive(Clone, Default)]
 struct Recorder {
-    seen: Arc<Mutex<Vec<(String, Vec<(String, String)>)>>>,
+    seen: Arc<Mutex<Vec<Seen>>>,
 }
+
+/// One headers message: the call's `authorization` metadata, and the
+/// headers (name, value).
+type Seen = (String, Vec<(String, String)>);
 
 type Replies =
     Pin<Box<dyn futures::Stream<Item = Result<ProcessingResponse, tonic::Status>> + Send>>;
@@ -331,11 +335,7 @@ const ENGINE_KEY: &str = "sk-engine-key-a-client-holds";
 /// Sends one chat turn with the client's credentials through an Envoy
 /// rendered from `config` in front of the recorder; returns the status
 /// and what the recorder saw.
-async fn through_recorder(
-    fleet: &Fleet,
-    recorder: &Recorder,
-    config: &str,
-) -> (u16, Vec<(String, Vec<(String, String)>)>) {
+async fn through_recorder(fleet: &Fleet, recorder: &Recorder, config: &str) -> (u16, Vec<Seen>) {
     recorder.seen.lock().unwrap().clear();
     let envoy = fleet.start_envoy(config).await.unwrap();
     let mut c = Conversation::new(MODEL, "client credentials", false, 11);
