@@ -56,6 +56,60 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_ADMIN_LISTEN", default_value = "127.0.0.1:9190")]
     pub admin_listen: SocketAddr,
 
+    /// A file holding the shared secret Envoy sends to the control
+    /// surfaces (surrounding whitespace ignored, at least 32 characters,
+    /// never logged): then `POST /outcome` and every gRPC call but gRPC
+    /// health need `authorization: Bearer <token>`, and
+    /// `/debug/decisions` shows request ids only with it. Global: also
+    /// read after `envoy-config`, which puts it in the rendered Envoy.
+    #[arg(long, env = "HEARTH_CONTROL_TOKEN_FILE", global = true)]
+    pub control_token_file: Option<PathBuf>,
+
+    /// Start without HEARTH_CONTROL_TOKEN_FILE although a listener is not
+    /// on loopback: for a private network the operator secures otherwise
+    /// (a NetworkPolicy, a mesh's mutual TLS). Anyone who reaches the
+    /// ports can then steer health and routing.
+    #[arg(long, env = "HEARTH_CONTROL_INSECURE", default_value_t = false,
+          action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub control_insecure: bool,
+
+    /// PEM certificate chain the gRPC port serves TLS with (with
+    /// HEARTH_GRPC_TLS_KEY_FILE); unset: plain HTTP/2.
+    #[arg(
+        long,
+        env = "HEARTH_GRPC_TLS_CERT_FILE",
+        requires = "grpc_tls_key_file"
+    )]
+    pub grpc_tls_cert_file: Option<PathBuf>,
+
+    /// PEM private key of HEARTH_GRPC_TLS_CERT_FILE.
+    #[arg(
+        long,
+        env = "HEARTH_GRPC_TLS_KEY_FILE",
+        requires = "grpc_tls_cert_file"
+    )]
+    pub grpc_tls_key_file: Option<PathBuf>,
+
+    /// PEM CA certificate(s): with TLS on, the gRPC port accepts only
+    /// clients presenting a certificate this CA signed.
+    #[arg(
+        long,
+        env = "HEARTH_GRPC_TLS_CLIENT_CA_FILE",
+        requires = "grpc_tls_cert_file"
+    )]
+    pub grpc_tls_client_ca_file: Option<PathBuf>,
+
+    /// Connections the gRPC port holds at once (each Envoy worker keeps
+    /// about one per sidecar); more wait to be accepted.
+    #[arg(long, env = "HEARTH_GRPC_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub grpc_max_connections: usize,
+
+    /// Connections the admin HTTP port holds at once (outcome reports,
+    /// scrapes, the dashboard); more wait to be accepted.
+    #[arg(long, env = "HEARTH_ADMIN_MAX_CONNECTIONS", default_value_t = 256)]
+    pub admin_max_connections: usize,
+
     /// Engine replicas, comma separated: `ip:port[;id=NAME][;model=M]...`.
     /// `id` is the opaque name shown to clients (default `replica-N`);
     /// `model` (repeatable) limits the replica to those models.
@@ -454,6 +508,46 @@ impl FromStr for Secret {
     }
 }
 
+/// The shortest control token accepted: 32 characters (from a random
+/// generator, e.g. `openssl rand -hex 32`, which gives 64).
+pub const MIN_CONTROL_TOKEN_CHARS: usize = 32;
+
+/// Reads and checks a control token file. Errors say what is wrong with
+/// the token, never what it holds.
+pub fn read_control_token(path: &std::path::Path) -> Result<Secret, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read it: {e}"))?;
+    let text = String::from_utf8(bytes).map_err(|_| "it is not UTF-8 text".to_string())?;
+    let token: Secret = text
+        .parse()
+        .map_err(|e: String| e.replace("key", "token"))?;
+    // It is written into Envoy's YAML and the filter's JSON as is.
+    if !token
+        .expose()
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"-._~+/=".contains(&b))
+    {
+        return Err("the token may hold only letters, digits and -._~+/=".into());
+    }
+    let n = token.expose().chars().count();
+    if n < MIN_CONTROL_TOKEN_CHARS {
+        return Err(format!(
+            "the token is {n} characters long; at least {MIN_CONTROL_TOKEN_CHARS} are needed \
+             (e.g. `openssl rand -hex 32`)"
+        ));
+    }
+    Ok(token)
+}
+
+/// Checks that a TLS file can be read and holds PEM (its contents are
+/// parsed when the server starts).
+fn check_pem(path: &std::path::Path) -> Result<(), String> {
+    let text = std::fs::read(path).map_err(|e| format!("cannot read it: {e}"))?;
+    if !text.windows(11).any(|w| w == b"-----BEGIN ") {
+        return Err("it holds no PEM block".into());
+    }
+    Ok(())
+}
+
 /// Checks a fleet name: it becomes a NATS subject token.
 pub fn check_fleet(name: &str) -> Result<(), String> {
     if name.is_empty() || name.len() > 64 {
@@ -502,6 +596,46 @@ impl Settings {
         text.parse()
             .map(Some)
             .map_err(|e| format!("HEARTH_ENGINE_API_KEY_FILE: {}: {e}", path.display()))
+    }
+
+    /// The control token: `HEARTH_CONTROL_TOKEN_FILE`'s contents, checked
+    /// (never echoed in an error).
+    pub fn control_token(&self) -> Result<Option<Secret>, String> {
+        let Some(path) = &self.control_token_file else {
+            return Ok(None);
+        };
+        read_control_token(path)
+            .map(Some)
+            .map_err(|e| format!("HEARTH_CONTROL_TOKEN_FILE: {}: {e}", path.display()))
+    }
+
+    /// Listeners reachable from off the host with nothing to authenticate
+    /// their callers, each as a problem naming the settings that close it
+    /// (none with `HEARTH_CONTROL_INSECURE`). The gRPC port is
+    /// authenticated by the token or by client certificates; the admin
+    /// port by the token.
+    pub fn exposed_listeners(&self, has_token: bool) -> Vec<String> {
+        if self.control_insecure || has_token {
+            return Vec::new();
+        }
+        let mut problems = Vec::new();
+        if !self.listen.ip().is_loopback() && self.grpc_tls_client_ca_file.is_none() {
+            problems.push(format!(
+                "HEARTH_LISTEN is {}, not a loopback address, and nothing authenticates its \
+                 callers: set HEARTH_CONTROL_TOKEN_FILE (or HEARTH_GRPC_TLS_CLIENT_CA_FILE), \
+                 or HEARTH_CONTROL_INSECURE=true on a private network you secure otherwise",
+                self.listen
+            ));
+        }
+        if !self.admin_listen.ip().is_loopback() {
+            problems.push(format!(
+                "HEARTH_ADMIN_LISTEN is {}, not a loopback address, and POST /outcome there \
+                 can fence replicas: set HEARTH_CONTROL_TOKEN_FILE, or \
+                 HEARTH_CONTROL_INSECURE=true on a private network you secure otherwise",
+                self.admin_listen
+            ));
+        }
+        problems
     }
 
     /// The router's parameters (see `hearth_router::RouterParams`).
@@ -608,6 +742,33 @@ impl Settings {
         if let Err(e) = self.engine_api_key() {
             problems.push(e);
         }
+        let token = self.control_token();
+        problems.extend(self.exposed_listeners(matches!(token, Ok(Some(_)))));
+        if let Err(e) = token {
+            problems.push(e);
+        }
+        for (name, file) in [
+            ("HEARTH_GRPC_TLS_CERT_FILE", &self.grpc_tls_cert_file),
+            ("HEARTH_GRPC_TLS_KEY_FILE", &self.grpc_tls_key_file),
+            (
+                "HEARTH_GRPC_TLS_CLIENT_CA_FILE",
+                &self.grpc_tls_client_ca_file,
+            ),
+        ] {
+            if let Some(path) = file {
+                if let Err(e) = check_pem(path) {
+                    problems.push(format!("{name}: {}: {e}", path.display()));
+                }
+            }
+        }
+        for (name, v) in [
+            ("HEARTH_GRPC_MAX_CONNECTIONS", self.grpc_max_connections),
+            ("HEARTH_ADMIN_MAX_CONNECTIONS", self.admin_max_connections),
+        ] {
+            if !(1..=1_000_000).contains(&v) {
+                problems.push(format!("{name} must be between 1 and 1000000, got {v}"));
+            }
+        }
         if let Err(e) = check_fleet(&self.fleet) {
             problems.push(format!("HEARTH_FLEET: {e}"));
         }
@@ -682,6 +843,7 @@ pub fn check_env<I: IntoIterator<Item = String>>(names: I) -> Result<(), String>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn fleet_names_are_subject_tokens() {
@@ -780,6 +942,93 @@ mod tests {
             err.contains("HEARTH_AFFINITY_BASIS"),
             "names the valid ones: {err}"
         );
+    }
+
+    fn token_file(name: &str, text: &str) -> PathBuf {
+        let path = std::env::temp_dir().join(format!("hearth-token-{}-{name}", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_control_token_is_long_header_safe_and_never_echoed() {
+        let good = token_file("good", "  0123456789abcdef0123456789abcdef-._~+/=\n");
+        assert_eq!(
+            read_control_token(&good).unwrap().expose(),
+            "0123456789abcdef0123456789abcdef-._~+/="
+        );
+        for (name, text) in [
+            ("short", "tooShortSecret42"),
+            ("empty", " \n"),
+            ("quote", "0123456789abcdef0123456789abcdef\"x"),
+            ("space", "0123456789abcdef 0123456789abcdef0"),
+        ] {
+            let path = token_file(name, text);
+            let err = read_control_token(&path).unwrap_err();
+            let secret = text.trim();
+            assert!(
+                secret.is_empty() || !err.contains(secret),
+                "{name}: echoed: {err}"
+            );
+            let _ = std::fs::remove_file(path);
+        }
+        assert!(read_control_token(Path::new("/nonexistent/token"))
+            .unwrap_err()
+            .contains("cannot read"));
+        let _ = std::fs::remove_file(good);
+    }
+
+    #[test]
+    fn a_listener_off_loopback_needs_the_token_or_the_insecure_setting() {
+        let open = parse(&[
+            "--upstreams=127.0.0.1:1",
+            "--listen=0.0.0.0:50051",
+            "--admin-listen=10.0.0.1:9190",
+        ])
+        .unwrap()
+        .settings;
+        let problems = open.validate().unwrap_err();
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(problems
+            .iter()
+            .all(|p| p.contains("HEARTH_CONTROL_TOKEN_FILE")
+                && p.contains("HEARTH_CONTROL_INSECURE")));
+        // Loopback, as by default: nothing to authenticate.
+        let local = parse(&["--upstreams=127.0.0.1:1", "--listen=[::1]:0"])
+            .unwrap()
+            .settings;
+        assert!(local.validate().is_ok());
+        // The token closes both; the insecure setting silences both.
+        let token = token_file("listeners", &"k".repeat(40));
+        let closed = parse(&[
+            "--upstreams=127.0.0.1:1",
+            "--listen=0.0.0.0:50051",
+            "--admin-listen=0.0.0.0:9190",
+            &format!("--control-token-file={}", token.display()),
+        ])
+        .unwrap()
+        .settings;
+        assert!(closed.validate().is_ok(), "{:?}", closed.validate());
+        let insecure = parse(&[
+            "--upstreams=127.0.0.1:1",
+            "--listen=0.0.0.0:50051",
+            "--admin-listen=0.0.0.0:9190",
+            "--control-insecure=true",
+        ])
+        .unwrap()
+        .settings;
+        assert!(insecure.validate().is_ok());
+        // Client certificates authenticate the gRPC port, not the admin one.
+        assert_eq!(
+            Settings {
+                grpc_tls_client_ca_file: Some(token.clone()),
+                ..open.clone()
+            }
+            .exposed_listeners(false)
+            .len(),
+            1
+        );
+        let _ = std::fs::remove_file(token);
     }
 
     #[test]

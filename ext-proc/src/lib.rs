@@ -18,12 +18,15 @@
 //!   and the answer's usage go to the router from here only;
 //! - [`observe`]: metrics, the decision journal, the dashboard's series,
 //!   the admin HTTP endpoint (it only reads);
+//! - [`guard`]: who may call the two listeners (the control token, TLS)
+//!   and what any caller may hold there (connections, deadlines);
 //! - [`config`]: the settings; this file: starting, running and draining
 //!   the whole.
 
 pub mod config;
 pub mod envoy;
 pub mod feeds;
+pub mod guard;
 pub mod observe;
 pub mod outcomes;
 
@@ -79,6 +82,21 @@ impl Sidecar {
             None => None,
         };
         let settings = &settings;
+        let guards = Guards {
+            token: settings
+                .control_token()
+                .map_err(|e| anyhow::anyhow!(e))?
+                .map(|t| Arc::new(guard::ControlToken::new(&t))),
+            tls: guard::grpc_tls(settings)?,
+            grpc_connections: settings.grpc_max_connections.max(1),
+            admin_connections: settings.admin_max_connections.max(1),
+        };
+        tracing::info!(
+            control_token = guards.token.is_some(),
+            grpc_tls = guards.tls.is_some(),
+            client_certificates = settings.grpc_tls_client_ca_file.is_some(),
+            "control surfaces"
+        );
         let grpc = TcpListener::bind(settings.listen)
             .await
             .with_context(|| format!("binding the gRPC listener on {}", settings.listen))?;
@@ -138,6 +156,7 @@ impl Sidecar {
             },
             grpc,
             admin,
+            guards,
             stop.clone(),
         ));
         Ok(Sidecar {
@@ -214,6 +233,14 @@ struct Feeds {
     engine_metrics: Duration,
 }
 
+/// Who may call the listeners, and how many connections each holds.
+struct Guards {
+    token: Option<Arc<guard::ControlToken>>,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+    grpc_connections: usize,
+    admin_connections: usize,
+}
+
 async fn serve(
     observer: Arc<observe::Observer>,
     outcomes: Arc<outcomes::Outcomes>,
@@ -221,6 +248,7 @@ async fn serve(
     first_byte: envoy::service::FirstByte,
     grpc: TcpListener,
     admin: TcpListener,
+    guards: Guards,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
     let router = Arc::clone(observer.router());
@@ -247,25 +275,49 @@ async fn serve(
     );
     // Endpoint-discovery streams last as long as Envoy does: they end with
     // the token, or the graceful shutdown would wait for them.
-    let grpc_server = tonic::transport::Server::builder()
+    // No request deadline: an ext_proc stream lasts as long as the answer
+    // it routes streams. Keepalive pings find a vanished Envoy, whose
+    // streams (and reserved load) then end.
+    let mut grpc_server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(guard::GRPC_KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(guard::GRPC_KEEPALIVE_TIMEOUT))
+        .max_concurrent_streams(guard::GRPC_MAX_STREAMS_PER_CONNECTION);
+    if let Some(tls) = guards.tls {
+        grpc_server = grpc_server.tls_config(tls)?;
+    }
+    // gRPC health stays open (probes); the rest needs the control token.
+    let guarded = guard::GrpcGuard(guards.token.clone());
+    let grpc_server = grpc_server
         .add_service(health_service)
-        .add_service(envoy::service::server(
-            Arc::clone(&observer),
-            Arc::clone(&outcomes),
-            first_byte,
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            envoy::service::server(Arc::clone(&observer), Arc::clone(&outcomes), first_byte),
+            guarded.clone(),
         ))
-        .add_service(envoy::eds::server(Arc::clone(&router), stop.clone()))
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            envoy::eds::server(Arc::clone(&router), stop.clone()),
+            guarded,
+        ))
         // TCP_NODELAY: without it, Envoy's small ext_proc messages meet
         // Nagle and delayed ACKs and a decision waits ~40 ms (measured by
         // `hearth-bench overhead`).
         .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
+            guard::hold_at_most(
+                tonic::transport::server::TcpIncoming::from(grpc)
+                    .with_nodelay(Some(true))
+                    .with_keepalive(Some(guard::TCP_KEEPALIVE)),
+                guards.grpc_connections,
+            ),
             stop.clone().cancelled_owned(),
         );
-    let admin_routes =
-        observe::admin::routes(Arc::clone(&observer)).merge(envoy::report::routes(outcomes));
-    let admin_server =
-        axum::serve(admin, admin_routes).with_graceful_shutdown(stop.clone().cancelled_owned());
+    let admin_server = axum::serve(
+        guard::AdminListener::new(admin, guards.admin_connections),
+        observe::admin::routes(
+            Arc::clone(&observer),
+            envoy::report::routes(outcomes),
+            guards.token,
+        ),
+    )
+    .with_graceful_shutdown(stop.clone().cancelled_owned());
     let (grpc, admin) = tokio::join!(grpc_server, async move { admin_server.await });
     // Both servers are done (stopped, or failed): the background tasks end
     // too.

@@ -324,12 +324,20 @@ impl OutcomeHttp {
             self.request_id.as_deref(),
             scanner,
         );
-        let headers = vec![
+        let mut headers = vec![
             (":method", "POST"),
             (":path", outcome::REPORT_PATH),
             (":authority", "hearth-sidecar"),
             ("content-type", "text/plain"),
         ];
+        let authorization = self
+            .config
+            .control_token
+            .as_ref()
+            .map(|t| format!("Bearer {t}"));
+        if let Some(value) = &authorization {
+            headers.push(("authorization", value));
+        }
         if let Err(status) = hostcalls::dispatch_http_call(
             &self.config.outcome_cluster,
             headers,

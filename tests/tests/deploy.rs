@@ -147,6 +147,39 @@ fn schema(api_version: &str, kind: &str) -> Option<Vec<&'static str>> {
             "spec.template.spec.volumes[].name",
             "spec.template.spec.volumes[].configMap",
             "spec.template.spec.volumes[].configMap.name",
+            "spec.template.spec.volumes[].secret",
+            "spec.template.spec.volumes[].secret.secretName",
+            "spec.template.spec.volumes[].secret.defaultMode",
+        ],
+        ("v1", "Secret") => &["type", "stringData.*", "data.*", "immutable"],
+        ("networking.k8s.io/v1", "NetworkPolicy") => &[
+            "spec",
+            "spec.podSelector",
+            "spec.podSelector.matchLabels.*",
+            "spec.policyTypes",
+            "spec.policyTypes[]",
+            "spec.ingress",
+            "spec.ingress[]",
+            "spec.ingress[].from",
+            "spec.ingress[].from[]",
+            "spec.ingress[].from[].namespaceSelector",
+            "spec.ingress[].from[].namespaceSelector.matchLabels.*",
+            "spec.ingress[].from[].podSelector",
+            "spec.ingress[].from[].podSelector.matchLabels.*",
+            "spec.ingress[].ports",
+            "spec.ingress[].ports[]",
+            "spec.ingress[].ports[].port",
+            "spec.ingress[].ports[].protocol",
+            "spec.egress",
+            "spec.egress[]",
+            "spec.egress[].to",
+            "spec.egress[].to[]",
+            "spec.egress[].to[].podSelector",
+            "spec.egress[].to[].podSelector.matchLabels.*",
+            "spec.egress[].ports",
+            "spec.egress[].ports[]",
+            "spec.egress[].ports[].port",
+            "spec.egress[].ports[].protocol",
         ],
         ("kustomize.config.k8s.io/v1beta1", "Kustomization") => &[
             "namespace",
@@ -337,8 +370,9 @@ fn every_manifest_names_only_fields_of_its_api_version() {
     }
     for kind in [
         "EnvoyFilter",
-        "EnvoyExtensionPolicy",
         "EnvoyPatchPolicy",
+        "NetworkPolicy",
+        "Secret",
         "InferencePool",
         "Deployment",
         "Service",
@@ -400,9 +434,17 @@ fn the_sidecar_configmap_sets_every_setting_to_a_value_it_accepts() {
         "deploy/sidecar/configmap.yaml vs the sidecar's settings"
     );
     // The values parse and validate as the sidecar's own settings.
+    // The token file is the mounted Secret's; here a stand-in with a
+    // token the sidecar accepts.
+    let token = std::env::temp_dir().join(format!("hearth-deploy-token-{}", std::process::id()));
+    std::fs::write(&token, "x".repeat(64)).unwrap();
     let mut args = vec!["hearth-ext-proc".to_string()];
     for (k, v) in data {
-        let v = v.as_str().expect("ConfigMap values are strings");
+        let mut v = v.as_str().expect("ConfigMap values are strings");
+        let stand_in = token.display().to_string();
+        if k == "HEARTH_CONTROL_TOKEN_FILE" && !v.is_empty() {
+            v = &stand_in;
+        }
         if !v.is_empty() {
             let flag = k
                 .trim_start_matches("HEARTH_")
@@ -566,4 +608,117 @@ fn every_envoy_configuration_in_a_manifest_validates() {
         }
     }
     assert_eq!(checked, 2, "the Istio and Envoy Gateway patches");
+}
+
+/// The sidecar's ports, from the ConfigMap's listen addresses.
+const CONTROL_PORTS: [u16; 2] = [50051, 9190];
+
+#[test]
+fn no_shipped_config_opens_a_control_port_without_the_token() {
+    // The sidecar's settings: a listener off loopback comes with the
+    // token file, mounted from the Secret, and the sidecar itself refuses
+    // the other way round (HEARTH_CONTROL_INSECURE stays false).
+    let docs = documents();
+    let find = |kind: &str, name: &str| {
+        docs.iter()
+            .map(|(_, d)| d)
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name}"))
+            .clone()
+    };
+    let data = find("ConfigMap", "hearth-settings")["data"].clone();
+    let open = |key: &str| {
+        let addr: std::net::SocketAddr = data[key].as_str().unwrap().parse().unwrap();
+        !addr.ip().is_loopback()
+    };
+    assert!(open("HEARTH_LISTEN") && open("HEARTH_ADMIN_LISTEN"));
+    assert_eq!(data["HEARTH_CONTROL_INSECURE"], "false");
+    let token_file = data["HEARTH_CONTROL_TOKEN_FILE"].as_str().unwrap();
+    assert!(
+        !token_file.is_empty(),
+        "listeners off loopback without the token"
+    );
+    let pod = &find("Deployment", "hearth-ext-proc")["spec"]["template"]["spec"];
+    let mounts = pod["containers"][0]["volumeMounts"].as_array().unwrap();
+    let mount = mounts
+        .iter()
+        .find(|m| token_file.starts_with(&format!("{}/", m["mountPath"].as_str().unwrap())))
+        .expect("the token file's directory is mounted");
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    let secret = volume["secret"]["secretName"]
+        .as_str()
+        .expect("from a Secret");
+    let key = token_file.rsplit('/').next().unwrap();
+    let placeholder = find("Secret", secret)["stringData"][key]
+        .as_str()
+        .expect("the Secret holds the token's key")
+        .to_string();
+    // The shipped placeholder can never be the fleet's token.
+    let file = std::env::temp_dir().join(format!("hearth-placeholder-{}", std::process::id()));
+    std::fs::write(&file, &placeholder).unwrap();
+    assert!(hearth_ext_proc::config::read_control_token(&file).is_err());
+    let _ = std::fs::remove_file(file);
+
+    // A NetworkPolicy admits only named peers to both ports.
+    let policy = find("NetworkPolicy", "hearth-ext-proc");
+    assert_eq!(
+        policy["spec"]["podSelector"]["matchLabels"],
+        find("Deployment", "hearth-ext-proc")["spec"]["selector"]["matchLabels"]
+    );
+    for rule in policy["spec"]["ingress"].as_array().unwrap() {
+        for peer in rule["from"].as_array().expect("every rule names its peers") {
+            assert!(
+                peer["podSelector"]["matchLabels"].is_object(),
+                "a rule admits whole namespaces: {peer}"
+            );
+        }
+    }
+
+    // Every Envoy configuration that calls the sidecar sends the token
+    // and forwards only routing headers: the manifests (with a placeholder
+    // to replace) and the shipped gateways, which reach it on loopback.
+    for (path, doc) in &docs {
+        let text = serde_json::to_string(doc).unwrap();
+        if !text.contains("envoy.filters.http.ext_proc") {
+            continue;
+        }
+        assert!(
+            text.contains(r#""key":"authorization""#) && text.contains("Bearer "),
+            "{}: ext_proc without the control token",
+            path.display()
+        );
+        assert!(
+            text.contains("forward_rules") && text.contains("control_token"),
+            "{}: no forward_rules or no token in the outcome filter",
+            path.display()
+        );
+    }
+    for name in ["gateway.yaml", "gateway-body.yaml", "gateway-gie.yaml"] {
+        let yaml = std::fs::read_to_string(root().join("envoy").join(name)).unwrap();
+        let v: Value = serde_norway::from_str(&yaml).unwrap();
+        assert!(yaml.contains("forward_rules:"), "{name}");
+        for cluster in v["static_resources"]["clusters"].as_array().unwrap() {
+            let name_of = cluster["name"].as_str().unwrap();
+            if !name_of.starts_with("hearth_sidecar") {
+                continue;
+            }
+            for ep in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+                .as_array()
+                .unwrap()
+            {
+                let sa = &ep["endpoint"]["address"]["socket_address"];
+                let ip: std::net::IpAddr = sa["address"].as_str().unwrap().parse().unwrap();
+                assert!(
+                    ip.is_loopback() || yaml.contains("initial_metadata"),
+                    "{name}: {name_of} reaches {ip} without the token"
+                );
+                assert!(CONTROL_PORTS.contains(&(sa["port_value"].as_u64().unwrap() as u16)));
+            }
+        }
+    }
 }
