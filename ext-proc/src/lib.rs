@@ -101,7 +101,9 @@ impl Sidecar {
                 ),
             );
         }
-        if let Some(peer_settings) = feeds::peers::PeerSettings::of(settings) {
+        if let Some(peer_settings) =
+            feeds::peers::PeerSettings::of(settings).map_err(|e| anyhow::anyhow!(e))?
+        {
             let mut bus = feeds::peers::PeerBus::connect(
                 Arc::clone(&router),
                 peer_settings,
