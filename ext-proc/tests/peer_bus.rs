@@ -8,15 +8,17 @@ use std::process::Command;
 
 use hearth_ext_proc::config::{is_loopback_host, url_hosts, Cli, Settings};
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("hearth-peer-bus-{}-{name}", std::process::id()));
+/// A scratch directory of this process for one test (the test removes
+/// it when it passes).
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("hearth-peer-bus-{}-{test}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
 
-/// A key file holding `contents`.
-fn key_file(name: &str, contents: &[u8]) -> PathBuf {
-    let path = scratch(name).join("key");
+/// A key file `name` in `dir` holding `contents`.
+fn key_file(dir: &std::path::Path, name: &str, contents: &[u8]) -> PathBuf {
+    let path = dir.join(name);
     std::fs::write(&path, contents).unwrap();
     path
 }
@@ -64,7 +66,8 @@ fn an_open_bus_off_loopback_stops_the_sidecar_naming_the_settings_to_set() {
 
 #[test]
 fn a_short_or_unreadable_key_file_stops_the_sidecar_without_echoing_it() {
-    let short = key_file("short", b"  secret-but-too-short-key \n");
+    let dir = scratch("bad-key");
+    let short = key_file(&dir, "short", b"  secret-but-too-short-key \n");
     let (code, err) = run(&[
         ("HEARTH_PEERS_URL", "nats://127.0.0.1:4222"),
         ("HEARTH_PEERS_KEY_FILE", short.to_str().unwrap()),
@@ -74,18 +77,20 @@ fn a_short_or_unreadable_key_file_stops_the_sidecar_without_echoing_it() {
     assert!(err.contains("holds 24 bytes"), "{err}");
     assert!(!err.contains("secret-but"), "the key is echoed: {err}");
 
-    let missing = scratch("missing").join("no-such-key");
+    let missing = dir.join("no-such-key");
     let (code, err) = run(&[
         ("HEARTH_PEERS_URL", "nats://127.0.0.1:4222"),
         ("HEARTH_PEERS_KEY_FILE", missing.to_str().unwrap()),
     ]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("HEARTH_PEERS_KEY_FILE: cannot read"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
 fn the_key_is_the_files_bytes_trimmed_and_never_printed() {
-    let path = key_file("good", b"\n  0123456789abcdef0123456789abcdef  \r\n");
+    let dir = scratch("trimmed");
+    let path = key_file(&dir, "good", b"\n  0123456789abcdef0123456789abcdef  \r\n");
     let s = settings(&[
         "--peers-url=nats://127.0.0.1:4222",
         &format!("--peers-key-file={}", path.display()),
@@ -95,14 +100,16 @@ fn the_key_is_the_files_bytes_trimmed_and_never_printed() {
     assert_eq!(key.expose(), b"0123456789abcdef0123456789abcdef");
     assert_eq!(format!("{key:?}"), "<redacted>");
     // 31 bytes is one too few, whatever whitespace surrounds them.
-    let path = key_file("31", b"0123456789abcdef0123456789abcde\n\n");
+    let path = key_file(&dir, "31", b"0123456789abcdef0123456789abcde\n\n");
     let s = settings(&[&format!("--peers-key-file={}", path.display())]);
     assert!(s.validate().is_err());
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
 fn credentials_are_required_off_loopback_and_the_key_everywhere_unless_insecure() {
-    let key = key_file("rules", &[b'k'; 32]);
+    let dir = scratch("rules");
+    let key = key_file(&dir, "key", &[b'k'; 32]);
     let key = format!("--peers-key-file={}", key.display());
     let problems = |args: &[&str]| settings(args).peer_bus_problems();
     // On loopback, the key suffices.
@@ -133,11 +140,12 @@ fn credentials_are_required_off_loopback_and_the_key_everywhere_unless_insecure(
     assert_eq!(problems(&[off]).len(), 2);
     // Insecure: both accepted; a key given is still read (and checked).
     assert!(problems(&[off, "--peers-insecure=true"]).is_empty());
-    let short = key_file("short-insecure", b"short");
+    let short = key_file(&dir, "short", b"short");
     let short = format!("--peers-key-file={}", short.display());
     assert_eq!(problems(&[off, "--peers-insecure=true", &short]).len(), 1);
     // Without a bus, nothing is required.
     assert!(problems(&[]).is_empty());
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -152,6 +160,7 @@ fn a_ca_file_must_hold_a_certificate() {
     let missing = dir.join("missing.pem");
     let s = settings(&[&format!("--peers-ca-file={}", missing.display())]);
     assert!(s.peer_bus_problems()[0].contains("cannot read"));
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]

@@ -22,7 +22,7 @@ use hearth_e2e::{
     filler, metric_sample, reply_text, Conversation, Fleet, FleetOptions, Home, Turn, MODEL,
 };
 use hearth_ext_proc::envoy::render::{render, Gateway};
-use hearth_ext_proc::feeds::peer_guard::{seal, FleetKey};
+use hearth_ext_proc::feeds::peer_guard::{open, seal, FleetKey};
 use hearth_ext_proc::Sidecar;
 use hearth_router::{Failure, HealthState, Outcome, RequestInfo, Snapshot};
 use hearth_wire::peer::{decode, encode, split_seal, Body, Envelope, Health, Load, Update, Warmth};
@@ -51,22 +51,36 @@ async fn peer(fleet: &Fleet) -> Peer {
 /// The fleet's key in these tests.
 const KEY: &[u8] = b"hearth e2e fleet key, 32 bytes or more";
 
-/// A file holding [`KEY`] (with a newline, which is not part of it).
-fn key_file() -> PathBuf {
-    let path = std::env::temp_dir().join(format!("hearth-e2e-peers-key-{}", std::process::id()));
-    let mut text = KEY.to_vec();
-    text.push(b'\n');
-    std::fs::write(&path, text).unwrap();
-    path
+/// A file holding [`KEY`] (with a newline, which is not part of it),
+/// removed when dropped.
+struct KeyFile(PathBuf);
+
+impl KeyFile {
+    fn new() -> KeyFile {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path =
+            std::env::temp_dir().join(format!("hearth-e2e-peers-key-{}-{n}", std::process::id()));
+        let mut text = KEY.to_vec();
+        text.push(b'\n');
+        std::fs::write(&path, text).unwrap();
+        KeyFile(path)
+    }
 }
 
-fn fleet_options(nats: &NatsServer) -> FleetOptions {
+impl Drop for KeyFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn fleet_options(nats: &NatsServer, key: &KeyFile) -> FleetOptions {
     FleetOptions {
         sidecar_flags: vec![
             format!("--peers-url={}", nats.url()),
             "--fleet=e2e".into(),
             "--peers-sync-seconds=1".into(),
-            format!("--peers-key-file={}", key_file().display()),
+            format!("--peers-key-file={}", key.0.display()),
         ],
         ..FleetOptions::default()
     }
@@ -212,7 +226,8 @@ async fn turn(fleet: &Fleet, envoy: &Envoy, conv: &mut Conversation) -> Turn {
 #[tokio::test]
 async fn turns_alternating_between_sidecars_stay_warm_and_a_fencing_is_shared() {
     let nats = NatsServer::start().unwrap();
-    let fleet = Fleet::start(fleet_options(&nats)).await.unwrap();
+    let key = KeyFile::new();
+    let fleet = Fleet::start(fleet_options(&nats, &key)).await.unwrap();
     let b = peer(&fleet).await;
     let a_admin = fleet.settings.admin_listen;
     wait_for(a_admin, "A on the bus", connected).await;
@@ -314,9 +329,9 @@ async fn turns_alternating_between_sidecars_stay_warm_and_a_fencing_is_shared() 
     };
     let mut other_list = foreign.clone();
     other_list.fleet = "e2e".into();
-    let key = FleetKey::from_bytes(KEY);
+    let fleet_key = FleetKey::from_bytes(KEY);
     for payload in [
-        seal(Some(&key), subject, b"not a peer message".to_vec()),
+        seal(Some(&fleet_key), subject, b"not a peer message".to_vec()),
         sealed(Some(KEY), subject, &foreign),
         sealed(Some(KEY), subject, &other_list),
     ] {
@@ -350,7 +365,8 @@ async fn turns_alternating_between_sidecars_stay_warm_and_a_fencing_is_shared() 
 #[tokio::test]
 async fn the_bus_going_away_loses_no_request_and_a_late_sidecar_starts_warm() {
     let mut nats = NatsServer::start().unwrap();
-    let fleet = Fleet::start(fleet_options(&nats)).await.unwrap();
+    let key = KeyFile::new();
+    let fleet = Fleet::start(fleet_options(&nats, &key)).await.unwrap();
     let b = peer(&fleet).await;
     let a_admin = fleet.settings.admin_listen;
     wait_for(a_admin, "A on the bus", connected).await;
@@ -388,6 +404,16 @@ async fn the_bus_going_away_loses_no_request_and_a_late_sidecar_starts_warm() {
     let mut late = Conversation::new(MODEL, &format!("{system} during the outage"), true, 77);
     let mut late_home = Home::new("started during the outage");
     late_home.check(&turn(&fleet, &fleet.envoy, &mut late).await, 0);
+    // What B holds there now (the shared system prompt, maybe): the new
+    // conversation's own blocks come only with A's state.
+    let home = late_home.engine().unwrap().to_string();
+    let warmth_on_home = |s: &Snapshot| {
+        s.replicas
+            .iter()
+            .find(|r| r.id == home)
+            .map_or(0, |r| r.warmth_blocks)
+    };
+    let before = warmth_on_home(&state(b.sidecar.admin_addr).await);
 
     // The bus comes back: the sidecars exchange their whole state.
     nats.restart().unwrap();
@@ -395,14 +421,8 @@ async fn the_bus_going_away_loses_no_request_and_a_late_sidecar_starts_warm() {
     wait_for(b.sidecar.admin_addr, "B back on the bus", connected).await;
     let (_, body) = get(a_admin, "/health").await;
     assert!(!body.contains("degraded"), "{body}");
-    let home = late_home.engine().unwrap().to_string();
     let until = Instant::now() + Duration::from_secs(10);
-    while state(b.sidecar.admin_addr)
-        .await
-        .replicas
-        .iter()
-        .all(|r| r.id != home || r.warmth_blocks == 0)
-    {
+    while warmth_on_home(&state(b.sidecar.admin_addr).await) <= before {
         assert!(Instant::now() < until, "B never learned A's outage warmth");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -433,7 +453,8 @@ async fn the_bus_going_away_loses_no_request_and_a_late_sidecar_starts_warm() {
 #[tokio::test]
 async fn forged_replayed_and_unsigned_peer_messages_are_dropped_counted_and_change_nothing() {
     let nats = NatsServer::start().unwrap();
-    let fleet = Fleet::start(fleet_options(&nats)).await.unwrap();
+    let key = KeyFile::new();
+    let fleet = Fleet::start(fleet_options(&nats, &key)).await.unwrap();
     let b = peer(&fleet).await;
     let a_admin = fleet.settings.admin_listen;
     let b_admin = b.sidecar.admin_addr;
@@ -540,7 +561,8 @@ async fn forged_replayed_and_unsigned_peer_messages_are_dropped_counted_and_chan
 #[tokio::test]
 async fn hellos_are_rate_limited_and_a_starting_sidecar_takes_only_a_snapshot_whose_mac_checks() {
     let nats = NatsServer::start().unwrap();
-    let mut fleet = Fleet::start(fleet_options(&nats)).await.unwrap();
+    let key = KeyFile::new();
+    let mut fleet = Fleet::start(fleet_options(&nats, &key)).await.unwrap();
     let a_admin = fleet.settings.admin_listen;
     wait_for(a_admin, "A on the bus", connected).await;
     // A holds warmth: three prompts of 30 blocks.
@@ -587,9 +609,8 @@ async fn hellos_are_rate_limited_and_a_starting_sidecar_takes_only_a_snapshot_wh
     let until = Instant::now() + Duration::from_secs(2);
     while let Ok(Some(m)) = tokio::time::timeout_at(until.into(), answers.next()).await {
         asked.insert(m.subject.to_string());
-        let key = FleetKey::from_bytes(KEY);
-        let message = hearth_ext_proc::feeds::peer_guard::open(Some(&key), &m.subject, &m.payload)
-            .expect("A's answer checks");
+        let fleet_key = FleetKey::from_bytes(KEY);
+        let message = open(Some(&fleet_key), &m.subject, &m.payload).expect("A's answer checks");
         if let Body::Snapshot { update, .. } = decode(message).unwrap().body {
             if m.subject.as_str() == "_INBOX.e2e.0" {
                 parts.push(update);
@@ -680,7 +701,8 @@ async fn over_nats_with_tls_and_a_user_sidecars_share_and_one_without_credential
     let nats = NatsServer::start_closed("hearth", password).unwrap();
     let ca = nats.ca_file().unwrap();
     assert!(nats.url().starts_with("tls://127.0.0.1:"));
-    let mut options = fleet_options(&nats);
+    let key = KeyFile::new();
+    let mut options = fleet_options(&nats, &key);
     options.sidecar_flags.extend([
         "--peers-user=hearth".to_string(),
         format!("--peers-password={password}"),
