@@ -379,6 +379,28 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_PEERS_SYNC_SECONDS", default_value_t = 2.0)]
     pub peers_sync_seconds: f64,
 
+    /// A file holding the fleet's key (its bytes, surrounding whitespace
+    /// ignored, at least 32; never logged), the same on every sidecar of
+    /// the fleet: every peer message carries an HMAC-SHA256 made with it,
+    /// and one whose MAC does not check is dropped. Required with
+    /// HEARTH_PEERS_URL unless HEARTH_PEERS_INSECURE.
+    #[arg(long, env = "HEARTH_PEERS_KEY_FILE")]
+    pub peers_key_file: Option<PathBuf>,
+
+    /// A PEM file of CA certificates the NATS server's certificate is
+    /// checked against, besides the system's (a `tls://` bus whose server
+    /// has a private CA's certificate).
+    #[arg(long, env = "HEARTH_PEERS_CA_FILE")]
+    pub peers_ca_file: Option<PathBuf>,
+
+    /// Run the peer bus open: no HEARTH_PEERS_KEY_FILE required (without
+    /// one, messages go and are taken unauthenticated), and a NATS server
+    /// that is not on loopback accepted without credentials (true/false).
+    #[arg(long, env = "HEARTH_PEERS_INSECURE", default_value_t = false,
+          action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub peers_insecure: bool,
+
     /// Seconds open streams get to finish on shutdown before they are cut.
     #[arg(long, env = "HEARTH_DRAIN_SECONDS", default_value_t = 10)]
     pub drain_seconds: u64,
@@ -576,6 +598,130 @@ pub fn check_url(url: &str) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The fewest bytes a fleet key (`HEARTH_PEERS_KEY_FILE`) may hold.
+pub const MIN_PEER_KEY_BYTES: usize = 32;
+
+/// The fleet's key for the peer messages' MAC: the key file's bytes,
+/// surrounding whitespace trimmed. Printed as `<redacted>` by `Debug`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct PeerKey(Vec<u8>);
+
+impl PeerKey {
+    /// Reads a key file; the error names the file, never its contents.
+    pub fn read(path: &std::path::Path) -> Result<PeerKey, String> {
+        let bytes = std::fs::read(path)
+            .map_err(|e| format!("HEARTH_PEERS_KEY_FILE: cannot read {}: {e}", path.display()))?;
+        let key = bytes.trim_ascii();
+        if key.len() < MIN_PEER_KEY_BYTES {
+            return Err(format!(
+                "HEARTH_PEERS_KEY_FILE: {} holds {} bytes (whitespace around them ignored); \
+                 the fleet's key needs at least {MIN_PEER_KEY_BYTES} (e.g. `openssl rand -hex 32`)",
+                path.display(),
+                key.len()
+            ));
+        }
+        Ok(PeerKey(key.to_vec()))
+    }
+
+    /// The key itself, for the MAC.
+    pub fn expose(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for PeerKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// The host each address of a `HEARTH_PEERS_URL` names, and whether the
+/// address carries credentials of its own (`nats://user:pass@host:port`).
+pub fn url_hosts(url: &str) -> Vec<(String, bool)> {
+    url.split(',')
+        .map(str::trim)
+        .map(|one| {
+            let rest = one.split_once("://").map_or(one, |(_, r)| r);
+            let (userinfo, host_port) = match rest.rsplit_once('@') {
+                Some((u, h)) => (!u.is_empty(), h),
+                None => (false, rest),
+            };
+            let host = match host_port.strip_prefix('[') {
+                Some(v6) => v6.split(']').next().unwrap_or(""),
+                None => host_port.rsplit_once(':').map_or(host_port, |(h, _)| h),
+            };
+            (host.to_string(), userinfo)
+        })
+        .collect()
+}
+
+/// `localhost`, or an address of 127.0.0.0/8 or `::1`.
+pub fn is_loopback_host(host: &str) -> bool {
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+impl Settings {
+    /// The fleet's key, when `HEARTH_PEERS_KEY_FILE` is set.
+    pub fn peers_key(&self) -> Result<Option<PeerKey>, String> {
+        self.peers_key_file
+            .as_deref()
+            .map(PeerKey::read)
+            .transpose()
+    }
+
+    /// What keeps the peer bus from starting: an unreadable or short key
+    /// file or CA file, and, unless `HEARTH_PEERS_INSECURE`, a bus without
+    /// a key or a server off loopback without credentials.
+    pub fn peer_bus_problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if let Err(e) = self.peers_key() {
+            problems.push(e);
+        }
+        if let Some(path) = &self.peers_ca_file {
+            match std::fs::read_to_string(path) {
+                Ok(pem) if pem.contains("-----BEGIN CERTIFICATE-----") => {}
+                Ok(_) => problems.push(format!(
+                    "HEARTH_PEERS_CA_FILE: {} holds no PEM certificate",
+                    path.display()
+                )),
+                Err(e) => problems.push(format!(
+                    "HEARTH_PEERS_CA_FILE: cannot read {}: {e}",
+                    path.display()
+                )),
+            }
+        }
+        let Some(url) = &self.peers_url else {
+            return problems;
+        };
+        if self.peers_insecure {
+            return problems;
+        }
+        if self.peers_key_file.is_none() {
+            problems.push(
+                "HEARTH_PEERS_KEY_FILE is not set: without the fleet's key anyone who can \
+                 publish on the bus could fence replicas and steer traffic; set it to a file \
+                 holding the key (at least 32 bytes, the same on every sidecar), or set \
+                 HEARTH_PEERS_INSECURE=true to run the bus unauthenticated"
+                    .into(),
+            );
+        }
+        let credentials = self.peers_user.is_some() || self.peers_token.is_some();
+        for (host, own) in url_hosts(url) {
+            if !(credentials || own || is_loopback_host(&host)) {
+                problems.push(format!(
+                    "HEARTH_PEERS_URL names {host}, not a loopback address, and no credentials \
+                     are set: set HEARTH_PEERS_USER and HEARTH_PEERS_PASSWORD, or \
+                     HEARTH_PEERS_TOKEN (or HEARTH_PEERS_INSECURE=true to connect without)"
+                ));
+            }
+        }
+        problems
+    }
 }
 
 impl Settings {
@@ -777,6 +923,7 @@ impl Settings {
                 problems.push(format!("HEARTH_PEERS_URL: {e}"));
             }
         }
+        problems.extend(self.peer_bus_problems());
         if !(1..=10_000).contains(&self.peers_flush_ms) {
             problems.push(format!(
                 "HEARTH_PEERS_FLUSH_MS must be between 1 and 10000, got {}",

@@ -125,7 +125,9 @@ impl Sidecar {
                 ),
             );
         }
-        if let Some(peer_settings) = feeds::peers::PeerSettings::of(settings) {
+        if let Some(peer_settings) =
+            feeds::peers::PeerSettings::of(settings).map_err(|e| anyhow::anyhow!(e))?
+        {
             let mut bus = feeds::peers::PeerBus::connect(
                 Arc::clone(&router),
                 peer_settings,
@@ -154,8 +156,7 @@ impl Sidecar {
                 timeout: config::seconds(settings.first_byte_timeout_seconds),
                 prefill_bytes_per_second: settings.prefill_bytes_per_second,
             },
-            grpc,
-            admin,
+            Listeners { grpc, admin },
             guards,
             stop.clone(),
         ));
@@ -241,13 +242,18 @@ struct Guards {
     admin_connections: usize,
 }
 
+/// The two bound listeners.
+struct Listeners {
+    grpc: TcpListener,
+    admin: TcpListener,
+}
+
 async fn serve(
     observer: Arc<observe::Observer>,
     outcomes: Arc<outcomes::Outcomes>,
     feeds: Feeds,
     first_byte: envoy::service::FirstByte,
-    grpc: TcpListener,
-    admin: TcpListener,
+    Listeners { grpc, admin }: Listeners,
     guards: Guards,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {

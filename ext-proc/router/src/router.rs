@@ -163,7 +163,7 @@ impl Router {
                 s.engine = Some(EngineSignals {
                     waiting: signals.waiting / ranks,
                     running: signals.running / ranks,
-                    own_in_flight: s.in_flight + s.peer_in_flight,
+                    own_in_flight: s.in_flight.saturating_add(s.peer_in_flight),
                     ..signals
                 });
             }

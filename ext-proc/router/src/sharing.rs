@@ -169,15 +169,13 @@ impl Router {
         // A part of a split update may carry no load figures: the last
         // ones stand.
         if !update.load.is_empty() {
-            let per_slot = update
+            let figures = update
                 .load
                 .iter()
-                .map(|l| (slot(l.replica), l.in_flight, f64::from(l.load.max(0.0))))
-                .collect();
+                .map(|l| (slot(l.replica), l.in_flight, l.load));
             fleet
                 .peers
-                .loads
-                .insert(sender, PeerLoad { at: now, per_slot });
+                .keep_load(sender, PeerLoad::bounded(now, figures));
         }
         fleet.sum_peer_loads(now);
         Ok(applied)

@@ -3,9 +3,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use hearth_router::peers::{MAX_PEERS, PEER_MAX_IN_FLIGHT, PEER_MAX_LOAD};
 use hearth_router::{
     Failure, HealthState, Outcome, PeerRefusal, RequestInfo, Router, RouterParams, UpstreamSpec,
 };
+use hearth_wire::peer::{Load, Update};
 
 const LIST: &str = "127.0.0.1:1,127.0.0.1:2";
 
@@ -177,4 +179,86 @@ fn without_peers_nothing_is_kept_for_them() {
     assert!(r.take_update().warmth.is_empty());
     assert!(r.peers_snapshot().is_none());
     assert!(r.snapshot().peers.is_none());
+}
+
+/// An update carrying only load figures: (replica, in flight, load).
+fn loads(figures: &[(u16, u32, f32)]) -> Update {
+    Update {
+        load: figures
+            .iter()
+            .map(|&(replica, in_flight, load)| Load {
+                replica,
+                in_flight,
+                load,
+            })
+            .collect(),
+        ..Update::default()
+    }
+}
+
+#[test]
+fn absurd_peer_figures_are_bounded_overflow_nothing_and_steer_nothing() {
+    let a = sidecar(LIST, |_| {});
+    let conv: Vec<u64> = (1..=40).collect();
+    let home = a.decide(&req(&conv)).unwrap().primary();
+    // Peers claim the largest and the broken figures on both replicas
+    // alike (each sender twice, so sums of several peers are made).
+    let absurd = [f32::MAX, f32::INFINITY, f32::NAN, f32::NEG_INFINITY, -1.0];
+    for (sender, &load) in (10u64..).zip(absurd.iter().chain(&absurd)) {
+        let update = loads(&[(0, u32::MAX, load), (1, u32::MAX, load)]);
+        a.apply_update(sender, a.list_digest(), &update, false)
+            .unwrap();
+    }
+    let s = a.snapshot();
+    for r in &s.replicas {
+        // Ten peers, each capped; only f32::MAX counts (twice), capped too.
+        assert_eq!(r.peer_in_flight, 10 * PEER_MAX_IN_FLIGHT);
+        assert_eq!(r.peer_load, 2.0 * PEER_MAX_LOAD);
+    }
+    // Equal on both replicas: the conversation's next turn stays home.
+    let mut next = conv.clone();
+    next.extend(500..510);
+    let d = a.decide(&req(&next)).unwrap();
+    assert_eq!((d.primary(), d.overlap), (home, 40));
+    drop(d);
+
+    // On one replica only, a broken load weighs nothing: the turn stays
+    // home whichever replica it is claimed on.
+    for (sender, &load) in (100u64..).zip(&absurd[1..]) {
+        let fresh = sidecar(LIST, |_| {});
+        let home = fresh.decide(&req(&conv)).unwrap().primary();
+        for replica in 0..2 {
+            let update = loads(&[(replica, 0, load)]);
+            fresh
+                .apply_update(sender, fresh.list_digest(), &update, false)
+                .unwrap();
+            let s = fresh.snapshot();
+            assert!(s.replicas.iter().all(|r| r.peer_load == 0.0), "{load}");
+            assert_eq!(fresh.decide(&req(&next)).unwrap().primary(), home);
+        }
+    }
+}
+
+#[test]
+fn a_peers_figures_for_one_replica_are_its_last_and_peers_kept_are_bounded() {
+    let a = sidecar(LIST, |_| {});
+    let update = loads(&[(0, 10, 3.0), (0, 20, 5.0), (1, 1, 1.0)]);
+    a.apply_update(1, a.list_digest(), &update, false).unwrap();
+    let s = a.snapshot();
+    assert_eq!(
+        (s.replicas[0].peer_in_flight, s.replicas[0].peer_load),
+        (20, 5.0)
+    );
+    assert_eq!(
+        (s.replicas[1].peer_in_flight, s.replicas[1].peer_load),
+        (1, 1.0)
+    );
+
+    let b = sidecar(LIST, |_| {});
+    for sender in 0..(MAX_PEERS as u64 + 100) {
+        b.apply_update(sender, b.list_digest(), &loads(&[(0, 1, 1.0)]), false)
+            .unwrap();
+    }
+    assert_eq!(b.peers_snapshot().unwrap().live, MAX_PEERS);
+    assert_eq!(b.snapshot().replicas[0].peer_in_flight, MAX_PEERS as u32);
 }
