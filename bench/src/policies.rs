@@ -377,6 +377,7 @@ impl Policy {
                                 })
                                 .collect()
                         }),
+                        cache: fp.cache,
                     },
                     None => RequestInfo::default(),
                 };

@@ -12,7 +12,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::engine::cache::block_hashes;
 use crate::engine::core::{EngineCore, SeqEvent};
@@ -119,6 +119,8 @@ fn deliver(routers: &[Arc<Router>], from: usize, update: &Update) {
 
 /// Runs one cell and returns its per-request records and load samples.
 pub fn run(spec: &RunSpec) -> RunResult {
+    // Engine time zero, as an instant for the router's time inputs.
+    let epoch = Instant::now();
     let sc = &spec.scenario;
     let n = sc.replicas;
     let generator = Generator::new(sc.workload.clone(), MODEL, spec.seed, spec.salt);
@@ -286,11 +288,14 @@ pub fn run(spec: &RunSpec) -> RunResult {
                             // (as the outcome filter reports it), then the
                             // reservation ends.
                             let predicted = p.routed.hearth.as_ref().and_then(|d| {
-                                d.record_usage(Usage {
+                                let usage = Usage {
                                     prompt_tokens: u64::from(p.prompt_tokens),
                                     cached_tokens: u64::from(p.cached_tokens),
-                                })
-                                .and_then(|s| s.predicted_tokens)
+                                };
+                                // Engine time: the usage loop's windows
+                                // count in it, not in the run's wall time.
+                                d.record_usage_at(usage, epoch + Duration::from_micros(t))
+                                    .and_then(|s| s.predicted_tokens)
                             });
                             let sidecar = p.routed.sidecar;
                             drop(p.routed);

@@ -56,6 +56,60 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_ADMIN_LISTEN", default_value = "127.0.0.1:9190")]
     pub admin_listen: SocketAddr,
 
+    /// A file holding the shared secret Envoy sends to the control
+    /// surfaces (surrounding whitespace ignored, at least 32 characters,
+    /// never logged): then `POST /outcome` and every gRPC call but gRPC
+    /// health need `authorization: Bearer <token>`, and
+    /// `/debug/decisions` shows request ids only with it. Global: also
+    /// read after `envoy-config`, which puts it in the rendered Envoy.
+    #[arg(long, env = "HEARTH_CONTROL_TOKEN_FILE", global = true)]
+    pub control_token_file: Option<PathBuf>,
+
+    /// Start without HEARTH_CONTROL_TOKEN_FILE although a listener is not
+    /// on loopback: for a private network the operator secures otherwise
+    /// (a NetworkPolicy, a mesh's mutual TLS). Anyone who reaches the
+    /// ports can then steer health and routing.
+    #[arg(long, env = "HEARTH_CONTROL_INSECURE", default_value_t = false,
+          action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub control_insecure: bool,
+
+    /// PEM certificate chain the gRPC port serves TLS with (with
+    /// HEARTH_GRPC_TLS_KEY_FILE); unset: plain HTTP/2.
+    #[arg(
+        long,
+        env = "HEARTH_GRPC_TLS_CERT_FILE",
+        requires = "grpc_tls_key_file"
+    )]
+    pub grpc_tls_cert_file: Option<PathBuf>,
+
+    /// PEM private key of HEARTH_GRPC_TLS_CERT_FILE.
+    #[arg(
+        long,
+        env = "HEARTH_GRPC_TLS_KEY_FILE",
+        requires = "grpc_tls_cert_file"
+    )]
+    pub grpc_tls_key_file: Option<PathBuf>,
+
+    /// PEM CA certificate(s): with TLS on, the gRPC port accepts only
+    /// clients presenting a certificate this CA signed.
+    #[arg(
+        long,
+        env = "HEARTH_GRPC_TLS_CLIENT_CA_FILE",
+        requires = "grpc_tls_cert_file"
+    )]
+    pub grpc_tls_client_ca_file: Option<PathBuf>,
+
+    /// Connections the gRPC port holds at once (each Envoy worker keeps
+    /// about one per sidecar); more wait to be accepted.
+    #[arg(long, env = "HEARTH_GRPC_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub grpc_max_connections: usize,
+
+    /// Connections the admin HTTP port holds at once (outcome reports,
+    /// scrapes, the dashboard); more wait to be accepted.
+    #[arg(long, env = "HEARTH_ADMIN_MAX_CONNECTIONS", default_value_t = 256)]
+    pub admin_max_connections: usize,
+
     /// Engine replicas, comma separated: `ip:port[;id=NAME][;model=M]...`.
     /// `id` is the opaque name shown to clients (default `replica-N`);
     /// `model` (repeatable) limits the replica to those models.
@@ -153,10 +207,18 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_PROBE_INTERVAL_SECONDS", default_value_t = 30.0)]
     pub probe_interval_seconds: f64,
 
-    /// Seconds between two probes of a replica that failed since its last
-    /// success, or is fenced with its backoff over.
+    /// Seconds between two probes of a replica whose probe failed (or whose
+    /// connection was refused) since its last success, or that is fenced
+    /// with its backoff over.
     #[arg(long, env = "HEARTH_PROBE_RETRY_SECONDS", default_value_t = 2.0)]
     pub probe_retry_seconds: f64,
+
+    /// A replica made suspect by evidence a client could have provoked (an
+    /// empty answer, a 5xx, a first-byte timeout, a retry, a peer's
+    /// fencing) is probed at once, and at most once per this many seconds;
+    /// only its probes can fence it.
+    #[arg(long, env = "HEARTH_SUSPECT_PROBE_SECONDS", default_value_t = 10.0)]
+    pub suspect_probe_seconds: f64,
 
     /// Deadline of each probe request, in seconds.
     #[arg(long, env = "HEARTH_PROBE_TIMEOUT_SECONDS", default_value_t = 5.0)]
@@ -344,6 +406,28 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_PEERS_SYNC_SECONDS", default_value_t = 2.0)]
     pub peers_sync_seconds: f64,
 
+    /// A file holding the fleet's key (its bytes, surrounding whitespace
+    /// ignored, at least 32; never logged), the same on every sidecar of
+    /// the fleet: every peer message carries an HMAC-SHA256 made with it,
+    /// and one whose MAC does not check is dropped. Required with
+    /// HEARTH_PEERS_URL unless HEARTH_PEERS_INSECURE.
+    #[arg(long, env = "HEARTH_PEERS_KEY_FILE")]
+    pub peers_key_file: Option<PathBuf>,
+
+    /// A PEM file of CA certificates the NATS server's certificate is
+    /// checked against, besides the system's (a `tls://` bus whose server
+    /// has a private CA's certificate).
+    #[arg(long, env = "HEARTH_PEERS_CA_FILE")]
+    pub peers_ca_file: Option<PathBuf>,
+
+    /// Run the peer bus open: no HEARTH_PEERS_KEY_FILE required (without
+    /// one, messages go and are taken unauthenticated), and a NATS server
+    /// that is not on loopback accepted without credentials (true/false).
+    #[arg(long, env = "HEARTH_PEERS_INSECURE", default_value_t = false,
+          action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub peers_insecure: bool,
+
     /// Seconds open streams get to finish on shutdown before they are cut.
     #[arg(long, env = "HEARTH_DRAIN_SECONDS", default_value_t = 10)]
     pub drain_seconds: u64,
@@ -487,6 +571,45 @@ impl Secret {
     }
 }
 
+/// The shortest control token accepted: 32 characters (from a random
+/// generator, e.g. `openssl rand -hex 32`, which gives 64).
+pub const MIN_CONTROL_TOKEN_CHARS: usize = 32;
+
+/// Reads and checks a control token file. Errors say what is wrong with
+/// the token, never what it holds.
+pub fn read_control_token(path: &std::path::Path) -> Result<Secret, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read it: {e}"))?;
+    let text = String::from_utf8(bytes).map_err(|_| "it is not UTF-8 text".to_string())?;
+    let token: Secret = text.parse().unwrap_or_else(|e| match e {});
+    token.check().map_err(|e| format!("the token {e}"))?;
+    // It is written into Envoy's YAML and the filter's JSON as is.
+    if !token
+        .expose()
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"-._~+/=".contains(&b))
+    {
+        return Err("the token may hold only letters, digits and -._~+/=".into());
+    }
+    let n = token.expose().chars().count();
+    if n < MIN_CONTROL_TOKEN_CHARS {
+        return Err(format!(
+            "the token is {n} characters long; at least {MIN_CONTROL_TOKEN_CHARS} are needed \
+             (e.g. `openssl rand -hex 32`)"
+        ));
+    }
+    Ok(token)
+}
+
+/// Checks that a TLS file can be read and holds PEM (its contents are
+/// parsed when the server starts).
+fn check_pem(path: &std::path::Path) -> Result<(), String> {
+    let text = std::fs::read(path).map_err(|e| format!("cannot read it: {e}"))?;
+    if !text.windows(11).any(|w| w == b"-----BEGIN ") {
+        return Err("it holds no PEM block".into());
+    }
+    Ok(())
+}
+
 /// Checks a fleet name: it becomes a NATS subject token.
 pub fn check_fleet(name: &str) -> Result<(), String> {
     if name.is_empty() || name.len() > 64 {
@@ -515,6 +638,130 @@ pub fn check_url(url: &str) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The fewest bytes a fleet key (`HEARTH_PEERS_KEY_FILE`) may hold.
+pub const MIN_PEER_KEY_BYTES: usize = 32;
+
+/// The fleet's key for the peer messages' MAC: the key file's bytes,
+/// surrounding whitespace trimmed. Printed as `<redacted>` by `Debug`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct PeerKey(Vec<u8>);
+
+impl PeerKey {
+    /// Reads a key file; the error names the file, never its contents.
+    pub fn read(path: &std::path::Path) -> Result<PeerKey, String> {
+        let bytes = std::fs::read(path)
+            .map_err(|e| format!("HEARTH_PEERS_KEY_FILE: cannot read {}: {e}", path.display()))?;
+        let key = bytes.trim_ascii();
+        if key.len() < MIN_PEER_KEY_BYTES {
+            return Err(format!(
+                "HEARTH_PEERS_KEY_FILE: {} holds {} bytes (whitespace around them ignored); \
+                 the fleet's key needs at least {MIN_PEER_KEY_BYTES} (e.g. `openssl rand -hex 32`)",
+                path.display(),
+                key.len()
+            ));
+        }
+        Ok(PeerKey(key.to_vec()))
+    }
+
+    /// The key itself, for the MAC.
+    pub fn expose(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for PeerKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// The host each address of a `HEARTH_PEERS_URL` names, and whether the
+/// address carries credentials of its own (`nats://user:pass@host:port`).
+pub fn url_hosts(url: &str) -> Vec<(String, bool)> {
+    url.split(',')
+        .map(str::trim)
+        .map(|one| {
+            let rest = one.split_once("://").map_or(one, |(_, r)| r);
+            let (userinfo, host_port) = match rest.rsplit_once('@') {
+                Some((u, h)) => (!u.is_empty(), h),
+                None => (false, rest),
+            };
+            let host = match host_port.strip_prefix('[') {
+                Some(v6) => v6.split(']').next().unwrap_or(""),
+                None => host_port.rsplit_once(':').map_or(host_port, |(h, _)| h),
+            };
+            (host.to_string(), userinfo)
+        })
+        .collect()
+}
+
+/// `localhost`, or an address of 127.0.0.0/8 or `::1`.
+pub fn is_loopback_host(host: &str) -> bool {
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+impl Settings {
+    /// The fleet's key, when `HEARTH_PEERS_KEY_FILE` is set.
+    pub fn peers_key(&self) -> Result<Option<PeerKey>, String> {
+        self.peers_key_file
+            .as_deref()
+            .map(PeerKey::read)
+            .transpose()
+    }
+
+    /// What keeps the peer bus from starting: an unreadable or short key
+    /// file or CA file, and, unless `HEARTH_PEERS_INSECURE`, a bus without
+    /// a key or a server off loopback without credentials.
+    pub fn peer_bus_problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if let Err(e) = self.peers_key() {
+            problems.push(e);
+        }
+        if let Some(path) = &self.peers_ca_file {
+            match std::fs::read_to_string(path) {
+                Ok(pem) if pem.contains("-----BEGIN CERTIFICATE-----") => {}
+                Ok(_) => problems.push(format!(
+                    "HEARTH_PEERS_CA_FILE: {} holds no PEM certificate",
+                    path.display()
+                )),
+                Err(e) => problems.push(format!(
+                    "HEARTH_PEERS_CA_FILE: cannot read {}: {e}",
+                    path.display()
+                )),
+            }
+        }
+        let Some(url) = &self.peers_url else {
+            return problems;
+        };
+        if self.peers_insecure {
+            return problems;
+        }
+        if self.peers_key_file.is_none() {
+            problems.push(
+                "HEARTH_PEERS_KEY_FILE is not set: without the fleet's key anyone who can \
+                 publish on the bus could fence replicas and steer traffic; set it to a file \
+                 holding the key (at least 32 bytes, the same on every sidecar), or set \
+                 HEARTH_PEERS_INSECURE=true to run the bus unauthenticated"
+                    .into(),
+            );
+        }
+        let credentials = self.peers_user.is_some() || self.peers_token.is_some();
+        for (host, own) in url_hosts(url) {
+            if !(credentials || own || is_loopback_host(&host)) {
+                problems.push(format!(
+                    "HEARTH_PEERS_URL names {host}, not a loopback address, and no credentials \
+                     are set: set HEARTH_PEERS_USER and HEARTH_PEERS_PASSWORD, or \
+                     HEARTH_PEERS_TOKEN (or HEARTH_PEERS_INSECURE=true to connect without)"
+                ));
+            }
+        }
+        problems
+    }
 }
 
 impl Settings {
@@ -594,6 +841,46 @@ impl Settings {
         Ok(Some(pem))
     }
 
+    /// The control token: `HEARTH_CONTROL_TOKEN_FILE`'s contents, checked
+    /// (never echoed in an error).
+    pub fn control_token(&self) -> Result<Option<Secret>, String> {
+        let Some(path) = &self.control_token_file else {
+            return Ok(None);
+        };
+        read_control_token(path)
+            .map(Some)
+            .map_err(|e| format!("HEARTH_CONTROL_TOKEN_FILE: {}: {e}", path.display()))
+    }
+
+    /// Listeners reachable from off the host with nothing to authenticate
+    /// their callers, each as a problem naming the settings that close it
+    /// (none with `HEARTH_CONTROL_INSECURE`). The gRPC port is
+    /// authenticated by the token or by client certificates; the admin
+    /// port by the token.
+    pub fn exposed_listeners(&self, has_token: bool) -> Vec<String> {
+        if self.control_insecure || has_token {
+            return Vec::new();
+        }
+        let mut problems = Vec::new();
+        if !self.listen.ip().is_loopback() && self.grpc_tls_client_ca_file.is_none() {
+            problems.push(format!(
+                "HEARTH_LISTEN is {}, not a loopback address, and nothing authenticates its \
+                 callers: set HEARTH_CONTROL_TOKEN_FILE (or HEARTH_GRPC_TLS_CLIENT_CA_FILE), \
+                 or HEARTH_CONTROL_INSECURE=true on a private network you secure otherwise",
+                self.listen
+            ));
+        }
+        if !self.admin_listen.ip().is_loopback() {
+            problems.push(format!(
+                "HEARTH_ADMIN_LISTEN is {}, not a loopback address, and POST /outcome there \
+                 can fence replicas: set HEARTH_CONTROL_TOKEN_FILE, or \
+                 HEARTH_CONTROL_INSECURE=true on a private network you secure otherwise",
+                self.admin_listen
+            ));
+        }
+        problems
+    }
+
     /// The router's parameters (see `hearth_router::RouterParams`).
     pub fn router_params(&self) -> RouterParams {
         RouterParams {
@@ -610,6 +897,7 @@ impl Settings {
                 busy_grace: seconds(self.busy_grace_seconds),
                 probe_interval: seconds(self.probe_interval_seconds),
                 probe_retry: seconds(self.probe_retry_seconds),
+                suspect_probe_interval: seconds(self.suspect_probe_seconds),
             },
             block_size: self.block_size,
             warmth_blocks: self.warmth_blocks.unwrap_or(DEFAULT_WARMTH_BLOCKS),
@@ -658,6 +946,7 @@ impl Settings {
             ("HEARTH_PROBE_INTERVAL_SECONDS", self.probe_interval_seconds),
             ("HEARTH_PROBE_TIMEOUT_SECONDS", self.probe_timeout_seconds),
             ("HEARTH_PROBE_RETRY_SECONDS", self.probe_retry_seconds),
+            ("HEARTH_SUSPECT_PROBE_SECONDS", self.suspect_probe_seconds),
             ("HEARTH_EJECT_BACKOFF_SECONDS", self.eject_backoff_seconds),
             (
                 "HEARTH_EJECT_MAX_BACKOFF_SECONDS",
@@ -722,6 +1011,33 @@ impl Settings {
                 self.journal_file_max_bytes
             ));
         }
+        let token = self.control_token();
+        problems.extend(self.exposed_listeners(matches!(token, Ok(Some(_)))));
+        if let Err(e) = token {
+            problems.push(e);
+        }
+        for (name, file) in [
+            ("HEARTH_GRPC_TLS_CERT_FILE", &self.grpc_tls_cert_file),
+            ("HEARTH_GRPC_TLS_KEY_FILE", &self.grpc_tls_key_file),
+            (
+                "HEARTH_GRPC_TLS_CLIENT_CA_FILE",
+                &self.grpc_tls_client_ca_file,
+            ),
+        ] {
+            if let Some(path) = file {
+                if let Err(e) = check_pem(path) {
+                    problems.push(format!("{name}: {}: {e}", path.display()));
+                }
+            }
+        }
+        for (name, v) in [
+            ("HEARTH_GRPC_MAX_CONNECTIONS", self.grpc_max_connections),
+            ("HEARTH_ADMIN_MAX_CONNECTIONS", self.admin_max_connections),
+        ] {
+            if !(1..=1_000_000).contains(&v) {
+                problems.push(format!("{name} must be between 1 and 1000000, got {v}"));
+            }
+        }
         if let Err(e) = check_fleet(&self.fleet) {
             problems.push(format!("HEARTH_FLEET: {e}"));
         }
@@ -730,6 +1046,7 @@ impl Settings {
                 problems.push(format!("HEARTH_PEERS_URL: {e}"));
             }
         }
+        problems.extend(self.peer_bus_problems());
         if !(1..=10_000).contains(&self.peers_flush_ms) {
             problems.push(format!(
                 "HEARTH_PEERS_FLUSH_MS must be between 1 and 10000, got {}",
@@ -796,6 +1113,7 @@ pub fn check_env<I: IntoIterator<Item = String>>(names: I) -> Result<(), String>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn fleet_names_are_subject_tokens() {
@@ -894,6 +1212,93 @@ mod tests {
             err.contains("HEARTH_AFFINITY_BASIS"),
             "names the valid ones: {err}"
         );
+    }
+
+    fn token_file(name: &str, text: &str) -> PathBuf {
+        let path = std::env::temp_dir().join(format!("hearth-token-{}-{name}", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_control_token_is_long_header_safe_and_never_echoed() {
+        let good = token_file("good", "  0123456789abcdef0123456789abcdef-._~+/=\n");
+        assert_eq!(
+            read_control_token(&good).unwrap().expose(),
+            "0123456789abcdef0123456789abcdef-._~+/="
+        );
+        for (name, text) in [
+            ("short", "tooShortSecret42"),
+            ("empty", " \n"),
+            ("quote", "0123456789abcdef0123456789abcdef\"x"),
+            ("space", "0123456789abcdef 0123456789abcdef0"),
+        ] {
+            let path = token_file(name, text);
+            let err = read_control_token(&path).unwrap_err();
+            let secret = text.trim();
+            assert!(
+                secret.is_empty() || !err.contains(secret),
+                "{name}: echoed: {err}"
+            );
+            let _ = std::fs::remove_file(path);
+        }
+        assert!(read_control_token(Path::new("/nonexistent/token"))
+            .unwrap_err()
+            .contains("cannot read"));
+        let _ = std::fs::remove_file(good);
+    }
+
+    #[test]
+    fn a_listener_off_loopback_needs_the_token_or_the_insecure_setting() {
+        let open = parse(&[
+            "--upstreams=127.0.0.1:1",
+            "--listen=0.0.0.0:50051",
+            "--admin-listen=10.0.0.1:9190",
+        ])
+        .unwrap()
+        .settings;
+        let problems = open.validate().unwrap_err();
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(problems
+            .iter()
+            .all(|p| p.contains("HEARTH_CONTROL_TOKEN_FILE")
+                && p.contains("HEARTH_CONTROL_INSECURE")));
+        // Loopback, as by default: nothing to authenticate.
+        let local = parse(&["--upstreams=127.0.0.1:1", "--listen=[::1]:0"])
+            .unwrap()
+            .settings;
+        assert!(local.validate().is_ok());
+        // The token closes both; the insecure setting silences both.
+        let token = token_file("listeners", &"k".repeat(40));
+        let closed = parse(&[
+            "--upstreams=127.0.0.1:1",
+            "--listen=0.0.0.0:50051",
+            "--admin-listen=0.0.0.0:9190",
+            &format!("--control-token-file={}", token.display()),
+        ])
+        .unwrap()
+        .settings;
+        assert!(closed.validate().is_ok(), "{:?}", closed.validate());
+        let insecure = parse(&[
+            "--upstreams=127.0.0.1:1",
+            "--listen=0.0.0.0:50051",
+            "--admin-listen=0.0.0.0:9190",
+            "--control-insecure=true",
+        ])
+        .unwrap()
+        .settings;
+        assert!(insecure.validate().is_ok());
+        // Client certificates authenticate the gRPC port, not the admin one.
+        assert_eq!(
+            Settings {
+                grpc_tls_client_ca_file: Some(token.clone()),
+                ..open.clone()
+            }
+            .exposed_listeners(false)
+            .len(),
+            1
+        );
+        let _ = std::fs::remove_file(token);
     }
 
     #[test]

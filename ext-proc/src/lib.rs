@@ -14,15 +14,21 @@
 //!   discovery) and the Envoy configurations;
 //! - [`feeds`]: what flows into the fleet state (replica list and reloads,
 //!   probes, engine metrics);
+//! - [`outcomes`]: a request's end, whoever reports it: health evidence
+//!   and the answer's usage go to the router from here only;
 //! - [`observe`]: metrics, the decision journal, the dashboard's series,
-//!   the admin HTTP endpoint;
+//!   the admin HTTP endpoint (it only reads);
+//! - [`guard`]: who may call the two listeners (the control token, TLS)
+//!   and what any caller may hold there (connections, deadlines);
 //! - [`config`]: the settings; this file: starting, running and draining
 //!   the whole.
 
 pub mod config;
 pub mod envoy;
 pub mod feeds;
+pub mod guard;
 pub mod observe;
+pub mod outcomes;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -45,6 +51,8 @@ pub struct Sidecar {
     pub router: Arc<Router>,
     /// Metrics, decision journal and the dashboard's history.
     pub observer: Arc<observe::Observer>,
+    /// Where requests end (health evidence, usage against predictions).
+    pub outcomes: Arc<outcomes::Outcomes>,
     /// Set when the replica list comes from `HEARTH_UPSTREAMS_FILE`:
     /// notify it to reload now (SIGHUP).
     reload: Option<Arc<Notify>>,
@@ -74,6 +82,21 @@ impl Sidecar {
             None => None,
         };
         let settings = &settings;
+        let guards = Guards {
+            token: settings
+                .control_token()
+                .map_err(|e| anyhow::anyhow!(e))?
+                .map(|t| Arc::new(guard::ControlToken::new(&t))),
+            tls: guard::grpc_tls(settings)?,
+            grpc_connections: settings.grpc_max_connections.max(1),
+            admin_connections: settings.admin_max_connections.max(1),
+        };
+        tracing::info!(
+            control_token = guards.token.is_some(),
+            grpc_tls = guards.tls.is_some(),
+            client_certificates = settings.grpc_tls_client_ca_file.is_some(),
+            "control surfaces"
+        );
         let grpc = TcpListener::bind(settings.listen)
             .await
             .with_context(|| format!("binding the gRPC listener on {}", settings.listen))?;
@@ -93,6 +116,7 @@ impl Sidecar {
         .context("opening HEARTH_JOURNAL_FILE")?;
         let observer =
             observe::Observer::new(Arc::clone(&router), settings.affinity_basis, journal);
+        let outcomes = outcomes::Outcomes::new(Arc::clone(&observer));
         let stop = CancellationToken::new();
         if let (Some(path), Some(asked)) = (&settings.upstreams_file, &reload) {
             spawn_until(
@@ -104,7 +128,9 @@ impl Sidecar {
                 ),
             );
         }
-        if let Some(peer_settings) = feeds::peers::PeerSettings::of(settings) {
+        if let Some(peer_settings) =
+            feeds::peers::PeerSettings::of(settings).map_err(|e| anyhow::anyhow!(e))?
+        {
             let mut bus = feeds::peers::PeerBus::connect(
                 Arc::clone(&router),
                 peer_settings,
@@ -135,18 +161,21 @@ impl Sidecar {
         };
         let task = tokio::spawn(serve(
             Arc::clone(&observer),
+            Arc::clone(&outcomes),
             feeds,
-            envoy::service::FirstByte {
-                timeout: config::seconds(settings.first_byte_timeout_seconds),
-                prefill_bytes_per_second: settings.prefill_bytes_per_second,
+            StreamLimits {
+                first_byte: envoy::service::FirstByte {
+                    timeout: config::seconds(settings.first_byte_timeout_seconds),
+                    prefill_bytes_per_second: settings.prefill_bytes_per_second,
+                },
+                held: envoy::picker::HeldBudget::new(
+                    settings.picker_held_bodies,
+                    settings.picker_held_bytes,
+                    observer.picker.clone(),
+                ),
             },
-            envoy::picker::HeldBudget::new(
-                settings.picker_held_bodies,
-                settings.picker_held_bytes,
-                observer.picker.clone(),
-            ),
-            grpc,
-            admin,
+            Listeners { grpc, admin },
+            guards,
             stop.clone(),
         ));
         Ok(Sidecar {
@@ -154,6 +183,7 @@ impl Sidecar {
             admin_addr,
             router,
             observer,
+            outcomes,
             reload,
             stop,
             drain: Duration::from_secs(settings.drain_seconds),
@@ -222,13 +252,34 @@ struct Feeds {
     engine_metrics: Duration,
 }
 
-async fn serve(
-    observer: Arc<observe::Observer>,
-    feeds: Feeds,
+/// Who may call the listeners, and how many connections each holds.
+struct Guards {
+    token: Option<Arc<guard::ControlToken>>,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+    grpc_connections: usize,
+    admin_connections: usize,
+}
+
+/// What each ext_proc stream is held to: the first-byte deadline, and in
+/// endpoint-picker mode the budget all streams' held bodies share.
+struct StreamLimits {
     first_byte: envoy::service::FirstByte,
     held: envoy::picker::HeldBudget,
+}
+
+/// The two bound listeners.
+struct Listeners {
     grpc: TcpListener,
     admin: TcpListener,
+}
+
+async fn serve(
+    observer: Arc<observe::Observer>,
+    outcomes: Arc<outcomes::Outcomes>,
+    feeds: Feeds,
+    StreamLimits { first_byte, held }: StreamLimits,
+    Listeners { grpc, admin }: Listeners,
+    guards: Guards,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
     let router = Arc::clone(observer.router());
@@ -255,23 +306,54 @@ async fn serve(
     );
     // Endpoint-discovery streams last as long as Envoy does: they end with
     // the token, or the graceful shutdown would wait for them.
-    let grpc_server = tonic::transport::Server::builder()
+    // No request deadline: an ext_proc stream lasts as long as the answer
+    // it routes streams. Keepalive pings find a vanished Envoy, whose
+    // streams (and reserved load) then end.
+    let mut grpc_server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(guard::GRPC_KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(guard::GRPC_KEEPALIVE_TIMEOUT))
+        .max_concurrent_streams(guard::GRPC_MAX_STREAMS_PER_CONNECTION);
+    if let Some(tls) = guards.tls {
+        grpc_server = grpc_server.tls_config(tls)?;
+    }
+    // gRPC health stays open (probes); the rest needs the control token.
+    let guarded = guard::GrpcGuard(guards.token.clone());
+    let grpc_server = grpc_server
         .add_service(health_service)
-        .add_service(envoy::service::server(
-            Arc::clone(&observer),
-            first_byte,
-            held,
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            envoy::service::server(
+                Arc::clone(&observer),
+                Arc::clone(&outcomes),
+                first_byte,
+                held,
+            ),
+            guarded.clone(),
         ))
-        .add_service(envoy::eds::server(Arc::clone(&router), stop.clone()))
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            envoy::eds::server(Arc::clone(&router), stop.clone()),
+            guarded,
+        ))
         // TCP_NODELAY: without it, Envoy's small ext_proc messages meet
         // Nagle and delayed ACKs and a decision waits ~40 ms (measured by
         // `hearth-bench overhead`).
         .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
+            guard::hold_at_most(
+                tonic::transport::server::TcpIncoming::from(grpc)
+                    .with_nodelay(Some(true))
+                    .with_keepalive(Some(guard::TCP_KEEPALIVE)),
+                guards.grpc_connections,
+            ),
             stop.clone().cancelled_owned(),
         );
-    let admin_server = axum::serve(admin, observe::admin::routes(Arc::clone(&observer)))
-        .with_graceful_shutdown(stop.clone().cancelled_owned());
+    let admin_server = axum::serve(
+        guard::AdminListener::new(admin, guards.admin_connections),
+        observe::admin::routes(
+            Arc::clone(&observer),
+            envoy::report::routes(outcomes),
+            guards.token,
+        ),
+    )
+    .with_graceful_shutdown(stop.clone().cancelled_owned());
     let (grpc, admin) = tokio::join!(grpc_server, async move { admin_server.await });
     // Both servers are done (stopped, or failed): the background tasks end
     // too.

@@ -231,3 +231,41 @@ fn an_empty_setting_means_its_default() {
     assert_eq!(sidecar.ids(), ["a"]);
     assert_eq!(sidecar.state()["alpha"], 1.0);
 }
+
+#[test]
+fn a_listener_off_loopback_without_the_token_is_refused() {
+    let (code, err) = run(
+        &[
+            ("HEARTH_UPSTREAMS", "127.0.0.1:1"),
+            ("HEARTH_LISTEN", "0.0.0.0:0"),
+        ],
+        &[],
+    );
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("HEARTH_LISTEN")
+            && err.contains("HEARTH_CONTROL_TOKEN_FILE")
+            && err.contains("HEARTH_CONTROL_INSECURE"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_bad_control_token_file_is_refused_without_echoing_it() {
+    let path = std::env::temp_dir().join(format!("hearth-startup-token-{}", std::process::id()));
+    std::fs::write(&path, "hunter2-is-not-enough\n").unwrap();
+    let (code, err) = run(
+        &[
+            ("HEARTH_UPSTREAMS", "127.0.0.1:1"),
+            ("HEARTH_CONTROL_TOKEN_FILE", path.to_str().unwrap()),
+        ],
+        &[],
+    );
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("HEARTH_CONTROL_TOKEN_FILE") && err.contains("at least 32"),
+        "{err}"
+    );
+    assert!(!err.contains("hunter2"), "the token is echoed: {err}");
+}

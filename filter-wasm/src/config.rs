@@ -7,6 +7,10 @@ use std::fmt;
 /// The Envoy cluster the outcome role reports to, unless configured.
 pub const DEFAULT_OUTCOME_CLUSTER: &str = "hearth_sidecar_admin";
 
+/// The shortest control token (the sidecar's `HEARTH_CONTROL_TOKEN_FILE`
+/// refuses shorter ones too).
+pub const MIN_CONTROL_TOKEN_CHARS: usize = 32;
+
 /// Default cap on a buffered request body (8 MiB).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 8 << 20;
 /// Largest accepted `max_body_bytes` (256 MiB).
@@ -31,6 +35,9 @@ pub struct FilterConfig {
     pub role: Role,
     /// Envoy cluster of the sidecar's HTTP endpoint (outcome role).
     pub outcome_cluster: String,
+    /// The sidecar's control token (outcome role): sent as
+    /// `authorization: Bearer <token>` with each report. None: no header.
+    pub control_token: Option<String>,
     /// Exact request paths (query ignored) to fingerprint, with their API.
     pub routes: Vec<(String, Endpoint)>,
     /// Block size and hashed-prefix bound.
@@ -44,6 +51,7 @@ impl Default for FilterConfig {
         FilterConfig {
             role: Role::Fingerprint,
             outcome_cluster: DEFAULT_OUTCOME_CLUSTER.to_owned(),
+            control_token: None,
             routes: Endpoint::ALL
                 .iter()
                 .map(|e| (e.default_path().to_owned(), *e))
@@ -76,6 +84,7 @@ impl std::error::Error for ConfigError {}
 struct RawConfig {
     role: Option<String>,
     outcome_cluster: Option<String>,
+    control_token: Option<String>,
     paths: Option<Vec<String>>,
     block_size: Option<usize>,
     max_prefix_bytes: Option<usize>,
@@ -125,6 +134,20 @@ impl FilterConfig {
                 errors.push("outcome_cluster must not be empty".to_owned());
             }
             cfg.outcome_cluster = c;
+        }
+        if let Some(t) = raw.control_token {
+            // Checked as the sidecar checks its file, without echoing it:
+            // it goes into a header as is.
+            let safe = t
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-._~+/=".contains(&b));
+            if t.len() < MIN_CONTROL_TOKEN_CHARS || !safe {
+                errors.push(format!(
+                    "control_token must be at least {MIN_CONTROL_TOKEN_CHARS} characters of \
+                     letters, digits and -._~+/="
+                ));
+            }
+            cfg.control_token = Some(t);
         }
         if let Some(b) = raw.block_size {
             cfg.params.block_size = b;
@@ -234,6 +257,32 @@ mod tests {
         }
         let e = FilterConfig::parse(br#"{"paths":["/x"],"block_size":1}"#).unwrap_err();
         assert_eq!(e.0.len(), 2, "{e}");
+    }
+
+    #[test]
+    fn the_control_token_is_optional_and_checked_without_being_echoed() {
+        let none = FilterConfig::parse(br#"{"role":"outcome"}"#).unwrap();
+        assert_eq!(none.control_token, None);
+        let token = "a".repeat(32) + "-._~+/=";
+        let with = FilterConfig::parse(
+            format!(r#"{{"role":"outcome","control_token":"{token}"}}"#).as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(with.control_token.as_deref(), Some(token.as_str()));
+        for bad in [
+            "short-secret",
+            "",
+            &("b".repeat(40) + "\"x"),
+            &("c".repeat(40) + " "),
+        ] {
+            let json = serde_json::json!({ "role": "outcome", "control_token": bad });
+            let err = FilterConfig::parse(json.to_string().as_bytes()).unwrap_err();
+            let text = err.to_string();
+            assert!(text.contains("control_token"), "{text}");
+            if !bad.is_empty() {
+                assert!(!text.contains(bad), "the token is echoed: {text}");
+            }
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@ use crate::config::{FilterConfig, Role};
 use crate::metrics::{Metric, SkipCause};
 use crate::outcome::{self, Scanner};
 use crate::policy::{self, BodyOutcome, HeaderDecision};
-use hearth_wire::{names, Endpoint};
+use hearth_wire::{header, Endpoint};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
@@ -276,8 +276,8 @@ struct OutcomeHttp {
     /// Set while a generation's 200 answer is being watched.
     scanner: Option<Scanner>,
     reported: bool,
-    /// Envoy's `x-request-id`: the sidecar matches the report's usage
-    /// with its decision by it.
+    /// The sidecar's ticket (`x-hearth-ticket`): the report's usage is
+    /// matched with its decision by it.
     request_id: Option<String>,
 }
 
@@ -324,12 +324,20 @@ impl OutcomeHttp {
             self.request_id.as_deref(),
             scanner,
         );
-        let headers = vec![
+        let mut headers = vec![
             (":method", "POST"),
             (":path", outcome::REPORT_PATH),
             (":authority", "hearth-sidecar"),
             ("content-type", "text/plain"),
         ];
+        let authorization = self
+            .config
+            .control_token
+            .as_ref()
+            .map(|t| format!("Bearer {t}"));
+        if let Some(value) = &authorization {
+            headers.push(("authorization", value));
+        }
         if let Err(status) = hostcalls::dispatch_http_call(
             &self.config.outcome_cluster,
             headers,
@@ -349,8 +357,11 @@ impl HttpContext for OutcomeHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.generation = self.request_is_generation();
         if self.generation {
+            // The sidecar's ticket for this request's decision (set by
+            // ext_proc, never by a client: the filter strips client
+            // `x-hearth-*` headers before ext_proc runs).
             self.request_id =
-                hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, names::REQUEST_ID)
+                hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, header::TICKET)
                     .ok()
                     .flatten()
                     .and_then(|id| String::from_utf8(id).ok());

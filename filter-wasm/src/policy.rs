@@ -3,7 +3,7 @@
 
 use crate::config::FilterConfig;
 use crate::metrics::SkipCause;
-use hearth_wire::{fingerprint, header, Endpoint, Fingerprint};
+use hearth_wire::{fingerprint, header, CacheUse, Endpoint, Fingerprint};
 
 /// What to do once the request headers are in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,10 +96,17 @@ pub fn fingerprint_headers(fp: &Fingerprint) -> Option<Vec<(&'static str, String
         return None;
     }
     let mut headers = vec![
-        (header::FP, fp.header_value()),
         (header::PROMPT_BYTES, fp.prompt_bytes.to_string()),
         (header::MODEL, fp.model.clone()),
     ];
+    // A request that turns the engine's cache off is routed on load alone:
+    // no fingerprint, so it adds no warmth and predicts nothing.
+    if fp.cache != CacheUse::Bypassed {
+        headers.insert(0, (header::FP, fp.header_value()));
+    }
+    if fp.cache != CacheUse::Shared {
+        headers.push((header::CACHE, fp.cache.as_str().to_string()));
+    }
     if let Some(n) = fp.max_output_tokens {
         headers.push((header::MAX_TOKENS, n.to_string()));
     }

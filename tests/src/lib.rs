@@ -63,6 +63,11 @@ pub struct FleetOptions {
     pub reasoning_tokens: usize,
     /// Engines require this bearer key on `/v1/*` and `/metrics`.
     pub engine_api_key: Option<String>,
+    /// The sidecar requires a control token (`HEARTH_CONTROL_TOKEN_FILE`,
+    /// a file the fleet writes) and Envoy's rendered configuration sends
+    /// it, as every shipped manifest does. On by default, so every
+    /// end-to-end test runs with it.
+    pub control_token: bool,
     /// Engines the test runs itself (real ones), as (replica id, address):
     /// when set, no simulated engine is started and `engines` is ignored.
     /// Such engines send no `x-engine-id`; a turn's engine is the `model`
@@ -86,6 +91,7 @@ impl Default for FleetOptions {
             upstreams_file: false,
             reasoning_tokens: 0,
             engine_api_key: None,
+            control_token: true,
             external_engines: Vec::new(),
         }
     }
@@ -211,6 +217,11 @@ pub struct Fleet {
     specs: Vec<String>,
     /// The directory of the replica-list file, when there is one.
     upstreams_file: Option<std::path::PathBuf>,
+    /// The control token the sidecar requires and Envoy sends
+    /// ([`FleetOptions::control_token`]).
+    pub control_token: Option<String>,
+    /// Its file.
+    token_file: Option<std::path::PathBuf>,
     /// The engines are the test's own (real) ones.
     external: bool,
 }
@@ -259,11 +270,21 @@ impl Fleet {
                 format!("{addr};id={id}{tag}")
             })
             .collect();
-        let upstreams_file = opts.upstreams_file.then(|| {
-            static FLEETS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-            let n = FLEETS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            std::env::temp_dir().join(format!("hearth-e2e-{}-{n}", std::process::id()))
-        });
+        static FLEETS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = FLEETS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let upstreams_file = opts
+            .upstreams_file
+            .then(|| std::env::temp_dir().join(format!("hearth-e2e-{}-{n}", std::process::id())));
+        let control_token = opts.control_token.then(|| test_token(n));
+        let token_file = match &control_token {
+            Some(token) => {
+                let path = std::env::temp_dir()
+                    .join(format!("hearth-e2e-token-{}-{n}", std::process::id()));
+                std::fs::write(&path, format!("{token}\n"))?;
+                Some(path)
+            }
+            None => None,
+        };
         let list = match &upstreams_file {
             Some(dir) => {
                 std::fs::create_dir_all(dir)?;
@@ -283,6 +304,9 @@ impl Fleet {
             "--drain-seconds=1".into(),
         ];
         args.extend(list);
+        if let Some(path) = &token_file {
+            args.push(format!("--control-token-file={}", path.display()));
+        }
         args.extend(opts.sidecar_flags.iter().cloned());
         let mut settings = Cli::try_parse_from(args)?.settings;
         settings
@@ -296,6 +320,7 @@ impl Fleet {
         let gateway = Gateway {
             block_size: settings.block_size,
             eds: opts.eds,
+            control_token: settings.control_token().map_err(|e| anyhow::anyhow!(e))?,
             ..Gateway::local(
                 "127.0.0.1:0".parse()?,
                 sidecar.grpc_addr,
@@ -321,6 +346,8 @@ impl Fleet {
             gateway,
             specs,
             upstreams_file,
+            control_token,
+            token_file,
             external,
         })
     }
@@ -474,13 +501,16 @@ impl Fleet {
         Ok(serde_json::from_str(&body)?)
     }
 
-    /// GETs `path` from the sidecar's HTTP endpoint: the status and body.
+    /// GETs `path` from the sidecar's HTTP endpoint, with the control
+    /// token as an operator who holds it would: the status and body.
     pub async fn admin_get(&self, path: &str) -> anyhow::Result<(u16, String)> {
-        let r = self
+        let mut req = self
             .client
-            .get(format!("http://{}{path}", self.settings.admin_listen))
-            .send()
-            .await?;
+            .get(format!("http://{}{path}", self.settings.admin_listen));
+        if let Some(token) = &self.control_token {
+            req = req.bearer_auth(token);
+        }
+        let r = req.send().await?;
         Ok((r.status().as_u16(), r.text().await?))
     }
 
@@ -527,7 +557,20 @@ impl Drop for Fleet {
         if let Some(dir) = &self.upstreams_file {
             let _ = std::fs::remove_dir_all(dir);
         }
+        if let Some(file) = &self.token_file {
+            let _ = std::fs::remove_file(file);
+        }
     }
+}
+
+/// A control token for fleet number `n` of this process: 48 hex digits,
+/// different for every fleet and every run.
+fn test_token(n: usize) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    format!("{nanos:032x}{:08x}{n:08x}", std::process::id())
 }
 
 /// Real engines behind the gateway: one llama.cpp `llama-server` per

@@ -2,7 +2,9 @@
 //! only fields of the API version it declares, every Envoy configuration
 //! embedded in one passes `envoy --mode validate` (patch fragments wrapped
 //! into a minimal bootstrap), and the sidecar's ConfigMap carries every
-//! setting with a value the sidecar accepts.
+//! setting with a value the sidecar accepts in its pod (with the
+//! Deployment's Secrets: NATS over TLS, with credentials, and the fleet's
+//! key).
 //!
 //! No registry package carries the CRD schemas of these kinds (Istio,
 //! Envoy Gateway, the Inference Extension, kustomize), so the field check
@@ -11,6 +13,7 @@
 //! (free-form subtrees, such as Envoy configuration or ConfigMap data, end
 //! in `*`).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use hearth_bench::gateway::validate;
@@ -75,6 +78,7 @@ const OBJECT_META: &[&str] = &[
 fn schema(api_version: &str, kind: &str) -> Option<Vec<&'static str>> {
     let own: &[&str] = match (api_version, kind) {
         ("v1", "ConfigMap") => &["data.*", "binaryData.*", "immutable"],
+        ("v1", "Secret") => &["type", "data.*", "stringData.*", "immutable"],
         ("v1", "Service") => &[
             "spec",
             "spec.selector.*",
@@ -113,6 +117,14 @@ fn schema(api_version: &str, kind: &str) -> Option<Vec<&'static str>> {
             "spec.template.spec.containers[].envFrom[]",
             "spec.template.spec.containers[].envFrom[].configMapRef",
             "spec.template.spec.containers[].envFrom[].configMapRef.name",
+            "spec.template.spec.containers[].env",
+            "spec.template.spec.containers[].env[]",
+            "spec.template.spec.containers[].env[].name",
+            "spec.template.spec.containers[].env[].value",
+            "spec.template.spec.containers[].env[].valueFrom",
+            "spec.template.spec.containers[].env[].valueFrom.secretKeyRef",
+            "spec.template.spec.containers[].env[].valueFrom.secretKeyRef.name",
+            "spec.template.spec.containers[].env[].valueFrom.secretKeyRef.key",
             "spec.template.spec.containers[].ports",
             "spec.template.spec.containers[].ports[]",
             "spec.template.spec.containers[].ports[].name",
@@ -147,6 +159,42 @@ fn schema(api_version: &str, kind: &str) -> Option<Vec<&'static str>> {
             "spec.template.spec.volumes[].name",
             "spec.template.spec.volumes[].configMap",
             "spec.template.spec.volumes[].configMap.name",
+            "spec.template.spec.volumes[].secret",
+            "spec.template.spec.volumes[].secret.secretName",
+            "spec.template.spec.volumes[].secret.defaultMode",
+            "spec.template.spec.volumes[].secret.items",
+            "spec.template.spec.volumes[].secret.items[]",
+            "spec.template.spec.volumes[].secret.items[].key",
+            "spec.template.spec.volumes[].secret.items[].path",
+        ],
+        ("networking.k8s.io/v1", "NetworkPolicy") => &[
+            "spec",
+            "spec.podSelector",
+            "spec.podSelector.matchLabels.*",
+            "spec.policyTypes",
+            "spec.policyTypes[]",
+            "spec.ingress",
+            "spec.ingress[]",
+            "spec.ingress[].from",
+            "spec.ingress[].from[]",
+            "spec.ingress[].from[].namespaceSelector",
+            "spec.ingress[].from[].namespaceSelector.matchLabels.*",
+            "spec.ingress[].from[].podSelector",
+            "spec.ingress[].from[].podSelector.matchLabels.*",
+            "spec.ingress[].ports",
+            "spec.ingress[].ports[]",
+            "spec.ingress[].ports[].port",
+            "spec.ingress[].ports[].protocol",
+            "spec.egress",
+            "spec.egress[]",
+            "spec.egress[].to",
+            "spec.egress[].to[]",
+            "spec.egress[].to[].podSelector",
+            "spec.egress[].to[].podSelector.matchLabels.*",
+            "spec.egress[].ports",
+            "spec.egress[].ports[]",
+            "spec.egress[].ports[].port",
+            "spec.egress[].ports[].protocol",
         ],
         ("kustomize.config.k8s.io/v1beta1", "Kustomization") => &[
             "namespace",
@@ -337,12 +385,14 @@ fn every_manifest_names_only_fields_of_its_api_version() {
     }
     for kind in [
         "EnvoyFilter",
-        "EnvoyExtensionPolicy",
         "EnvoyPatchPolicy",
+        "NetworkPolicy",
+        "Secret",
         "InferencePool",
         "Deployment",
         "Service",
         "ConfigMap",
+        "Secret",
         "Kustomization",
     ] {
         assert!(kinds.iter().any(|k| k == kind), "no {kind} under deploy/");
@@ -382,27 +432,124 @@ fn the_inference_pool_states_its_failure_mode_and_picks_with_hearth() {
     assert!(ports.contains(&&picker["port"]["number"]));
 }
 
-#[test]
-fn the_sidecar_configmap_sets_every_setting_to_a_value_it_accepts() {
-    let docs = documents();
-    let cm = docs
-        .iter()
+/// The document of `kind` named `name`.
+fn find<'a>(docs: &'a [(PathBuf, Value)], kind: &str, name: &str) -> &'a Value {
+    docs.iter()
         .map(|(_, d)| d)
-        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "hearth-settings")
-        .expect("hearth-settings ConfigMap");
-    let data = cm["data"].as_object().unwrap();
-    let mut known = hearth_ext_proc::config::known_env_vars();
-    known.sort();
-    let mut shipped: Vec<String> = data.keys().cloned().collect();
-    shipped.sort();
-    assert_eq!(
-        shipped, known,
-        "deploy/sidecar/configmap.yaml vs the sidecar's settings"
-    );
-    // The values parse and validate as the sidecar's own settings.
+        .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+/// The first container of Deployment `name`, and its pod spec.
+fn container<'a>(docs: &'a [(PathBuf, Value)], name: &str) -> (&'a Value, &'a Value) {
+    let pod = &find(docs, "Deployment", name)["spec"]["template"]["spec"];
+    (&pod["containers"][0], pod)
+}
+
+/// The value a Secret (from `secrets.example.yaml`) holds under `key`.
+fn secret_value(docs: &[(PathBuf, Value)], name: &str, key: &str) -> String {
+    find(docs, "Secret", name)["stringData"][key]
+        .as_str()
+        .unwrap_or_else(|| panic!("Secret {name} has no {key}"))
+        .to_string()
+}
+
+/// Where a container's environment variable gets its value.
+#[derive(Clone, Debug, PartialEq)]
+enum EnvValue {
+    Literal(String),
+    /// A Secret's name and key.
+    FromSecret(String, String),
+}
+
+/// A container's `env`: name and value.
+fn env_of(c: &Value) -> Vec<(String, EnvValue)> {
+    c["env"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .map(|e| {
+            let name = e["name"].as_str().unwrap().to_string();
+            let value = match e["valueFrom"]["secretKeyRef"].as_object() {
+                Some(r) => EnvValue::FromSecret(
+                    r["name"].as_str().unwrap().to_string(),
+                    r["key"].as_str().unwrap().to_string(),
+                ),
+                None => EnvValue::Literal(e["value"].as_str().unwrap_or("").to_string()),
+            };
+            (name, value)
+        })
+        .collect()
+}
+
+/// The file a pod sees at `path`, from the volume mounted over it: the
+/// ConfigMap's or Secret's value (a Secret's items map keys to paths).
+fn mounted_file(docs: &[(PathBuf, Value)], c: &Value, pod: &Value, path: &str) -> Option<String> {
+    let mount = c["volumeMounts"].as_array()?.iter().find(|m| {
+        let at = m["mountPath"].as_str().unwrap_or("");
+        path.strip_prefix(at)
+            .is_some_and(|rest| rest.starts_with('/'))
+    })?;
+    let file = &path[mount["mountPath"].as_str()?.len() + 1..];
+    let volume = pod["volumes"]
+        .as_array()?
+        .iter()
+        .find(|v| v["name"] == mount["name"])?;
+    if let Some(cm) = volume["configMap"]["name"].as_str() {
+        return find(docs, "ConfigMap", cm)["data"][file]
+            .as_str()
+            .map(str::to_string);
+    }
+    let secret = &volume["secret"];
+    let name = secret["secretName"].as_str()?;
+    let key = match secret["items"].as_array() {
+        Some(items) => items.iter().find(|i| i["path"] == file)?["key"]
+            .as_str()?
+            .to_string(),
+        None => file.to_string(),
+    };
+    Some(secret_value(docs, name, &key))
+}
+
+/// The sidecar's settings as its pod gets them: the ConfigMap, then the
+/// Deployment's `env` (Secrets' values from `secrets.example.yaml`), and
+/// each file a setting names read from the volume mounted there (written
+/// under `scratch`, the setting pointed at it).
+fn sidecar_pod_env(docs: &[(PathBuf, Value)], scratch: &Path) -> BTreeMap<String, String> {
+    let mut env: BTreeMap<String, String> = find(docs, "ConfigMap", "hearth-settings")["data"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().expect("strings").to_string()))
+        .collect();
+    let (c, pod) = container(docs, "hearth-ext-proc");
+    for (name, value) in env_of(c) {
+        let value = match value {
+            EnvValue::Literal(v) => v,
+            EnvValue::FromSecret(secret, key) => secret_value(docs, &secret, &key),
+        };
+        env.insert(name, value);
+    }
+    for (k, v) in env.iter_mut() {
+        if !k.ends_with("_FILE") || v.is_empty() {
+            continue;
+        }
+        let contents = mounted_file(docs, c, pod, v)
+            .unwrap_or_else(|| panic!("{k}={v}: no volume of the Deployment holds it"));
+        let local = scratch.join(v.trim_start_matches('/'));
+        std::fs::create_dir_all(local.parent().unwrap()).unwrap();
+        std::fs::write(&local, contents).unwrap();
+        *v = local.display().to_string();
+    }
+    env
+}
+
+/// Settings from `HEARTH_*` variables, as the sidecar reads them (an empty
+/// value is unset).
+fn parse_settings(env: &BTreeMap<String, String>) -> hearth_ext_proc::config::Settings {
     let mut args = vec!["hearth-ext-proc".to_string()];
-    for (k, v) in data {
-        let v = v.as_str().expect("ConfigMap values are strings");
+    for (k, v) in env {
         if !v.is_empty() {
             let flag = k
                 .trim_start_matches("HEARTH_")
@@ -411,11 +558,158 @@ fn the_sidecar_configmap_sets_every_setting_to_a_value_it_accepts() {
             args.push(format!("--{flag}={v}"));
         }
     }
-    let cli = <hearth_ext_proc::config::Cli as clap::Parser>::try_parse_from(&args)
-        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
-    cli.settings
+    <hearth_ext_proc::config::Cli as clap::Parser>::try_parse_from(&args)
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+        .settings
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("hearth-deploy-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn the_sidecar_configmap_sets_every_setting_to_a_value_it_accepts() {
+    let docs = documents();
+    let data = find(&docs, "ConfigMap", "hearth-settings")["data"]
+        .as_object()
+        .unwrap();
+    let mut known = hearth_ext_proc::config::known_env_vars();
+    known.sort();
+    let mut shipped: Vec<String> = data.keys().cloned().collect();
+    shipped.sort();
+    assert_eq!(
+        shipped, known,
+        "deploy/sidecar/configmap.yaml vs the sidecar's settings"
+    );
+    // The values parse and validate as the sidecar's own settings, in the
+    // pod (with the Deployment's Secrets and mounted files).
+    let dir = scratch("settings");
+    let mut env = sidecar_pod_env(&docs, &dir);
+    // The control token's Secret ships a placeholder the sidecar refuses
+    // on purpose (another test checks that); here a stand-in it accepts.
+    let token = dir.join("control-token");
+    std::fs::write(&token, "x".repeat(64)).unwrap();
+    env.insert(
+        "HEARTH_CONTROL_TOKEN_FILE".into(),
+        token.display().to_string(),
+    );
+    let settings = parse_settings(&env);
+    settings
         .validate()
-        .unwrap_or_else(|p| panic!("ConfigMap settings refused: {p:?}"));
+        .unwrap_or_else(|p| panic!("the pod's settings refused: {p:?}"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_sidecars_reach_nats_over_tls_with_its_user_and_sign_with_the_fleet_key() {
+    let docs = documents();
+    let dir = scratch("bus");
+    let env = sidecar_pod_env(&docs, &dir);
+    let settings = parse_settings(&env);
+    // TLS to the NATS Service, at its port.
+    let url = settings.peers_url.clone().expect("HEARTH_PEERS_URL");
+    assert!(url.starts_with("tls://"), "{url}");
+    let service = find(&docs, "Service", "hearth-nats");
+    let port = service["spec"]["ports"][0]["port"].as_u64().unwrap();
+    assert_eq!(url, format!("tls://hearth-nats:{port}"));
+    assert!(!settings.peers_insecure);
+    // The server's CA (and only it, not the server's key) is trusted.
+    let ca = std::fs::read_to_string(settings.peers_ca_file.as_ref().unwrap()).unwrap();
+    assert!(ca.contains("BEGIN CERTIFICATE"));
+    let (sidecar, sidecar_pod) = container(&docs, "hearth-ext-proc");
+    let secret_volumes: Vec<&Value> = sidecar_pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| v["secret"].is_object())
+        .collect();
+    for v in &secret_volumes {
+        match v["secret"]["items"].as_array() {
+            Some(items) => {
+                for item in items {
+                    assert_ne!(item["key"], "tls.key", "the sidecars mount no server key");
+                }
+            }
+            // A whole Secret mounted: never the server's.
+            None => assert_ne!(v["secret"]["secretName"], "hearth-nats-tls", "{v}"),
+        }
+    }
+    // The key and the credentials come from Secrets, not the ConfigMap.
+    assert!(settings.peers_key().unwrap().is_some());
+    let sidecar_env = env_of(sidecar);
+    let from_secret = |env: &[(String, EnvValue)], name: &str| {
+        let value = env.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+        assert!(
+            matches!(value, Some(EnvValue::FromSecret(..))),
+            "{name} is not set from a Secret: {value:?}"
+        );
+        value.unwrap()
+    };
+    let user = from_secret(&sidecar_env, "HEARTH_PEERS_USER");
+    let password = from_secret(&sidecar_env, "HEARTH_PEERS_PASSWORD");
+    // Without those Secrets, the ConfigMap alone is refused, naming them.
+    let mut bare = env.clone();
+    bare.remove("HEARTH_PEERS_USER");
+    bare.remove("HEARTH_PEERS_PASSWORD");
+    let problems = parse_settings(&bare).validate().unwrap_err();
+    assert!(
+        problems.iter().any(|p| p.contains("HEARTH_PEERS_USER")),
+        "{problems:?}"
+    );
+    let mut keyless = env.clone();
+    keyless.remove("HEARTH_PEERS_KEY_FILE");
+    let problems = parse_settings(&keyless).validate().unwrap_err();
+    assert!(
+        problems.iter().any(|p| p.contains("HEARTH_PEERS_KEY_FILE")),
+        "{problems:?}"
+    );
+
+    // The NATS server: its configuration, where its arguments say.
+    let (nats, nats_pod) = container(&docs, "hearth-nats");
+    let args: Vec<&str> = nats["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let conf_path = args[args.iter().position(|a| *a == "-c").unwrap() + 1];
+    let conf = mounted_file(&docs, nats, nats_pod, conf_path).expect("nats.conf mounted");
+    assert_eq!(conf, hearth_e2e::nats::shipped_config());
+    // TLS with the certificate and key of the mounted Secret.
+    for field in ["cert_file", "key_file"] {
+        let line = conf
+            .lines()
+            .find(|l| l.trim_start().starts_with(field))
+            .unwrap_or_else(|| panic!("nats.conf has no {field}"));
+        let path = line.split('"').nth(1).unwrap();
+        let pem = mounted_file(&docs, nats, nats_pod, path)
+            .unwrap_or_else(|| panic!("{field} {path} is in no mounted volume"));
+        assert!(pem.contains("-----BEGIN"), "{field}: {pem}");
+    }
+    // One user, whose name and password are the sidecars' (same Secret
+    // keys), allowed only the fleet's subjects and inboxes.
+    let nats_env = env_of(nats);
+    assert!(conf.contains("user: $HEARTH_NATS_USER"), "{conf}");
+    assert!(conf.contains("password: $HEARTH_NATS_PASSWORD"), "{conf}");
+    assert_eq!(from_secret(&nats_env, "HEARTH_NATS_USER"), user);
+    assert_eq!(from_secret(&nats_env, "HEARTH_NATS_PASSWORD"), password);
+    assert!(
+        conf.contains(r#"publish: ["hearth.>", "_INBOX.>"]"#),
+        "{conf}"
+    );
+    // The placeholders say so, and kustomize never ships them.
+    let kustomization = docs
+        .iter()
+        .map(|(_, d)| d)
+        .find(|d| d["kind"] == "Kustomization")
+        .unwrap();
+    let resources = kustomization["resources"].as_array().unwrap();
+    assert!(!resources.iter().any(|r| r == "secrets.example.yaml"));
+    assert!(secret_value(&docs, "hearth-peers", "password").contains("REPLACE-ME"));
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -566,4 +860,117 @@ fn every_envoy_configuration_in_a_manifest_validates() {
         }
     }
     assert_eq!(checked, 2, "the Istio and Envoy Gateway patches");
+}
+
+/// The sidecar's ports, from the ConfigMap's listen addresses.
+const CONTROL_PORTS: [u16; 2] = [50051, 9190];
+
+#[test]
+fn no_shipped_config_opens_a_control_port_without_the_token() {
+    // The sidecar's settings: a listener off loopback comes with the
+    // token file, mounted from the Secret, and the sidecar itself refuses
+    // the other way round (HEARTH_CONTROL_INSECURE stays false).
+    let docs = documents();
+    let find = |kind: &str, name: &str| {
+        docs.iter()
+            .map(|(_, d)| d)
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name}"))
+            .clone()
+    };
+    let data = find("ConfigMap", "hearth-settings")["data"].clone();
+    let open = |key: &str| {
+        let addr: std::net::SocketAddr = data[key].as_str().unwrap().parse().unwrap();
+        !addr.ip().is_loopback()
+    };
+    assert!(open("HEARTH_LISTEN") && open("HEARTH_ADMIN_LISTEN"));
+    assert_eq!(data["HEARTH_CONTROL_INSECURE"], "false");
+    let token_file = data["HEARTH_CONTROL_TOKEN_FILE"].as_str().unwrap();
+    assert!(
+        !token_file.is_empty(),
+        "listeners off loopback without the token"
+    );
+    let pod = &find("Deployment", "hearth-ext-proc")["spec"]["template"]["spec"];
+    let mounts = pod["containers"][0]["volumeMounts"].as_array().unwrap();
+    let mount = mounts
+        .iter()
+        .find(|m| token_file.starts_with(&format!("{}/", m["mountPath"].as_str().unwrap())))
+        .expect("the token file's directory is mounted");
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    let secret = volume["secret"]["secretName"]
+        .as_str()
+        .expect("from a Secret");
+    let key = token_file.rsplit('/').next().unwrap();
+    let placeholder = find("Secret", secret)["stringData"][key]
+        .as_str()
+        .expect("the Secret holds the token's key")
+        .to_string();
+    // The shipped placeholder can never be the fleet's token.
+    let file = std::env::temp_dir().join(format!("hearth-placeholder-{}", std::process::id()));
+    std::fs::write(&file, &placeholder).unwrap();
+    assert!(hearth_ext_proc::config::read_control_token(&file).is_err());
+    let _ = std::fs::remove_file(file);
+
+    // A NetworkPolicy admits only named peers to both ports.
+    let policy = find("NetworkPolicy", "hearth-ext-proc");
+    assert_eq!(
+        policy["spec"]["podSelector"]["matchLabels"],
+        find("Deployment", "hearth-ext-proc")["spec"]["selector"]["matchLabels"]
+    );
+    for rule in policy["spec"]["ingress"].as_array().unwrap() {
+        for peer in rule["from"].as_array().expect("every rule names its peers") {
+            assert!(
+                peer["podSelector"]["matchLabels"].is_object(),
+                "a rule admits whole namespaces: {peer}"
+            );
+        }
+    }
+
+    // Every Envoy configuration that calls the sidecar sends the token
+    // and forwards only routing headers: the manifests (with a placeholder
+    // to replace) and the shipped gateways, which reach it on loopback.
+    for (path, doc) in &docs {
+        let text = serde_json::to_string(doc).unwrap();
+        if !text.contains("envoy.filters.http.ext_proc") {
+            continue;
+        }
+        assert!(
+            text.contains(r#""key":"authorization""#) && text.contains("Bearer "),
+            "{}: ext_proc without the control token",
+            path.display()
+        );
+        assert!(
+            text.contains("forward_rules") && text.contains("control_token"),
+            "{}: no forward_rules or no token in the outcome filter",
+            path.display()
+        );
+    }
+    for name in ["gateway.yaml", "gateway-body.yaml", "gateway-gie.yaml"] {
+        let yaml = std::fs::read_to_string(root().join("envoy").join(name)).unwrap();
+        let v: Value = serde_norway::from_str(&yaml).unwrap();
+        assert!(yaml.contains("forward_rules:"), "{name}");
+        for cluster in v["static_resources"]["clusters"].as_array().unwrap() {
+            let name_of = cluster["name"].as_str().unwrap();
+            if !name_of.starts_with("hearth_sidecar") {
+                continue;
+            }
+            for ep in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+                .as_array()
+                .unwrap()
+            {
+                let sa = &ep["endpoint"]["address"]["socket_address"];
+                let ip: std::net::IpAddr = sa["address"].as_str().unwrap().parse().unwrap();
+                assert!(
+                    ip.is_loopback() || yaml.contains("initial_metadata"),
+                    "{name}: {name_of} reaches {ip} without the token"
+                );
+                assert!(CONTROL_PORTS.contains(&(sa["port_value"].as_u64().unwrap() as u16)));
+            }
+        }
+    }
 }

@@ -92,15 +92,15 @@ async fn a_replica_that_never_generates_is_fenced_by_probes_and_readmitted_when_
 }
 
 #[tokio::test]
-async fn empty_answers_fence_a_replica_through_real_traffic() {
-    empty_answers_fence(FleetOptions::default()).await;
+async fn a_replica_that_answers_200_with_nothing_is_fenced_by_its_probes() {
+    broken_engine_fenced_by_probes(FleetOptions::default()).await;
 }
 
 #[tokio::test]
-async fn empty_answers_fence_a_replica_in_the_endpoint_picker_shape() {
+async fn a_replica_that_answers_200_with_nothing_is_fenced_in_the_endpoint_picker_shape() {
     // No wasm filter: the sidecar scans the response bodies itself (as in
     // body mode, below).
-    empty_answers_fence(FleetOptions {
+    broken_engine_fenced_by_probes(FleetOptions {
         gie_mode: true,
         ..FleetOptions::default()
     })
@@ -108,26 +108,49 @@ async fn empty_answers_fence_a_replica_in_the_endpoint_picker_shape() {
 }
 
 #[tokio::test]
-async fn empty_answers_fence_a_replica_in_body_mode() {
-    empty_answers_fence(FleetOptions {
+async fn a_replica_that_answers_200_with_nothing_is_fenced_in_body_mode() {
+    broken_engine_fenced_by_probes(FleetOptions {
         body_mode: true,
         ..FleetOptions::default()
     })
     .await;
 }
 
-async fn empty_answers_fence(shape: FleetOptions) {
-    // Probes off: only the outcome of real requests can find it.
+/// Idle probes once a minute; suspicion probes and retries quickly.
+const QUICK_PROBES: [&str; 5] = [
+    "--probe-interval-seconds=60",
+    "--probe-retry-seconds=0.2",
+    "--suspect-probe-seconds=0.2",
+    "--probe-timeout-seconds=2",
+    "--eject-after=3",
+];
+
+/// Waits until every engine passed its start-up probe.
+async fn probed_once(fleet: &Fleet) {
+    let start = Instant::now();
+    for e in &fleet.engines {
+        while probes(fleet, e.addr, "success").await < 1.0 {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "no start-up probe"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+async fn broken_engine_fenced_by_probes(shape: FleetOptions) {
+    // The ramjet lesson: an engine that answers 200 with nothing must be
+    // caught. Its empty answers only make it suspect; its probes come back
+    // empty too, and they fence it.
     let fleet = Fleet::start(FleetOptions {
         engines: 3,
-        sidecar_flags: vec![
-            "--probe-interval-seconds=0".into(),
-            "--eject-after=3".into(),
-        ],
+        sidecar_flags: QUICK_PROBES.iter().map(|f| f.to_string()).collect(),
         ..shape
     })
     .await
     .unwrap();
+    probed_once(&fleet).await;
     fleet.engines[2].engine.set_fault(Fault::Empty);
     let mut served_by_2 = Vec::new();
     for s in 0..30u64 {
@@ -139,14 +162,15 @@ async fn empty_answers_fence(shape: FleetOptions) {
                 assert_eq!(reply_text(&t.body), "");
             }
         }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // Outcome reports travel asynchronously, so one more request may slip
-    // through before the third report lands; after that, none.
+    // Reports and probes travel asynchronously: a few requests may reach
+    // it before its third failed probe; after that, none.
     assert!(
-        (3..=4).contains(&served_by_2.len()),
+        (1..=8).contains(&served_by_2.len()),
         "engine-2 served requests {served_by_2:?}"
     );
-    assert!(served_by_2.iter().all(|&s| s < 20), "{served_by_2:?}");
+    assert!(served_by_2.iter().all(|&s| s < 25), "{served_by_2:?}");
     let s = fleet.state().await.unwrap();
     let e2 = s.replicas.iter().find(|r| r.id == "engine-2").unwrap();
     assert!(fenced(&s, "engine-2"), "{s:?}");
@@ -154,11 +178,77 @@ async fn empty_answers_fence(shape: FleetOptions) {
         e2.health.last_failure,
         Some(hearth_router::health::Failure::EmptyAnswer)
     );
+    assert!(e2.health.suspicions_total >= 1, "{s:?}");
+    // The fencing was the probes' doing.
+    let failed = probes(&fleet, fleet.engines[2].addr, "empty_answer").await;
+    assert!(failed >= 3.0, "{failed} failed probes");
     // Healthy replicas' answers were judged fine, and proved them.
     for r in s.replicas.iter().filter(|r| r.id != "engine-2") {
         assert_eq!(r.health.consecutive_failures, 0, "{s:?}");
+        assert_eq!(r.health.suspect, None, "{s:?}");
         assert!(r.health.last_served_s_ago.is_some(), "{s:?}");
     }
+    fleet.assert_wasm_healthy();
+}
+
+#[tokio::test]
+async fn empty_answers_a_client_forces_fence_nothing() {
+    client_forced_empty_answers(FleetOptions::default()).await;
+}
+
+#[tokio::test]
+async fn empty_answers_a_client_forces_fence_nothing_in_the_endpoint_picker_shape() {
+    client_forced_empty_answers(FleetOptions {
+        gie_mode: true,
+        ..FleetOptions::default()
+    })
+    .await;
+}
+
+async fn client_forced_empty_answers(shape: FleetOptions) {
+    // Healthy engines; one client forces the end-of-sequence token first
+    // (`logit_bias`), streamed without usage and not: every answer it gets
+    // is empty by construction. Before, seven of these fenced a whole
+    // fleet; now they raise suspicion, the probes clear it, nobody else
+    // notices.
+    let fleet = Fleet::start(FleetOptions {
+        engines: 2,
+        sidecar_flags: QUICK_PROBES.iter().map(|f| f.to_string()).collect(),
+        ..shape
+    })
+    .await
+    .unwrap();
+    probed_once(&fleet).await;
+    for s in 0..20u64 {
+        let mut conv = Conversation::new(MODEL, &filler(s + 300, 512), false, 3000 + s);
+        let mut body = conv.next_turn(200, s % 2 == 0);
+        body["logit_bias"] = serde_json::json!({"2": 100});
+        let t = fleet.chat(&body).await;
+        assert_eq!(reply_text(&t.body), "", "the engine obeyed the bias");
+    }
+    // Another client, right after: served, by Hearth's choice.
+    for s in 0..4u64 {
+        let mut conv = Conversation::new(MODEL, &filler(s + 400, 512), false, 4000 + s);
+        let t = fleet.chat(&conv.next_turn(200, false)).await;
+        assert!(t.upstream.is_some(), "routed by Hearth");
+        assert_ne!(reply_text(&t.body), "");
+    }
+    let s = fleet.settle(Duration::from_secs(10)).await.unwrap();
+    for r in &s.replicas {
+        assert_eq!(
+            r.health.state,
+            hearth_router::health::HealthState::Serving,
+            "{s:?}"
+        );
+        assert_eq!(r.health.fenced_total, 0, "{s:?}");
+        assert_eq!(r.health.consecutive_failures, 0, "{s:?}");
+    }
+    assert!(
+        s.replicas.iter().any(|r| r.health.suspicions_total >= 1),
+        "the empty answers were seen: {s:?}"
+    );
+    let (status, health) = sidecar_health(&fleet).await;
+    assert_eq!((status, health.as_str()), (200, "ok"));
     fleet.assert_wasm_healthy();
 }
 
@@ -193,19 +283,29 @@ async fn a_503_is_retried_on_the_next_endpoint_never_the_same_one() {
         Some(hearth_router::health::Failure::Retried),
         "{s:?}"
     );
-    assert!(h.health.consecutive_failures >= 5, "{s:?}");
+    // A 503 is what a client's request could have provoked: suspicion,
+    // never a strike (probes are off here).
+    assert_eq!(
+        h.health.suspect,
+        Some(hearth_router::health::Failure::Retried),
+        "{s:?}"
+    );
+    assert_eq!(h.health.consecutive_failures, 0, "{s:?}");
     fleet.assert_wasm_healthy();
 }
 
 #[tokio::test]
 async fn a_request_stuck_without_an_answer_counts_as_a_timeout_and_releases_nothing_early() {
     let fleet = Fleet::start(flags(&[
-        "--probe-interval-seconds=0",
+        "--probe-interval-seconds=60",
+        "--probe-timeout-seconds=0.5",
+        "--suspect-probe-seconds=0.1",
         "--first-byte-timeout-seconds=0.5",
         "--eject-after=1",
     ]))
     .await
     .unwrap();
+    probed_once(&fleet).await;
     for e in &fleet.engines {
         e.engine.set_fault(Fault::Stall);
     }
@@ -233,10 +333,16 @@ async fn a_request_stuck_without_an_answer_counts_as_a_timeout_and_releases_noth
         .filter(|r| r.health.last_failure == Some(hearth_router::health::Failure::Timeout))
         .collect();
     assert_eq!(timed_out.len(), 1, "{s:?}");
+    // The missed first byte made it suspect; the probe that then timed out
+    // behind the stuck request fenced it.
     assert_eq!(
         timed_out[0].health.state,
-        hearth_router::health::HealthState::Fenced
+        hearth_router::health::HealthState::Fenced,
+        "{s:?}"
     );
+    let id = &timed_out[0].id;
+    let addr = fleet.engines[id.trim_start_matches("engine-").parse::<usize>().unwrap()].addr;
+    assert!(probes(&fleet, addr, "timeout").await >= 1.0);
     fleet.assert_wasm_healthy();
 }
 

@@ -5,9 +5,16 @@
 //! engine; a fencing by one is a fencing by all; the bus going
 //! away loses no request, and coming back brings the sidecars back in
 //! step; a sidecar that joins late is warm before its first decision.
+//! The bus is closed: a forged (another key), replayed or unsigned message
+//! changes nothing, a starting sidecar takes only a snapshot whose MAC
+//! checks, and over NATS with TLS and a user (the shipped configuration)
+//! the sidecars share as before while one without credentials is refused.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime};
+
+use futures::StreamExt;
 
 use hearth_bench::gateway::Envoy;
 use hearth_e2e::nats::NatsServer;
@@ -15,9 +22,10 @@ use hearth_e2e::{
     filler, metric_sample, reply_text, Conversation, Fleet, FleetOptions, Home, Turn, MODEL,
 };
 use hearth_ext_proc::envoy::render::{render, Gateway};
+use hearth_ext_proc::feeds::peer_guard::{open, seal, FleetKey};
 use hearth_ext_proc::Sidecar;
-use hearth_router::{Failure, HealthState, Outcome, Snapshot};
-use hearth_wire::peer::{encode, Body, Envelope, Update};
+use hearth_router::{Failure, HealthState, Outcome, RequestInfo, Snapshot};
+use hearth_wire::peer::{decode, encode, split_seal, Body, Envelope, Health, Load, Update, Warmth};
 
 /// Another sidecar of the fleet (same engines, same bus) with its own Envoy.
 struct Peer {
@@ -40,15 +48,125 @@ async fn peer(fleet: &Fleet) -> Peer {
     Peer { sidecar, envoy }
 }
 
-fn fleet_options(nats: &NatsServer) -> FleetOptions {
+/// The fleet's key in these tests.
+const KEY: &[u8] = b"hearth e2e fleet key, 32 bytes or more";
+
+/// A file holding [`KEY`] (with a newline, which is not part of it),
+/// removed when dropped.
+struct KeyFile(PathBuf);
+
+impl KeyFile {
+    fn new() -> KeyFile {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path =
+            std::env::temp_dir().join(format!("hearth-e2e-peers-key-{}-{n}", std::process::id()));
+        let mut text = KEY.to_vec();
+        text.push(b'\n');
+        std::fs::write(&path, text).unwrap();
+        KeyFile(path)
+    }
+}
+
+impl Drop for KeyFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn fleet_options(nats: &NatsServer, key: &KeyFile) -> FleetOptions {
     FleetOptions {
         sidecar_flags: vec![
             format!("--peers-url={}", nats.url()),
             "--fleet=e2e".into(),
             "--peers-sync-seconds=1".into(),
+            // A peer's fencing is a suspicion: confirmed by a probe soon.
+            "--suspect-probe-seconds=0.2".into(),
+            "--probe-retry-seconds=0.2".into(),
+            format!("--peers-key-file={}", key.0.display()),
         ],
         ..FleetOptions::default()
     }
+}
+
+/// Microseconds since the Unix epoch: a fresh sequence number.
+fn now_seq() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64
+}
+
+/// `e` as it goes on `subject`, sealed with `key` (None: unsigned).
+fn sealed(key: Option<&[u8]>, subject: &str, e: &Envelope) -> Vec<u8> {
+    let key = key.map(FleetKey::from_bytes);
+    seal(key.as_ref(), subject, encode(e))
+}
+
+/// `admin`'s count of peer messages dropped for `reason`.
+async fn dropped(admin: SocketAddr, reason: &str) -> f64 {
+    let (_, m) = get(admin, "/metrics").await;
+    metric_sample(
+        &m,
+        &format!("hearth_peer_messages_dropped_total{{reason=\"{reason}\"}}"),
+    )
+    .unwrap_or(0.0)
+}
+
+/// Waits (at most 10 s) until `admin` counted at least `at_least` drops
+/// for each reason.
+async fn wait_dropped(admin: SocketAddr, at_least: &[(&str, f64)]) {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut missing = Vec::new();
+        for &(reason, n) in at_least {
+            let got = dropped(admin, reason).await;
+            if got < n {
+                missing.push(format!("{reason}: {got} < {n}"));
+            }
+        }
+        if missing.is_empty() {
+            return;
+        }
+        assert!(Instant::now() < until, "drops not counted: {missing:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// An update that would fence every replica and load replica 0 to the
+/// cap, from a sender that is no sidecar.
+fn hostile_update(fleet: &Fleet, list: u64) -> Envelope {
+    let replicas = fleet.engines.len() as u16;
+    Envelope {
+        fleet: "e2e".into(),
+        list,
+        sender: 0xBAD,
+        seq: now_seq(),
+        body: Body::Update(Update {
+            warmth: vec![Warmth {
+                replica: 0,
+                hashes: (1..=100).collect(),
+                tip: Some(100),
+            }],
+            load: vec![Load {
+                replica: 0,
+                in_flight: u32::MAX,
+                load: f32::MAX,
+            }],
+            health: (0..replicas)
+                .map(|replica| Health {
+                    replica,
+                    rank: None,
+                    serving: false,
+                })
+                .collect(),
+        }),
+    }
+}
+
+/// The router's replica-list digest, as `/state` shows it.
+fn list_digest(s: &Snapshot) -> u64 {
+    u64::from_str_radix(&s.peers.as_ref().unwrap().list_digest, 16).unwrap()
 }
 
 async fn get(admin: SocketAddr, path: &str) -> (u16, String) {
@@ -111,7 +229,8 @@ async fn turn(fleet: &Fleet, envoy: &Envoy, conv: &mut Conversation) -> Turn {
 #[tokio::test]
 async fn turns_alternating_between_sidecars_stay_warm_and_a_fencing_is_shared() {
     let nats = NatsServer::start().unwrap();
-    let fleet = Fleet::start(fleet_options(&nats)).await.unwrap();
+    let key = KeyFile::new();
+    let fleet = Fleet::start(fleet_options(&nats, &key)).await.unwrap();
     let b = peer(&fleet).await;
     let a_admin = fleet.settings.admin_listen;
     wait_for(a_admin, "A on the bus", connected).await;
@@ -177,13 +296,19 @@ async fn turns_alternating_between_sidecars_stay_warm_and_a_fencing_is_shared() 
     );
     assert!(received.is_some_and(|n| n > 0.0), "{metrics}");
 
-    // A fences engine-2 on its own evidence; B stops sending it traffic.
+    // engine-2 breaks (200 with nothing); A fences it on its own evidence
+    // (refused connections, here told directly). At B that is a suspicion:
+    // B probes it at once, its probes fail too, and B stops sending it
+    // traffic.
+    fleet.engines[2]
+        .engine
+        .set_fault(hearth_bench::engine::Fault::Empty);
     let router = &fleet.sidecar.as_ref().unwrap().router;
     let fenced = router
         .replica_at(&fleet.engines[2].addr.to_string(), None)
         .unwrap();
     for _ in 0..3 {
-        router.record_request(fenced, Outcome::Failure(Failure::ServerError));
+        router.record_request(fenced, Outcome::Failure(Failure::ConnectFailure));
     }
     wait_for(b.sidecar.admin_addr, "B fences engine-2", |s| {
         s.replicas[fenced].health.state == HealthState::Fenced
@@ -200,26 +325,26 @@ async fn turns_alternating_between_sidecars_stay_warm_and_a_fencing_is_shared() 
         );
     }
 
-    // Bad input on the bus is dropped and counted, never applied.
+    // Bad input on the bus (signed with the fleet's key, so that it is
+    // read) is dropped and counted, never applied.
     let client = async_nats::connect(nats.url()).await.unwrap();
+    let subject = "hearth.e2e.updates";
     let foreign = Envelope {
         fleet: "another".into(),
         list: 1,
         sender: 9,
-        seq: 1,
+        seq: now_seq(),
         body: Body::Update(Update::default()),
     };
     let mut other_list = foreign.clone();
     other_list.fleet = "e2e".into();
+    let fleet_key = FleetKey::from_bytes(KEY);
     for payload in [
-        b"not a peer message".to_vec(),
-        encode(&foreign),
-        encode(&other_list),
+        seal(Some(&fleet_key), subject, b"not a peer message".to_vec()),
+        sealed(Some(KEY), subject, &foreign),
+        sealed(Some(KEY), subject, &other_list),
     ] {
-        client
-            .publish("hearth.e2e.updates", payload.into())
-            .await
-            .unwrap();
+        client.publish(subject, payload.into()).await.unwrap();
     }
     client.flush().await.unwrap();
     let until = Instant::now() + Duration::from_secs(10);
@@ -249,7 +374,8 @@ async fn turns_alternating_between_sidecars_stay_warm_and_a_fencing_is_shared() 
 #[tokio::test]
 async fn the_bus_going_away_loses_no_request_and_a_late_sidecar_starts_warm() {
     let mut nats = NatsServer::start().unwrap();
-    let fleet = Fleet::start(fleet_options(&nats)).await.unwrap();
+    let key = KeyFile::new();
+    let fleet = Fleet::start(fleet_options(&nats, &key)).await.unwrap();
     let b = peer(&fleet).await;
     let a_admin = fleet.settings.admin_listen;
     wait_for(a_admin, "A on the bus", connected).await;
@@ -287,6 +413,16 @@ async fn the_bus_going_away_loses_no_request_and_a_late_sidecar_starts_warm() {
     let mut late = Conversation::new(MODEL, &format!("{system} during the outage"), true, 77);
     let mut late_home = Home::new("started during the outage");
     late_home.check(&turn(&fleet, &fleet.envoy, &mut late).await, 0);
+    // What B holds there now (the shared system prompt, maybe): the new
+    // conversation's own blocks come only with A's state.
+    let home = late_home.engine().unwrap().to_string();
+    let warmth_on_home = |s: &Snapshot| {
+        s.replicas
+            .iter()
+            .find(|r| r.id == home)
+            .map_or(0, |r| r.warmth_blocks)
+    };
+    let before = warmth_on_home(&state(b.sidecar.admin_addr).await);
 
     // The bus comes back: the sidecars exchange their whole state.
     nats.restart().unwrap();
@@ -294,14 +430,8 @@ async fn the_bus_going_away_loses_no_request_and_a_late_sidecar_starts_warm() {
     wait_for(b.sidecar.admin_addr, "B back on the bus", connected).await;
     let (_, body) = get(a_admin, "/health").await;
     assert!(!body.contains("degraded"), "{body}");
-    let home = late_home.engine().unwrap().to_string();
     let until = Instant::now() + Duration::from_secs(10);
-    while state(b.sidecar.admin_addr)
-        .await
-        .replicas
-        .iter()
-        .all(|r| r.id != home || r.warmth_blocks == 0)
-    {
+    while warmth_on_home(&state(b.sidecar.admin_addr).await) <= before {
         assert!(Instant::now() < until, "B never learned A's outage warmth");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -326,5 +456,317 @@ async fn the_bus_going_away_loses_no_request_and_a_late_sidecar_starts_warm() {
         home.check(&t, 16_384 / 4);
         assert!(last_overlap(c.sidecar.admin_addr).await >= CONTINUED);
     }
+    fleet.assert_wasm_healthy();
+}
+
+#[tokio::test]
+async fn forged_replayed_and_unsigned_peer_messages_are_dropped_counted_and_change_nothing() {
+    let nats = NatsServer::start().unwrap();
+    let key = KeyFile::new();
+    let fleet = Fleet::start(fleet_options(&nats, &key)).await.unwrap();
+    let b = peer(&fleet).await;
+    let a_admin = fleet.settings.admin_listen;
+    let b_admin = b.sidecar.admin_addr;
+    wait_for(a_admin, "A on the bus", connected).await;
+    wait_for(b_admin, "B on the bus", connected).await;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let subject = "hearth.e2e.updates";
+    let mut updates = client.subscribe(subject).await.unwrap();
+    client.flush().await.unwrap();
+
+    // A holds one request: its next update says so, and B counts it.
+    let router = &fleet.sidecar.as_ref().unwrap().router;
+    let held = router.decide(&RequestInfo::default()).unwrap();
+    let busy = held.primary();
+    let captured = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let m = updates.next().await.unwrap();
+            let Some((message, _)) = split_seal(&m.payload) else {
+                continue;
+            };
+            let Ok(e) = decode(message) else { continue };
+            if let Body::Update(u) = &e.body {
+                if u.load.iter().any(|l| l.in_flight == 1) {
+                    return m.payload;
+                }
+            }
+        }
+    })
+    .await
+    .expect("A's update with its request in flight");
+    wait_for(b_admin, "B counts A's request", |s| {
+        s.replicas[busy].peer_in_flight == 1
+    })
+    .await;
+    drop(held);
+    wait_for(b_admin, "B sees it released", |s| {
+        s.replicas.iter().all(|r| r.peer_in_flight == 0)
+    })
+    .await;
+    let before = state(b_admin).await;
+
+    // A replay of A's genuine update, a forgery signed with another key,
+    // and the same forgery unsigned.
+    let list = list_digest(&before);
+    let forged = hostile_update(&fleet, list);
+    let other_key: &[u8] = b"not the fleet's key, though 32 bytes long";
+    client.publish(subject, captured).await.unwrap();
+    client
+        .publish(subject, sealed(Some(other_key), subject, &forged).into())
+        .await
+        .unwrap();
+    let mut unsigned = forged.clone();
+    unsigned.seq += 1;
+    client
+        .publish(subject, sealed(None, subject, &unsigned).into())
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    wait_dropped(
+        b_admin,
+        &[("replay", 1.0), ("bad_mac", 1.0), ("unsigned", 1.0)],
+    )
+    .await;
+    wait_dropped(a_admin, &[("bad_mac", 1.0), ("unsigned", 1.0)]).await;
+
+    // Nothing changed: no replica fenced, no load, no warmth from them.
+    for admin in [a_admin, b_admin] {
+        let s = state(admin).await;
+        for (r, was) in s.replicas.iter().zip(&before.replicas) {
+            assert_ne!(r.health.state, HealthState::Fenced, "{}: {s:?}", r.id);
+            assert_eq!((r.peer_in_flight, r.peer_load), (0, 0.0), "{}", r.id);
+            if admin == b_admin {
+                assert_eq!(r.warmth_blocks, was.warmth_blocks, "{}", r.id);
+            }
+        }
+    }
+    // Signed with the fleet's key, the same update is read (it names a
+    // sender that is no sidecar, but it checks): the drops above were the
+    // MAC's doing.
+    let mut genuine = forged.clone();
+    genuine.seq = now_seq();
+    genuine.body = Body::Update(Update {
+        load: vec![Load {
+            replica: 0,
+            in_flight: 3,
+            load: 3.0,
+        }],
+        ..Update::default()
+    });
+    client
+        .publish(subject, sealed(Some(KEY), subject, &genuine).into())
+        .await
+        .unwrap();
+    // (Place 0 is the first replica by address, whichever that is.)
+    wait_for(b_admin, "B applies a message that checks", |s| {
+        s.replicas.iter().any(|r| r.peer_in_flight == 3)
+    })
+    .await;
+    let mut conv = Conversation::new(MODEL, "after the forgeries", true, 4242);
+    assert_eq!(turn(&fleet, &b.envoy, &mut conv).await.status, 200);
+    fleet.assert_wasm_healthy();
+}
+
+#[tokio::test]
+async fn hellos_are_rate_limited_and_a_starting_sidecar_takes_only_a_snapshot_whose_mac_checks() {
+    let nats = NatsServer::start().unwrap();
+    let key = KeyFile::new();
+    let mut fleet = Fleet::start(fleet_options(&nats, &key)).await.unwrap();
+    let a_admin = fleet.settings.admin_listen;
+    wait_for(a_admin, "A on the bus", connected).await;
+    // A holds warmth: three prompts of 30 blocks.
+    let router = &fleet.sidecar.as_ref().unwrap().router;
+    for k in 0..3u64 {
+        let info = RequestInfo {
+            hashes: (k * 1_000..k * 1_000 + 30).collect(),
+            prompt_bytes: 30 * 2048,
+            ..RequestInfo::default()
+        };
+        drop(router.decide(&info).unwrap());
+    }
+    let a = state(a_admin).await;
+    let a_warmth: Vec<usize> = a.replicas.iter().map(|r| r.warmth_blocks).collect();
+    assert_eq!(a_warmth.iter().sum::<usize>(), 90);
+
+    // Ten hellos at once, signed: A answers a few (each answer is its
+    // whole state), the rest are dropped and counted.
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut answers = client.subscribe("_INBOX.e2e.>").await.unwrap();
+    client.flush().await.unwrap();
+    let seq = now_seq();
+    for i in 0..10u64 {
+        let hello = Envelope {
+            fleet: "e2e".into(),
+            list: list_digest(&a),
+            sender: 0x7E57,
+            seq: seq + i,
+            body: Body::Hello {
+                reply: format!("_INBOX.e2e.{i}"),
+            },
+        };
+        let payload = sealed(Some(KEY), "hearth.e2e.hello", &hello);
+        client
+            .publish("hearth.e2e.hello", payload.into())
+            .await
+            .unwrap();
+    }
+    client.flush().await.unwrap();
+    wait_dropped(a_admin, &[("hello_limited", 5.0)]).await;
+    // A's whole state, as it answered the first hello.
+    let mut parts: Vec<Update> = Vec::new();
+    let mut asked = std::collections::BTreeSet::new();
+    let until = Instant::now() + Duration::from_secs(2);
+    while let Ok(Some(m)) = tokio::time::timeout_at(until.into(), answers.next()).await {
+        asked.insert(m.subject.to_string());
+        let fleet_key = FleetKey::from_bytes(KEY);
+        let message = open(Some(&fleet_key), &m.subject, &m.payload).expect("A's answer checks");
+        if let Body::Snapshot { update, .. } = decode(message).unwrap().body {
+            if m.subject.as_str() == "_INBOX.e2e.0" {
+                parts.push(update);
+            }
+        }
+    }
+    assert!(
+        (1..=5).contains(&asked.len()),
+        "A answered {} of 10 hellos",
+        asked.len()
+    );
+    assert!(!parts.is_empty(), "A answered the first hello");
+
+    // A goes away; C starts. A forger answers C's hello first with a state
+    // that fences every replica, loads one and warms it (signed with
+    // another key, and unsigned), then a key holder answers with A's
+    // state.
+    fleet.stop_sidecar().await.unwrap();
+    let mut hellos = client.subscribe("hearth.e2e.hello").await.unwrap();
+    client.flush().await.unwrap();
+    let forged = hostile_update(&fleet, list_digest(&a));
+    let forger = tokio::spawn(async move {
+        let m = hellos.next().await.unwrap();
+        let (message, _) = split_seal(&m.payload).unwrap();
+        let Body::Hello { reply } = decode(message).unwrap().body else {
+            panic!("not a hello");
+        };
+        let Body::Update(update) = forged.body.clone() else {
+            unreachable!()
+        };
+        let snapshot = Envelope {
+            seq: now_seq(),
+            body: Body::Snapshot {
+                part: 0,
+                parts: 1,
+                update,
+            },
+            ..forged.clone()
+        };
+        let other_key: &[u8] = b"not the fleet's key, though 32 bytes long";
+        let mut payloads = vec![
+            sealed(Some(other_key), &reply, &snapshot),
+            sealed(None, &reply, &snapshot),
+        ];
+        let n = parts.len() as u32;
+        for (i, update) in parts.into_iter().enumerate() {
+            let genuine = Envelope {
+                sender: 0x600D,
+                seq: now_seq() + i as u64,
+                body: Body::Snapshot {
+                    part: i as u32,
+                    parts: n,
+                    update,
+                },
+                ..forged.clone()
+            };
+            payloads.push(sealed(Some(KEY), &reply, &genuine));
+        }
+        for payload in payloads {
+            client.publish(reply.clone(), payload.into()).await.unwrap();
+        }
+        client.flush().await.unwrap();
+    });
+    let mut settings = fleet.settings.clone();
+    settings.listen = "127.0.0.1:0".parse().unwrap();
+    settings.admin_listen = "127.0.0.1:0".parse().unwrap();
+    let c = Sidecar::start(&settings).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), forger)
+        .await
+        .expect("the forger saw C's hello")
+        .unwrap();
+    wait_dropped(c.admin_addr, &[("bad_mac", 1.0), ("unsigned", 1.0)]).await;
+    let joined = state(c.admin_addr).await;
+    assert_eq!(joined.decisions_total, 0);
+    let c_warmth: Vec<usize> = joined.replicas.iter().map(|r| r.warmth_blocks).collect();
+    assert_eq!(c_warmth, a_warmth, "C took A's warmth, and only A's");
+    for r in &joined.replicas {
+        assert_ne!(r.health.state, HealthState::Fenced, "{}", r.id);
+        assert_eq!((r.peer_in_flight, r.peer_load), (0, 0.0), "{}", r.id);
+    }
+}
+
+#[tokio::test]
+async fn over_nats_with_tls_and_a_user_sidecars_share_and_one_without_credentials_is_refused() {
+    // The shipped NATS configuration (deploy/sidecar/nats.yaml): TLS with a
+    // certificate of a CA made now, and one user.
+    let password = "e2e-password-for-the-sidecars";
+    let nats = NatsServer::start_closed("hearth", password).unwrap();
+    let ca = nats.ca_file().unwrap();
+    assert!(nats.url().starts_with("tls://127.0.0.1:"));
+    let key = KeyFile::new();
+    let mut options = fleet_options(&nats, &key);
+    options.sidecar_flags.extend([
+        "--peers-user=hearth".to_string(),
+        format!("--peers-password={password}"),
+        format!("--peers-ca-file={}", ca.display()),
+    ]);
+    let fleet = Fleet::start(options).await.unwrap();
+    let b = peer(&fleet).await;
+    let a_admin = fleet.settings.admin_listen;
+    wait_for(a_admin, "A on the TLS bus", connected).await;
+    wait_for(b.sidecar.admin_addr, "B on the TLS bus", connected).await;
+
+    // They share: a conversation alternating between them stays warm.
+    let system = filler(41, 16_384);
+    let mut conv = Conversation::new(MODEL, &format!("{system} over tls"), true, 808);
+    let mut home = Home::new("over tls");
+    let gateways = [(&fleet.envoy, a_admin), (&b.envoy, b.sidecar.admin_addr)];
+    for k in 0..4usize {
+        let (envoy, admin) = gateways[k % 2];
+        home.check(&turn(&fleet, envoy, &mut conv).await, 16_384 / 4);
+        if k > 0 {
+            let overlap = last_overlap(admin).await;
+            assert!(overlap >= CONTINUED, "turn {k}: overlap {overlap}");
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+
+    // The server refuses a client without the user, and one that does not
+    // trust its CA.
+    let no_user = async_nats::ConnectOptions::new()
+        .add_root_certificates(ca.clone())
+        .require_tls(true)
+        .connect(nats.url())
+        .await;
+    assert!(no_user.is_err(), "connected without credentials");
+    let untrusted =
+        async_nats::ConnectOptions::with_user_and_password("hearth".into(), password.into())
+            .require_tls(true)
+            .connect(nats.url())
+            .await;
+    assert!(untrusted.is_err(), "connected without trusting the CA");
+    // A sidecar without credentials (allowed to start: the server is on
+    // loopback) never gets on the bus.
+    let mut settings = fleet.settings.clone();
+    settings.listen = "127.0.0.1:0".parse().unwrap();
+    settings.admin_listen = "127.0.0.1:0".parse().unwrap();
+    settings.peers_user = None;
+    settings.peers_password = None;
+    settings.validate().unwrap();
+    let c = Sidecar::start(&settings).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let s = state(c.admin_addr).await;
+    assert!(!connected(&s), "C got on the bus without credentials");
+    assert_eq!(s.peers.as_ref().unwrap().live, 0);
+    let log = nats.log();
+    assert!(log.contains("authentication error"), "{log}");
+    assert!(log.contains("unknown certificate authority"), "{log}");
     fleet.assert_wasm_healthy();
 }

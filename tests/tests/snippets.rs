@@ -122,11 +122,14 @@ async fn chat_via(fleet: &Fleet, envoy: &Envoy, body: &serde_json::Value) -> Tur
 
 #[tokio::test]
 async fn a_foreign_gateway_with_the_snippets_keeps_conversations_on_their_replicas() {
-    // Probes off: only real traffic, and the outcome filter's reports,
-    // tell the sidecar about a replica's health.
+    // Idle probes once a minute (the start-up round only): real traffic,
+    // and the outcome filter's reports, raise suspicion, which the
+    // sidecar's probes then confirm quickly.
     let fleet = Fleet::start(FleetOptions {
         sidecar_flags: vec![
-            "--probe-interval-seconds=0".into(),
+            "--probe-interval-seconds=60".into(),
+            "--suspect-probe-seconds=0.2".into(),
+            "--probe-retry-seconds=0.2".into(),
             "--eject-after=3".into(),
         ],
         ..FleetOptions::default()
@@ -227,7 +230,9 @@ async fn a_foreign_gateway_with_the_snippets_keeps_conversations_on_their_replic
     fleet.engines[idx].engine.set_fault(Fault::None);
 
     // A replica answering 200 with nothing in it is fenced: the outcome
-    // filter's reports reach the sidecar through the outcome cluster.
+    // filter's reports reach the sidecar through the outcome cluster and
+    // make it suspect (nothing else would: its idle probe is a minute
+    // away), and its probes, empty too, fence it.
     let empty = (idx + 1) % fleet.engines.len();
     let empty_id = fleet.engines[empty].engine.config().id.clone();
     fleet.engines[empty].engine.set_fault(Fault::Empty);
@@ -253,6 +258,7 @@ async fn a_foreign_gateway_with_the_snippets_keeps_conversations_on_their_replic
     let state = fleet.state().await.unwrap();
     let replica = state.replicas.iter().find(|r| r.id == empty_id).unwrap();
     assert_eq!(replica.health.last_failure, Some(Failure::EmptyAnswer));
+    assert!(replica.health.suspicions_total >= 1, "{state:?}");
     fleet.engines[empty].engine.set_fault(Fault::None);
 
     // Every request's load came back, and no wasm VM failed.

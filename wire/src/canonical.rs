@@ -7,7 +7,7 @@
 //! escapes. Only the small JSON-valued fields (tools, tool_calls, non-text
 //! parts, input items) become `serde_json::Value`.
 
-use crate::{json, Endpoint, SkipReason};
+use crate::{json, CacheUse, Endpoint, SkipReason};
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::Value;
@@ -33,14 +33,25 @@ const TAG_INPUT_ITEM: u8 = b'E';
 ///
 /// Never panics; every failure is a [`SkipReason`].
 pub fn canonical_prompt(endpoint: Endpoint, body: &[u8]) -> Result<(String, Vec<u8>), SkipReason> {
-    canonical_request(endpoint, body).map(|(model, bytes, _)| (model, bytes))
+    canonical_request(endpoint, body).map(|r| (r.model, r.canonical))
 }
 
-/// [`canonical_prompt`], plus the request's output cap when it has one.
+/// What [`canonical_request`] reads of a body.
+pub(crate) struct CanonicalRequest {
+    pub(crate) model: String,
+    pub(crate) canonical: Vec<u8>,
+    /// The request's output cap, when it has one.
+    pub(crate) max_output_tokens: Option<u64>,
+    pub(crate) cache: CacheUse,
+    /// The `cache_salt` (partitioned requests only).
+    pub(crate) cache_salt: Option<String>,
+}
+
+/// [`canonical_prompt`], plus the request's output cap and cache use.
 pub(crate) fn canonical_request(
     endpoint: Endpoint,
     body: &[u8],
-) -> Result<(String, Vec<u8>, Option<u64>), SkipReason> {
+) -> Result<CanonicalRequest, SkipReason> {
     let mut de = serde_json::Deserializer::from_slice(body);
     let top = TopSeed(endpoint)
         .deserialize(&mut de)
@@ -62,7 +73,31 @@ pub(crate) fn canonical_request(
     if out.is_empty() {
         return Err(SkipReason::NoPrompt);
     }
-    Ok((model, out, fields.max_output_tokens))
+    // A salt partitions the cache; turning the cache off or pinning a slot
+    // bypasses it (the stronger of the two when both are asked).
+    let cache_salt = match fields.cache_salt.take() {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s),
+        Some(other) => {
+            let mut v = Vec::new();
+            json::write_value(&mut v, &other);
+            Some(String::from_utf8_lossy(&v).into_owned())
+        }
+    };
+    let cache = if fields.cache_prompt == Some(false) || fields.pinned_slot {
+        CacheUse::Bypassed
+    } else if cache_salt.is_some() {
+        CacheUse::Partitioned
+    } else {
+        CacheUse::Shared
+    };
+    Ok(CanonicalRequest {
+        model,
+        canonical: out,
+        max_output_tokens: fields.max_output_tokens,
+        cache,
+        cache_salt: cache_salt.filter(|_| cache == CacheUse::Partitioned),
+    })
 }
 
 // ---------------------------------------------------------------------------
@@ -253,6 +288,13 @@ struct Fields<'a> {
     /// `max_output_tokens`), when it is a plain integer. Not part of the
     /// canonical bytes.
     max_output_tokens: Option<u64>,
+    /// `cache_salt` (vLLM, SGLang).
+    cache_salt: Option<Value>,
+    /// `cache_prompt` (llama.cpp), when a boolean.
+    cache_prompt: Option<bool>,
+    /// `id_slot` or `slot_id` (llama.cpp) names a slot (a non-negative
+    /// integer; -1 lets the engine choose).
+    pinned_slot: bool,
 }
 
 #[derive(Default)]
@@ -501,6 +543,15 @@ impl<'de> Visitor<'de> for TopSeed {
                     let v: Value = map.next_value()?;
                     f.max_output_tokens = v.as_u64().or(f.max_output_tokens);
                 }
+                ("cache_salt", _) => f.cache_salt = Some(map.next_value()?),
+                ("cache_prompt", _) => {
+                    let v: Value = map.next_value()?;
+                    f.cache_prompt = v.as_bool();
+                }
+                ("id_slot" | "slot_id", _) => {
+                    let v: Value = map.next_value()?;
+                    f.pinned_slot |= v.as_u64().is_some();
+                }
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -670,5 +721,57 @@ mod tests {
             .unwrap(),
             rec(b'P', "x")
         );
+    }
+
+    #[test]
+    fn cache_salts_partition_and_cache_switches_bypass() {
+        use crate::{fingerprint, CacheUse, Params};
+        let fp = |body: &str| {
+            fingerprint(
+                Endpoint::ChatCompletions,
+                body.as_bytes(),
+                &Params::default(),
+            )
+            .unwrap()
+        };
+        let plain = fp(r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#);
+        assert_eq!(plain.cache, CacheUse::Shared);
+        let salted = fp(
+            r#"{"model":"m","cache_salt":"tenant-a","messages":[{"role":"user","content":"hi"}]}"#,
+        );
+        let other = fp(
+            r#"{"model":"m","cache_salt":"tenant-b","messages":[{"role":"user","content":"hi"}]}"#,
+        );
+        let again = fp(
+            r#"{"messages":[{"role":"user","content":"hi"}],"model":"m","cache_salt":"tenant-a"}"#,
+        );
+        assert_eq!(salted.cache, CacheUse::Partitioned);
+        // Same prompt: other salts (or none) share no block; the same salt
+        // shares all; the canonical bytes are the same.
+        assert_ne!(salted.hashes, plain.hashes);
+        assert_ne!(salted.hashes, other.hashes);
+        assert_eq!(salted.hashes, again.hashes);
+        assert_eq!(salted.prompt_bytes, plain.prompt_bytes);
+        for body in [
+            r#"{"model":"m","cache_prompt":false,"messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","id_slot":1,"messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","slot_id":0,"cache_salt":"x","messages":[{"role":"user","content":"hi"}]}"#,
+        ] {
+            let f = fp(body);
+            assert_eq!(f.cache, CacheUse::Bypassed, "{body}");
+            assert_eq!(f.hashes, plain.hashes, "{body}");
+        }
+        for body in [
+            r#"{"model":"m","cache_prompt":true,"messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","id_slot":-1,"messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","cache_salt":null,"messages":[{"role":"user","content":"hi"}]}"#,
+        ] {
+            assert_eq!(fp(body).cache, CacheUse::Shared, "{body}");
+            assert_eq!(fp(body).hashes, plain.hashes, "{body}");
+        }
+        for v in ["shared", "partitioned", "bypassed"] {
+            assert_eq!(CacheUse::parse(v).unwrap().as_str(), v);
+        }
+        assert_eq!(CacheUse::parse("off"), None);
     }
 }

@@ -16,6 +16,14 @@ pub const PROMPT_BYTES: &str = "x-hearth-prompt-bytes";
 pub const MODEL: &str = "x-hearth-model";
 /// The request's output cap, when it has one (`max_tokens` and equivalents).
 pub const MAX_TOKENS: &str = "x-hearth-max-tokens";
+/// How the request uses the engine's prompt cache, when not as usual:
+/// `partitioned` (it names a cache salt) or `bypassed` (it turns the
+/// engine's prompt cache off, or pins an engine slot); see
+/// [`crate::CacheUse`].
+pub const CACHE: &str = "x-hearth-cache";
+/// The sidecar's own id for a routed generation (random, never a
+/// client's): the outcome filter's report names its decision by it.
+pub const TICKET: &str = "x-hearth-ticket";
 /// Every header starting with this prefix is Hearth's; clients may not send them.
 pub const PREFIX: &str = "x-hearth-";
 

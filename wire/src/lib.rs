@@ -57,6 +57,14 @@
 //!
 //! Every other field (`temperature`, `max_tokens`, `stream`, `user`, `seed`,
 //! `metadata`, message fields other than the five above, ...) is ignored.
+//!
+//! **Cache use** (not part of the canonical bytes): a body may ask the
+//! engine to keep its prompt apart from others' or not to use its prompt
+//! cache at all. `cache_salt` (vLLM, SGLang: only requests with the same
+//! salt share cached blocks) makes the request *partitioned*;
+//! `"cache_prompt": false` (llama.cpp: the prompt is read afresh) or
+//! `id_slot` / `slot_id` with a slot number (llama.cpp: the request takes
+//! that slot, whatever it holds) make it *bypassed* ([`CacheUse`]).
 //! The model comes from the `model` field (a non-empty string).
 //!
 //! **Canonical JSON**: compact (no whitespace); object keys sorted by their
@@ -71,7 +79,11 @@
 //! # Hashes
 //!
 //! FNV-1a 64 (offset basis `0xcbf29ce484222325`, prime `0x100000001b3`).
-//! `seed = fnv1a(b"hearth-fp/v1\0" ++ model)`; the first
+//! `seed = fnv1a(b"hearth-fp/v1\0" ++ model)`, or for a partitioned
+//! request `fnv1a(b"hearth-fp/v1\0" ++ model ++ b"\0cache_salt\0" ++ salt)`
+//! (the salt as its JSON string's text, other JSON values as their
+//! canonical JSON), so salted prompts share warmth only with the same
+//! salt, as in the engine; the first
 //! `min(len, max_prefix_bytes)` canonical bytes are cut into `block_size`
 //! blocks (a trailing partial block counts) and
 //! `h_i = fnv1a(h_{i-1}.to_le_bytes() ++ block_i)` with `h_{-1} = seed`.
@@ -90,6 +102,7 @@ pub mod outcome;
 pub mod peer;
 
 pub use canonical::canonical_prompt;
+
 pub use hash::{chain_hashes, fnv1a64};
 
 /// Version of the canonical format, the hash chain and the header.
@@ -219,6 +232,41 @@ pub struct Fingerprint {
     /// when given as an integer: routing may prefer replicas suited to it.
     /// It never changes the hashes.
     pub max_output_tokens: Option<u64>,
+    /// How the request uses the engine's prompt cache.
+    pub cache: CacheUse,
+}
+
+/// How a request uses the engine's prompt cache, as its body asks (see the
+/// crate's notes). What an engine serves a partitioned or bypassed request
+/// from its cache says nothing about what it holds for everyone else, so
+/// the sidecar never corrects its warmth index by such answers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CacheUse {
+    /// The engine's shared prompt cache, as usual.
+    #[default]
+    Shared,
+    /// Only requests with the same `cache_salt` share cached prompts.
+    Partitioned,
+    /// The engine is told not to use its prompt cache (or to use one slot).
+    Bypassed,
+}
+
+impl CacheUse {
+    /// The `x-hearth-cache` header value (`shared` is never sent).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CacheUse::Shared => "shared",
+            CacheUse::Partitioned => "partitioned",
+            CacheUse::Bypassed => "bypassed",
+        }
+    }
+
+    /// Inverse of [`CacheUse::as_str`].
+    pub fn parse(s: &str) -> Option<CacheUse> {
+        [CacheUse::Shared, CacheUse::Partitioned, CacheUse::Bypassed]
+            .into_iter()
+            .find(|c| c.as_str() == s.trim())
+    }
 }
 
 impl Fingerprint {
@@ -285,13 +333,20 @@ pub fn fingerprint(
     body: &[u8],
     params: &Params,
 ) -> Result<Fingerprint, SkipReason> {
-    let (model, canonical, max_output_tokens) = canonical::canonical_request(endpoint, body)?;
-    let hashes = chain_hashes(&model, &canonical, params);
+    let request = canonical::canonical_request(endpoint, body)?;
+    let hashes = match &request.cache_salt {
+        Some(salt) => {
+            let seed = format!("{}\0cache_salt\0{salt}", request.model);
+            chain_hashes(&seed, &request.canonical, params)
+        }
+        None => chain_hashes(&request.model, &request.canonical, params),
+    };
     Ok(Fingerprint {
-        model,
-        prompt_bytes: canonical.len() as u64,
+        model: request.model,
+        prompt_bytes: request.canonical.len() as u64,
         block_size: hash::effective_block_size(params) as u32,
         hashes,
-        max_output_tokens,
+        max_output_tokens: request.max_output_tokens,
+        cache: request.cache,
     })
 }

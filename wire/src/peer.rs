@@ -12,7 +12,7 @@
 //! allocating, so no input makes it allocate more than a small multiple of
 //! the input's own size.
 //!
-//! # Layout (format 1)
+//! # Layout (format 2)
 //!
 //! The envelope (`F` is the fleet name's length; the body starts at byte
 //! `31 + F`):
@@ -20,7 +20,7 @@
 //! ```text
 //! offset  bytes  field
 //! 0       4      magic "HRTP" (48 52 54 50)
-//! 4       1      format: 1
+//! 4       1      format: 2
 //! 5       1      F
 //! 6       F      fleet, UTF-8
 //! 6+F     8      list    u64, list_digest of the sender's replica list
@@ -52,25 +52,65 @@
 //! list's [`list_digest`]: a receiver applies only figures from senders
 //! whose list is its own.
 //!
+//! `seq` grows with every message a sender sends: it is the sender's wall
+//! clock in microseconds since the Unix epoch, or its previous `seq` plus
+//! one when the clock has not moved past it. A receiver accepts from a
+//! sender only a `seq` above the last it accepted from that sender (on the
+//! same subject kind: the fleet's subjects, or its own inbox), and only
+//! one within a minute of its own clock, so a message replayed later, or
+//! after the sender restarted under a new random id, is refused.
+//!
 //! For example, a hello from fleet `f` (list 1, sender 2, seq 3) asking for
 //! answers on subject `r` is these 34 bytes:
 //!
 //! ```text
-//! 48 52 54 50 01 01 66                              "HRTP", format 1, "f"
+//! 48 52 54 50 02 01 66                              "HRTP", format 2, "f"
 //! 01 00 00 00 00 00 00 00                           list 1
 //! 02 00 00 00 00 00 00 00                           sender 2
 //! 03 00 00 00 00 00 00 00                           seq 3
 //! 02 01 72                                          hello, "r"
 //! ```
+//!
+//! # On the bus: the seal
+//!
+//! On NATS every message is followed by [`MAC_BYTES`] bytes, its MAC:
+//! HMAC-SHA256 keyed with the fleet's key (`HEARTH_PEERS_KEY_FILE`) over
+//! the subject the message is published on and the whole message:
+//!
+//! ```text
+//! mac = HMAC-SHA256(key, u32 len(subject), subject, message)
+//! ```
+//!
+//! The MAC covers every byte of the envelope (magic, format, fleet, list,
+//! sender, seq, kind, body) and binds the message to its subject, so a
+//! snapshot part sent to one sidecar's inbox cannot be replayed to
+//! another's. A sender without a key (`HEARTH_PEERS_INSECURE=true`) writes
+//! 32 zero bytes; a receiver with a key verifies the MAC (in constant time)
+//! before it decodes anything and drops a message whose MAC does not
+//! check. [`decode`] reads the message without its MAC: the sidecar
+//! computes and checks the MAC (`ext-proc/src/feeds/peer_guard.rs`), so
+//! this crate carries no cryptography and builds for wasm32-wasip1.
 
 use thiserror::Error;
 
 /// Format of the peer messages; a message of another format is refused.
-pub const PEER_FORMAT: u8 = 1;
+pub const PEER_FORMAT: u8 = 2;
 
 /// The largest message a sidecar sends or accepts (NATS' default maximum
-/// payload is 1 MiB).
+/// payload is 1 MiB), without its MAC.
 pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
+
+/// Bytes of the MAC that follows every message on the bus (HMAC-SHA256;
+/// see the module doc's "On the bus: the seal").
+pub const MAC_BYTES: usize = 32;
+
+/// A sealed message (one as it travels on the bus) split into the message
+/// and its MAC; None when it is shorter than a MAC.
+pub fn split_seal(sealed: &[u8]) -> Option<(&[u8], &[u8; MAC_BYTES])> {
+    let at = sealed.len().checked_sub(MAC_BYTES)?;
+    let (message, mac) = sealed.split_at(at);
+    Some((message, mac.try_into().ok()?))
+}
 
 /// The smallest `max_bytes` that [`Update::split`] honours: an update that
 /// holds one warmth record of one hash with its tip (every load or health
@@ -107,7 +147,9 @@ pub struct Envelope {
     pub list: u64,
     /// The sending sidecar's random id (chosen at start).
     pub sender: u64,
-    /// The sender's message counter (gaps tell a receiver it missed some).
+    /// Grows with every message of the sender: its clock in microseconds
+    /// since the Unix epoch, or the previous `seq` plus one (see the
+    /// module doc).
     pub seq: u64,
     /// What the message says.
     pub body: Body,
@@ -659,7 +701,7 @@ mod tests {
             seq: 3,
             body: Body::Hello { reply: "r".into() },
         };
-        let mut expected = b"HRTP\x01\x01f".to_vec();
+        let mut expected = b"HRTP\x02\x01f".to_vec();
         for v in [1u64, 2, 3] {
             expected.extend_from_slice(&v.to_le_bytes());
         }

@@ -4,8 +4,8 @@
 //! size limit.
 
 use hearth_wire::peer::{
-    decode, encode, list_digest, Body, Envelope, Health, Load, PeerError, Update, Warmth,
-    MAX_MESSAGE_BYTES, MIN_SPLIT_BYTES, PEER_FORMAT,
+    decode, encode, list_digest, split_seal, Body, Envelope, Health, Load, PeerError, Update,
+    Warmth, MAC_BYTES, MAX_MESSAGE_BYTES, MIN_SPLIT_BYTES, PEER_FORMAT,
 };
 use proptest::prelude::*;
 
@@ -252,6 +252,23 @@ fn another_format_is_refused() {
         bytes[4] = format;
         assert_eq!(decode(&bytes), Err(PeerError::Format(format)));
     }
+}
+
+#[test]
+fn a_sealed_message_splits_into_the_message_and_its_last_32_bytes() {
+    let message = encode(&envelope(Body::Hello { reply: "r".into() }));
+    let mut sealed = message.clone();
+    sealed.extend_from_slice(&[7; MAC_BYTES]);
+    let (m, mac) = split_seal(&sealed).unwrap();
+    assert_eq!((m, mac), (&message[..], &[7; MAC_BYTES]));
+    assert!(decode(m).is_ok());
+    // Without the split, the MAC is bytes after the body.
+    assert!(decode(&sealed).is_err());
+    assert_eq!(
+        split_seal(&[0; MAC_BYTES]),
+        Some((&[][..], &[0; MAC_BYTES]))
+    );
+    assert_eq!(split_seal(&[0; MAC_BYTES - 1]), None);
 }
 
 #[test]
@@ -562,7 +579,7 @@ proptest! {
         }
         // Behind a valid start, whatever follows: refused, or (rarely) a
         // message that encodes back to the very same bytes.
-        let mut framed = b"HRTP\x01".to_vec();
+        let mut framed = b"HRTP\x02".to_vec();
         framed.extend_from_slice(&bytes);
         if let Ok(e) = decode(&framed) {
             prop_assert_eq!(encode(&e), framed);

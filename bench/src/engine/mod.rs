@@ -919,13 +919,13 @@ fn generation(
         created: unix_now(),
         model: req.model.clone().unwrap_or_else(|| config.model.clone()),
         admission,
-        output_tokens: if fault == Fault::Empty {
+        output_tokens: if fault == Fault::Empty || req.forces_end {
             0
         } else {
             req.max_tokens.unwrap_or(config.default_output_tokens)
         },
         // An engine that generated nothing did not reach a token limit.
-        finish_reason: if req.max_tokens.is_some() && fault != Fault::Empty {
+        finish_reason: if req.max_tokens.is_some() && fault != Fault::Empty && !req.forces_end {
             "length"
         } else {
             "stop"

@@ -35,7 +35,16 @@ pub struct GenerationRequest {
     pub max_tokens: Option<usize>,
     /// `stream`.
     pub stream: bool,
+    /// `logit_bias` forces the simulated model's end-of-sequence token
+    /// ([`EOS_TOKEN`] biased by 100 or more): it ends at once, having
+    /// generated nothing, as a real model does.
+    pub forces_end: bool,
 }
+
+/// The simulated model's end-of-sequence token id (SmolLM2's, so the same
+/// request forces an empty answer from the simulator and a real
+/// `llama-server` serving it).
+pub const EOS_TOKEN: &str = "2";
 
 /// Why a request body was refused (becomes a 400 `invalid_request_error`).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -84,6 +93,11 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<GenerationRequest, RequestErr
         (_, Some(v)) if !v.is_null() => Some(parse_max_tokens("max_tokens", v)?),
         _ => None,
     };
+    let forces_end = obj
+        .get("logit_bias")
+        .and_then(|b| b.get(EOS_TOKEN))
+        .and_then(Value::as_f64)
+        .is_some_and(|bias| bias >= 100.0);
     let prompt = match kind {
         ApiKind::Chat => {
             let messages = obj
@@ -103,6 +117,7 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<GenerationRequest, RequestErr
         prompt,
         max_tokens,
         stream,
+        forces_end,
     })
 }
 

@@ -39,6 +39,7 @@ fn session(s: u64) -> RequestInfo {
         model: Some("m".into()),
         max_output_tokens: None,
         known_overlaps: None,
+        cache: Default::default(),
     }
 }
 

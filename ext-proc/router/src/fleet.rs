@@ -276,7 +276,10 @@ impl Fleet {
         for l in self.peers.loads.values() {
             for &(slot, in_flight, load) in &l.per_slot {
                 if let Some(s) = self.state.get_mut(slot) {
-                    s.peer_in_flight += in_flight;
+                    // Bounded per peer (PeerLoad::bounded) and in number
+                    // of peers (MAX_PEERS): the sums stay small, and
+                    // saturate whatever comes.
+                    s.peer_in_flight = s.peer_in_flight.saturating_add(in_flight);
                     s.peer_load += load;
                 }
             }

@@ -1,18 +1,31 @@
 //! Replica health: passive signals from real traffic and active probes.
 //!
-//! A replica is *serving* or *fenced*. Real requests report their outcome
-//! (status, time to first byte, whether the answer carried text); a run of
-//! `eject_after` consecutive failures fences the replica for a backoff that
-//! doubles with every fencing in a row (capped). When the backoff has run
-//! out, the replica stays fenced until a probe succeeds: a probe lists the
-//! models and asks for a one-token completion, so an engine that answers
-//! `/health` and `/v1/models` but never generates is never re-admitted.
+//! A replica is *serving* or *fenced*. Only the sidecar's own observation
+//! can fence it: its probes, and connections to the engine that fail or are
+//! reset before any byte. A run of `eject_after` consecutive such failures
+//! (*strikes*) fences the replica for a backoff that doubles with every
+//! fencing in a row (capped). When the backoff has run out, the replica
+//! stays fenced until a probe succeeds: a probe lists the models and asks
+//! for a one-token completion, so an engine that answers `/health` and
+//! `/v1/models` but never generates is never re-admitted.
 //!
-//! Probe failures count as failures too, except a *timeout* (a probe's, or
-//! a real request's first-byte deadline) on a replica that completed a real
-//! request recently, and a probe's timeout on a replica running real
-//! requests (the probe waited behind them): a busy replica is slow, not
-//! broken.
+//! **Suspicion.** What a client can shape never fences: an answer with no
+//! text (a stop string, a logit bias, a tiny `max_tokens` make one), a 5xx
+//! (a malformed request can make one), a first-byte timeout (a flood of
+//! long prompts makes one), a retry away from the replica, or a peer
+//! sidecar's word. Such evidence makes the replica *suspect*: it keeps
+//! serving, and the sidecar probes it at once, whatever it is running, at
+//! most once per `suspect_probe_interval` (so no client can turn
+//! suspicion into probe load, or into evictions on a slot-based engine).
+//! A probe that fails is a strike, and the next probe follows after
+//! `probe_retry`; a probe or a real generation that succeeds clears the
+//! suspicion. A broken engine (200 with nothing, or never a first byte)
+//! still fails its probes, so it is still fenced, by its probes.
+//!
+//! Probe timeouts are excused on a replica that completed a real request
+//! within `busy_grace`, and on one running real requests none of which
+//! missed its first-byte deadline (the probe waited behind them): a busy
+//! replica is slow, not broken.
 //!
 //! **Evidence before probes.** A real generation that succeeded is the
 //! proof of health, and it costs the engine nothing; a probe costs a
@@ -51,9 +64,13 @@ pub struct HealthParams {
     /// A replica with no real success for this long gets a probe, and at
     /// most one per interval while it stays idle (zero: never probed).
     pub probe_interval: Duration,
-    /// A suspect replica (failed since its last success) is probed again
-    /// this soon after its last probe.
+    /// A replica with a strike (a failed probe, a refused connection)
+    /// since its last success is probed again this soon after its last
+    /// probe.
     pub probe_retry: Duration,
+    /// A replica made suspect by evidence a client could have provoked is
+    /// probed at most this often.
+    pub suspect_probe_interval: Duration,
 }
 
 impl Default for HealthParams {
@@ -65,6 +82,7 @@ impl Default for HealthParams {
             busy_grace: Duration::from_secs(30),
             probe_interval: Duration::from_secs(30),
             probe_retry: Duration::from_secs(2),
+            suspect_probe_interval: Duration::from_secs(10),
         }
     }
 }
@@ -86,6 +104,17 @@ pub enum Failure {
     /// Envoy retried the request away from it (connect failure, reset or
     /// 503 on the first attempt).
     Retried,
+    /// A peer sidecar fenced it (a hint, until a probe here agrees).
+    PeerFenced,
+}
+
+impl Failure {
+    /// The sidecar saw this itself, and no client can cause it: the
+    /// engine's connection failed, or was reset, before any byte.
+    /// Everything else a real request shows is suspicion only.
+    pub fn is_own_observation(self) -> bool {
+        self == Failure::ConnectFailure
+    }
 }
 
 impl Failure {
@@ -97,6 +126,7 @@ impl Failure {
             Failure::EmptyAnswer => "empty_answer",
             Failure::ProbeModels => "probe_models",
             Failure::Retried => "retried",
+            Failure::PeerFenced => "peer_fenced",
         }
     }
 }
@@ -134,6 +164,10 @@ pub struct ReplicaHealth {
     last_served: Option<Instant>,
     /// The last probe's end, whatever it found.
     last_probe: Option<Instant>,
+    /// Evidence a client could have provoked, not yet cleared by a
+    /// success or confirmed by a probe.
+    suspect: Option<Failure>,
+    pub suspicions_total: u64,
     /// The status with which the engine refused the sidecar's probes, and
     /// its metrics scrapes, until one is accepted.
     probe_refused: Option<u16>,
@@ -151,6 +185,8 @@ impl Default for ReplicaHealth {
             last_failure: None,
             last_served: None,
             last_probe: None,
+            suspect: None,
+            suspicions_total: 0,
             probe_refused: None,
             metrics_refused: None,
             fenced_total: 0,
@@ -164,6 +200,10 @@ pub struct HealthSnapshot {
     pub state: HealthState,
     pub consecutive_failures: u32,
     pub last_failure: Option<Failure>,
+    /// Set while evidence a client could have provoked waits for a probe
+    /// to confirm or clear it.
+    pub suspect: Option<Failure>,
+    pub suspicions_total: u64,
     /// Seconds until a probe may re-admit the replica (fenced only).
     pub fenced_for_s: Option<f64>,
     pub fenced_total: u64,
@@ -179,7 +219,8 @@ pub struct HealthSnapshot {
 pub enum ProbeReason {
     /// Fenced, backoff over: a success re-admits it.
     Readmit,
-    /// Failed since its last success: confirm or clear.
+    /// A strike since its last success, or evidence a client could have
+    /// provoked: confirm or clear.
     Suspect,
     /// No real success within the probe interval.
     Idle,
@@ -194,8 +235,9 @@ impl ReplicaHealth {
         self.state == HealthState::Serving
     }
 
-    /// A real request's outcome. A timeout is excused on a replica that
-    /// served a real request within `busy_grace`.
+    /// A real request's outcome. A connection failure is a strike; any
+    /// other failure makes the replica suspect (a timeout only when it
+    /// served no real request within `busy_grace`).
     pub fn record_request(&mut self, outcome: Outcome, p: &HealthParams, now: Instant) {
         match outcome {
             Outcome::Success => {
@@ -203,15 +245,37 @@ impl ReplicaHealth {
                 self.succeed();
             }
             Outcome::Failure(Failure::Timeout) if self.busy(p, now) => {}
-            Outcome::Failure(f) => self.fail(f, p, now),
+            Outcome::Failure(f) if f.is_own_observation() => self.fail(f, p, now),
+            Outcome::Failure(f) => self.suspect(f),
             Outcome::Neutral | Outcome::Unauthorized(_) => {}
         }
     }
 
+    /// Evidence a client could have provoked: probe soon, fence only on
+    /// the probe's word.
+    fn suspect(&mut self, f: Failure) {
+        if self.state == HealthState::Fenced {
+            return;
+        }
+        self.last_failure = Some(f);
+        if self.suspect.is_none() {
+            self.suspicions_total += 1;
+        }
+        self.suspect = Some(f);
+    }
+
+    /// Whether the replica waits for a probe to confirm or clear evidence
+    /// a client could have provoked.
+    pub fn is_suspect(&self) -> bool {
+        self.suspect.is_some()
+    }
+
     /// A probe's outcome, with the number of real requests running on the
-    /// replica now. A probe success re-admits a fenced replica once its
-    /// backoff has run out; a timeout is excused on a replica that served a
-    /// real request within `busy_grace` or is running real requests.
+    /// replica now. A probe success clears suspicion and re-admits a fenced
+    /// replica once its backoff has run out; a failure is a strike; a
+    /// timeout is excused on a replica that served a real request within
+    /// `busy_grace`, or is running real requests none of which missed its
+    /// first-byte deadline.
     pub fn record_probe(&mut self, outcome: Outcome, p: &HealthParams, now: Instant, running: u32) {
         self.last_probe = Some(now);
         let backoff_over = self.fenced_until.is_none_or(|t| now >= t);
@@ -225,7 +289,11 @@ impl ReplicaHealth {
                 }
                 self.succeed();
             }
-            Outcome::Failure(Failure::Timeout) if running > 0 || self.busy(p, now) => {}
+            // Behind running requests, unless one of them missed its own
+            // first-byte deadline (then the engine may be stuck).
+            Outcome::Failure(Failure::Timeout)
+                if (running > 0 && self.suspect != Some(Failure::Timeout)) || self.busy(p, now) => {
+            }
             Outcome::Failure(f) => self.fail(f, p, now),
             Outcome::Neutral => {}
             Outcome::Unauthorized(status) => {
@@ -257,25 +325,34 @@ impl ReplicaHealth {
             let backoff_over = self.fenced_until.is_none_or(|t| now >= t);
             return (backoff_over && !probed_within(p.probe_retry)).then_some(ProbeReason::Readmit);
         }
-        if running > 0 {
-            return None;
-        }
+        // Confirming or clearing goes ahead of running requests: their
+        // outcomes cannot fence, the probe's can.
         if self.consecutive_failures > 0 {
             return (!probed_within(p.probe_retry)).then_some(ProbeReason::Suspect);
+        }
+        if self.suspect.is_some() {
+            return (!probed_within(p.suspect_probe_interval)).then_some(ProbeReason::Suspect);
+        }
+        if running > 0 {
+            return None;
         }
         let served_within = since(self.last_served).is_some_and(|s| s < p.probe_interval);
         (!served_within && !probed_within(p.probe_interval)).then_some(ProbeReason::Idle)
     }
 
-    /// A peer sidecar fenced the replica on its own evidence: fenced here
-    /// too, with the backoff this sidecar would have given it.
-    pub fn fence_by_peer(&mut self, p: &HealthParams, now: Instant) {
-        self.fence(p, now);
+    /// A peer sidecar fenced the replica: suspect here, until this
+    /// sidecar's own probe agrees (a strike) or clears it.
+    pub fn fence_by_peer(&mut self) {
+        self.suspect(Failure::PeerFenced);
     }
 
-    /// A peer sidecar re-admitted the replica (its probe succeeded).
-    pub fn readmit_by_peer(&mut self) {
-        self.succeed();
+    /// A peer sidecar re-admitted the replica (its probe succeeded): the
+    /// backoff here is over, so the next probe may re-admit it here too.
+    pub fn readmit_by_peer(&mut self, now: Instant) {
+        if self.state == HealthState::Fenced {
+            self.fenced_until = Some(now);
+            self.last_probe = None;
+        }
     }
 
     fn busy(&self, p: &HealthParams, now: Instant) -> bool {
@@ -285,6 +362,7 @@ impl ReplicaHealth {
 
     fn succeed(&mut self) {
         self.state = HealthState::Serving;
+        self.suspect = None;
         self.consecutive_failures = 0;
         self.fencings = 0;
         self.fenced_until = None;
@@ -313,6 +391,7 @@ impl ReplicaHealth {
             self.fenced_total += 1;
         }
         self.state = HealthState::Fenced;
+        self.suspect = None;
         self.fenced_until = Some(now + backoff);
     }
 
@@ -321,6 +400,8 @@ impl ReplicaHealth {
             state: self.state,
             consecutive_failures: self.consecutive_failures,
             last_failure: self.last_failure,
+            suspect: self.suspect,
+            suspicions_total: self.suspicions_total,
             fenced_for_s: match (self.state, self.fenced_until) {
                 (HealthState::Fenced, Some(t)) => {
                     Some(t.saturating_duration_since(now).as_secs_f64())
@@ -381,34 +462,40 @@ impl FleetHealth {
     }
 }
 
-/// Classifies a finished request from what Envoy reports on the ext_proc
-/// stream (the response status, Envoy's response code details) or, for a
-/// 200 answer, from the outcome filter's verdict on its body.
-pub fn classify(status: Option<u16>, details: &str, answer: Option<Answer>) -> Outcome {
-    let Some(status) = status else {
-        // The stream ended before any response: the client gave up.
-        return Outcome::Neutral;
-    };
-    let d = details;
-    if d.contains("connection_failure")
-        || d.contains("connection_termination")
-        || d.contains("remote_reset")
-        || d.contains("upstream_reset_before_response_started")
-    {
-        return Outcome::Failure(Failure::ConnectFailure);
-    }
-    if d.contains("timeout") || status == 504 {
-        return Outcome::Failure(Failure::Timeout);
-    }
-    match status {
-        500..=599 => Outcome::Failure(Failure::ServerError),
-        200 => match answer {
-            Some(a) if a.text && a.done => Outcome::Success,
-            Some(_) => Outcome::Failure(Failure::EmptyAnswer),
-            // No verdict: not a generation, or judged elsewhere.
-            None => Outcome::Neutral,
+/// How a routed request ended, in the router's words (the sidecar
+/// translates Envoy's response code details, or the outcome filter's
+/// report, into one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ending {
+    /// No response came: the client went away first.
+    Unanswered,
+    /// The connection to the engine failed, or was reset before any byte.
+    ConnectionFailed,
+    /// The engine (or the gateway for it) gave up waiting.
+    TimedOut,
+    /// The engine answered with `status`; for a generation's 200, what its
+    /// body showed when something scanned it.
+    Answered { status: u16, answer: Option<Answer> },
+}
+
+/// What a finished request says about its replica.
+pub fn judge(ending: Ending) -> Outcome {
+    match ending {
+        Ending::Unanswered => Outcome::Neutral,
+        Ending::ConnectionFailed => Outcome::Failure(Failure::ConnectFailure),
+        Ending::TimedOut | Ending::Answered { status: 504, .. } => {
+            Outcome::Failure(Failure::Timeout)
+        }
+        Ending::Answered { status, answer } => match status {
+            500..=599 => Outcome::Failure(Failure::ServerError),
+            200 => match answer {
+                Some(a) if a.text && a.done => Outcome::Success,
+                Some(_) => Outcome::Failure(Failure::EmptyAnswer),
+                // No verdict: not a generation, or judged elsewhere.
+                None => Outcome::Neutral,
+            },
+            _ => Outcome::Neutral,
         },
-        _ => Outcome::Neutral,
     }
 }
 
@@ -424,6 +511,7 @@ mod tests {
             busy_grace: Duration::from_secs(30),
             probe_interval: Duration::from_secs(30),
             probe_retry: Duration::from_secs(2),
+            suspect_probe_interval: Duration::from_secs(10),
         }
     }
 
@@ -442,7 +530,8 @@ mod tests {
             h.record_request(Outcome::Success, &p(), t0 + s(20 * k));
             assert_eq!(h.probe_due(&p(), t0 + s(20 * k + 25), 0), None);
         }
-        // A failure makes it suspect: probed again after the retry delay.
+        // A failure makes it suspect: probed at once, then after the retry
+        // delay while its probes fail.
         let t1 = t0 + s(200);
         h.record_request(Outcome::Failure(Failure::ServerError), &p(), t1);
         assert_eq!(h.probe_due(&p(), t1, 0), Some(ProbeReason::Suspect));
@@ -450,10 +539,12 @@ mod tests {
         assert_eq!(h.probe_due(&p(), t1 + s(1), 0), None);
         assert_eq!(h.probe_due(&p(), t1 + s(2), 0), Some(ProbeReason::Suspect));
         h.record_probe(Outcome::Failure(Failure::ServerError), &p(), t1 + s(2), 0);
+        assert!(h.is_serving(), "two strikes");
+        h.record_probe(Outcome::Failure(Failure::ServerError), &p(), t1 + s(4), 0);
         // Fenced: no probe until the backoff (10 s) is over.
         assert_eq!(h.state(), HealthState::Fenced);
-        assert_eq!(h.probe_due(&p(), t1 + s(11), 0), None);
-        assert_eq!(h.probe_due(&p(), t1 + s(12), 0), Some(ProbeReason::Readmit));
+        assert_eq!(h.probe_due(&p(), t1 + s(13), 0), None);
+        assert_eq!(h.probe_due(&p(), t1 + s(14), 0), Some(ProbeReason::Readmit));
         // Probes off.
         let off = HealthParams {
             probe_interval: Duration::ZERO,
@@ -476,17 +567,17 @@ mod tests {
         // Real requests still prove it.
         h.record_request(Outcome::Success, &p(), t0 + s(11));
         assert_eq!(h.probe_due(&p(), t0 + s(12), 0), None);
-        // Fenced by real failures, with the probe refused: after the
+        // Fenced by refused connections, with the probe refused: after the
         // backoff it serves again, one failure away from another fencing.
         for _ in 0..3 {
-            h.record_request(Outcome::Failure(Failure::ServerError), &p(), t0 + s(12));
+            h.record_request(Outcome::Failure(Failure::ConnectFailure), &p(), t0 + s(12));
         }
         assert_eq!(h.state(), HealthState::Fenced);
         h.record_probe(Outcome::Unauthorized(401), &p(), t0 + s(15), 0);
         assert_eq!(h.state(), HealthState::Fenced, "backoff not over");
         h.record_probe(Outcome::Unauthorized(401), &p(), t0 + s(23), 0);
         assert!(h.is_serving());
-        h.record_request(Outcome::Failure(Failure::ServerError), &p(), t0 + s(24));
+        h.record_request(Outcome::Failure(Failure::ConnectFailure), &p(), t0 + s(24));
         assert_eq!(h.state(), HealthState::Fenced);
         // An accepted probe clears the report; a refused scrape sets it.
         h.record_probe(Outcome::Success, &p(), t0 + s(100), 0);
@@ -508,11 +599,22 @@ mod tests {
         }
         assert!(h.is_serving());
         assert_eq!(h.snapshot(t0).consecutive_failures, 0);
-        // Other failures still count, and timeouts do once the grace is
-        // over.
+        assert!(!h.is_suspect());
+        // Once the grace is over a timeout makes it suspect, however many
+        // come: only its probes can fence it.
         let later = t0 + Duration::from_secs(31);
-        for _ in 0..3 {
+        for _ in 0..5 {
             h.record_request(Outcome::Failure(Failure::Timeout), &p(), later);
+        }
+        assert!(h.is_serving() && h.is_suspect());
+        assert_eq!(h.probe_due(&p(), later, 2), Some(ProbeReason::Suspect));
+        for k in 0..3 {
+            h.record_probe(
+                Outcome::Failure(Failure::Timeout),
+                &p(),
+                later + Duration::from_secs(2 * k),
+                2,
+            );
         }
         assert_eq!(h.state(), HealthState::Fenced);
     }
@@ -521,7 +623,7 @@ mod tests {
     fn consecutive_failures_fence_and_a_success_resets_the_count() {
         let t0 = Instant::now();
         let mut h = ReplicaHealth::default();
-        let fail = Outcome::Failure(Failure::ServerError);
+        let fail = Outcome::Failure(Failure::ConnectFailure);
         h.record_request(fail, &p(), t0);
         h.record_request(fail, &p(), t0);
         h.record_request(Outcome::Success, &p(), t0);
@@ -538,7 +640,7 @@ mod tests {
         let t0 = Instant::now();
         let mut h = ReplicaHealth::default();
         for _ in 0..3 {
-            h.record_request(Outcome::Failure(Failure::EmptyAnswer), &p(), t0);
+            h.record_request(Outcome::Failure(Failure::ConnectFailure), &p(), t0);
         }
         h.record_probe(Outcome::Success, &p(), t0 + Duration::from_secs(5), 0);
         assert!(!h.is_serving(), "backoff (10 s) not over");
@@ -625,11 +727,22 @@ mod tests {
         // A fenced replica is still probed to re-admit it, even with
         // requests of before its fencing still running.
         assert_eq!(h.probe_due(&p(), t0 + s(30), 1), Some(ProbeReason::Readmit));
-        // The real requests' own first-byte deadlines do strike a replica
-        // that never served (a stuck engine is caught by them).
+        // A stuck engine is still caught: its requests' own first-byte
+        // deadlines make it suspect, and then a probe that times out behind
+        // them is a strike.
         let mut stuck = ReplicaHealth::default();
-        for _ in 0..3 {
-            stuck.record_request(Outcome::Failure(Failure::Timeout), &p(), t0 + s(60));
+        stuck.record_request(Outcome::Failure(Failure::Timeout), &p(), t0 + s(60));
+        assert_eq!(
+            stuck.probe_due(&p(), t0 + s(60), 2),
+            Some(ProbeReason::Suspect)
+        );
+        for k in 0..3 {
+            stuck.record_probe(
+                Outcome::Failure(Failure::Timeout),
+                &p(),
+                t0 + s(60 + 2 * k),
+                2,
+            );
         }
         assert_eq!(stuck.state(), HealthState::Fenced);
     }
@@ -644,42 +757,104 @@ mod tests {
     }
 
     #[test]
-    fn classification_of_finished_requests() {
+    fn judgement_of_finished_requests() {
+        let answered = |status, answer| judge(Ending::Answered { status, answer });
         let ok = Some(Answer {
             text: true,
             done: true,
         });
-        assert_eq!(classify(Some(200), "via_upstream", ok), Outcome::Success);
+        let empty = Some(Answer {
+            text: false,
+            done: true,
+        });
+        assert_eq!(answered(200, ok), Outcome::Success);
+        assert_eq!(answered(200, empty), Outcome::Failure(Failure::EmptyAnswer));
+        assert_eq!(answered(200, None), Outcome::Neutral);
+        assert_eq!(answered(500, None), Outcome::Failure(Failure::ServerError));
+        assert_eq!(answered(504, None), Outcome::Failure(Failure::Timeout));
+        assert_eq!(answered(400, None), Outcome::Neutral);
         assert_eq!(
-            classify(
-                Some(200),
-                "via_upstream",
-                Some(Answer {
-                    text: false,
-                    done: true
-                })
-            ),
-            Outcome::Failure(Failure::EmptyAnswer)
-        );
-        assert_eq!(classify(Some(200), "via_upstream", None), Outcome::Neutral);
-        assert_eq!(
-            classify(Some(500), "via_upstream", None),
-            Outcome::Failure(Failure::ServerError)
-        );
-        assert_eq!(
-            classify(
-                Some(503),
-                "upstream_reset_before_response_started{connection_failure}",
-                None
-            ),
+            judge(Ending::ConnectionFailed),
             Outcome::Failure(Failure::ConnectFailure)
         );
+        assert_eq!(judge(Ending::TimedOut), Outcome::Failure(Failure::Timeout));
+        assert_eq!(judge(Ending::Unanswered), Outcome::Neutral);
+    }
+
+    #[test]
+    fn what_a_client_can_shape_only_raises_suspicion_and_a_probe_decides() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut h = ReplicaHealth::default();
+        h.record_request(Outcome::Success, &p(), t0);
+        // Any number of empty answers, 5xx and retries from real traffic:
+        // suspect, serving, one suspicion, whatever is running.
+        let later = t0 + s(40);
+        for f in [Failure::EmptyAnswer, Failure::ServerError, Failure::Retried] {
+            for _ in 0..10 {
+                h.record_request(Outcome::Failure(f), &p(), later);
+            }
+        }
+        assert!(h.is_serving() && h.is_suspect());
+        assert_eq!(h.snapshot(later).consecutive_failures, 0);
+        assert_eq!(h.suspicions_total, 1);
+        // Probed at once, even with requests running; then not again
+        // within the suspicion interval, however much more comes.
+        assert_eq!(h.probe_due(&p(), later, 3), Some(ProbeReason::Suspect));
+        h.record_probe(Outcome::Success, &p(), later, 3);
+        assert!(!h.is_suspect(), "the probe cleared it");
+        h.record_request(Outcome::Failure(Failure::EmptyAnswer), &p(), later + s(1));
+        assert!(h.is_suspect());
+        assert_eq!(h.probe_due(&p(), later + s(9), 0), None);
         assert_eq!(
-            classify(Some(504), "response_timeout", None),
-            Outcome::Failure(Failure::Timeout)
+            h.probe_due(&p(), later + s(10), 0),
+            Some(ProbeReason::Suspect)
         );
-        assert_eq!(classify(Some(400), "via_upstream", None), Outcome::Neutral);
-        assert_eq!(classify(None, "", None), Outcome::Neutral);
+        // A real generation that succeeds clears it too.
+        h.record_request(Outcome::Success, &p(), later + s(10));
+        assert!(!h.is_suspect());
+        // An engine that answers 200 with nothing fails its probes too: a
+        // strike each, probed every retry interval, fenced at the third.
+        let t1 = later + s(100);
+        h.record_request(Outcome::Failure(Failure::EmptyAnswer), &p(), t1);
+        for k in 0..3 {
+            assert_eq!(
+                h.probe_due(&p(), t1 + s(2 * k), 1),
+                Some(ProbeReason::Suspect)
+            );
+            h.record_probe(
+                Outcome::Failure(Failure::EmptyAnswer),
+                &p(),
+                t1 + s(2 * k),
+                1,
+            );
+        }
+        assert_eq!(h.state(), HealthState::Fenced);
+        assert_eq!(h.snapshot(t1).last_failure, Some(Failure::EmptyAnswer));
+    }
+
+    #[test]
+    fn a_peers_fencing_is_a_suspicion_here_and_its_readmission_ends_the_backoff() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut h = ReplicaHealth::default();
+        h.fence_by_peer();
+        assert!(h.is_serving() && h.is_suspect());
+        assert_eq!(h.snapshot(t0).suspect, Some(Failure::PeerFenced));
+        h.record_probe(Outcome::Success, &p(), t0, 0);
+        assert!(!h.is_suspect(), "this sidecar's probe disagrees");
+        // Fenced here on its own evidence; a peer's re-admission lets the
+        // next probe re-admit it before the backoff would have run out.
+        for _ in 0..3 {
+            h.record_request(Outcome::Failure(Failure::ConnectFailure), &p(), t0 + s(1));
+        }
+        assert_eq!(h.state(), HealthState::Fenced);
+        assert_eq!(h.probe_due(&p(), t0 + s(3), 0), None);
+        h.readmit_by_peer(t0 + s(3));
+        assert!(!h.is_serving(), "not on a peer's word alone");
+        assert_eq!(h.probe_due(&p(), t0 + s(3), 0), Some(ProbeReason::Readmit));
+        h.record_probe(Outcome::Success, &p(), t0 + s(3), 0);
+        assert!(h.is_serving());
     }
 
     #[test]

@@ -14,7 +14,12 @@
 //! - **Load**: each update carries the sender's own in-flight requests and
 //!   load per replica, as they are now; a replica's load for a decision is
 //!   its own plus the latest figure of every peer heard from within
-//!   [`PEER_SILENCE`] (a peer gone quiet stops counting).
+//!   [`PEER_SILENCE`] (a peer gone quiet stops counting). A peer's figures
+//!   are bounded before they count: a negative or non-finite load is 0,
+//!   one replica's figures are capped at [`PEER_MAX_IN_FLIGHT`] and
+//!   [`PEER_MAX_LOAD`], at most [`MAX_PEERS`] peers are kept, and the sums
+//!   saturate, so no figure a peer sends overflows a sum or turns a score
+//!   into NaN.
 //! - **Health**: a replica this sidecar fences, or re-admits, on its own
 //!   evidence is fenced, or re-admitted, by the peers (what a peer told is
 //!   never passed on again, so nothing echoes).
@@ -39,6 +44,20 @@ use crate::replica::Replica;
 /// A peer's load figures stop counting this long after its latest update
 /// (peers send one at least every second while they run).
 pub const PEER_SILENCE: Duration = Duration::from_secs(3);
+
+/// The most requests one peer may claim in flight on one replica: more
+/// than one sidecar could plausibly hold (a larger figure counts as this).
+pub const PEER_MAX_IN_FLIGHT: u32 = 4_096;
+
+/// The most load units one peer may claim on one replica:
+/// [`PEER_MAX_IN_FLIGHT`] requests of 16 units each (a 1 MiB uncached
+/// prompt apiece at the default `HEARTH_LOAD_UNIT_BYTES`); a larger figure
+/// counts as this.
+pub const PEER_MAX_LOAD: f64 = 65_536.0;
+
+/// Peers whose load figures are kept at most; a new one past it replaces
+/// the one heard from longest ago.
+pub const MAX_PEERS: usize = 256;
 
 /// Decision records held for the next update at most: beyond it (a bus
 /// that stopped taking updates), the oldest are dropped and counted.
@@ -73,6 +92,30 @@ pub(crate) struct PeerLoad {
 }
 
 impl PeerLoad {
+    /// A peer's figures as they count: per slot, its last figure for that
+    /// slot, in flight capped at [`PEER_MAX_IN_FLIGHT`], load at
+    /// [`PEER_MAX_LOAD`] (a load that is NaN, infinite or negative is 0).
+    pub(crate) fn bounded(
+        at: Instant,
+        figures: impl IntoIterator<Item = (usize, u32, f32)>,
+    ) -> PeerLoad {
+        let mut per_slot: Vec<(usize, u32, f64)> = Vec::new();
+        for (slot, in_flight, load) in figures {
+            let load = f64::from(load);
+            let load = if load.is_finite() && load > 0.0 {
+                load.min(PEER_MAX_LOAD)
+            } else {
+                0.0
+            };
+            let figure = (slot, in_flight.min(PEER_MAX_IN_FLIGHT), load);
+            match per_slot.iter_mut().find(|f| f.0 == slot) {
+                Some(f) => *f = figure,
+                None => per_slot.push(figure),
+            }
+        }
+        PeerLoad { at, per_slot }
+    }
+
     /// Heard from within [`PEER_SILENCE`] of `now`: its figures count.
     pub(crate) fn is_live(&self, now: Instant) -> bool {
         now.saturating_duration_since(self.at) < PEER_SILENCE
@@ -144,6 +187,18 @@ impl Peers {
         if self.enabled {
             self.health.push((slot, serving));
         }
+    }
+
+    /// Keeps `load` as `sender`'s latest figures; a new sender past
+    /// [`MAX_PEERS`] replaces the one heard from longest ago.
+    pub(crate) fn keep_load(&mut self, sender: u64, load: PeerLoad) {
+        if self.loads.len() >= MAX_PEERS && !self.loads.contains_key(&sender) {
+            let oldest = self.loads.iter().min_by_key(|(_, l)| l.at).map(|(&k, _)| k);
+            if let Some(oldest) = oldest {
+                self.loads.remove(&oldest);
+            }
+        }
+        self.loads.insert(sender, load);
     }
 
     pub(crate) fn place(&self, slot: usize) -> Option<u16> {

@@ -163,7 +163,7 @@ impl Router {
                 s.engine = Some(EngineSignals {
                     waiting: signals.waiting / ranks,
                     running: signals.running / ranks,
-                    own_in_flight: s.in_flight + s.peer_in_flight,
+                    own_in_flight: s.in_flight.saturating_add(s.peer_in_flight),
                     ..signals
                 });
             }
@@ -219,6 +219,18 @@ impl Router {
         prediction: Option<&Prediction>,
         usage: Usage,
     ) -> Option<Served> {
+        self.record_usage_at(answered, prediction, usage, Instant::now())
+    }
+
+    /// [`Router::record_usage`] at `now` (the simulator's engine time: the
+    /// restart window and the shrink bound count in it).
+    pub fn record_usage_at(
+        &self,
+        answered: usize,
+        prediction: Option<&Prediction>,
+        usage: Usage,
+        now: Instant,
+    ) -> Option<Served> {
         let mut guard = self.lock();
         let fleet = &mut *guard;
         let replica = fleet.replicas.get(answered).filter(|r| !r.retired)?;
@@ -230,6 +242,7 @@ impl Router {
             &self.params,
             prediction,
             usage,
+            now,
         );
         if correction == Some(Correction::Restart) {
             s.forget_cache();

@@ -155,26 +155,27 @@ impl Router {
         for h in &update.health {
             let s = slot(h.replica);
             let health = &mut fleet.state[s].health;
+            // A peer's word is a hint: a fencing makes the replica suspect
+            // here (probed at once), a re-admission lets the next probe
+            // re-admit it; only this sidecar's own probe changes health.
             if h.serving && !health.is_serving() {
-                health.readmit_by_peer();
+                health.readmit_by_peer(now);
                 applied.readmitted += 1;
             } else if !h.serving && health.is_serving() {
-                health.fence_by_peer(&self.params.health, now);
+                health.fence_by_peer();
                 applied.fenced += 1;
             }
         }
         // A part of a split update may carry no load figures: the last
         // ones stand.
         if !update.load.is_empty() {
-            let per_slot = update
+            let figures = update
                 .load
                 .iter()
-                .map(|l| (slot(l.replica), l.in_flight, f64::from(l.load.max(0.0))))
-                .collect();
+                .map(|l| (slot(l.replica), l.in_flight, l.load));
             fleet
                 .peers
-                .loads
-                .insert(sender, PeerLoad { at: now, per_slot });
+                .keep_load(sender, PeerLoad::bounded(now, figures));
         }
         fleet.sum_peer_loads(now);
         Ok(applied)

@@ -26,9 +26,21 @@
 //!     paused conversations comes and goes with what it runs), never
 //!     below [`MIN_WARMTH_BLOCKS`], dropping the least recent blocks;
 //!   - *shallow*: the engine lost a recent conversation, which no cache
-//!     size explains. [`RESTART_STREAK`] shallow misses in a row are a
-//!     restart (or a reset cache): the replica's warmth and resident
-//!     conversations are dropped, its capacity kept.
+//!     size explains. Shallow misses of [`RESTART_CONVERSATIONS`]
+//!     different conversations within [`RESTART_WINDOW`], with no
+//!     continuing turn served from cache in between, are a restart (or a
+//!     reset cache): the replica's warmth and resident conversations are
+//!     dropped, its capacity kept. One client repeating one conversation
+//!     cannot make a restart; the engine's own evidence (a new start time,
+//!     a falling prompt-token counter) needs no such quorum.
+//!
+//! Shrinking is bounded in time too: within a minute a replica's index
+//! shrinks to no less than [`SHRINK_FLOOR_PER_MINUTE`] of the blocks it
+//! held at the minute's start (no burst of misses empties it at once). Answers to requests that partition or
+//! bypass the engine's cache (`cache_salt`, `cache_prompt: false`, a
+//! pinned slot) are counted but never compared ([`Prediction::compare`]),
+//! and a report is matched with its decision by the sidecar's own ticket,
+//! never by an id a client chose.
 //! - **An under-prediction**: a turn served more than one block beyond the
 //!   prediction while the index was full. The index forgot what the engine
 //!   kept; its capacity grows by a quarter, up to `HEARTH_WARMTH_BLOCKS`
@@ -41,6 +53,8 @@
 //! comes its cache holds the whole prompt again, as the index says. What a
 //! miss tells about is everything older on that replica.
 
+use std::time::{Duration, Instant};
+
 use serde::{Deserialize, Serialize};
 
 use crate::params::RouterParams;
@@ -50,9 +64,20 @@ use crate::warmth::LruBlocks;
 /// The smallest warmth capacity a replica's corrections shrink to.
 pub const MIN_WARMTH_BLOCKS: usize = 64;
 
-/// Continuing turns in a row that lost recent blocks before the replica
-/// counts as restarted.
-pub const RESTART_STREAK: u32 = 3;
+/// Different conversations whose continuing turns lost recent blocks,
+/// within [`RESTART_WINDOW`] and with no hit in between, before the
+/// replica counts as restarted.
+pub const RESTART_CONVERSATIONS: usize = 3;
+
+/// How close together those misses must come.
+pub const RESTART_WINDOW: Duration = Duration::from_secs(60);
+
+/// The share of its capacity a replica's warmth index keeps, at least,
+/// over a minute of shrinking.
+pub const SHRINK_FLOOR_PER_MINUTE: f64 = 0.5;
+
+/// The window of [`SHRINK_FLOOR_PER_MINUTE`].
+const SHRINK_WINDOW: Duration = Duration::from_secs(60);
 
 /// Weight of each new report in the bytes-per-token average.
 const BPT_WEIGHT: f64 = 0.05;
@@ -69,9 +94,14 @@ pub struct Prediction {
     pub blocks: u32,
     /// Canonical prompt bytes.
     pub prompt_bytes: u64,
-    /// The prompt continues an earlier one (its previous turn was read in
-    /// full by the engine that served it).
-    pub continues: bool,
+    /// Set when the prompt continues an earlier one (its previous turn, read
+    /// in full by the engine that served it): the conversation's name, the
+    /// same for all its turns (the earliest tip its prompt passes).
+    pub conversation: Option<u64>,
+    /// The answer may be compared with this prediction: the request was
+    /// hashed and uses the engine's shared prompt cache (see
+    /// [`hearth_wire::CacheUse`]).
+    pub compare: bool,
     /// The replica's warmth clock when it last used the deepest block of
     /// the prediction ([`crate::warmth::LruBlocks::stamp`]).
     pub stamp: Option<u32>,
@@ -114,8 +144,8 @@ pub enum Correction {
     Shrunk(usize),
     /// Served more than a full index predicted: the capacity grew to this.
     Grew(usize),
-    /// Served nothing where much was predicted, [`RESTART_STREAK`] times in
-    /// a row: warmth dropped.
+    /// Served nothing where much was predicted, for
+    /// [`RESTART_CONVERSATIONS`] conversations in a row: warmth dropped.
     Restart,
 }
 
@@ -135,10 +165,12 @@ pub(crate) struct UsageTally {
     pub(crate) shrinks: u64,
     pub(crate) growths: u64,
     pub(crate) restarts: u64,
-    /// Continuing turns in a row that lost recent blocks, and the
-    /// capacity before the first of them.
-    miss_streak: u32,
+    /// Conversations whose continuing turns lost recent blocks since the
+    /// last hit (each once, with when), and the capacity before the first.
+    missed: Vec<(u64, Instant)>,
     capacity_before_streak: usize,
+    /// The current shrink window's start, and the blocks held then.
+    shrink_window: Option<(Instant, usize)>,
 }
 
 /// A replica's usage account on `/state`.
@@ -195,11 +227,12 @@ impl UsageTally {
         p: &RouterParams,
         prediction: Option<&Prediction>,
         usage: Usage,
+        now: Instant,
     ) -> (Option<u64>, Option<Correction>) {
         self.reports += 1;
         self.prompt_tokens += usage.prompt_tokens;
         self.cached_tokens += usage.cached_tokens;
-        let Some(pr) = prediction else {
+        let Some(pr) = prediction.filter(|p| p.compare) else {
             return (None, None);
         };
         if pr.prompt_bytes > 0 && usage.prompt_tokens > 0 {
@@ -222,7 +255,7 @@ impl UsageTally {
         // it read the previous turn in full) for which the engine lost
         // most of what the index holds. A few tail blocks short is the
         // ordinary disagreement of two LRUs that count different things.
-        let missed = pr.continues && served_blocks * 2 < predicted_blocks;
+        let missed = pr.conversation.is_some() && served_blocks * 2 < predicted_blocks;
         let under = served_blocks > predicted_blocks + 1;
         // How deep the lost block sat in the index. Shallow (the blocks
         // other prompts used since this conversation's previous turn are
@@ -233,23 +266,28 @@ impl UsageTally {
         let depth = pr.stamp.filter(|_| missed).map(|s| warmth.newer_than(s));
         let shallow = missed
             && depth.is_none_or(|d| (d as u64).saturating_sub(predicted_blocks) * 4 < held as u64);
-        if pr.continues {
+        if let Some(conversation) = pr.conversation {
             if shallow {
-                if self.miss_streak == 0 {
+                if self.missed.is_empty() {
                     self.capacity_before_streak = warmth.capacity();
                 }
-                self.miss_streak += 1;
+                self.missed
+                    .retain(|&(_, at)| now.saturating_duration_since(at) < RESTART_WINDOW);
+                if !self.missed.iter().any(|&(c, _)| c == conversation) {
+                    self.missed.push((conversation, now));
+                }
             } else {
-                self.miss_streak = 0;
+                self.missed.clear();
             }
         }
         if !p.usage_feedback {
             return (Some(predicted), None);
         }
-        let correction = if shallow && self.miss_streak >= RESTART_STREAK {
-            // The engine lost what it read last: a restart (or its cache
-            // was reset). The capacity stays what it was.
-            self.miss_streak = 0;
+        let correction = if shallow && self.missed.len() >= RESTART_CONVERSATIONS {
+            // Several conversations lost what the engine read last: a
+            // restart (or its cache was reset). The capacity stays what it
+            // was.
+            self.missed.clear();
             self.restarts += 1;
             warmth.clear();
             warmth.set_capacity(self.capacity_before_streak);
@@ -258,8 +296,17 @@ impl UsageTally {
             // The engine lost a block that sat `depth` blocks deep in the
             // index: its cache held fewer than that, then. An engine's room
             // for paused conversations comes and goes with what it runs,
-            // so one miss takes at most a tenth off.
-            let capacity = depth.max(held * 9 / 10).max(MIN_WARMTH_BLOCKS);
+            // so one miss takes at most a tenth off, and a minute at most
+            // half.
+            let (since, before) = match self.shrink_window {
+                Some((at, c)) if now.saturating_duration_since(at) < SHRINK_WINDOW => (at, c),
+                // What it held, not its capacity: an index larger than
+                // what it holds gives up nothing by shrinking to it.
+                _ => (now, held),
+            };
+            self.shrink_window = Some((since, before));
+            let floor = (before as f64 * SHRINK_FLOOR_PER_MINUTE).ceil() as usize;
+            let capacity = depth.max(held * 9 / 10).max(MIN_WARMTH_BLOCKS).max(floor);
             (capacity < warmth.capacity()).then(|| {
                 warmth.set_capacity(capacity);
                 self.shrinks += 1;
@@ -292,3 +339,63 @@ pub fn blocks_for_tokens(
 /// Bytes per token before a replica's first report (English text and code
 /// run about four).
 pub const DEFAULT_BYTES_PER_TOKEN: f64 = 4.0;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A continuing turn of conversation `k` whose prediction's deepest
+    /// block sits halfway down the index, served nothing from cache.
+    fn deep_miss(
+        tally: &mut UsageTally,
+        warmth: &mut LruBlocks,
+        k: u64,
+        now: Instant,
+    ) -> Option<Correction> {
+        let held = warmth.len();
+        let middle = warmth.oldest_first().nth(held / 2).unwrap();
+        let prediction = Prediction {
+            replica: 0,
+            key: ("127.0.0.1:1".parse().unwrap(), None),
+            blocks: 10,
+            prompt_bytes: 10 * 2048,
+            conversation: Some(k),
+            compare: true,
+            stamp: warmth.stamp(middle),
+        };
+        let usage = Usage {
+            prompt_tokens: 10 * 512,
+            cached_tokens: 0,
+        };
+        let p = RouterParams::default();
+        tally
+            .record(warmth, 100_000, &p, Some(&prediction), usage, now)
+            .1
+    }
+
+    #[test]
+    fn a_burst_of_deep_misses_takes_at_most_half_the_index_a_minute() {
+        let mut warmth = LruBlocks::new(100_000);
+        warmth.record_prompt(&(1..=10_000).collect::<Vec<u64>>());
+        let mut tally = UsageTally::default();
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut shrunk = 0;
+        for k in 0..40 {
+            if let Some(Correction::Shrunk(_)) = deep_miss(&mut tally, &mut warmth, k, t0 + ms(k)) {
+                shrunk += 1;
+            }
+        }
+        // Each miss is worth a tenth: unbounded, forty would leave a
+        // hundredth; within the minute the index keeps half.
+        assert!(shrunk >= 5, "{shrunk}");
+        assert_eq!(warmth.capacity(), 5_000);
+        assert_eq!(warmth.len(), 5_000);
+        // The next minute may take half of that.
+        let later = t0 + SHRINK_WINDOW;
+        for k in 0..40 {
+            deep_miss(&mut tally, &mut warmth, 100 + k, later + ms(k));
+        }
+        assert_eq!(warmth.capacity(), 2_500);
+    }
+}

@@ -3,9 +3,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use hearth_router::peers::{MAX_PEERS, PEER_MAX_IN_FLIGHT, PEER_MAX_LOAD};
 use hearth_router::{
     Failure, HealthState, Outcome, PeerRefusal, RequestInfo, Router, RouterParams, UpstreamSpec,
 };
+use hearth_wire::peer::{Load, Update};
 
 const LIST: &str = "127.0.0.1:1,127.0.0.1:2";
 
@@ -25,6 +27,7 @@ fn req(hashes: &[u64]) -> RequestInfo {
         model: Some("m".into()),
         max_output_tokens: None,
         known_overlaps: None,
+        cache: Default::default(),
     }
 }
 
@@ -85,25 +88,40 @@ fn a_peers_load_counts_until_it_is_released() {
 }
 
 #[test]
-fn a_replica_one_sidecar_fences_is_fenced_by_its_peers_and_readmitted_with_it() {
+fn a_peers_fencing_makes_a_replica_suspect_and_only_a_local_probe_fences_or_readmits_it() {
     let no_backoff = |p: &mut RouterParams| p.health.backoff = Duration::ZERO;
     let (a, b) = (sidecar(LIST, no_backoff), sidecar(LIST, no_backoff));
-    for _ in 0..RouterParams::default().health.eject_after {
-        a.record_request(0, Outcome::Failure(Failure::ServerError));
+    let key = "127.0.0.1:1".parse::<std::net::SocketAddr>().unwrap();
+    let eject_after = RouterParams::default().health.eject_after;
+    // A fences replica 0 on its own evidence (refused connections).
+    for _ in 0..eject_after {
+        a.record_request(0, Outcome::Failure(Failure::ConnectFailure));
     }
     assert_eq!(a.snapshot().replicas[0].health.state, HealthState::Fenced);
     let applied = share(&a, &b);
     assert_eq!(applied.fenced, 1);
+    // At B the peer's word is a suspicion: still serving, probed at once.
+    let at_b = &b.snapshot().replicas[0].health;
+    assert_eq!(at_b.state, HealthState::Serving);
+    assert_eq!(at_b.suspect, Some(Failure::PeerFenced));
+    assert!(b.probe_targets().iter().any(|t| t.key == (key, None)));
+    // What B was told is not passed on again.
+    assert!(b.take_update().health.is_empty());
+    // B's own probes agree: fenced at B too.
+    for _ in 0..eject_after {
+        b.record_probe((key, None), Outcome::Failure(Failure::EmptyAnswer));
+    }
     assert_eq!(b.snapshot().replicas[0].health.state, HealthState::Fenced);
     for _ in 0..4 {
         assert_eq!(b.decide(&RequestInfo::default()).unwrap().primary(), 1);
     }
-    // What B was told is not passed on again.
-    assert!(b.take_update().health.is_empty());
-    // A's probe re-admits it; B follows.
-    let key = "127.0.0.1:1".parse::<std::net::SocketAddr>().unwrap();
+    // A's probe re-admits it; B only probes it again, and its own probe
+    // re-admits it.
     a.record_probe((key, None), Outcome::Success);
     assert_eq!(share(&a, &b).readmitted, 1);
+    assert_eq!(b.snapshot().replicas[0].health.state, HealthState::Fenced);
+    assert!(b.probe_targets().iter().any(|t| t.key == (key, None)));
+    b.record_probe((key, None), Outcome::Success);
     assert_eq!(b.snapshot().replicas[0].health.state, HealthState::Serving);
 }
 
@@ -161,4 +179,86 @@ fn without_peers_nothing_is_kept_for_them() {
     assert!(r.take_update().warmth.is_empty());
     assert!(r.peers_snapshot().is_none());
     assert!(r.snapshot().peers.is_none());
+}
+
+/// An update carrying only load figures: (replica, in flight, load).
+fn loads(figures: &[(u16, u32, f32)]) -> Update {
+    Update {
+        load: figures
+            .iter()
+            .map(|&(replica, in_flight, load)| Load {
+                replica,
+                in_flight,
+                load,
+            })
+            .collect(),
+        ..Update::default()
+    }
+}
+
+#[test]
+fn absurd_peer_figures_are_bounded_overflow_nothing_and_steer_nothing() {
+    let a = sidecar(LIST, |_| {});
+    let conv: Vec<u64> = (1..=40).collect();
+    let home = a.decide(&req(&conv)).unwrap().primary();
+    // Peers claim the largest and the broken figures on both replicas
+    // alike (each sender twice, so sums of several peers are made).
+    let absurd = [f32::MAX, f32::INFINITY, f32::NAN, f32::NEG_INFINITY, -1.0];
+    for (sender, &load) in (10u64..).zip(absurd.iter().chain(&absurd)) {
+        let update = loads(&[(0, u32::MAX, load), (1, u32::MAX, load)]);
+        a.apply_update(sender, a.list_digest(), &update, false)
+            .unwrap();
+    }
+    let s = a.snapshot();
+    for r in &s.replicas {
+        // Ten peers, each capped; only f32::MAX counts (twice), capped too.
+        assert_eq!(r.peer_in_flight, 10 * PEER_MAX_IN_FLIGHT);
+        assert_eq!(r.peer_load, 2.0 * PEER_MAX_LOAD);
+    }
+    // Equal on both replicas: the conversation's next turn stays home.
+    let mut next = conv.clone();
+    next.extend(500..510);
+    let d = a.decide(&req(&next)).unwrap();
+    assert_eq!((d.primary(), d.overlap), (home, 40));
+    drop(d);
+
+    // On one replica only, a broken load weighs nothing: the turn stays
+    // home whichever replica it is claimed on.
+    for (sender, &load) in (100u64..).zip(&absurd[1..]) {
+        let fresh = sidecar(LIST, |_| {});
+        let home = fresh.decide(&req(&conv)).unwrap().primary();
+        for replica in 0..2 {
+            let update = loads(&[(replica, 0, load)]);
+            fresh
+                .apply_update(sender, fresh.list_digest(), &update, false)
+                .unwrap();
+            let s = fresh.snapshot();
+            assert!(s.replicas.iter().all(|r| r.peer_load == 0.0), "{load}");
+            assert_eq!(fresh.decide(&req(&next)).unwrap().primary(), home);
+        }
+    }
+}
+
+#[test]
+fn a_peers_figures_for_one_replica_are_its_last_and_peers_kept_are_bounded() {
+    let a = sidecar(LIST, |_| {});
+    let update = loads(&[(0, 10, 3.0), (0, 20, 5.0), (1, 1, 1.0)]);
+    a.apply_update(1, a.list_digest(), &update, false).unwrap();
+    let s = a.snapshot();
+    assert_eq!(
+        (s.replicas[0].peer_in_flight, s.replicas[0].peer_load),
+        (20, 5.0)
+    );
+    assert_eq!(
+        (s.replicas[1].peer_in_flight, s.replicas[1].peer_load),
+        (1, 1.0)
+    );
+
+    let b = sidecar(LIST, |_| {});
+    for sender in 0..(MAX_PEERS as u64 + 100) {
+        b.apply_update(sender, b.list_digest(), &loads(&[(0, 1, 1.0)]), false)
+            .unwrap();
+    }
+    assert_eq!(b.peers_snapshot().unwrap().live, MAX_PEERS);
+    assert_eq!(b.snapshot().replicas[0].peer_in_flight, MAX_PEERS as u32);
 }

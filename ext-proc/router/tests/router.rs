@@ -31,6 +31,7 @@ fn req(hashes: &[u64]) -> RequestInfo {
         model: Some("m".into()),
         max_output_tokens: None,
         known_overlaps: None,
+        cache: Default::default(),
     }
 }
 
@@ -162,8 +163,13 @@ fn saturation_and_unknown_models_are_errors() {
 fn fenced_replicas_get_no_traffic_and_none_healthy_is_an_error() {
     use hearth_router::health::Failure;
     let router = router(|_| {});
+    // Empty answers only make it suspect; refused connections fence.
     for _ in 0..3 {
         router.record_request(0, Outcome::Failure(Failure::EmptyAnswer));
+    }
+    assert_eq!(router.fleet_health(), FleetHealth::Ok);
+    for _ in 0..3 {
+        router.record_request(0, Outcome::Failure(Failure::ConnectFailure));
     }
     for _ in 0..20 {
         let d = router.decide(&req(&[9])).unwrap();
@@ -172,7 +178,7 @@ fn fenced_replicas_get_no_traffic_and_none_healthy_is_an_error() {
     assert_eq!(router.fleet_health(), FleetHealth::Degraded);
     for i in 1..3 {
         for _ in 0..3 {
-            router.record_request(i, Outcome::Failure(Failure::ServerError));
+            router.record_request(i, Outcome::Failure(Failure::ConnectFailure));
         }
     }
     assert_eq!(router.fleet_health(), FleetHealth::Unhealthy);
@@ -197,6 +203,7 @@ fn sized(hashes: &[u64], bytes: u64) -> RequestInfo {
         model: None,
         max_output_tokens: None,
         known_overlaps: None,
+        cache: Default::default(),
     }
 }
 
@@ -226,7 +233,7 @@ fn short_prompts_follow_the_lane_setting() {
             for _ in 0..3 {
                 r.record_request(
                     i,
-                    Outcome::Failure(hearth_router::health::Failure::ServerError),
+                    Outcome::Failure(hearth_router::health::Failure::ConnectFailure),
                 );
             }
         }
@@ -306,9 +313,18 @@ fn data_parallel_ranks_are_separate_targets_behind_one_address() {
     let rank = first.primary();
     drop(first);
     assert_eq!(r.decide(&req(&[4, 5, 6])).unwrap().primary(), rank);
-    // Health is per rank: a stuck rank is fenced alone.
+    // Health is per rank: a stuck rank is fenced alone (its requests'
+    // timeouts make it suspect, its own probes time out).
+    r.record_request(0, Outcome::Failure(hearth_router::health::Failure::Timeout));
+    assert_eq!(
+        r.snapshot().replicas[0].health.state,
+        hearth_router::HealthState::Serving
+    );
     for _ in 0..3 {
-        r.record_request(0, Outcome::Failure(hearth_router::health::Failure::Timeout));
+        r.record_probe(
+            (table[0].addr, Some(0)),
+            Outcome::Failure(hearth_router::health::Failure::Timeout),
+        );
     }
     let snap = r.snapshot();
     let states: Vec<_> = snap.replicas.iter().map(|x| x.health.state).collect();

@@ -26,6 +26,7 @@ fn req(hashes: &[u64]) -> RequestInfo {
         model: Some("m".into()),
         max_output_tokens: None,
         known_overlaps: None,
+        cache: Default::default(),
     }
 }
 
@@ -309,4 +310,52 @@ fn without_feedback_an_engine_restart_is_not_acted_on() {
     r.set_engine_signals(a, engine(None, 300.0, 2_000.0));
     let s = replica(&r, 0);
     assert_eq!((s.warmth_blocks, s.usage.restarts_total), (50, 0));
+}
+
+#[test]
+fn one_conversation_missing_again_and_again_is_no_restart() {
+    // A client replaying one conversation's turns (with whatever makes the
+    // engine serve them cold) reaches no quorum of conversations.
+    let r = fleet_of("127.0.0.1:1", |_| {});
+    let convs = placed(&r, 12, 100);
+    let mut c = convs[11].clone();
+    let mut corrections = Vec::new();
+    let mut names = Vec::new();
+    for k in 0..6 {
+        c.push(900_000 + k);
+        let d = r.decide(&req(&c)).unwrap();
+        names.push(d.prediction.conversation);
+        corrections.push(d.record_usage(usage(c.len(), 0)).unwrap().correction);
+    }
+    assert!(corrections.iter().all(Option::is_none), "{corrections:?}");
+    assert!(
+        names.iter().all(|n| n.is_some() && *n == names[0]),
+        "one name for all its turns: {names:?}"
+    );
+    let s = replica(&r, 0);
+    assert_eq!(s.usage.restarts_total, 0);
+    assert!(s.warmth_blocks >= 1_200);
+}
+
+#[test]
+fn answers_to_requests_that_partition_or_bypass_the_cache_are_not_compared() {
+    use hearth_wire::CacheUse;
+    for cache in [CacheUse::Partitioned, CacheUse::Bypassed] {
+        let r = fleet_of("127.0.0.1:1", |_| {});
+        let convs = placed(&r, 12, 100);
+        for (k, c) in convs.iter().rev().take(6).enumerate() {
+            let mut c = c.clone();
+            c.push(900_000 + k as u64);
+            let info = RequestInfo { cache, ..req(&c) };
+            let d = r.decide(&info).unwrap();
+            assert!(!d.prediction.compare);
+            let served = d.record_usage(usage(c.len(), 0)).unwrap();
+            assert_eq!((served.predicted_tokens, served.correction), (None, None));
+        }
+        let s = replica(&r, 0);
+        assert_eq!(s.usage.reports_total, 6, "{cache:?}: counted");
+        assert_eq!(s.usage.compared_total, 0, "{cache:?}: never compared");
+        assert_eq!(s.usage.restarts_total + s.usage.shrinks_total, 0);
+        assert!(s.warmth_blocks >= 1_200);
+    }
 }

@@ -15,7 +15,7 @@
 //! also strips it before ext_proc), so a client cannot steer routing.
 
 use envoy_types::pb::envoy::service::ext_proc::v3::HttpHeaders;
-use hearth_wire::{fingerprint, Endpoint, Params, DEFAULT_MAX_PREFIX_BYTES};
+use hearth_wire::{fingerprint, CacheUse, Endpoint, Params, DEFAULT_MAX_PREFIX_BYTES};
 
 use crate::envoy::headers;
 
@@ -52,11 +52,18 @@ pub fn request_info(endpoint: Endpoint, body: &[u8], block_size: usize) -> Reque
     };
     match fingerprint(endpoint, body, &params) {
         Ok(fp) => RequestInfo {
-            hashes: fp.hashes,
+            // As in filter mode: a request that turns the engine's cache
+            // off is routed on load alone.
+            hashes: if fp.cache == CacheUse::Bypassed {
+                Vec::new()
+            } else {
+                fp.hashes
+            },
             prompt_bytes: fp.prompt_bytes,
             model: Some(hearth_wire::names::capped_model(&fp.model)),
             max_output_tokens: fp.max_output_tokens,
             known_overlaps: None,
+            cache: fp.cache,
         },
         Err(reason) => {
             tracing::debug!(%reason, "body not fingerprinted; routing on load");

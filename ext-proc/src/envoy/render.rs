@@ -9,8 +9,8 @@ use std::path::PathBuf;
 
 use hearth_wire::header;
 
-use crate::config::Settings;
 pub use crate::config::{Endpoints, EnvoyConfigArgs, Mode, DEFAULT_WASM};
+use crate::config::{Secret, Settings};
 
 pub mod snippets;
 
@@ -71,6 +71,8 @@ impl EnvoyConfigArgs {
                     .clone()
                     .unwrap_or_else(|| SYSTEM_CA_FILE.into())
             }),
+            // A bad file was reported when the settings were validated.
+            control_token: settings.control_token().ok().flatten(),
         }
     }
 }
@@ -107,6 +109,10 @@ pub struct Gateway {
     /// the engines cluster gets a TLS transport socket that checks their
     /// certificates against this CA file. `None`: plain HTTP.
     pub engines_tls: Option<PathBuf>,
+    /// The sidecar's control token: Envoy sends it on its gRPC calls to
+    /// the sidecar and the outcome filter on its reports. None: nothing
+    /// is sent (a sidecar without `HEARTH_CONTROL_TOKEN_FILE`).
+    pub control_token: Option<Secret>,
 }
 
 impl Gateway {
@@ -133,6 +139,7 @@ impl Gateway {
             max_body_bytes: 8 << 20,
             eds: false,
             engines_tls: None,
+            control_token: None,
         }
     }
 }
@@ -157,6 +164,13 @@ impl Gateway {
             ("MAX_PREFIX_BYTES", self.max_prefix_bytes.to_string()),
             ("MAX_BODY_BYTES", self.max_body_bytes.to_string()),
             ("BUFFER_LIMIT_BYTES", self.buffer_limit().to_string()),
+            (
+                "CONTROL_TOKEN",
+                self.control_token
+                    .as_ref()
+                    .map(|t| t.expose().to_string())
+                    .unwrap_or_default(),
+            ),
         ];
         values.extend(snippets::sidecar_values(self.sidecar, self.sidecar_admin));
         values
@@ -309,7 +323,7 @@ fn socket(addr: &SocketAddr) -> String {
 /// result is exactly that).
 pub fn render(g: &Gateway) -> String {
     let (node, engines_endpoints) = if g.eds {
-        (EDS_NODE.to_string(), eds_endpoints())
+        (EDS_NODE.to_string(), eds_endpoints(g))
     } else {
         (String::new(), static_endpoints(g))
     };
@@ -358,7 +372,8 @@ node:
 
 /// The engines cluster's endpoints in EDS mode, in place of a
 /// `load_assignment`.
-fn eds_endpoints() -> String {
+fn eds_endpoints(g: &Gateway) -> String {
+    let token = control_metadata(g, "            ");
     format!(
         r#"    # The sidecar is the source of truth of the replica list: it streams
     # the endpoints over EDS and pushes every change. If the sidecar goes
@@ -377,9 +392,42 @@ fn eds_endpoints() -> String {
           transport_api_version: V3
           grpc_services:
           - envoy_grpc: {{ cluster_name: hearth_sidecar }}
-          set_node_on_first_message_only: true
+{token}          set_node_on_first_message_only: true
 "#
     )
+}
+
+/// A `grpc_service`'s `initial_metadata` with the control token, at
+/// `indent` (nothing without a token).
+fn control_metadata(g: &Gateway, indent: &str) -> String {
+    match &g.control_token {
+        Some(t) => format!(
+            "{indent}# The sidecar's HEARTH_CONTROL_TOKEN_FILE: it refuses calls without it.\n\
+             {indent}initial_metadata: [{{ key: authorization, value: \"Bearer {}\" }}]\n",
+            t.expose()
+        ),
+        None => String::new(),
+    }
+}
+
+/// The headers ext_proc forwards to the sidecar: what routing reads
+/// (the allow-list of `envoy/snippets/http-filters.yaml`), at `indent`.
+fn forward_rules(indent: &str) -> String {
+    let snippet = snippets::HTTP_FILTERS.text;
+    let start = snippet
+        .find("    # Only what routing reads")
+        .expect("the snippet's forward_rules");
+    // Its comment, the key, and the lines indented under it.
+    let mut key_seen = false;
+    snippet[start..]
+        .lines()
+        .take_while(|l| {
+            let inside = !key_seen || l.starts_with("     ");
+            key_seen |= l.starts_with("    forward_rules:");
+            inside
+        })
+        .map(|l| format!("{indent}{}\n", &l[4..]))
+        .collect()
 }
 
 #[cfg(test)]
@@ -404,6 +452,7 @@ mod tests {
             max_body_bytes: 1 << 23,
             eds: false,
             engines_tls: None,
+            control_token: None,
         };
         let yaml = render(&g);
         assert!(yaml.contains("port_value: 8001") && yaml.contains("port_value: 8002"));
@@ -553,13 +602,15 @@ const BODY_HEADER: &str = "\
 # generator, not this.
 ";
 
-/// The headers the filter sets for the sidecar: never from a client, never
-/// to an engine.
-pub const HEARTH_HEADERS: [&str; 4] = [
+/// The headers the filter sets for the sidecar, and the sidecar's ticket
+/// for the outcome filter: never from a client, never to an engine.
+pub const HEARTH_HEADERS: [&str; 6] = [
     header::FP,
     header::PROMPT_BYTES,
     header::MODEL,
     header::MAX_TOKENS,
+    header::CACHE,
+    header::TICKET,
 ];
 
 /// `["x-hearth-fp", ...]`: [`HEARTH_HEADERS`] as a YAML flow list.
@@ -674,7 +725,7 @@ pub fn render_gie(g: &Gateway) -> String {
               grpc_service:
                 envoy_grpc: {{ cluster_name: hearth_sidecar }}
                 timeout: 10s
-              # Fail closed, as the extension's reference does: without a
+{token}              # Fail closed, as the extension's reference does: without a
               # picked endpoint an ORIGINAL_DST cluster has nowhere safe to
               # go (requests get an error while the sidecar is down).
               failure_mode_allow: false
@@ -691,7 +742,7 @@ pub fn render_gie(g: &Gateway) -> String {
                 request_trailer_mode: SEND
                 response_trailer_mode: SEND
               response_attributes: ["upstream.address", "response.code_details"]
-              metadata_options:
+{forward_rules}              metadata_options:
                 # The subset hint (a controller may set it) and envoy.lb
                 # (a served-endpoint report) reach the sidecar; the
                 # destination comes back under envoy.lb.
@@ -723,6 +774,8 @@ pub fn render_gie(g: &Gateway) -> String {
         ),
         sidecar = sidecar_cluster(g),
         tls = engines_tls(g),
+        token = control_metadata(g, "                "),
+        forward_rules = forward_rules("              "),
     )
 }
 
@@ -903,5 +956,68 @@ mod gie_mode_tests {
             .unwrap();
         assert!(strip < yaml.find("ext_proc.v3.ExternalProcessor").unwrap());
         assert!(!yaml.contains('\t'));
+    }
+}
+
+#[cfg(test)]
+mod control_token_tests {
+    use clap::Parser;
+
+    /// `envoy-config` in `mode` with EDS endpoints, with the token in a
+    /// file given after the subcommand when `token` is set.
+    fn config(mode: &str, token: Option<&str>) -> String {
+        let path = std::env::temp_dir().join(format!(
+            "hearth-render-token-{}-{mode}-{}",
+            std::process::id(),
+            token.is_some()
+        ));
+        let mut args = vec![
+            "hearth-ext-proc".to_string(),
+            "--upstreams=127.0.0.1:8001".into(),
+            "envoy-config".into(),
+            format!("--mode={mode}"),
+            "--endpoints=eds".into(),
+        ];
+        if let Some(t) = token {
+            std::fs::write(&path, t).unwrap();
+            args.push(format!("--control-token-file={}", path.display()));
+        }
+        let cli = crate::config::Cli::try_parse_from(args).unwrap();
+        let Some(crate::config::Command::EnvoyConfig(a)) = &cli.command else {
+            panic!("envoy-config did not parse")
+        };
+        let yaml = a.render(&cli.settings);
+        let _ = std::fs::remove_file(path);
+        yaml
+    }
+
+    #[test]
+    fn every_call_to_the_sidecar_carries_the_token_and_only_routing_headers_go() {
+        let token = "0123456789abcdef0123456789abcdef-token";
+        let bearer =
+            format!("initial_metadata: [{{ key: authorization, value: \"Bearer {token}\" }}]");
+        for mode in ["filter", "body", "gie"] {
+            let yaml = config(mode, Some(token));
+            // ext_proc, and endpoint discovery where it is used.
+            let want = if mode == "gie" { 1 } else { 2 };
+            assert_eq!(yaml.matches(&bearer).count(), want, "{mode}: {yaml}");
+            assert!(yaml.contains("forward_rules:"), "{mode}");
+            assert!(yaml.contains("- prefix: \"x-hearth-\""), "{mode}");
+            assert!(!yaml.contains("exact: \"authorization\""), "{mode}");
+            let outcome = format!(r#""control_token":"{token}"}}'"#);
+            assert_eq!(yaml.contains(&outcome), mode == "filter", "{mode}");
+        }
+        // Without a token, nothing of it, and the same forward rules.
+        for mode in ["filter", "body", "gie"] {
+            let yaml = config(mode, None);
+            let settings = yaml.lines().filter(|l| !l.trim_start().starts_with('#'));
+            for line in settings {
+                assert!(
+                    !line.contains("initial_metadata") && !line.contains("control_token"),
+                    "{mode}: {line}"
+                );
+            }
+            assert!(yaml.contains("forward_rules:"), "{mode}");
+        }
     }
 }

@@ -34,16 +34,17 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use hearth_router::health::{self, Failure, Outcome};
-use hearth_router::{Decision, Prediction, RequestInfo, RouteError, Router};
+use hearth_router::{Decision, RequestInfo, RouteError, Router};
 use hearth_wire::names::{self, DESTINATION, DP_RANK, LB_NAMESPACE, REQUEST_ID, UPSTREAM};
 use hearth_wire::outcome::Scanner;
-use hearth_wire::Endpoint;
+use hearth_wire::{CacheUse, Endpoint};
 
 use crate::envoy::body;
+use crate::envoy::ending;
 use crate::envoy::headers;
 use crate::envoy::picker::{self, HeldBody, HeldBudget, Side};
 use crate::observe::Observer;
+use crate::outcomes::{Outcomes, StreamEnd};
 
 /// The ext_proc filter's attribute namespace in `ProcessingRequest.attributes`.
 const EXT_PROC_ATTRIBUTES: &str = "envoy.filters.http.ext_proc";
@@ -52,12 +53,14 @@ const EXT_PROC_ATTRIBUTES: &str = "envoy.filters.http.ext_proc";
 /// reports every decision to the observer.
 pub fn server(
     observer: Arc<Observer>,
+    outcomes: Arc<Outcomes>,
     first_byte: FirstByte,
     held: HeldBudget,
 ) -> ExternalProcessorServer<Processor> {
     ExternalProcessorServer::new(Processor {
         router: Arc::clone(observer.router()),
         observer,
+        outcomes,
         first_byte,
         held,
     })
@@ -68,6 +71,7 @@ pub fn server(
 pub struct Processor {
     router: Arc<Router>,
     observer: Arc<Observer>,
+    outcomes: Arc<Outcomes>,
     first_byte: FirstByte,
     /// Endpoint-picker mode: the bound on held bodies, all streams.
     held: HeldBudget,
@@ -114,6 +118,7 @@ impl ExternalProcessor for Processor {
         let mut exchange = Exchange::new(
             Arc::clone(&self.router),
             Arc::clone(&self.observer),
+            Arc::clone(&self.outcomes),
             self.held.clone(),
         );
         let first_byte = self.first_byte;
@@ -191,6 +196,8 @@ impl BodyMode {
 struct Exchange {
     router: Arc<Router>,
     observer: Arc<Observer>,
+    /// Where the request's end goes.
+    outcomes: Arc<Outcomes>,
     mode: BodyMode,
     /// Response bodies come full-duplex: each chunk is answered with
     /// itself.
@@ -224,10 +231,9 @@ struct Exchange {
     /// scanned as it passes; judged once its last chunk has come.
     answer: Option<Scanner>,
     answer_ended: bool,
-    /// What the decision predicted the chosen replica serves from cache,
-    /// compared with the scanned answer's usage (body shapes; in the
-    /// filter shapes it waits for the outcome report instead).
-    prediction: Option<Prediction>,
+    /// The ticket the decision's prediction waits under until the answer
+    /// ends (see [`crate::outcomes`]).
+    ticket: Option<String>,
 }
 
 /// Type alias for the answers to one message, and whether the exchange is
@@ -243,47 +249,44 @@ struct ResponseSeen {
 }
 
 impl Drop for Exchange {
+    /// The stream ended, however it ended: its end goes through the one
+    /// door ([`Outcomes::stream_ended`]) in the router's words.
     fn drop(&mut self) {
-        let Some(primary) = self.routed_to else {
+        let Some(chosen) = self.routed_to else {
             return;
         };
-        self.router.note_stream_end(self.response.is_some());
-        // Passive health: what this request's ending says about its
-        // replica. (Whether a 200 answer generated comes from the scan of
-        // its body here, or from the outcome filter; see `admin`.)
-        if let Some(r) = &self.response {
-            let answer = self
-                .answer
-                .as_ref()
-                .filter(|_| self.answer_ended)
-                .map(Scanner::answer);
-            let outcome = health::classify(Some(r.status.unwrap_or(0)), &r.details, answer);
-            self.router
-                .record_request(r.served.unwrap_or(primary), outcome);
-            if let Some(scan) = self.answer.as_ref().filter(|_| self.answer_ended) {
-                self.observer.answer_usage(
-                    self.request_id.as_deref(),
-                    r.served.unwrap_or(primary),
-                    self.prediction.as_ref(),
-                    scan.usage().map(Into::into),
-                    scan.done(),
-                );
-            }
-            // Served by another replica than the one chosen: Envoy retried
-            // away from the primary (connect failure, reset or 503).
-            if r.served.is_some_and(|s| s != primary) {
-                self.router
-                    .record_request(primary, Outcome::Failure(Failure::Retried));
-            }
-        }
+        let answer = self
+            .answer
+            .as_ref()
+            .filter(|_| self.answer_ended)
+            .map(|scan| (scan.answer(), scan.usage().map(Into::into)));
+        let response = self.response.as_ref();
+        self.outcomes.stream_ended(StreamEnd {
+            chosen,
+            served: response.and_then(|r| r.served),
+            ending: response
+                .map(|r| ending::ending(r.status.unwrap_or(0), &r.details, answer.map(|(a, _)| a))),
+            answer,
+            // Where the body comes through ext_proc, this stream carries the
+            // answer; elsewhere the outcome filter's report closes the
+            // ticket.
+            ticket: self.ticket.as_deref().filter(|_| self.mode.bodies_come()),
+            request_id: self.request_id.as_deref(),
+        });
     }
 }
 
 impl Exchange {
-    fn new(router: Arc<Router>, observer: Arc<Observer>, budget: HeldBudget) -> Self {
+    fn new(
+        router: Arc<Router>,
+        observer: Arc<Observer>,
+        outcomes: Arc<Outcomes>,
+        budget: HeldBudget,
+    ) -> Self {
         Exchange {
             router,
             observer,
+            outcomes,
             budget,
             mode: BodyMode::default(),
             response_duplex: false,
@@ -299,7 +302,7 @@ impl Exchange {
             response: None,
             answer: None,
             answer_ended: false,
-            prediction: None,
+            ticket: None,
         }
     }
 
@@ -315,8 +318,7 @@ impl Exchange {
     fn first_byte_timed_out(&mut self) {
         if let Some(r) = self.waiting_for_response() {
             self.timed_out = true;
-            self.router
-                .record_request(r, Outcome::Failure(Failure::Timeout));
+            self.outcomes.first_byte_missed(r);
         }
     }
 
@@ -585,24 +587,21 @@ impl Exchange {
                 );
                 // A data-parallel target: tell the engine which rank.
                 let rank = decision.replicas[decision.primary()].dp_rank;
-                // The answer's usage will be compared with the prediction:
-                // here when ext_proc sends the response body, else when the
-                // outcome filter's report names this request.
-                if self.mode.bodies_come() {
-                    self.prediction = Some(decision.prediction);
-                } else if let Some(id) = self
-                    .request_id
-                    .as_deref()
-                    .filter(|_| !info.hashes.is_empty())
-                {
-                    self.observer.predictions.insert(
-                        id,
-                        decision.prediction,
-                        std::time::Instant::now(),
-                    );
+                // A generation's answer will be compared with the
+                // prediction: the prediction waits under a ticket of the
+                // sidecar's own, which the outcome filter's report names
+                // (filter shapes) or this stream closes (body shapes).
+                let mut set_headers = vec![headers::set(DESTINATION, &dest)];
+                if info.model.is_some() {
+                    let ticket = self
+                        .outcomes
+                        .issue_ticket(decision.prediction, self.request_id.as_deref());
+                    if !self.mode.bodies_come() {
+                        set_headers.push(headers::set(header::TICKET, &ticket));
+                    }
+                    self.ticket = Some(ticket);
                 }
                 self.decision = Some(decision);
-                let mut set_headers = vec![headers::set(DESTINATION, &dest)];
                 let mut remove_headers = vec![header::FP.to_string()];
                 match rank {
                     Some(rank) => set_headers.push(headers::set(DP_RANK, &rank.to_string())),
@@ -685,6 +684,7 @@ pub fn request_info(h: &HttpHeaders, block_size: usize) -> RequestInfo {
             k if k == header::PROMPT_BYTES => info.prompt_bytes = value.trim().parse().unwrap_or(0),
             k if k == header::MODEL => info.model = Some(names::capped_model(value)),
             k if k == header::MAX_TOKENS => info.max_output_tokens = value.trim().parse().ok(),
+            k if k == header::CACHE => info.cache = CacheUse::parse(value).unwrap_or_default(),
             _ => {}
         }
     }

@@ -14,26 +14,31 @@
 //!   for the peers' state; each peer answers on the inbox the hello names,
 //!   with its whole state in parts (`Snapshot`).
 //!
-//! Messages are [`hearth_wire::peer`] envelopes: a message that does not
-//! decode, names another fleet or another replica list, or is too large is
-//! dropped and counted (`hearth_peer_messages_dropped_total{reason}`),
-//! never applied. While the bus is down the sidecar routes on its own
-//! state; `/state` shows `peers.connected: false`, `/health` says
-//! `degraded`, and when the bus returns the sidecar sends its whole state
-//! and asks for the peers'.
+//! Messages are [`hearth_wire::peer`] envelopes sealed with the fleet's
+//! key ([`peer_guard`]): a message whose MAC does not check (another key,
+//! none, changed bytes), whose sequence does not grow or is far from this
+//! sidecar's clock (a replay), that does not decode, names another fleet
+//! or another replica list, or is too large is dropped and counted
+//! (`hearth_peer_messages_dropped_total{reason}`), never applied; a hello
+//! beyond the answer rate is dropped the same way. While the bus is down
+//! the sidecar routes on its own state; `/state` shows
+//! `peers.connected: false`, `/health` says `degraded`, and when the bus
+//! returns the sidecar sends its whole state and asks for the peers'.
 
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 use async_nats::{Client, ConnectOptions, Event};
 use bytes::Bytes;
 use futures::StreamExt;
 use hearth_router::Router;
-use hearth_wire::peer::{self, Body, Envelope, PeerError, Update, MAX_MESSAGE_BYTES};
+use hearth_wire::peer::{self, Body, Envelope, PeerError, Update, MAC_BYTES, MAX_MESSAGE_BYTES};
 use tokio::sync::mpsc;
 
-use crate::config::{Secret, Settings};
+use super::peer_guard::{self, FleetKey, HelloLimit, Replays, SeqClock};
+use crate::config::{PeerKey, Secret, Settings};
 use crate::observe::metrics::PeerMetrics;
 
 /// An idle sidecar still sends its load this often (peers forget a
@@ -50,21 +55,31 @@ pub struct PeerSettings {
     pub fleet: String,
     pub user: Option<(String, Secret)>,
     pub token: Option<Secret>,
+    /// The fleet's key; None only on an open bus (`HEARTH_PEERS_INSECURE`).
+    pub key: Option<PeerKey>,
+    /// CA certificates to trust besides the system's.
+    pub ca_file: Option<PathBuf>,
     pub flush: Duration,
     pub sync: Duration,
 }
 
 impl PeerSettings {
-    /// None without `HEARTH_PEERS_URL`.
-    pub fn of(s: &Settings) -> Option<PeerSettings> {
-        Some(PeerSettings {
-            url: s.peers_url.clone()?,
+    /// None without `HEARTH_PEERS_URL`; an error when the key file
+    /// cannot be read (the settings' validation says so first).
+    pub fn of(s: &Settings) -> Result<Option<PeerSettings>, String> {
+        let Some(url) = s.peers_url.clone() else {
+            return Ok(None);
+        };
+        Ok(Some(PeerSettings {
+            url,
             fleet: s.fleet.clone(),
             user: s.peers_user.clone().zip(s.peers_password.clone()),
             token: s.peers_token.clone(),
+            key: s.peers_key()?,
+            ca_file: s.peers_ca_file.clone(),
             flush: Duration::from_millis(s.peers_flush_ms.max(1)),
             sync: crate::config::seconds(s.peers_sync_seconds),
-        })
+        }))
     }
 
     fn updates(&self) -> String {
@@ -83,7 +98,10 @@ pub struct PeerBus {
     metrics: Arc<PeerMetrics>,
     client: Client,
     sender: u64,
-    seq: u64,
+    key: Option<FleetKey>,
+    seq: SeqClock,
+    replays: Replays,
+    hellos: HelloLimit,
     inbox: String,
     messages: futures::stream::BoxStream<'static, async_nats::Message>,
     events: mpsc::UnboundedReceiver<Event>,
@@ -125,6 +143,16 @@ impl PeerBus {
         if settings.url.contains("tls://") {
             options = options.require_tls(true);
         }
+        if let Some(ca) = &settings.ca_file {
+            options = options.add_root_certificates(ca.clone());
+        }
+        if settings.key.is_none() {
+            tracing::warn!(
+                fleet = %settings.fleet,
+                "peer bus open (HEARTH_PEERS_INSECURE, no HEARTH_PEERS_KEY_FILE): \
+                 messages are neither signed nor checked"
+            );
+        }
         let servers: Vec<async_nats::ServerAddr> = settings
             .url
             .split(',')
@@ -144,13 +172,17 @@ impl PeerBus {
             .context("subscribing")?;
         router.enable_peers();
         router.set_peer_bus(&settings.fleet, false);
+        let key = settings.key.as_ref().map(FleetKey::new);
         Ok(PeerBus {
             router,
             settings,
             metrics,
             client,
             sender: random_id(),
-            seq: 0,
+            key,
+            seq: SeqClock::default(),
+            replays: Replays::default(),
+            hellos: HelloLimit::default(),
             inbox,
             messages: futures::stream::select(updates, answers).boxed(),
             events,
@@ -173,7 +205,7 @@ impl PeerBus {
                 },
                 message = self.messages.next() => match message {
                     Some(m) => {
-                        if self.on_message(&m.payload).await {
+                        if self.on_message(m.subject.as_str(), &m.payload).await {
                             return true;
                         }
                     }
@@ -195,7 +227,7 @@ impl PeerBus {
                     None => return,
                 },
                 message = self.messages.next() => match message {
-                    Some(m) => { self.on_message(&m.payload).await; }
+                    Some(m) => { self.on_message(m.subject.as_str(), &m.payload).await; }
                     None => return,
                 },
             }
@@ -284,15 +316,14 @@ impl PeerBus {
     }
 
     async fn publish(&mut self, subject: &str, body: Body) {
-        self.seq += 1;
         let envelope = Envelope {
             fleet: self.settings.fleet.clone(),
             list: self.router.list_digest(),
             sender: self.sender,
-            seq: self.seq,
+            seq: self.seq.next(unix_micros()),
             body,
         };
-        let bytes = peer::encode(&envelope);
+        let bytes = peer_guard::seal(self.key.as_ref(), subject, peer::encode(&envelope));
         match self
             .client
             .publish(subject.to_string(), Bytes::from(bytes))
@@ -315,10 +346,22 @@ impl PeerBus {
         }
     }
 
-    /// Applies one message from the bus; true when it completed a peer's
-    /// whole state.
-    async fn on_message(&mut self, payload: &[u8]) -> bool {
-        let envelope = match peer::decode(payload) {
+    /// Applies one message from the bus, received on `subject`; true when
+    /// it completed a peer's whole state. Nothing of it is read before its
+    /// MAC checks.
+    async fn on_message(&mut self, subject: &str, payload: &[u8]) -> bool {
+        if payload.len() > MAX_MESSAGE_BYTES + MAC_BYTES {
+            self.metrics.dropped("oversized");
+            return false;
+        }
+        let message = match peer_guard::open(self.key.as_ref(), subject, payload) {
+            Ok(m) => m,
+            Err(e) => {
+                self.metrics.dropped(e.reason());
+                return false;
+            }
+        };
+        let envelope = match peer::decode(message) {
             Ok(e) => e,
             Err(e) => {
                 self.metrics.dropped(match e {
@@ -336,6 +379,14 @@ impl PeerBus {
         if envelope.sender == self.sender {
             return false;
         }
+        let direct = subject == self.inbox;
+        if let Err(e) = self
+            .replays
+            .check(envelope.sender, direct, envelope.seq, unix_micros())
+        {
+            self.metrics.dropped(e.reason());
+            return false;
+        }
         self.metrics.received();
         let (update, whole, last) = match envelope.body {
             Body::Update(u) => (u, false, false),
@@ -345,8 +396,13 @@ impl PeerBus {
                 update,
             } => (update, true, part + 1 == parts),
             Body::Hello { reply } => {
-                let whole = self.router.state_update();
-                self.publish_update(&reply, whole, true).await;
+                // Each answer is the whole state: a few per second at most.
+                if self.hellos.allow(&reply, Instant::now()) {
+                    let whole = self.router.state_update();
+                    self.publish_update(&reply, whole, true).await;
+                } else {
+                    self.metrics.dropped("hello_limited");
+                }
                 return false;
             }
         };
@@ -369,8 +425,17 @@ impl PeerBus {
     }
 }
 
+/// Microseconds since the Unix epoch: the messages' sequence numbers (see
+/// [`peer_guard::SeqClock`]).
+fn unix_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
 /// A sidecar's id on the bus: random per start, so a restarted sidecar is
-/// a new peer (its old load figures expire).
+/// a new peer (its old load figures expire; its sequence, following the
+/// clock, still grows past what it sent before).
 fn random_id() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();

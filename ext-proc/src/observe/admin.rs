@@ -1,10 +1,11 @@
 //! The sidecar's HTTP endpoint: `GET /state` (JSON: per-replica health,
 //! in-flight load and warmth), `GET /health` (`ok`, `degraded` or
-//! `unhealthy`; HTTP 503 only when no replica is serving), and
-//! `POST /outcome`, where Envoy's outcome filter reports whether a 200
-//! answer carried text (`upstream=IP:PORT;text=0|1;done=0|1`). Bind it to
-//! loopback or a private interface: a client that can post outcomes can
-//! fence replicas.
+//! `unhealthy`; HTTP 503 only when no replica is serving). The routes
+//! that write (the outcome filter's reports, `POST /outcome`, from
+//! [`crate::envoy::report`]) are merged in by the sidecar, behind the same
+//! guard: with `HEARTH_CONTROL_TOKEN_FILE`, every write needs the token
+//! ([`crate::guard::admin_guard`]), and `/debug/decisions` shows request
+//! ids only to a caller that has it.
 //!
 //! Observability: `GET /metrics` (Prometheus text), `GET /debug/decisions`
 //! (`?request_id=ID` for one request's decisions, else `?limit=N` for the
@@ -14,17 +15,17 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Query, State};
+use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{Html, IntoResponse};
-use axum::routing::{get, post};
-use axum::{Json, Router as HttpRouter};
+use axum::routing::get;
+use axum::{Extension, Json, Router as HttpRouter};
 use serde::{Deserialize, Serialize};
 
-use hearth_router::health::{self, FleetHealth};
+use hearth_router::health::FleetHealth;
 use hearth_router::{Router, Snapshot};
-use hearth_wire::outcome::Report;
 
+use crate::guard::{self, Caller, ControlToken};
 use crate::observe::journal::DecisionRecord;
 use crate::observe::series::{Second, SERIES_SECONDS};
 use crate::observe::Observer;
@@ -32,7 +33,14 @@ use crate::observe::Observer;
 /// The dashboard: one page, inline script and style, no external fetches.
 pub const DASHBOARD: &str = include_str!("dashboard.html");
 
-pub fn routes(observer: Arc<Observer>) -> HttpRouter {
+/// Every route, the read-only ones here and the sidecar's `writes`, behind
+/// the guard: `token` (the control token, if set) for writes and request
+/// ids, a body limit and a request deadline.
+pub fn routes(
+    observer: Arc<Observer>,
+    writes: HttpRouter,
+    token: Option<Arc<ControlToken>>,
+) -> HttpRouter {
     let router = Arc::clone(observer.router());
     HttpRouter::new()
         .route("/state", get(state))
@@ -40,7 +48,6 @@ pub fn routes(observer: Arc<Observer>) -> HttpRouter {
         .with_state(router)
         .merge(
             HttpRouter::new()
-                .route(hearth_wire::names::REPORT_PATH, post(outcome))
                 .route("/metrics", get(metrics))
                 .route("/debug/decisions", get(decisions))
                 .route("/debug/series", get(series))
@@ -48,6 +55,12 @@ pub fn routes(observer: Arc<Observer>) -> HttpRouter {
                 .route("/dashboard", get(dashboard))
                 .with_state(observer),
         )
+        .merge(writes)
+        .layer(DefaultBodyLimit::max(guard::ADMIN_BODY_LIMIT))
+        .layer(axum::middleware::from_fn_with_state(
+            token,
+            guard::admin_guard,
+        ))
 }
 
 async fn metrics(State(observer): State<Arc<Observer>>) -> impl IntoResponse {
@@ -74,10 +87,16 @@ pub struct Decisions {
     pub decisions: Vec<DecisionRecord>,
 }
 
+/// Request ids are the gateway's business: a caller without the control
+/// token (when one is set) sees none and cannot look one up.
 async fn decisions(
     State(observer): State<Arc<Observer>>,
+    Extension(caller): Extension<Caller>,
     Query(q): Query<DecisionQuery>,
-) -> (StatusCode, Json<Decisions>) {
+) -> axum::response::Response {
+    if caller == Caller::Anyone && q.request_id.is_some() {
+        return guard::unauthorized();
+    }
     let journal = &observer.journal;
     let found = match &q.request_id {
         Some(id) => journal.find(id),
@@ -91,7 +110,13 @@ async fn decisions(
     let decisions = found
         .into_iter()
         .take(q.limit.unwrap_or(usize::MAX))
-        .map(|r| (*r).clone())
+        .map(|r| {
+            let mut r = (*r).clone();
+            if caller == Caller::Anyone {
+                r.request_id = None;
+            }
+            r
+        })
         .collect();
     (
         code,
@@ -100,6 +125,7 @@ async fn decisions(
             decisions,
         }),
     )
+        .into_response()
 }
 
 #[derive(Debug, Deserialize)]
@@ -154,30 +180,4 @@ async fn health(State(router): State<Arc<Router>>) -> (StatusCode, Json<serde_js
         FleetHealth::Ok | FleetHealth::Degraded => StatusCode::OK,
     };
     (code, Json(serde_json::json!({ "status": fleet })))
-}
-
-async fn outcome(State(observer): State<Arc<Observer>>, body: String) -> StatusCode {
-    let Some(report) = Report::parse(&body) else {
-        return StatusCode::BAD_REQUEST;
-    };
-    let router = observer.router();
-    let prediction = report
-        .request_id
-        .as_deref()
-        .and_then(|id| observer.predictions.take(id));
-    let Some(replica) = router.replica_at(&report.upstream, prediction.map(|p| p.replica)) else {
-        return StatusCode::NOT_FOUND;
-    };
-    router.record_request(
-        replica,
-        health::classify(Some(200), "via_upstream", Some(report.answer)),
-    );
-    observer.answer_usage(
-        report.request_id.as_deref(),
-        replica,
-        prediction.as_ref(),
-        report.usage.map(Into::into),
-        report.answer.done,
-    );
-    StatusCode::NO_CONTENT
 }

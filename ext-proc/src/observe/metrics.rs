@@ -459,7 +459,7 @@ impl PeerMetrics {
         );
         reg.register(
             "hearth_peer_messages_dropped",
-            "Peer messages not applied or not sent, by reason (malformed, oversized, unknown_format, foreign_fleet, other_list, unknown_replica, send_failed)",
+            "Peer messages not applied or not sent, by reason (bad_mac, unsigned, replay, stale, hello_limited, malformed, oversized, unknown_format, foreign_fleet, other_list, unknown_replica, send_failed)",
             m.dropped.clone(),
         );
         reg.register(

@@ -38,16 +38,14 @@ use std::time::Duration;
 use prometheus_client::registry::Registry;
 
 use hearth_router::health::Outcome;
-use hearth_router::{
-    AffinityBasis, Decision, Prediction, ReplicaKey, RequestInfo, RouteError, Router, Usage,
-};
+use hearth_router::{AffinityBasis, Decision, ReplicaKey, RequestInfo, RouteError, Router, Served};
 
 use crate::observe::journal::{hex, CandidateRecord, DecisionRecord, Journal, ServedRecord};
 use crate::observe::metrics::{
     DecisionMetrics, FleetCollector, PeerMetrics, PickerMetrics, ProbeMetrics,
 };
 use crate::observe::series::{unix_now, DecisionOutcome, Series, SessionResult};
-use crate::observe::usage::{Predictions, UsageMetrics};
+use crate::observe::usage::UsageMetrics;
 
 /// Conversations remembered for the stay ratio.
 pub const TIP_CAPACITY: usize = 65_536;
@@ -132,8 +130,6 @@ pub struct Observer {
     pub peers: Arc<PeerMetrics>,
     /// The endpoint-picker mode's held bodies.
     pub picker: PickerMetrics,
-    /// Decisions' predictions waiting for their outcome report.
-    pub predictions: Predictions,
     pub series: Arc<Series>,
     pub journal: Journal,
 }
@@ -163,7 +159,6 @@ impl Observer {
             usage,
             peers,
             picker,
-            predictions: Predictions::default(),
             series,
             journal,
         })
@@ -287,31 +282,11 @@ impl Observer {
         }
     }
 
-    /// A generation's answer from replica `answered` ended: its usage, if
-    /// it carried one, goes to the router with the decision's prediction
-    /// (when known), to the metrics and next to the decision in the
-    /// journal. An answer that ended without usage is counted.
-    pub fn answer_usage(
-        &self,
-        request_id: Option<&str>,
-        answered: usize,
-        prediction: Option<&Prediction>,
-        usage: Option<Usage>,
-        ended: bool,
-    ) {
-        let Some(usage) = usage else {
-            if ended {
-                self.usage.missing();
-            }
-            return;
-        };
-        if prediction.is_none() {
-            self.usage.unmatched();
-        }
-        let Some(served) = self.router.record_usage(answered, prediction, usage) else {
-            return;
-        };
-        self.usage.served(&served);
+    /// An answer's usage, as the router took it ([`crate::outcomes`]):
+    /// the prediction's error goes to the metrics, the served figures next
+    /// to the decision in the journal.
+    pub fn served(&self, request_id: Option<&str>, served: &Served) {
+        self.usage.served(served);
         if let Some(id) = request_id {
             let replica = self
                 .router
@@ -323,13 +298,23 @@ impl Observer {
                 id,
                 ServedRecord {
                     replica,
-                    prompt_tokens: usage.prompt_tokens,
-                    cached_tokens: usage.cached_tokens,
+                    prompt_tokens: served.usage.prompt_tokens,
+                    cached_tokens: served.usage.cached_tokens,
                     predicted_cached_tokens: served.predicted_tokens,
                     correction: served.correction,
                 },
             );
         }
+    }
+
+    /// A generation's answer ended without usage with cached tokens.
+    pub fn usage_missing(&self) {
+        self.usage.missing();
+    }
+
+    /// An answer's usage came without a decision to compare it with.
+    pub fn usage_unmatched(&self) {
+        self.usage.unmatched();
     }
 
     /// An active probe's outcome on the engine at `addr`.
@@ -444,6 +429,7 @@ mod tests {
             model: None,
             max_output_tokens: None,
             known_overlaps: None,
+            cache: Default::default(),
         };
         // Turn 1 lands on replica x, as the observer sees it.
         let first = info(chain(1, 0, 3));

@@ -73,7 +73,8 @@ pub(crate) fn admit(
     let candidates: Vec<usize> = healthy
         .into_iter()
         .filter(|&i| {
-            p.max_inflight == 0 || state[i].in_flight + state[i].peer_in_flight < p.max_inflight
+            p.max_inflight == 0
+                || state[i].in_flight.saturating_add(state[i].peer_in_flight) < p.max_inflight
         })
         .filter(|&i| {
             p.max_queue == 0

@@ -82,9 +82,17 @@ impl Decision {
     /// The answer's usage, from the chosen replica (see
     /// [`Router::record_usage`]).
     pub fn record_usage(&self, usage: Usage) -> Option<Served> {
-        self.reservation
-            .router()
-            .record_usage(self.primary(), Some(&self.prediction), usage)
+        self.record_usage_at(usage, Instant::now())
+    }
+
+    /// [`Decision::record_usage`] at `now` (the simulator's engine time).
+    pub fn record_usage_at(&self, usage: Usage, now: Instant) -> Option<Served> {
+        self.reservation.router().record_usage_at(
+            self.primary(),
+            Some(&self.prediction),
+            usage,
+            now,
+        )
     }
 
     /// `ip:port,ip:port,...` for the first `limit` entries of the order,
@@ -162,7 +170,8 @@ impl Router {
             key: replicas[chosen].key(),
             blocks: picked.overlap,
             prompt_bytes: req.prompt_bytes,
-            continues: warm.continued.is_some(),
+            conversation: warm.conversation,
+            compare: !req.hashes.is_empty() && req.cache == hearth_wire::CacheUse::Shared,
             stamp,
         };
         Ok(Decision {

@@ -16,6 +16,10 @@ pub(crate) struct Warmth {
     pub overlaps: Vec<usize>,
     /// The tip of the earlier prompt this one continues, if any.
     pub continued: Option<u64>,
+    /// The conversation it continues, named by the earliest tip its prompt
+    /// passes (its first turn's, while the tips remember it): the same for
+    /// every turn of one conversation.
+    pub conversation: Option<u64>,
 }
 
 pub(crate) fn measure(
@@ -50,15 +54,14 @@ pub(crate) fn measure(
         warm_long_only(&fleet.replicas, candidates, overlaps)
     };
     let warmest = overlaps.iter().copied().max().unwrap_or(0);
-    let continued = req.hashes[..warmest.min(req.hashes.len())]
-        .iter()
-        .rev()
-        .find(|&&h| tips.contains(h))
-        .copied();
+    let reach = &req.hashes[..warmest.min(req.hashes.len())];
+    let continued = reach.iter().rev().find(|&&h| tips.contains(h)).copied();
+    let conversation = continued.and_then(|_| reach.iter().find(|&&h| tips.contains(h)).copied());
     Warmth {
         candidates,
         overlaps,
         continued,
+        conversation,
     }
 }
 

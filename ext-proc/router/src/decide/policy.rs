@@ -65,7 +65,7 @@ pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Inst
         }
         residents_count = warm.candidates.iter().any(|&i| {
             let s = &state[i];
-            s.resident.is_empty() && s.in_flight + s.peer_in_flight == 0
+            s.resident.is_empty() && s.in_flight.saturating_add(s.peer_in_flight) == 0
         });
     }
     let candidates: Vec<Candidate> = warm

@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use hearth_wire::CacheUse;
+
 /// What the sidecar knows about one request before it is routed.
 #[derive(Clone, Debug, Default)]
 pub struct RequestInfo {
@@ -12,6 +14,10 @@ pub struct RequestInfo {
     pub model: Option<String>,
     /// The request's output cap, when the client set one.
     pub max_output_tokens: Option<u64>,
+    /// How the request asks the engine to use its prompt cache: answers to
+    /// requests that partition or bypass it are never compared with the
+    /// prediction (what they were served says nothing of the shared cache).
+    pub cache: CacheUse,
     /// How many leading blocks of the prompt each replica holds (by
     /// replica index), when something knows better than the warmth index:
     /// the simulator's `hearth_informed` yardstick reads the engines' real

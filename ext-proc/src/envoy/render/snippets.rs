@@ -92,7 +92,7 @@ pub const ALL: [Snippet; 6] = [
 ];
 
 /// The marked places, with what goes there.
-pub const PLACEHOLDERS: [(&str, &str); 10] = [
+pub const PLACEHOLDERS: [(&str, &str); 11] = [
     (
         "ENGINES_CLUSTER",
         "the name of your cluster of engine replicas",
@@ -121,7 +121,17 @@ pub const PLACEHOLDERS: [(&str, &str); 10] = [
         "IP of the sidecar's HTTP endpoint (HEARTH_ADMIN_LISTEN)",
     ),
     ("SIDECAR_ADMIN_PORT", "its port"),
+    (
+        "CONTROL_TOKEN",
+        "the token in the sidecar's HEARTH_CONTROL_TOKEN_FILE",
+    ),
 ];
+
+/// Placeholders that may be filled with nothing (the sidecar has no
+/// control token): a line holding one is then left out, with the comment
+/// lines just above it, except a JSON member `,"key":"${NAME}"` inside
+/// a line, which alone is removed.
+pub const OPTIONAL: [&str; 1] = ["CONTROL_TOKEN"];
 
 /// Values for the placeholders, by name.
 pub type Values = Vec<(&'static str, String)>;
@@ -139,10 +149,17 @@ pub fn sidecar_values(grpc: SocketAddr, admin: SocketAddr) -> Values {
 impl Snippet {
     /// The text with every `${NAME}` of `values` filled in (names without
     /// a value stay as they are).
+    /// An empty value of an [`OPTIONAL`] placeholder leaves out what
+    /// needs it.
     pub fn fill(&self, values: &[(&str, String)]) -> String {
         let mut text = self.text.to_string();
         for (name, value) in values {
-            text = text.replace(&format!("${{{name}}}"), value);
+            let mark = format!("${{{name}}}");
+            text = if value.is_empty() && OPTIONAL.contains(name) {
+                leave_out(&text, &mark)
+            } else {
+                text.replace(&mark, value)
+            };
         }
         text
     }
@@ -197,9 +214,61 @@ impl Snippet {
     }
 }
 
+/// `text` without what needs `mark` (see [`OPTIONAL`]).
+fn leave_out(text: &str, mark: &str) -> String {
+    let quoted = format!("\"{mark}\"");
+    let mut out: Vec<String> = Vec::new();
+    for line in text.split_inclusive('\n') {
+        if !line.contains(mark) {
+            out.push(line.to_string());
+            continue;
+        }
+        // `,"key":"${NAME}"` inside a JSON object.
+        if let Some(at) = line.find(&quoted) {
+            if let Some(start) = line[..at]
+                .rfind(",\"")
+                .filter(|&s| line[s..at].ends_with("\":"))
+            {
+                out.push(format!("{}{}", &line[..start], &line[at + quoted.len()..]));
+                continue;
+            }
+        }
+        while out.last().is_some_and(|l| l.trim_start().starts_with('#')) {
+            out.pop();
+        }
+    }
+    out.concat()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_empty_token_leaves_out_what_carries_it() {
+        let with = HTTP_FILTERS.fill(&[("CONTROL_TOKEN", "t".repeat(32))]);
+        assert!(with.contains(&format!("value: \"Bearer {}\"", "t".repeat(32))));
+        assert!(with.contains(&format!(",\"control_token\":\"{}\"}}'", "t".repeat(32))));
+        let without = HTTP_FILTERS.fill(&[("CONTROL_TOKEN", String::new())]);
+        let yaml: Vec<&str> = without
+            .lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .collect();
+        assert!(
+            !yaml.iter().any(|l| l.contains("${CONTROL_TOKEN}")
+                || l.contains("authorization")
+                || l.contains("control_token")),
+            "{without}"
+        );
+        assert!(without
+            .contains(r#"value: '{"role":"outcome","outcome_cluster":"hearth_sidecar_admin"}'"#));
+        // Only the lines that needed it are gone.
+        assert_eq!(
+            with.lines().count(),
+            without.lines().count() + 2,
+            "{without}"
+        );
+    }
 
     #[test]
     fn every_placeholder_is_listed_and_every_listed_one_is_used() {

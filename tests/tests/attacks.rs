@@ -1,0 +1,177 @@
+//! What an ordinary client can try against the fleet, on real engines
+//! where the engine decides the answer: two llama.cpp `llama-server`s
+//! behind the real Envoy, filter and sidecar. Answers empty by
+//! construction (a logit bias that forces the end-of-sequence token, stop
+//! strings that match at once) must fence nothing; turns that turn the
+//! engine's prompt cache off must leave the warmth index and the restart
+//! count as they were.
+//!
+//! Needs `scripts/setup` (llama-server and its model).
+
+use std::time::{Duration, Instant};
+
+use hearth_bench::llama::LlamaConfig;
+use hearth_e2e::{cached_and_prompt_tokens, filler, reply_text, Conversation, LlamaFleet};
+use hearth_router::health::HealthState;
+use hearth_router::Snapshot;
+use serde_json::{json, Value};
+
+/// The model clients ask for (a single-model llama-server serves any name).
+const MODEL: &str = "smollm2-135m-instruct";
+
+/// As in `real_engine.rs`: 256-byte blocks give these short conversations
+/// a prefix to follow, and a slow CPU engine's probe gets 30 s. Suspicion
+/// is probed within a second, so the test sees the probes' verdict.
+const FLAGS: [&str; 4] = [
+    "--block-size=256",
+    "--probe-timeout-seconds=30",
+    "--suspect-probe-seconds=1",
+    "--probe-retry-seconds=1",
+];
+
+fn engine_config() -> LlamaConfig {
+    LlamaConfig {
+        slots: 2,
+        ctx_size: 4096,
+        threads: 1,
+        ..LlamaConfig::default()
+    }
+}
+
+/// Every printable ASCII character but a few: whatever the model's first
+/// token is, its text starts with one of them, so the answer stops before
+/// any text.
+fn stop_everything() -> Vec<String> {
+    (b' '..=b'~').map(|c| (c as char).to_string()).collect()
+}
+
+fn serving_unfenced(s: &Snapshot) -> bool {
+    s.replicas
+        .iter()
+        .all(|r| r.health.state == HealthState::Serving && r.health.fenced_total == 0)
+}
+
+#[tokio::test]
+async fn answers_a_client_makes_empty_fence_no_real_engine() {
+    let lf = LlamaFleet::start(2, &engine_config(), &FLAGS)
+        .await
+        .unwrap();
+    let fleet = &lf.fleet;
+    // Seven requests that force the end-of-sequence token first (SmolLM2's
+    // is 2), streamed without usage; then three with stop strings that
+    // match the first token, not streamed. The engine decides: every
+    // answer is empty.
+    let mut empty = 0;
+    for k in 0..10u64 {
+        let mut conv = Conversation::new(MODEL, &filler(k + 10, 300), false, 7000 + k);
+        let mut body = conv.next_turn(100, k < 7);
+        body["max_tokens"] = 4.into();
+        if k < 7 {
+            body["logit_bias"] = json!({"2": 100});
+        } else {
+            body["stop"] = json!(stop_everything());
+        }
+        let t = fleet.chat(&body).await;
+        if reply_text(&t.body).is_empty() {
+            empty += 1;
+        }
+    }
+    assert_eq!(empty, 10, "the engine did not answer them empty");
+    // The suspicion they raised is settled by the sidecar's own probes,
+    // which pass: give them a few seconds.
+    let start = Instant::now();
+    loop {
+        let s = fleet.state().await.unwrap();
+        assert!(
+            serving_unfenced(&s),
+            "a client's answers fenced a replica: {s:?}"
+        );
+        let settled = s.replicas.iter().all(|r| r.health.suspect.is_none());
+        if settled && start.elapsed() > Duration::from_secs(3) {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(90),
+            "suspicion never settled: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let s = fleet.state().await.unwrap();
+    assert!(
+        s.replicas.iter().any(|r| r.health.suspicions_total > 0),
+        "the empty answers were not seen: {s:?}"
+    );
+    // Another client, right after: routed by Hearth, answered.
+    let mut conv = Conversation::new(MODEL, &filler(99, 300), false, 7999);
+    let mut body = conv.next_turn(100, false);
+    body["max_tokens"] = 4.into();
+    let t = fleet.chat(&body).await;
+    assert!(t.upstream.is_some(), "no x-hearth-upstream: {:?}", t.body);
+    let (status, health) = fleet.admin_get("/health").await.unwrap();
+    let health: Value = serde_json::from_str(&health).unwrap();
+    assert_eq!((status, health["status"].as_str()), (200, Some("ok")));
+    fleet.assert_wasm_healthy();
+}
+
+#[tokio::test]
+async fn turns_that_bypass_the_engines_cache_leave_its_warmth_alone() {
+    let lf = LlamaFleet::start(2, &engine_config(), &FLAGS)
+        .await
+        .unwrap();
+    let fleet = &lf.fleet;
+    // The harness prompt every conversation here shares.
+    let harness = format!(
+        "You are a coding agent. Follow the team's harness rules below.\n{}",
+        filler(7, 1500)
+    );
+    let system = |seed: u64| format!("{harness}\nProject {seed} notes:\n{}", filler(seed, 400));
+    // The victim: two turns on its engine.
+    let mut victim = Conversation::new(MODEL, &system(1), false, 8001);
+    let mut home = None;
+    for _ in 0..2 {
+        let mut body = victim.next_turn(120, false);
+        body["max_tokens"] = 4.into();
+        let t = fleet.chat(&body).await;
+        victim.push_assistant(&reply_text(&t.body));
+        home = t.upstream.clone();
+    }
+    let home = home.unwrap();
+    let before = fleet.state().await.unwrap();
+    let at = |s: &Snapshot| s.replicas.iter().find(|r| r.id == home).cloned().unwrap();
+    // Three other conversations with the same harness, each a turn, then
+    // two continuing turns that tell the engine not to use its cache (or
+    // take a slot of their choosing): the engine serves them cold.
+    for seed in 2..5u64 {
+        let mut conv = Conversation::new(MODEL, &system(seed), false, 8000 + seed);
+        for turn in 0..3 {
+            let mut body = conv.next_turn(120, false);
+            body["max_tokens"] = 4.into();
+            match turn {
+                0 => {}
+                1 => body["cache_prompt"] = false.into(),
+                _ => body["id_slot"] = 0.into(),
+            }
+            let t = fleet.chat(&body).await;
+            conv.push_assistant(&reply_text(&t.body));
+        }
+    }
+    let after = fleet.settle(Duration::from_secs(30)).await.unwrap();
+    let (b, a) = (at(&before), at(&after));
+    assert_eq!(a.usage.restarts_total, b.usage.restarts_total, "{after:?}");
+    assert_eq!(a.usage.shrinks_total, b.usage.shrinks_total, "{after:?}");
+    assert!(a.warmth_blocks >= b.warmth_blocks, "{b:?} -> {a:?}");
+    assert!(a.warmth_capacity >= b.warmth_capacity, "{b:?} -> {a:?}");
+    // The victim's next turn stays home and reads its history from cache.
+    let mut body = victim.next_turn(120, false);
+    body["max_tokens"] = 4.into();
+    let t = fleet.chat(&body).await;
+    assert_eq!(
+        t.upstream.as_deref(),
+        Some(home.as_str()),
+        "the victim moved"
+    );
+    let (cached, prompt) = cached_and_prompt_tokens(&t.body);
+    assert!(cached * 2 > prompt, "{cached} of {prompt} from cache");
+    assert!(serving_unfenced(&after), "{after:?}");
+    fleet.assert_wasm_healthy();
+}

@@ -1,0 +1,121 @@
+//! The usage loop through the real Envoy: each generation's answer carries
+//! its usage back to the sidecar (the outcome filter's report in the
+//! filter shape, the ext_proc stream in body mode), where it meets its
+//! decision's prediction under the sidecar's own ticket; the journal shows
+//! the served figures next to the prediction. Clients that send the same
+//! `x-request-id` cannot cross-wire their reports.
+
+use std::time::{Duration, Instant};
+
+use hearth_e2e::{filler, metric_sample, reply_text, Conversation, Fleet, FleetOptions, MODEL};
+use hearth_router::Snapshot;
+use serde_json::Value;
+
+/// Every request of the test claims this id.
+const SAME_ID: &str = "one-id-for-everyone";
+
+async fn turn(fleet: &Fleet, conv: &mut Conversation) -> u64 {
+    let body = conv.next_turn(1500, false);
+    let t = fleet
+        .post(
+            "/v1/chat/completions",
+            serde_json::to_vec(&body).unwrap(),
+            &[
+                ("content-type", "application/json"),
+                ("x-request-id", SAME_ID),
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(t.status, 200, "{:?}", t.body);
+    conv.push_assistant(&reply_text(&t.body));
+    t.body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+fn totals(s: &Snapshot) -> (u64, u64, u64, u64) {
+    s.replicas.iter().fold((0, 0, 0, 0), |acc, r| {
+        (
+            acc.0 + r.usage.reports_total,
+            acc.1 + r.usage.compared_total,
+            acc.2 + r.usage.cached_tokens_total,
+            acc.3 + r.usage.predicted_cached_tokens_total,
+        )
+    })
+}
+
+async fn usage_loop(shape: FleetOptions) {
+    let fleet = Fleet::start(FleetOptions {
+        engines: 2,
+        ..shape
+    })
+    .await
+    .unwrap();
+    // Two conversations of three turns, interleaved, every request with
+    // the same client-chosen id.
+    let mut a = Conversation::new(MODEL, &filler(61, 8192), false, 6100);
+    let mut b = Conversation::new(MODEL, &filler(62, 8192), false, 6200);
+    let mut served_cached = 0;
+    for _ in 0..3 {
+        served_cached += turn(&fleet, &mut a).await;
+        served_cached += turn(&fleet, &mut b).await;
+    }
+    // Reports travel after the answers: wait for all six.
+    let start = Instant::now();
+    let s = loop {
+        let s = fleet.settle(Duration::from_secs(5)).await.unwrap();
+        if totals(&s).0 >= 6 || start.elapsed() > Duration::from_secs(10) {
+            break s;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let (reports, compared, cached, predicted) = totals(&s);
+    assert_eq!(reports, 6, "every answer's usage came back: {s:?}");
+    // Every answer met its own decision's prediction: none was unmatched
+    // although all six shared one client id.
+    assert_eq!(compared, 6, "{s:?}");
+    assert_eq!(cached, served_cached, "the engines' own figures: {s:?}");
+    // The later turns were predicted warm, and served so.
+    assert!(predicted > 0 && cached > 0, "{s:?}");
+    let (_, m) = fleet.admin_get("/metrics").await.unwrap();
+    assert_eq!(metric_sample(&m, "hearth_usage_unmatched_total"), Some(0.0));
+    assert_eq!(
+        metric_sample(&m, "hearth_prediction_error_count"),
+        Some(6.0)
+    );
+    // The journal keeps the served figures next to each prediction.
+    let (_, body) = fleet
+        .admin_get(&format!("/debug/decisions?request_id={SAME_ID}"))
+        .await
+        .unwrap();
+    let j: Value = serde_json::from_str(&body).unwrap();
+    let served: Vec<&Value> = j["decisions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|d| d.get("served").filter(|v| !v.is_null()))
+        .collect();
+    assert!(!served.is_empty(), "{j}");
+    assert!(
+        served
+            .iter()
+            .all(|v| v["predicted_cached_tokens"].is_u64() && v["prompt_tokens"].is_u64()),
+        "{j}"
+    );
+    fleet.assert_wasm_healthy();
+}
+
+#[tokio::test]
+async fn the_usage_loop_runs_through_envoy_and_a_clients_request_id_names_nothing() {
+    usage_loop(FleetOptions::default()).await;
+}
+
+#[tokio::test]
+async fn the_usage_loop_runs_through_envoy_in_body_mode() {
+    usage_loop(FleetOptions {
+        body_mode: true,
+        ..FleetOptions::default()
+    })
+    .await;
+}
