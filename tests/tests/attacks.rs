@@ -57,26 +57,39 @@ async fn answers_a_client_makes_empty_fence_no_real_engine() {
         .await
         .unwrap();
     let fleet = &lf.fleet;
-    // Seven requests that force the end-of-sequence token first (SmolLM2's
-    // is 2), streamed without usage; then three with stop strings that
-    // match the first token, not streamed. The engine decides: every
-    // answer is empty.
-    let mut empty = 0;
-    for k in 0..10u64 {
+    // Seven requests at once that force the end-of-sequence token first
+    // (SmolLM2's is 2), streamed without usage; then three with stop
+    // strings that match the first token, not streamed. The engine
+    // decides: every answer is empty.
+    let forced = (0..7u64).map(|k| async move {
         let mut conv = Conversation::new(MODEL, &filler(k + 10, 300), false, 7000 + k);
-        let mut body = conv.next_turn(100, k < 7);
+        let mut body = conv.next_turn(100, true);
         body["max_tokens"] = 4.into();
-        if k < 7 {
-            body["logit_bias"] = json!({"2": 100});
-        } else {
-            body["stop"] = json!(stop_everything());
-        }
-        let t = fleet.chat(&body).await;
-        if reply_text(&t.body).is_empty() {
+        body["logit_bias"] = json!({"2": 100});
+        reply_text(&fleet.chat(&body).await.body).is_empty()
+    });
+    let mut empty = futures::future::join_all(forced)
+        .await
+        .into_iter()
+        .filter(|&e| e)
+        .count();
+    for k in 7..10u64 {
+        let mut conv = Conversation::new(MODEL, &filler(k + 10, 300), false, 7000 + k);
+        let mut body = conv.next_turn(100, false);
+        body["max_tokens"] = 4.into();
+        body["stop"] = json!(stop_everything());
+        if reply_text(&fleet.chat(&body).await.body).is_empty() {
             empty += 1;
         }
     }
     assert_eq!(empty, 10, "the engine did not answer them empty");
+    let s = fleet.state().await.unwrap();
+    for r in &s.replicas {
+        eprintln!(
+            "after the attack: {} {:?}, suspect {:?}, fenced_total {}",
+            r.id, r.health.state, r.health.suspect, r.health.fenced_total
+        );
+    }
     // The suspicion they raised is settled by the sidecar's own probes,
     // which pass: give them a few seconds.
     let start = Instant::now();

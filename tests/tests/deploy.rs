@@ -931,6 +931,21 @@ fn no_shipped_config_opens_a_control_port_without_the_token() {
         }
     }
 
+    // Another admits only the sidecars to NATS's client port.
+    let bus = find("NetworkPolicy", "hearth-nats");
+    assert_eq!(
+        bus["spec"]["podSelector"]["matchLabels"],
+        find("Deployment", "hearth-nats")["spec"]["selector"]["matchLabels"]
+    );
+    let rules = bus["spec"]["ingress"].as_array().unwrap();
+    assert_eq!(rules.len(), 1, "{bus}");
+    assert_eq!(
+        rules[0]["from"],
+        serde_json::json!([{"podSelector": {"matchLabels":
+            find("Deployment", "hearth-ext-proc")["spec"]["selector"]["matchLabels"]}}])
+    );
+    assert_eq!(rules[0]["ports"][0]["port"], "client");
+
     // Every Envoy configuration that calls the sidecar sends the token
     // and forwards only routing headers: the manifests (with a placeholder
     // to replace) and the shipped gateways, which reach it on loopback.
