@@ -1,6 +1,6 @@
 //! Prometheus metrics (`GET /metrics` on the admin endpoint), registered
 //! explicitly per component with `prometheus-client`. Every name is
-//! `hearth_*` and documented in the README's "Metrics" section.
+//! `hearth_*` and documented in `docs/metrics.md`.
 //!
 //! Event metrics (decisions, latency, overlap, sessions, probes) are
 //! counted as they happen; per-replica figures (in-flight, load, warmth,
