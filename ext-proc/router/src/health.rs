@@ -164,6 +164,10 @@ pub struct ReplicaHealth {
     last_served: Option<Instant>,
     /// The last probe's end, whatever it found.
     last_probe: Option<Instant>,
+    /// The last probe that ended while the replica was suspect: suspicion
+    /// is probed at most once per `suspect_probe_interval` by this clock
+    /// (an idle probe a moment ago does not delay it).
+    last_suspect_probe: Option<Instant>,
     /// Evidence a client could have provoked, not yet cleared by a
     /// success or confirmed by a probe.
     suspect: Option<Failure>,
@@ -185,6 +189,7 @@ impl Default for ReplicaHealth {
             last_failure: None,
             last_served: None,
             last_probe: None,
+            last_suspect_probe: None,
             suspect: None,
             suspicions_total: 0,
             probe_refused: None,
@@ -278,6 +283,9 @@ impl ReplicaHealth {
     /// first-byte deadline.
     pub fn record_probe(&mut self, outcome: Outcome, p: &HealthParams, now: Instant, running: u32) {
         self.last_probe = Some(now);
+        if self.suspect.is_some() {
+            self.last_suspect_probe = Some(now);
+        }
         let backoff_over = self.fenced_until.is_none_or(|t| now >= t);
         if !matches!(outcome, Outcome::Unauthorized(_)) {
             self.probe_refused = None;
@@ -331,7 +339,9 @@ impl ReplicaHealth {
             return (!probed_within(p.probe_retry)).then_some(ProbeReason::Suspect);
         }
         if self.suspect.is_some() {
-            return (!probed_within(p.suspect_probe_interval)).then_some(ProbeReason::Suspect);
+            let recent =
+                since(self.last_suspect_probe).is_some_and(|s| s < p.suspect_probe_interval);
+            return (!recent && !probed_within(p.probe_retry)).then_some(ProbeReason::Suspect);
         }
         if running > 0 {
             return None;
@@ -831,6 +841,23 @@ mod tests {
         }
         assert_eq!(h.state(), HealthState::Fenced);
         assert_eq!(h.snapshot(t1).last_failure, Some(Failure::EmptyAnswer));
+    }
+
+    #[test]
+    fn suspicion_is_probed_at_once_after_an_idle_probe_and_then_at_its_own_rate() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut h = ReplicaHealth::default();
+        h.record_probe(Outcome::Success, &p(), t0, 0);
+        h.record_request(Outcome::Failure(Failure::Retried), &p(), t0 + s(3));
+        // An idle probe 3 s ago does not hold it back.
+        assert_eq!(h.probe_due(&p(), t0 + s(3), 1), Some(ProbeReason::Suspect));
+        h.record_probe(Outcome::Success, &p(), t0 + s(3), 1);
+        // Suspect again at once: the next suspicion probe waits for the
+        // suspicion interval (10 s) after the last one.
+        h.record_request(Outcome::Failure(Failure::Retried), &p(), t0 + s(4));
+        assert_eq!(h.probe_due(&p(), t0 + s(12), 1), None);
+        assert_eq!(h.probe_due(&p(), t0 + s(13), 1), Some(ProbeReason::Suspect));
     }
 
     #[test]

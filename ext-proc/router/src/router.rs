@@ -255,6 +255,16 @@ impl Router {
         })
     }
 
+    /// Envoy served a routed request on replica `i`, not the one chosen (a
+    /// retry on a fallback): its prompt is warm there now.
+    pub fn record_served_elsewhere(&self, i: usize, hashes: &[u64]) {
+        let mut fleet = self.lock();
+        let fleet = &mut *fleet;
+        if fleet.replicas.get(i).is_some_and(|r| !r.retired) {
+            fleet.state[i].warmth.record_prompt(hashes);
+        }
+    }
+
     /// A probe's outcome on the routing target `key` (active health).
     pub fn record_probe(&self, key: ReplicaKey, outcome: Outcome) {
         let params = self.params.health;

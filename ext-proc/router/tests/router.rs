@@ -573,3 +573,16 @@ fn a_removed_replica_drains_before_its_slot_is_reused() {
     // Re-adding a removed address starts it fresh, not from old state.
     assert_eq!(r.snapshot().replicas.len(), 3);
 }
+
+#[test]
+fn a_prompt_served_on_a_fallback_is_warm_there() {
+    let r = fleet("127.0.0.1:1,127.0.0.1:2", |_| {});
+    let d = r.decide(&req(&[1, 2, 3])).unwrap();
+    let (chosen, fallback) = (d.primary(), 1 - d.primary());
+    drop(d);
+    // Envoy retried it on the fallback, which now holds it.
+    r.record_served_elsewhere(fallback, &[1, 2, 3]);
+    let s = r.snapshot();
+    assert_eq!(s.replicas[fallback].warmth_blocks, 3);
+    assert_eq!(s.replicas[chosen].warmth_blocks, 3);
+}

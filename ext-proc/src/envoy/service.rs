@@ -220,6 +220,9 @@ struct Exchange {
     /// The replica the request was routed to (kept after the reservation
     /// is released, for the outcome).
     routed_to: Option<usize>,
+    /// The routed prompt's block hashes, should Envoy serve it elsewhere
+    /// (a retry on a fallback) and its warmth follow.
+    hashes: Vec<u64>,
     /// Prompt bytes the chosen replica did not hold (its prefill work).
     uncached_bytes: u64,
     /// The first-byte timeout already counted against the replica.
@@ -303,6 +306,7 @@ impl Exchange {
             answer: None,
             answer_ended: false,
             ticket: None,
+            hashes: Vec::new(),
         }
     }
 
@@ -478,6 +482,11 @@ impl Exchange {
                 .as_deref()
                 .and_then(|a| self.router.replica_at(a, self.routed_to)),
         };
+        // Envoy retried on a fallback: the prompt is warm where it was
+        // served, not (only) where it was sent first.
+        if let Some(s) = seen.served.filter(|&s| Some(s) != self.routed_to) {
+            self.router.record_served_elsewhere(s, &self.hashes);
+        }
         // A generation's 200 answer: its body tells whether the engine
         // generated (when ext_proc sends it).
         if self.generation && seen.status == Some(200) && !h.end_of_stream {
@@ -577,6 +586,7 @@ impl Exchange {
                 };
                 let dest = decision.destination(limit);
                 self.routed_to = Some(decision.primary());
+                self.hashes.clone_from(&info.hashes);
                 let held = u64::from(decision.overlap) * self.router.block_size() as u64;
                 self.uncached_bytes = info.prompt_bytes.saturating_sub(held);
                 tracing::debug!(
