@@ -573,6 +573,18 @@ fn test_token(n: usize) -> String {
     format!("{nanos:032x}{:08x}{n:08x}", std::process::id())
 }
 
+/// The real-engine tests' `llama-server`: two slots, 2,048 tokens of KV
+/// cache each, one thread (the machine running the suite may have two
+/// cores for two engines).
+pub fn two_slot_llama() -> LlamaConfig {
+    LlamaConfig {
+        slots: 2,
+        ctx_size: 4096,
+        threads: 1,
+        ..LlamaConfig::default()
+    }
+}
+
 /// Real engines behind the gateway: one llama.cpp `llama-server` per
 /// replica (the binary and model `scripts/setup` installs), each with its
 /// replica id as its model alias, so every answer's `model` names the

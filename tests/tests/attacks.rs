@@ -11,7 +11,9 @@
 use std::time::{Duration, Instant};
 
 use hearth_bench::llama::LlamaConfig;
-use hearth_e2e::{cached_and_prompt_tokens, filler, reply_text, Conversation, LlamaFleet};
+use hearth_e2e::{
+    cached_and_prompt_tokens, filler, reply_text, two_slot_llama, Conversation, LlamaFleet,
+};
 use hearth_router::health::HealthState;
 use hearth_router::Snapshot;
 use serde_json::{json, Value};
@@ -29,13 +31,9 @@ const FLAGS: [&str; 4] = [
     "--probe-retry-seconds=1",
 ];
 
+/// The engines of every test here (see [`two_slot_llama`]).
 fn engine_config() -> LlamaConfig {
-    LlamaConfig {
-        slots: 2,
-        ctx_size: 4096,
-        threads: 1,
-        ..LlamaConfig::default()
-    }
+    two_slot_llama()
 }
 
 /// Every printable ASCII character but a few: whatever the model's first

@@ -125,6 +125,20 @@ const QUICK_PROBES: [&str; 5] = [
     "--eject-after=3",
 ];
 
+/// `engines` engines of `shape` with [`QUICK_PROBES`], each past its
+/// start-up probe.
+async fn quick_probed_fleet(engines: usize, shape: FleetOptions) -> Fleet {
+    let fleet = Fleet::start(FleetOptions {
+        engines,
+        sidecar_flags: QUICK_PROBES.iter().map(|f| f.to_string()).collect(),
+        ..shape
+    })
+    .await
+    .unwrap();
+    probed_once(&fleet).await;
+    fleet
+}
+
 /// Waits until every engine passed its start-up probe.
 async fn probed_once(fleet: &Fleet) {
     let start = Instant::now();
@@ -143,14 +157,7 @@ async fn broken_engine_fenced_by_probes(shape: FleetOptions) {
     // The ramjet lesson: an engine that answers 200 with nothing must be
     // caught. Its empty answers only make it suspect; its probes come back
     // empty too, and they fence it.
-    let fleet = Fleet::start(FleetOptions {
-        engines: 3,
-        sidecar_flags: QUICK_PROBES.iter().map(|f| f.to_string()).collect(),
-        ..shape
-    })
-    .await
-    .unwrap();
-    probed_once(&fleet).await;
+    let fleet = quick_probed_fleet(3, shape).await;
     fleet.engines[2].engine.set_fault(Fault::Empty);
     let mut served_by_2 = Vec::new();
     for s in 0..30u64 {
@@ -211,14 +218,7 @@ async fn client_forced_empty_answers(shape: FleetOptions) {
     // is empty by construction. Before, seven of these fenced a whole
     // fleet; now they raise suspicion, the probes clear it, nobody else
     // notices.
-    let fleet = Fleet::start(FleetOptions {
-        engines: 2,
-        sidecar_flags: QUICK_PROBES.iter().map(|f| f.to_string()).collect(),
-        ..shape
-    })
-    .await
-    .unwrap();
-    probed_once(&fleet).await;
+    let fleet = quick_probed_fleet(2, shape).await;
     for s in 0..20u64 {
         let mut conv = Conversation::new(MODEL, &filler(s + 300, 512), false, 3000 + s);
         let mut body = conv.next_turn(200, s % 2 == 0);

@@ -10,7 +10,9 @@
 use std::time::{Duration, Instant};
 
 use hearth_bench::llama::{LlamaConfig, LlamaServer};
-use hearth_e2e::{cached_and_prompt_tokens, filler, reply_text, Conversation, Fleet, LlamaFleet};
+use hearth_e2e::{
+    cached_and_prompt_tokens, filler, reply_text, two_slot_llama, Conversation, Fleet, LlamaFleet,
+};
 use hearth_router::health::HealthState;
 use hearth_router::Snapshot;
 use serde_json::Value;
@@ -28,15 +30,9 @@ const MODEL: &str = "smollm2-135m-instruct";
 ///   out there is slowness, not failure.
 const SIDECAR_FLAGS: [&str; 2] = ["--block-size=256", "--probe-timeout-seconds=30"];
 
-/// Two slots per engine, 2,048 tokens of KV cache each, one thread (the
-/// machine running the suite may have two cores for two engines).
+/// The engines of every test here (see [`two_slot_llama`]).
 fn engine_config() -> LlamaConfig {
-    LlamaConfig {
-        slots: 2,
-        ctx_size: 4096,
-        threads: 1,
-        ..LlamaConfig::default()
-    }
+    two_slot_llama()
 }
 
 /// A conversation with its own system prompt of a few hundred tokens,
