@@ -30,6 +30,7 @@
 use std::collections::hash_map::DefaultHasher;
 use std::hash::Hasher;
 use std::sync::Arc;
+use std::time::Instant;
 
 use hearth_router::{
     AffinityBasis, Decision, RequestInfo, Router, RouterParams, ScoreParams, UpstreamSpec,
@@ -323,8 +324,15 @@ impl Policy {
 
     /// Picks a replica. `inflight[r]` is the proxy's count of requests in
     /// flight to replica `r` (what Envoy's least_request and SGLang's
-    /// router count); `engines` are the replicas' real states.
-    pub fn route(&mut self, req: &RouteInput, inflight: &[u32], engines: &[EngineCore]) -> Routed {
+    /// router count); `engines` are the replicas' real states; `now` is
+    /// the engine time the request arrives at.
+    pub fn route(
+        &mut self,
+        req: &RouteInput,
+        inflight: &[u32],
+        engines: &[EngineCore],
+        now: Instant,
+    ) -> Routed {
         let n = inflight.len();
         let replica = match self {
             Policy::RoundRobin(next) => {
@@ -382,7 +390,7 @@ impl Policy {
                     None => RequestInfo::default(),
                 };
                 let decision = router
-                    .decide(&info)
+                    .decide_at(&info, now)
                     .expect("every simulated replica serves every model");
                 return Routed {
                     replica: decision.primary(),
@@ -494,7 +502,7 @@ mod tests {
     }
 
     fn pick(p: &mut Policy, req: &RouteInput, inflight: &[u32], e: &[EngineCore]) -> usize {
-        p.route(req, inflight, e).replica
+        p.route(req, inflight, e, Instant::now()).replica
     }
 
     #[test]
@@ -563,12 +571,12 @@ mod tests {
             fingerprint: Some(&fp),
             session: 0,
         };
-        let first = p.route(&req, &[0, 0], &e);
+        let first = p.route(&req, &[0, 0], &e, Instant::now());
         let home = first.replica;
         assert!(first.hearth.is_some());
         drop(first);
         for _ in 0..5 {
-            assert_eq!(p.route(&req, &[0, 0], &e).replica, home);
+            assert_eq!(p.route(&req, &[0, 0], &e, Instant::now()).replica, home);
         }
     }
 
@@ -598,7 +606,7 @@ mod tests {
         warm(&mut e[2]);
         let mut p = Policy::new(PolicyKind::HearthInformed, 3, 1, &HearthKnobs::default());
         for _ in 0..3 {
-            let routed = p.route(&req, &[0; 3], &e);
+            let routed = p.route(&req, &[0; 3], &e, Instant::now());
             assert_eq!(routed.replica, 2);
             assert_eq!(
                 routed.hearth.as_ref().unwrap().overlap as usize,
@@ -609,12 +617,12 @@ mod tests {
         // still says 2, the engines say 0.
         e[2].flush_cache();
         warm(&mut e[0]);
-        assert_eq!(p.route(&req, &[0; 3], &e).replica, 0);
+        assert_eq!(p.route(&req, &[0; 3], &e, Instant::now()).replica, 0);
         // The plain policy, on the same engines, follows its index.
         let mut plain = Policy::new(PolicyKind::HearthRelative, 3, 1, &HearthKnobs::default());
-        let home = plain.route(&req, &[0; 3], &e).replica;
+        let home = plain.route(&req, &[0; 3], &e, Instant::now()).replica;
         for _ in 0..3 {
-            assert_eq!(plain.route(&req, &[0; 3], &e).replica, home);
+            assert_eq!(plain.route(&req, &[0; 3], &e, Instant::now()).replica, home);
         }
     }
 

@@ -77,13 +77,13 @@ fn share(
     routers: &[Arc<Router>],
     from: usize,
     delay_us: u64,
-    now: u64,
+    (now, at): (u64, Instant),
     mailbox: &mut Mailbox,
     mut push: impl FnMut(u64, Ev),
 ) {
     let update = routers[from].take_update();
     if delay_us == 0 {
-        deliver(routers, from, &update);
+        deliver(routers, from, &update, at);
         return;
     }
     let m = match mailbox.free.pop() {
@@ -106,12 +106,12 @@ struct Mailbox {
     free: Vec<usize>,
 }
 
-/// Sidecar `from`'s update applied by every other sidecar.
-fn deliver(routers: &[Arc<Router>], from: usize, update: &Update) {
+/// Sidecar `from`'s update applied by every other sidecar at `now`.
+fn deliver(routers: &[Arc<Router>], from: usize, update: &Update, now: Instant) {
     for (k, router) in routers.iter().enumerate() {
         if k != from {
             router
-                .apply_update(from as u64, router.list_digest(), update, false)
+                .apply_update_at(from as u64, router.list_digest(), update, false, now)
                 .expect("the simulated sidecars share one replica list");
         }
     }
@@ -119,8 +119,12 @@ fn deliver(routers: &[Arc<Router>], from: usize, update: &Update) {
 
 /// Runs one cell and returns its per-request records and load samples.
 pub fn run(spec: &RunSpec) -> RunResult {
-    // Engine time zero, as an instant for the router's time inputs.
+    // Engine time zero, as an instant for the router's time inputs: every
+    // call into a router below passes `clock(t)`, so resident
+    // conversations expire, engine figures go stale and peers fall silent
+    // in engine time, as they do in the sidecar in wall time.
     let epoch = Instant::now();
+    let clock = |t: u64| epoch + Duration::from_micros(t);
     let sc = &spec.scenario;
     let n = sc.replicas;
     let generator = Generator::new(sc.workload.clone(), MODEL, spec.seed, spec.salt);
@@ -216,15 +220,20 @@ pub fn run(spec: &RunSpec) -> RunResult {
                     session: turn.session,
                 };
                 let routed = if bypasses(c, sc.bypass_share) {
-                    bypass_ring.route(&input, &inflight, &engines)
+                    bypass_ring.route(&input, &inflight, &engines, clock(t))
                 } else {
-                    policy.route(&input, &inflight, &engines)
+                    policy.route(&input, &inflight, &engines, clock(t))
                 };
                 let r = routed.replica;
                 if let (Some(k), Some(delay)) = (routed.sidecar, peer_delay_us) {
-                    share(&policy.routers(), k, delay, t, &mut mailbox, |t, ev| {
-                        push(&mut queue, t, ev)
-                    });
+                    share(
+                        &policy.routers(),
+                        k,
+                        delay,
+                        (t, clock(t)),
+                        &mut mailbox,
+                        |t, ev| push(&mut queue, t, ev),
+                    );
                 }
                 let previous = last_replica.insert(turn.session, r);
                 let stayed = if turn.first_of_session {
@@ -292,17 +301,20 @@ pub fn run(spec: &RunSpec) -> RunResult {
                                     prompt_tokens: u64::from(p.prompt_tokens),
                                     cached_tokens: u64::from(p.cached_tokens),
                                 };
-                                // Engine time: the usage loop's windows
-                                // count in it, not in the run's wall time.
-                                d.record_usage_at(usage, epoch + Duration::from_micros(t))
+                                d.record_usage_at(usage, clock(t))
                                     .and_then(|s| s.predicted_tokens)
                             });
                             let sidecar = p.routed.sidecar;
                             drop(p.routed);
                             if let (Some(k), Some(delay)) = (sidecar, peer_delay_us) {
-                                share(&policy.routers(), k, delay, t, &mut mailbox, |t, ev| {
-                                    push(&mut queue, t, ev)
-                                });
+                                share(
+                                    &policy.routers(),
+                                    k,
+                                    delay,
+                                    (t, clock(t)),
+                                    &mut mailbox,
+                                    |t, ev| push(&mut queue, t, ev),
+                                );
                             }
                             if t >= warmup_us {
                                 records.push(RequestRecord {
@@ -340,7 +352,7 @@ pub fn run(spec: &RunSpec) -> RunResult {
             Ev::PeerDeliver(m) => {
                 if let Some((from, update)) = mailbox.slots.get_mut(m).and_then(Option::take) {
                     mailbox.free.push(m);
-                    deliver(&policy.routers(), from, &update);
+                    deliver(&policy.routers(), from, &update, clock(t));
                 }
             }
             Ev::Restart(r) => {
@@ -355,7 +367,7 @@ pub fn run(spec: &RunSpec) -> RunResult {
                             waiting: e.waiting() as f64,
                             running: e.running() as f64,
                             kv_usage: Some(e.kv_usage()),
-                            at: Instant::now(),
+                            at: clock(t),
                             own_in_flight: 0,
                             prompt_tokens_total: Some(prompt_counter[r]),
                             started_at: Some(started_s[r]),
@@ -375,7 +387,7 @@ pub fn run(spec: &RunSpec) -> RunResult {
         (!routers.is_empty()).then(|| {
             let mut sum = [0u64; 3];
             for router in routers {
-                for r in router.snapshot().replicas {
+                for r in router.snapshot_at(clock(end_us)).replicas {
                     sum[0] += r.usage.shrinks_total;
                     sum[1] += r.usage.growths_total;
                     sum[2] += r.usage.restarts_total;

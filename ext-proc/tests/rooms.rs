@@ -1,7 +1,9 @@
 //! The sidecar's layout holds: no import circle between the modules of
 //! `ext-proc/src` or of `ext-proc/router/src`, and the router crate
 //! depends on no runtime or protocol crate. (`scripts/test` also checks
-//! the router's whole dependency tree with `cargo tree`.)
+//! the router's whole dependency tree with `cargo tree`.) The router
+//! reads the wall clock only in `clock.rs`, its thin wrappers for the
+//! sidecar: everything else takes `now`.
 //!
 //! A module's imports are the `crate::` and `super::` paths in its file
 //! outside comments and its `#[cfg(test)]` part; a path names the deepest
@@ -243,5 +245,34 @@ fn the_router_depends_on_no_runtime_or_protocol() {
             ["hearth-wire", "serde"].contains(d),
             "the router crate depends on {d}: it holds the decision only"
         );
+    }
+}
+
+/// The ways Rust code reads the wall clock.
+const CLOCK_READS: [&str; 4] = ["Instant::now", "SystemTime::now", "UNIX_EPOCH", ".elapsed("];
+
+#[test]
+fn the_router_reads_the_clock_only_in_its_wrappers() {
+    let modules = modules(&dir("router/src"));
+    assert!(modules.len() > 8, "found only {} modules", modules.len());
+    let clock = vec!["clock".to_string()];
+    assert!(
+        modules
+            .get(&clock)
+            .is_some_and(|c| c.contains("Instant::now()")),
+        "router/src/clock.rs holds the wall-clock wrappers"
+    );
+    for (module, code) in &modules {
+        if *module == clock {
+            continue;
+        }
+        for read in CLOCK_READS {
+            assert!(
+                !code.contains(read),
+                "router module {} reads the wall clock ({read}): take `now` as an argument, \
+                 and give the sidecar a wrapper in clock.rs",
+                name(module)
+            );
+        }
     }
 }

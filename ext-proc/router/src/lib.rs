@@ -10,6 +10,8 @@
 //! - [`replica`]: the replica list and its routing targets;
 //! - [`fleet`]: the per-replica state under the router's one lock;
 //! - [`router`]: [`Router`], and what flows in besides decisions;
+//! - [`clock`]: the wall-clock wrappers of the entry points, which all
+//!   take `now` (the simulator runs them on engine time);
 //! - [`decide`]: the decision, one module per phase (candidates, overlap,
 //!   policy, pick, reserve);
 //! - [`health`]: serving or fenced, from real traffic and probes;
@@ -20,6 +22,7 @@
 //!   and the updates it exchanges with them;
 //! - [`snapshot`]: what `/state` shows.
 
+pub mod clock;
 pub mod decide;
 pub mod fleet;
 pub mod health;

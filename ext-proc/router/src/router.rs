@@ -128,6 +128,8 @@ impl Router {
     }
 
     /// Engine figures scraped from `addr`'s metrics, shared by its ranks.
+    /// `signals.at` is their time input: a decision at a `now` more than
+    /// `engine_stale` after it ignores them.
     pub fn set_engine_signals(&self, addr: SocketAddr, signals: EngineSignals) {
         let mut guard = self.lock();
         let fleet = &mut *guard;
@@ -191,11 +193,11 @@ impl Router {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A finished request's outcome on replica `i` (passive health). Each
-    /// data-parallel rank has its own: a stuck rank is fenced alone.
-    pub fn record_request(&self, i: usize, outcome: Outcome) {
+    /// A finished request's outcome on replica `i` at `now` (passive
+    /// health). Each data-parallel rank has its own: a stuck rank is fenced
+    /// alone.
+    pub fn record_request_at(&self, i: usize, outcome: Outcome, now: Instant) {
         let params = self.params.health;
-        let now = Instant::now();
         let mut fleet = self.lock();
         if fleet.replicas.get(i).is_some_and(|r| !r.retired) {
             let health = &mut fleet.state[i].health;
@@ -208,22 +210,12 @@ impl Router {
         }
     }
 
-    /// The usage of an answer from replica `answered`, with the decision's
-    /// prediction when there was one (see [`crate::usage`]). Counts the
-    /// tokens, compares them with the prediction when the predicted replica
-    /// answered, and (with `usage_feedback` on) corrects its warmth. `None`
-    /// when `answered` is no serving replica.
-    pub fn record_usage(
-        &self,
-        answered: usize,
-        prediction: Option<&Prediction>,
-        usage: Usage,
-    ) -> Option<Served> {
-        self.record_usage_at(answered, prediction, usage, Instant::now())
-    }
-
-    /// [`Router::record_usage`] at `now` (the simulator's engine time: the
-    /// restart window and the shrink bound count in it).
+    /// The usage of an answer from replica `answered` at `now`, with the
+    /// decision's prediction when there was one (see [`crate::usage`]).
+    /// Counts the tokens, compares them with the prediction when the
+    /// predicted replica answered, and (with `usage_feedback` on) corrects
+    /// its warmth; the restart window and the shrink bound count in `now`.
+    /// `None` when `answered` is no serving replica.
     pub fn record_usage_at(
         &self,
         answered: usize,
@@ -265,10 +257,10 @@ impl Router {
         }
     }
 
-    /// A probe's outcome on the routing target `key` (active health).
-    pub fn record_probe(&self, key: ReplicaKey, outcome: Outcome) {
+    /// A probe's outcome on the routing target `key` at `now` (active
+    /// health).
+    pub fn record_probe_at(&self, key: ReplicaKey, outcome: Outcome, now: Instant) {
         let params = self.params.health;
-        let now = Instant::now();
         let mut guard = self.lock();
         let fleet = &mut *guard;
         for (i, (r, s)) in fleet
@@ -303,10 +295,9 @@ impl Router {
         new
     }
 
-    /// The routing targets due for an active probe now (see
+    /// The routing targets due for an active probe at `now` (see
     /// [`crate::health::ReplicaHealth::probe_due`]).
-    pub fn probe_targets(&self) -> Vec<ProbeTarget> {
-        let now = Instant::now();
+    pub fn probe_targets_at(&self, now: Instant) -> Vec<ProbeTarget> {
         let fleet = self.lock();
         fleet
             .serving()

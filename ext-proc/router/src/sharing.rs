@@ -94,18 +94,18 @@ impl Router {
         }
     }
 
-    /// Applies a peer's update: `sender` is its id, `list` the digest of
+    /// Applies a peer's update, received at `now`: `sender` is its id, `list` the digest of
     /// its replica list; `snapshot`: its warmth records are whole indexes,
     /// least recent first (from [`Router::state_update`]), not prompts.
     /// Refused whole when the lists differ or a replica is unknown.
-    pub fn apply_update(
+    pub fn apply_update_at(
         &self,
         sender: u64,
         list: u64,
         update: &Update,
         snapshot: bool,
+        now: Instant,
     ) -> Result<Applied, PeerRefusal> {
-        let now = Instant::now();
         let mut guard = self.lock();
         let fleet = &mut *guard;
         if list != fleet.peers.digest {
@@ -181,10 +181,11 @@ impl Router {
         Ok(applied)
     }
 
-    /// Drops the load of peers silent for [`crate::peers::PEER_SILENCE`] (the bus calls
-    /// it as it flushes; applying an update does it too).
-    pub fn expire_peers(&self) {
-        self.lock().sum_peer_loads(Instant::now());
+    /// Drops the load of peers silent for [`crate::peers::PEER_SILENCE`]
+    /// at `now` (the bus calls it as it flushes; applying an update does it
+    /// too).
+    pub fn expire_peers_at(&self, now: Instant) {
+        self.lock().sum_peer_loads(now);
     }
 
     /// What the bus says of itself: the fleet's name, and whether it can
@@ -195,9 +196,8 @@ impl Router {
         f.peers.connected = connected;
     }
 
-    /// The peers' figures (None without peers).
-    pub fn peers_snapshot(&self) -> Option<PeersSnapshot> {
-        let now = Instant::now();
+    /// The peers' figures at `now` (None without peers).
+    pub fn peers_snapshot_at(&self, now: Instant) -> Option<PeersSnapshot> {
         let fleet = self.lock();
         fleet.peers.enabled.then(|| PeersSnapshot {
             fleet: fleet.peers.fleet.clone(),

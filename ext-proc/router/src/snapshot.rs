@@ -93,9 +93,9 @@ pub struct UpstreamsSnapshot {
 }
 
 impl Router {
-    pub fn snapshot(&self) -> Snapshot {
-        let now = Instant::now();
-        let peers = self.peers_snapshot();
+    /// The router's figures at `now` (ages and health timers count to it).
+    pub fn snapshot_at(&self, now: Instant) -> Snapshot {
+        let peers = self.peers_snapshot_at(now);
         let fleet = self.lock();
         let state = &fleet.state;
         let decisions = self.decisions.load(Ordering::Relaxed);

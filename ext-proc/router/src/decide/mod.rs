@@ -79,13 +79,8 @@ impl Decision {
         self.order[0]
     }
 
-    /// The answer's usage, from the chosen replica (see
-    /// [`Router::record_usage`]).
-    pub fn record_usage(&self, usage: Usage) -> Option<Served> {
-        self.record_usage_at(usage, Instant::now())
-    }
-
-    /// [`Decision::record_usage`] at `now` (the simulator's engine time).
+    /// The answer's usage at `now`, from the chosen replica (see
+    /// [`Router::record_usage_at`]).
     pub fn record_usage_at(&self, usage: Usage, now: Instant) -> Option<Served> {
         self.reservation.router().record_usage_at(
             self.primary(),
@@ -113,23 +108,29 @@ impl Decision {
 }
 
 impl Router {
-    /// Chooses a replica for `req` and reserves load on it.
-    pub fn decide(self: &Arc<Self>, req: &RequestInfo) -> Result<Decision, RouteError> {
-        self.decide_within(req, None)
+    /// Chooses a replica for `req` at `now` and reserves load on it.
+    /// `now` is the decision's only clock: resident conversations expire,
+    /// and engine figures go stale, against it.
+    pub fn decide_at(
+        self: &Arc<Self>,
+        req: &RequestInfo,
+        now: Instant,
+    ) -> Result<Decision, RouteError> {
+        self.decide_within_at(req, None, now)
     }
 
-    /// As [`Router::decide`], but only among the replicas in `allowed`
+    /// As [`Router::decide_at`], but only among the replicas in `allowed`
     /// when given (the Gateway API Inference Extension's subset hint).
-    pub fn decide_within(
+    pub fn decide_within_at(
         self: &Arc<Self>,
         req: &RequestInfo,
         allowed: Option<&[usize]>,
+        now: Instant,
     ) -> Result<Decision, RouteError> {
         self.decisions.fetch_add(1, Ordering::Relaxed);
         if !req.hashes.is_empty() {
             self.hashed.fetch_add(1, Ordering::Relaxed);
         }
-        let now = Instant::now();
         let mut guard = self.lock();
         let fleet = &mut *guard;
         let admitted = candidates::admit(self, fleet, req, allowed, now).inspect_err(|_| {
