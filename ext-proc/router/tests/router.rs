@@ -586,3 +586,15 @@ fn a_prompt_served_on_a_fallback_is_warm_there() {
     assert_eq!(s.replicas[fallback].warmth_blocks, 3);
     assert_eq!(s.replicas[chosen].warmth_blocks, 3);
 }
+
+#[test]
+fn a_decision_says_how_much_of_the_prompt_its_replica_must_read() {
+    let r = fleet("127.0.0.1:1", |_| {});
+    let first = sized(&[1, 2, 3], 3 * 2048);
+    let d = r.decide(&first).unwrap();
+    assert_eq!(d.uncached_bytes(), 3 * 2048);
+    drop(d);
+    // The next turn: three blocks held, one and a half new.
+    let next = sized(&[1, 2, 3, 4, 5], 4 * 2048 + 1024);
+    assert_eq!(r.decide(&next).unwrap().uncached_bytes(), 2048 + 1024);
+}

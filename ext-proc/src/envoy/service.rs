@@ -587,8 +587,7 @@ impl Exchange {
                 let dest = decision.destination(limit);
                 self.routed_to = Some(decision.primary());
                 self.hashes.clone_from(&info.hashes);
-                let held = u64::from(decision.overlap) * self.router.block_size() as u64;
-                self.uncached_bytes = info.prompt_bytes.saturating_sub(held);
+                self.uncached_bytes = decision.uncached_bytes();
                 tracing::debug!(
                     destination = %dest,
                     overlap = decision.overlap,

@@ -79,6 +79,13 @@ impl Decision {
         self.order[0]
     }
 
+    /// Prompt bytes the chosen replica does not hold (its prefill work):
+    /// what its load was weighted by, and what the first-byte deadline
+    /// allows for.
+    pub fn uncached_bytes(&self) -> u64 {
+        self.reservation.uncached_bytes
+    }
+
     /// The answer's usage at `now`, from the chosen replica (see
     /// [`Router::record_usage_at`]).
     pub fn record_usage_at(&self, usage: Usage, now: Instant) -> Option<Served> {

@@ -19,6 +19,8 @@ pub struct Reservation {
     router: Arc<Router>,
     replica: usize,
     weight: f64,
+    /// Prompt bytes the chosen replica does not hold: its prefill work.
+    pub(crate) uncached_bytes: u64,
 }
 
 impl std::fmt::Debug for Reservation {
@@ -102,5 +104,6 @@ pub(crate) fn reserve(
         router: Arc::clone(router),
         replica: chosen,
         weight,
+        uncached_bytes: uncached,
     }
 }
