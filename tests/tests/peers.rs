@@ -398,8 +398,20 @@ async fn the_bus_going_away_loses_no_request_and_a_late_sidecar_starts_warm() {
         }
     }
 
-    // The bus goes away: both sidecars keep routing on their own state.
-    nats.stop();
+    // The bus goes away while turns run through both gateways: each of
+    // them is answered (nothing in a request's path waits for the bus).
+    let stop = async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        nats.stop();
+    };
+    let during = async {
+        for (s, (conv, home)) in convs.iter_mut().enumerate() {
+            let t = turn(&fleet, gateways[s % 2], conv).await;
+            home.check(&t, 16_384 / 4);
+        }
+    };
+    tokio::join!(stop, during);
+    // Both sidecars keep routing on their own state.
     wait_for(a_admin, "A notices the bus is gone", |s| !connected(s)).await;
     let (code, body) = get(a_admin, "/health").await;
     assert_eq!(code, 200);
