@@ -715,20 +715,13 @@ fn the_sidecars_reach_nats_over_tls_with_its_user_and_sign_with_the_fleet_key() 
 #[test]
 fn the_mounted_replica_list_parses_where_the_settings_point() {
     let docs = documents();
-    let find = |kind: &str, name: &str| {
-        docs.iter()
-            .map(|(_, d)| d)
-            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
-            .unwrap_or_else(|| panic!("no {kind} {name}"))
-            .clone()
-    };
-    let list = find("ConfigMap", "hearth-upstreams");
+    let list = find(&docs, "ConfigMap", "hearth-upstreams");
     let text = list["data"]["upstreams"].as_str().expect("data.upstreams");
     let specs = hearth_ext_proc::feeds::upstreams::parse(text, "hearth-upstreams")
         .unwrap_or_else(|p| panic!("the shipped replica list is refused: {p:?}"));
     assert!(!specs.is_empty());
     // The Deployment mounts it where the settings' comment says.
-    let pod = &find("Deployment", "hearth-ext-proc")["spec"]["template"]["spec"];
+    let pod = &find(&docs, "Deployment", "hearth-ext-proc")["spec"]["template"]["spec"];
     assert_eq!(pod["volumes"][0]["configMap"]["name"], "hearth-upstreams");
     let mount = &pod["containers"][0]["volumeMounts"][0];
     assert_eq!(mount["name"], pod["volumes"][0]["name"]);
@@ -871,14 +864,7 @@ fn no_shipped_config_opens_a_control_port_without_the_token() {
     // token file, mounted from the Secret, and the sidecar itself refuses
     // the other way round (HEARTH_CONTROL_INSECURE stays false).
     let docs = documents();
-    let find = |kind: &str, name: &str| {
-        docs.iter()
-            .map(|(_, d)| d)
-            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
-            .unwrap_or_else(|| panic!("no {kind} {name}"))
-            .clone()
-    };
-    let data = find("ConfigMap", "hearth-settings")["data"].clone();
+    let data = find(&docs, "ConfigMap", "hearth-settings")["data"].clone();
     let open = |key: &str| {
         let addr: std::net::SocketAddr = data[key].as_str().unwrap().parse().unwrap();
         !addr.ip().is_loopback()
@@ -890,7 +876,7 @@ fn no_shipped_config_opens_a_control_port_without_the_token() {
         !token_file.is_empty(),
         "listeners off loopback without the token"
     );
-    let pod = &find("Deployment", "hearth-ext-proc")["spec"]["template"]["spec"];
+    let pod = &find(&docs, "Deployment", "hearth-ext-proc")["spec"]["template"]["spec"];
     let mounts = pod["containers"][0]["volumeMounts"].as_array().unwrap();
     let mount = mounts
         .iter()
@@ -906,7 +892,7 @@ fn no_shipped_config_opens_a_control_port_without_the_token() {
         .as_str()
         .expect("from a Secret");
     let key = token_file.rsplit('/').next().unwrap();
-    let placeholder = find("Secret", secret)["stringData"][key]
+    let placeholder = find(&docs, "Secret", secret)["stringData"][key]
         .as_str()
         .expect("the Secret holds the token's key")
         .to_string();
@@ -917,10 +903,10 @@ fn no_shipped_config_opens_a_control_port_without_the_token() {
     let _ = std::fs::remove_file(file);
 
     // A NetworkPolicy admits only named peers to both ports.
-    let policy = find("NetworkPolicy", "hearth-ext-proc");
+    let policy = find(&docs, "NetworkPolicy", "hearth-ext-proc");
     assert_eq!(
         policy["spec"]["podSelector"]["matchLabels"],
-        find("Deployment", "hearth-ext-proc")["spec"]["selector"]["matchLabels"]
+        find(&docs, "Deployment", "hearth-ext-proc")["spec"]["selector"]["matchLabels"]
     );
     for rule in policy["spec"]["ingress"].as_array().unwrap() {
         for peer in rule["from"].as_array().expect("every rule names its peers") {
@@ -932,17 +918,17 @@ fn no_shipped_config_opens_a_control_port_without_the_token() {
     }
 
     // Another admits only the sidecars to NATS's client port.
-    let bus = find("NetworkPolicy", "hearth-nats");
+    let bus = find(&docs, "NetworkPolicy", "hearth-nats");
     assert_eq!(
         bus["spec"]["podSelector"]["matchLabels"],
-        find("Deployment", "hearth-nats")["spec"]["selector"]["matchLabels"]
+        find(&docs, "Deployment", "hearth-nats")["spec"]["selector"]["matchLabels"]
     );
     let rules = bus["spec"]["ingress"].as_array().unwrap();
     assert_eq!(rules.len(), 1, "{bus}");
     assert_eq!(
         rules[0]["from"],
         serde_json::json!([{"podSelector": {"matchLabels":
-            find("Deployment", "hearth-ext-proc")["spec"]["selector"]["matchLabels"]}}])
+            find(&docs, "Deployment", "hearth-ext-proc")["spec"]["selector"]["matchLabels"]}}])
     );
     assert_eq!(rules[0]["ports"][0]["port"], "client");
 
