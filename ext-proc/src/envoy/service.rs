@@ -395,7 +395,7 @@ impl Exchange {
                 } else {
                     request_info(h, self.router.block_size())
                 };
-                self.route(&info, |common| {
+                self.route(info, |common| {
                     processing_response::Response::RequestHeaders(HeadersResponse {
                         response: Some(common),
                     })
@@ -431,7 +431,7 @@ impl Exchange {
                 let info = endpoint.map_or_else(RequestInfo::default, |e| {
                     body::request_info(e, &b.body, self.router.block_size())
                 });
-                self.route(&info, |common| {
+                self.route(info, |common| {
                     processing_response::Response::RequestBody(BodyResponse {
                         response: Some(common),
                     })
@@ -540,7 +540,7 @@ impl Exchange {
             }
             _ => RequestInfo::default(),
         };
-        let (mut replies, done) = self.route(&info, |common| {
+        let (mut replies, done) = self.route(info, |common| {
             processing_response::Response::RequestHeaders(HeadersResponse {
                 response: Some(common),
             })
@@ -555,11 +555,11 @@ impl Exchange {
     /// builds (to the request headers, or to the body in body mode).
     fn route(
         &mut self,
-        info: &RequestInfo,
+        info: RequestInfo,
         wrap: impl FnOnce(CommonResponse) -> processing_response::Response,
     ) -> Replies {
         let started = std::time::Instant::now();
-        let decided = match self.router.decide_within(info, self.subset.as_deref()) {
+        let decided = match self.router.decide_within(&info, self.subset.as_deref()) {
             // Within a subset, "no replica for the model" means none of the
             // allowed endpoints is eligible: the protocol's 503.
             Err(RouteError::NoReplicaForModel(m)) if self.subset.is_some() => {
@@ -570,8 +570,8 @@ impl Exchange {
         let elapsed = started.elapsed();
         let request_id = self.request_id.as_deref();
         match &decided {
-            Ok(d) => self.observer.routed(request_id, info, d, elapsed),
-            Err(e) => self.observer.refused(request_id, info, e, elapsed),
+            Ok(d) => self.observer.routed(request_id, &info, d, elapsed),
+            Err(e) => self.observer.refused(request_id, &info, e, elapsed),
         }
         match decided {
             Ok(decision) => {
@@ -586,7 +586,6 @@ impl Exchange {
                 };
                 let dest = decision.destination(limit);
                 self.routed_to = Some(decision.primary());
-                self.hashes.clone_from(&info.hashes);
                 self.uncached_bytes = decision.uncached_bytes();
                 tracing::debug!(
                     destination = %dest,
@@ -610,6 +609,9 @@ impl Exchange {
                     }
                     self.ticket = Some(ticket);
                 }
+                // Kept (moved, not copied) in case Envoy serves it on a
+                // fallback and its warmth must follow.
+                self.hashes = info.hashes;
                 self.decision = Some(decision);
                 let mut remove_headers = vec![header::FP.to_string()];
                 match rank {
