@@ -214,11 +214,6 @@ impl Outcomes {
         }
     }
 
-    /// Predictions waiting now.
-    pub fn waiting(&self) -> usize {
-        self.lock().by_ticket.len()
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, Waiting> {
         self.waiting.lock().unwrap_or_else(|p| p.into_inner())
     }
