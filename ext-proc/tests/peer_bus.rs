@@ -3,8 +3,9 @@
 //! sidecar at start-up with the setting to set, unless
 //! `HEARTH_PEERS_INSECURE`; a bad key file is refused without echoing it.
 
+mod common;
+
 use std::path::PathBuf;
-use std::process::Command;
 
 use hearth_ext_proc::config::{is_loopback_host, url_hosts, Cli, Settings};
 
@@ -30,22 +31,12 @@ fn settings(args: &[&str]) -> Settings {
         .settings
 }
 
-/// Runs the binary with only these `HEARTH_*` variables: exit code and
-/// standard error.
+/// Runs the binary with one upstream and only these other `HEARTH_*`
+/// variables: exit code and standard error.
 fn run(env: &[(&str, &str)]) -> (i32, String) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hearth-ext-proc"));
-    for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("HEARTH_")) {
-        cmd.env_remove(k);
-    }
-    cmd.env("HEARTH_UPSTREAMS", "127.0.0.1:1");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let out = cmd.output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let mut all = vec![("HEARTH_UPSTREAMS", "127.0.0.1:1")];
+    all.extend_from_slice(env);
+    common::run(&all, &[])
 }
 
 #[test]

@@ -1,22 +1,10 @@
 //! The binary refuses bad settings at start-up with a clear message.
 
+mod common;
+
 use std::process::Command;
 
-fn run(env: &[(&str, &str)], args: &[&str]) -> (i32, String) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hearth-ext-proc"));
-    cmd.args(args);
-    for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("HEARTH_")) {
-        cmd.env_remove(k);
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let out = cmd.output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use common::run;
 
 #[test]
 fn unknown_hearth_variable_is_refused_naming_the_valid_ones() {
