@@ -262,22 +262,6 @@ async fn a_flood_of_large_bodies_stays_within_the_held_budget_and_others_are_ser
             bytes::Bytes::from(serde_json::to_vec(&body).unwrap())
         })
         .collect();
-    let metrics = |fleet: &Fleet| {
-        let fleet_admin = fleet.settings.admin_listen;
-        let client = fleet.client.clone();
-        async move {
-            let text = client
-                .get(format!("http://{fleet_admin}/metrics"))
-                .send()
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
-            let held = hearth_e2e::metric_sample(&text, "hearth_picker_held_bytes").unwrap();
-            (held, text)
-        }
-    };
     let baseline = rss_bytes();
 
     // 24 large bodies at once, each uploaded in 512 KiB pieces 20 ms
@@ -346,7 +330,8 @@ async fn a_flood_of_large_bodies_stays_within_the_held_budget_and_others_are_ser
     sampling.store(false, std::sync::atomic::Ordering::Relaxed);
     let (held_max, rss_max) = sampler.await.unwrap();
 
-    let (held_now, text) = metrics(&fleet).await;
+    let (_, text) = fleet.admin_get("/metrics").await.unwrap();
+    let held_now = hearth_e2e::metric_sample(&text, "hearth_picker_held_bytes").unwrap();
     let peak = hearth_e2e::metric_sample(&text, "hearth_picker_held_bytes_peak").unwrap();
     let refused_bytes =
         hearth_e2e::metric_sample(&text, "hearth_picker_refused_total{reason=\"bytes\"}")
