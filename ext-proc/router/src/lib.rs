@@ -32,6 +32,7 @@ pub mod replica;
 pub mod router;
 pub mod sharing;
 pub mod snapshot;
+pub mod tips;
 pub mod usage;
 pub mod warmth;
 
@@ -50,4 +51,5 @@ pub use replica::{
 };
 pub use router::Router;
 pub use snapshot::{EngineSnapshot, ReplicaSnapshot, Snapshot, UpstreamsSnapshot};
+pub use tips::Continuation;
 pub use usage::{Correction, Prediction, Served, Usage, UsageSnapshot};

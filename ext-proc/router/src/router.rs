@@ -11,10 +11,10 @@ use crate::fleet::{EngineSignals, Fleet, ReplicaState};
 use crate::health::{FleetHealth, Outcome};
 use crate::params::RouterParams;
 use crate::replica::{targets, ProbeTarget, ReloadSummary, Replica, ReplicaKey, UpstreamSpec};
+use crate::tips::Tips;
 use crate::usage::{
     blocks_for_tokens, Correction, Prediction, Served, Usage, DEFAULT_BYTES_PER_TOKEN,
 };
-use crate::warmth::LruBlocks;
 
 /// Called with the replica list's new version after a reload changed it.
 type ListChange = Box<dyn Fn(u64) + Send + Sync>;
@@ -24,10 +24,10 @@ type ListChange = Box<dyn Fn(u64) + Send + Sync>;
 pub struct Router {
     pub(crate) params: RouterParams,
     pub(crate) fleet: Mutex<Fleet>,
-    /// Last full block of recent prompts, fleet-wide (bounded LRU): a
-    /// request whose overlap reaches one continues an earlier prompt.
-    /// Locked after `fleet`, never before.
-    pub(crate) tips: Mutex<LruBlocks>,
+    /// Last full block of recent prompts, fleet-wide, with the replica
+    /// each went to (see [`crate::tips`]). Locked after `fleet`, never
+    /// before.
+    pub(crate) tips: Mutex<Tips>,
     /// The round-robin turn among exact ties.
     pub(crate) rr: AtomicUsize,
     /// The replica list's version: bumped each time the list changes.
@@ -49,7 +49,7 @@ impl Router {
         Arc::new(Router {
             params,
             fleet: Mutex::new(Fleet::new(targets(upstreams), params.warmth_blocks)),
-            tips: Mutex::new(LruBlocks::new(params.warmth_blocks)),
+            tips: Mutex::new(Tips::new(params.warmth_blocks)),
             rr: AtomicUsize::new(0),
             version: AtomicU64::new(1),
             on_list_change: Mutex::new(Vec::new()),

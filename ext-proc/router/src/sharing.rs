@@ -147,7 +147,7 @@ impl Router {
                         r.resident.remove(previous);
                     }
                 }
-                tips.touch(tip);
+                tips.record(tip, fleet.replicas[s].key());
                 state[s].resident.insert(tip, now);
             }
         }

@@ -224,16 +224,23 @@ impl LruBlocks {
     /// Marks `hash` as most recently used, inserting it (and evicting the
     /// least recently used block when full) if absent.
     pub fn touch(&mut self, hash: u64) {
+        self.touch_evicting(hash);
+    }
+
+    /// As [`LruBlocks::touch`], returning the block evicted to make room.
+    pub fn touch_evicting(&mut self, hash: u64) -> Option<u64> {
         if let Some(&slot) = self.slots.get(&hash) {
             self.unlink(slot);
             self.push_front(slot);
-            return;
+            return None;
         }
+        let mut evicted = None;
         let slot = if self.slots.len() >= self.capacity {
             let victim = self.tail;
             self.unlink(victim);
             let old = self.nodes[victim as usize].hash;
             self.slots.remove(&old);
+            evicted = Some(old);
             self.nodes[victim as usize].hash = hash;
             victim
         } else if let Some(slot) = self.free.pop() {
@@ -250,6 +257,7 @@ impl LruBlocks {
         };
         self.slots.insert(hash, slot);
         self.push_front(slot);
+        evicted
     }
 
     /// Records that a replica read the prompt named by `hashes`: touched from

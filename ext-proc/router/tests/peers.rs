@@ -50,7 +50,7 @@ fn a_turn_that_reaches_the_other_sidecar_stays_on_its_warm_replica() {
     let next = b.decide(&req(&c)).unwrap();
     assert_eq!(next.primary(), home);
     assert_eq!(next.overlap, 40);
-    assert!(next.continues, "the tip came with the warmth");
+    assert!(next.continues(), "the tip came with the warmth");
     let s = b.snapshot();
     assert_eq!(s.replicas[home].resident_conversations, 1);
 }
@@ -166,7 +166,7 @@ fn a_starting_sidecar_takes_a_peers_whole_state() {
         next.push(c[0] + 500_000);
         let d = fresh.decide(&req(&next)).unwrap();
         assert_eq!((d.primary(), d.overlap), (home, 30));
-        assert!(d.continues);
+        assert!(d.continues());
     }
 }
 

@@ -93,17 +93,17 @@ fn first_turns_spread_by_load_and_later_turns_follow_their_history() {
         req(&h)
     };
     let a = router.decide(&turn(1, 4)).unwrap();
-    assert!(!a.continues);
+    assert!(!a.continues());
     // A second conversation on the same harness starts elsewhere: the
     // harness is worth 4 blocks of credit, the load 2 x 3 units.
     let b = router.decide(&turn(2, 4)).unwrap();
-    assert!(!b.continues);
+    assert!(!b.continues());
     assert_ne!(a.primary(), b.primary());
     assert_eq!(b.overlap, 0);
     // The first conversation's next turn continues its prompt and
     // returns to its replica, busy as it is.
     let a2 = router.decide(&turn(1, 8)).unwrap();
-    assert!(a2.continues);
+    assert!(a2.continues());
     assert_eq!(a2.primary(), a.primary());
     assert_eq!(a2.overlap, 36);
 }
@@ -597,4 +597,28 @@ fn a_decision_says_how_much_of_the_prompt_its_replica_must_read() {
     // The next turn: three blocks held, one and a half new.
     let next = sized(&[1, 2, 3, 4, 5], 4 * 2048 + 1024);
     assert_eq!(r.decide(&next).unwrap().uncached_bytes(), 2048 + 1024);
+}
+
+#[test]
+fn a_continuing_decision_names_its_previous_turn_its_conversation_and_where_it_went() {
+    let router = router(|p| p.score.alpha = 0.0);
+    let first = router.decide(&req(&[1, 2, 3])).unwrap();
+    assert_eq!(first.continuation, None);
+    assert_eq!(first.tip(), Some(3));
+    let home = first.replicas[first.primary()].key();
+    drop(first);
+    let second = router.decide(&req(&[1, 2, 3, 4, 5])).unwrap();
+    let c = second.continuation.expect("turn 2 continues turn 1");
+    assert_eq!((c.tip, c.conversation, c.from), (3, 3, home));
+    assert_eq!(second.tip(), Some(5));
+    assert_eq!(second.prediction.conversation, Some(3));
+    drop(second);
+    // Turn 3: the previous turn is turn 2, the conversation still turn 1's.
+    let third = router.decide(&req(&[1, 2, 3, 4, 5, 6])).unwrap();
+    let c = third.continuation.unwrap();
+    assert_eq!((c.tip, c.conversation), (5, 3));
+    // A prompt shorter than a block leaves no tip.
+    let mut short = req(&[77]);
+    short.prompt_bytes = 100;
+    assert_eq!(router.decide(&short).unwrap().tip(), None);
 }

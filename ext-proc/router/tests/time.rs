@@ -96,7 +96,7 @@ fn a_queued_engine_stops_repelling_traffic_once_its_figures_are_stale() {
         };
         r.set_engine_signals(addr(home), queued);
         let next = r.decide_at(&req(&conversation(1, 10)), t0 + after).unwrap();
-        assert!(next.continues);
+        assert!(next.continues());
         let age = r.snapshot_at(t0 + after).replicas[home]
             .engine
             .as_ref()

@@ -54,7 +54,7 @@ fn a_served_prediction_is_counted_and_changes_nothing() {
     drop(r.decide(&req(&c)).unwrap());
     c.extend([500, 501]);
     let d = r.decide(&req(&c)).unwrap();
-    assert!(d.continues);
+    assert!(d.continues());
     // The engine served the 100 blocks it read last turn, plus a little.
     let served = d.record_usage(usage(c.len(), 100)).unwrap();
     assert_eq!(served.predicted_tokens, Some(100 * 512));
@@ -120,7 +120,7 @@ fn recent_conversations_lost_three_times_in_a_row_are_a_restart() {
         let mut c = c.clone();
         c.push(900_000 + k as u64);
         let d = r.decide(&req(&c)).unwrap();
-        assert!(d.continues);
+        assert!(d.continues());
         corrections.push(d.record_usage(usage(c.len(), 0)).unwrap().correction);
     }
     assert_eq!(corrections, [None, None, Some(Correction::Restart)]);
@@ -133,7 +133,7 @@ fn recent_conversations_lost_three_times_in_a_row_are_a_restart() {
     c.push(900_002);
     let next = r.decide(&req(&c)).unwrap();
     assert_eq!(next.overlap, 0);
-    assert!(!next.continues);
+    assert!(!next.continues());
 }
 
 #[test]
@@ -291,7 +291,7 @@ fn an_engine_whose_metrics_show_a_restart_loses_its_warmth() {
     assert_eq!((s.warmth_blocks, s.usage.restarts_total), (0, 1));
     c.push(60_000);
     assert!(
-        !r.decide(&req(&c)).unwrap().continues,
+        !r.decide(&req(&c)).unwrap().continues(),
         "nothing of the conversation is left to continue"
     );
     // A new start time alone says so too.

@@ -29,7 +29,7 @@ impl DecisionOutcome {
     }
 }
 
-/// Where a returning session's turn went (see `observe::SessionTips`).
+/// Where a returning session's turn went (see `hearth_router::tips`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SessionResult {
     /// First turn seen of this conversation.

@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use crate::replica::Replica;
 use crate::router::lock;
 use crate::router::Router;
+use crate::tips::Continuation;
 use crate::usage::{Prediction, Served, Usage};
 
 pub mod candidates;
@@ -43,9 +44,10 @@ pub struct Decision {
     pub order: Vec<usize>,
     /// Leading blocks the chosen replica already held.
     pub overlap: u32,
-    /// The prompt extends an earlier one (else it was scored as a first
-    /// turn, under `HEARTH_FIRST_TURN_CAP`).
-    pub continues: bool,
+    /// The earlier turn the prompt extends (else it was scored as a first
+    /// turn, under `HEARTH_FIRST_TURN_CAP`): its tip, its conversation and
+    /// the replica it went to (see [`crate::tips`]).
+    pub continuation: Option<Continuation>,
     /// Every candidate as it was scored, in replica order (for the
     /// decision journal and metrics; built from numbers the decision
     /// computed anyway).
@@ -77,6 +79,17 @@ pub struct ScoredCandidate {
 impl Decision {
     pub fn primary(&self) -> usize {
         self.order[0]
+    }
+
+    /// The prompt extends an earlier one.
+    pub fn continues(&self) -> bool {
+        self.continuation.is_some()
+    }
+
+    /// The prompt's last full block: the tip the next turn of its
+    /// conversation will pass (None for an unhashed or sub-block prompt).
+    pub fn tip(&self) -> Option<u64> {
+        self.reservation.tip
     }
 
     /// Prompt bytes the chosen replica does not hold (its prefill work):
@@ -178,14 +191,14 @@ impl Router {
             key: replicas[chosen].key(),
             blocks: picked.overlap,
             prompt_bytes: req.prompt_bytes,
-            conversation: warm.conversation,
+            conversation: warm.continued.map(|c| c.conversation),
             compare: !req.hashes.is_empty() && req.cache == hearth_wire::CacheUse::Shared,
             stamp,
         };
         Ok(Decision {
             order: picked.order,
             overlap: picked.overlap,
-            continues: warm.continued.is_some(),
+            continuation: warm.continued,
             candidates,
             replicas,
             prediction,

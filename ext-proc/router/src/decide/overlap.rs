@@ -8,24 +8,21 @@ use crate::fleet::Fleet;
 use crate::params::LongLane;
 use crate::replica::Replica;
 use crate::router::Router;
+use crate::tips::{Continuation, Tips};
 use crate::warmth::LruBlocks;
 
 /// The candidates with their overlaps (in blocks), in the same order.
 pub(crate) struct Warmth {
     pub candidates: Vec<usize>,
     pub overlaps: Vec<usize>,
-    /// The tip of the earlier prompt this one continues, if any.
-    pub continued: Option<u64>,
-    /// The conversation it continues, named by the earliest tip its prompt
-    /// passes (its first turn's, while the tips remember it): the same for
-    /// every turn of one conversation.
-    pub conversation: Option<u64>,
+    /// The earlier turn this prompt continues, if any.
+    pub continued: Option<Continuation>,
 }
 
 pub(crate) fn measure(
     router: &Router,
     fleet: &Fleet,
-    tips: &LruBlocks,
+    tips: &Tips,
     req: &RequestInfo,
     admitted: Admitted,
 ) -> Warmth {
@@ -55,13 +52,10 @@ pub(crate) fn measure(
     };
     let warmest = overlaps.iter().copied().max().unwrap_or(0);
     let reach = &req.hashes[..warmest.min(req.hashes.len())];
-    let continued = reach.iter().rev().find(|&&h| tips.contains(h)).copied();
-    let conversation = continued.and_then(|_| reach.iter().find(|&&h| tips.contains(h)).copied());
     Warmth {
         candidates,
         overlaps,
-        continued,
-        conversation,
+        continued: tips.continued(reach),
     }
 }
 

@@ -10,7 +10,7 @@ use super::pick::Picked;
 use super::request::RequestInfo;
 use crate::fleet::Fleet;
 use crate::router::Router;
-use crate::warmth::LruBlocks;
+use crate::tips::Tips;
 
 /// Load held on a replica for a request's whole life; released on drop, so
 /// every way a stream can end (completion, client abort, upstream reset,
@@ -21,6 +21,8 @@ pub struct Reservation {
     weight: f64,
     /// Prompt bytes the chosen replica does not hold: its prefill work.
     pub(crate) uncached_bytes: u64,
+    /// The prompt's last full block, left as its conversation's tip.
+    pub(crate) tip: Option<u64>,
 }
 
 impl std::fmt::Debug for Reservation {
@@ -60,7 +62,7 @@ impl Drop for Reservation {
 pub(crate) fn reserve(
     router: &Arc<Router>,
     fleet: &mut Fleet,
-    tips: &mut LruBlocks,
+    tips: &mut Tips,
     req: &RequestInfo,
     warm: &Warmth,
     picked: &Picked,
@@ -89,10 +91,10 @@ pub(crate) fn reserve(
     fleet.peers.note_decision(chosen, &req.hashes, tip);
     let state = &mut fleet.state;
     if let Some(tip) = tip {
-        tips.touch(tip);
+        tips.record(tip, fleet.replicas[chosen].key());
         if let Some(previous) = warm.continued {
             for s in state.iter_mut() {
-                s.resident.remove(previous);
+                s.resident.remove(previous.tip);
             }
         }
         let r = &mut state[chosen];
@@ -105,5 +107,6 @@ pub(crate) fn reserve(
         replica: chosen,
         weight,
         uncached_bytes: uncached,
+        tip,
     }
 }

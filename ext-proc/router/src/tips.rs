@@ -1,0 +1,121 @@
+//! The one rule for "this prompt continues an earlier one".
+//!
+//! A conversation's next turn extends its prompt, so its chain starts with
+//! the previous turn's *full* blocks (the previous turn's trailing partial
+//! block hashes differently once more bytes follow it). Each routed prompt
+//! leaves its *tip*, the hash of its last full block, with the replica it
+//! went to. A later prompt continues an earlier one when the warm part of
+//! its chain (the leading blocks some candidate holds) passes a tip: the
+//! deepest such tip is the previous turn, the earliest names the
+//! conversation (its first turn's tip, the same for all its turns while
+//! remembered). Scoring (first-turn cap, resident load), the stay ratio,
+//! restart evidence and the journal all read this one answer, carried by
+//! the [`crate::Decision`].
+//!
+//! Tips are bounded (least recently used forgotten first). When in doubt a
+//! turn counts as new: one whose previous turn was forgotten, or evicted
+//! from every warmth index.
+
+use std::collections::HashMap;
+
+use crate::replica::ReplicaKey;
+use crate::warmth::LruBlocks;
+
+/// The earlier turn a prompt continues.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Continuation {
+    /// The previous turn's tip (the deepest tip in the prompt's warm part).
+    pub tip: u64,
+    /// The conversation: the earliest tip the prompt passes.
+    pub conversation: u64,
+    /// The replica the previous turn went to (by this sidecar's decision
+    /// or a peer's report).
+    pub from: ReplicaKey,
+}
+
+/// Recent prompts' tips, fleet-wide, each with the replica its turn went to.
+pub(crate) struct Tips {
+    recency: LruBlocks,
+    went: HashMap<u64, ReplicaKey>,
+}
+
+impl Tips {
+    pub(crate) fn new(capacity: usize) -> Tips {
+        Tips {
+            recency: LruBlocks::new(capacity),
+            went: HashMap::new(),
+        }
+    }
+
+    pub(crate) fn contains(&self, tip: u64) -> bool {
+        self.went.contains_key(&tip)
+    }
+
+    /// The turn `warm` (a prompt's leading blocks that some candidate
+    /// holds) continues, if any.
+    pub(crate) fn continued(&self, warm: &[u64]) -> Option<Continuation> {
+        let (tip, from) = warm
+            .iter()
+            .rev()
+            .find_map(|h| self.went.get(h).map(|&k| (*h, k)))?;
+        let conversation = warm.iter().copied().find(|&h| self.contains(h))?;
+        Some(Continuation {
+            tip,
+            conversation,
+            from,
+        })
+    }
+
+    /// `tip` is now the latest turn of a conversation on `replica`.
+    pub(crate) fn record(&mut self, tip: u64, replica: ReplicaKey) {
+        if let Some(old) = self.recency.touch_evicting(tip) {
+            self.went.remove(&old);
+        }
+        self.went.insert(tip, replica);
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.went.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(port: u16) -> ReplicaKey {
+        (([127, 0, 0, 1], port).into(), None)
+    }
+
+    #[test]
+    fn the_deepest_tip_is_the_previous_turn_and_the_earliest_the_conversation() {
+        let mut tips = Tips::new(16);
+        tips.record(3, key(1));
+        tips.record(6, key(2));
+        let c = tips.continued(&[1, 2, 3, 4, 5, 6, 7]).unwrap();
+        assert_eq!(
+            c,
+            Continuation {
+                tip: 6,
+                conversation: 3,
+                from: key(2)
+            }
+        );
+        assert_eq!(tips.continued(&[1, 2]), None);
+        // Recorded again elsewhere: the latest replica wins.
+        tips.record(6, key(1));
+        assert_eq!(tips.continued(&[3, 6]).unwrap().from, key(1));
+    }
+
+    #[test]
+    fn tips_are_bounded_and_the_oldest_is_forgotten_first() {
+        let mut tips = Tips::new(4);
+        for t in 0..10 {
+            tips.record(t, key(1));
+        }
+        assert_eq!(tips.len(), 4);
+        assert!(!tips.contains(5));
+        assert!(tips.contains(6) && tips.contains(9));
+    }
+}
