@@ -34,7 +34,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use hearth_router::{Decision, RequestInfo, RouteError, Router};
+use hearth_router::{Decision, Replica, RequestInfo, Reservation, RouteError, Router};
 use hearth_wire::names::{self, DESTINATION, DP_RANK, LB_NAMESPACE, REQUEST_ID, UPSTREAM};
 use hearth_wire::outcome::Scanner;
 use hearth_wire::{CacheUse, Endpoint};
@@ -127,7 +127,8 @@ impl ExternalProcessor for Processor {
                 // Armed while a routed request waits for its response.
                 let deadline = exchange
                     .waiting_for_response()
-                    .and_then(|_| first_byte.deadline(exchange.uncached_bytes));
+                    .and(exchange.routed.as_ref())
+                    .and_then(|r| first_byte.deadline(r.uncached_bytes));
                 let msg = tokio::select! {
                     msg = inbound.message() => msg,
                     // Envoy reset the stream: nobody reads our answers.
@@ -216,15 +217,10 @@ struct Exchange {
     /// The request is a generation (a prompt request whose body Envoy
     /// sends): its answer is scanned.
     generation: bool,
-    decision: Option<Decision>,
-    /// The replica the request was routed to (kept after the reservation
-    /// is released, for the outcome).
-    routed_to: Option<usize>,
-    /// The routed prompt's block hashes, should Envoy serve it elsewhere
-    /// (a retry on a fallback) and its warmth follow.
-    hashes: Vec<u64>,
-    /// Prompt bytes the chosen replica did not hold (its prefill work).
-    uncached_bytes: u64,
+    /// What the decision said, kept for the rest of the exchange.
+    routed: Option<Routed>,
+    /// The load the decision reserved, released when the answer ends.
+    reservation: Option<Reservation>,
     /// The first-byte timeout already counted against the replica.
     timed_out: bool,
     /// What the response headers said, once they came.
@@ -244,6 +240,33 @@ struct Exchange {
 /// at once).
 type Replies = (Vec<ProcessingResponse>, bool);
 
+/// What an exchange keeps of its decision once it is made: everything the
+/// response and the outcome need, so neither asks the router again.
+struct Routed {
+    /// The replica chosen.
+    chosen: usize,
+    /// The chosen replica, then the fallbacks Envoy may retry on.
+    order: Vec<usize>,
+    /// The replica table the indices refer to.
+    replicas: Arc<[Replica]>,
+    /// Prompt bytes the chosen replica did not hold (its prefill work).
+    uncached_bytes: u64,
+    /// The prompt's block hashes, should Envoy serve it elsewhere (a retry
+    /// on a fallback) and its warmth follow.
+    hashes: Vec<u64>,
+}
+
+impl Routed {
+    /// The replica of the decision's order at `addr` (the one Envoy
+    /// really used), the chosen one first.
+    fn at(&self, addr: &str) -> Option<usize> {
+        self.order
+            .iter()
+            .copied()
+            .find(|&i| self.replicas[i].addr.to_string() == addr)
+    }
+}
+
 struct ResponseSeen {
     status: Option<u16>,
     details: String,
@@ -255,7 +278,7 @@ impl Drop for Exchange {
     /// The stream ended, however it ended: its end goes through the one
     /// door ([`Outcomes::stream_ended`]) in the router's words.
     fn drop(&mut self) {
-        let Some(chosen) = self.routed_to else {
+        let Some(chosen) = self.routed.as_ref().map(|r| r.chosen) else {
             return;
         };
         let answer = self
@@ -298,23 +321,21 @@ impl Exchange {
             pending: None,
             held: None,
             generation: false,
-            decision: None,
-            routed_to: None,
-            uncached_bytes: 0,
+            routed: None,
+            reservation: None,
             timed_out: false,
             response: None,
             answer: None,
             answer_ended: false,
             ticket: None,
-            hashes: Vec::new(),
         }
     }
 
     /// `Some(replica)` while a routed request has no response yet and its
     /// first-byte timeout has not fired.
     fn waiting_for_response(&self) -> Option<usize> {
-        match (self.routed_to, &self.response, self.timed_out) {
-            (Some(r), None, false) => Some(r),
+        match (&self.routed, &self.response, self.timed_out) {
+            (Some(r), None, false) => Some(r.chosen),
             _ => None,
         }
     }
@@ -475,17 +496,18 @@ impl Exchange {
         // attribute (both name the endpoint really used).
         let served =
             picker::served_endpoint(msg).or_else(|| attribute(&msg.attributes, "upstream.address"));
+        let routed = self.routed.as_ref();
         let seen = ResponseSeen {
             status: headers::get(h, ":status").and_then(|s| s.parse().ok()),
             details: attribute(&msg.attributes, "response.code_details").unwrap_or_default(),
-            served: served
-                .as_deref()
-                .and_then(|a| self.router.replica_at(a, self.routed_to)),
+            served: served.as_deref().zip(routed).and_then(|(a, r)| r.at(a)),
         };
         // Envoy retried on a fallback: the prompt is warm where it was
         // served, not (only) where it was sent first.
-        if let Some(s) = seen.served.filter(|&s| Some(s) != self.routed_to) {
-            self.router.record_served_elsewhere(s, &self.hashes);
+        if let Some(r) = routed {
+            if let Some(s) = seen.served.filter(|&s| s != r.chosen) {
+                self.router.record_served_elsewhere(s, &r.hashes);
+            }
         }
         // A generation's 200 answer: its body tells whether the engine
         // generated (when ext_proc sends it).
@@ -502,7 +524,7 @@ impl Exchange {
             self.answer_ended |= b.end_of_stream;
         }
         if b.end_of_stream {
-            self.decision = None;
+            self.reservation = None;
         }
         let reply = if self.response_duplex {
             picker::streamed(b.body, b.end_of_stream, Side::Response)
@@ -525,7 +547,7 @@ impl Exchange {
             ..Default::default()
         };
         // Only when the engine sent trailers: the response is over.
-        self.decision = None;
+        self.reservation = None;
         (vec![reply], true)
     }
 
@@ -585,8 +607,6 @@ impl Exchange {
                     decision.order.len()
                 };
                 let dest = decision.destination(limit);
-                self.routed_to = Some(decision.primary());
-                self.uncached_bytes = decision.uncached_bytes();
                 tracing::debug!(
                     destination = %dest,
                     overlap = decision.overlap,
@@ -609,10 +629,22 @@ impl Exchange {
                     }
                     self.ticket = Some(ticket);
                 }
-                // Kept (moved, not copied) in case Envoy serves it on a
-                // fallback and its warmth must follow.
-                self.hashes = info.hashes;
-                self.decision = Some(decision);
+                let uncached_bytes = decision.uncached_bytes();
+                let Decision {
+                    order,
+                    replicas,
+                    reservation,
+                    ..
+                } = decision;
+                self.routed = Some(Routed {
+                    chosen: order[0],
+                    order,
+                    replicas,
+                    uncached_bytes,
+                    // Moved, not copied.
+                    hashes: info.hashes,
+                });
+                self.reservation = Some(reservation);
                 let mut remove_headers = vec![header::FP.to_string()];
                 match rank {
                     Some(rank) => set_headers.push(headers::set(DP_RANK, &rank.to_string())),
@@ -642,12 +674,10 @@ impl Exchange {
     fn upstream_header(&self) -> ProcessingResponse {
         // Name the replica that really answered (after retries, that may be
         // a fallback); the address itself stays private.
-        let id = self
-            .response
-            .as_ref()
-            .and_then(|r| r.served)
-            .or(self.routed_to)
-            .map(|i| self.router.replicas()[i].id.clone());
+        let id = self.routed.as_ref().map(|routed| {
+            let i = self.response.as_ref().and_then(|r| r.served);
+            routed.replicas[i.unwrap_or(routed.chosen)].id.clone()
+        });
         let header_mutation = id.map(|id| HeaderMutation {
             set_headers: vec![headers::set(UPSTREAM, &id)],
             remove_headers: vec![],
