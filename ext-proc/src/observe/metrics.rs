@@ -12,17 +12,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::observe::series::{DecisionOutcome, Series, SessionResult};
 use hearth_router::health::{HealthState, Outcome};
-use hearth_router::AffinityBasis;
 use hearth_router::Router;
+use hearth_router::{AffinityBasis, ReplicaSnapshot, Snapshot};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DecisionLabels {
@@ -197,233 +198,230 @@ impl FleetCollector {
     }
 }
 
-/// Encodes one metric family whose members are `(replica id, value)`.
-fn per_replica<M: EncodeMetric>(
-    encoder: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    unit: Option<&Unit>,
-    values: impl IntoIterator<Item = (String, M)>,
-    metric_type: prometheus_client::metrics::MetricType,
-) -> Result<(), std::fmt::Error> {
-    let mut family = encoder.encode_descriptor(name, help, unit, metric_type)?;
-    for (replica, metric) in values {
-        let labels = [("replica", replica)];
-        metric.encode(family.encode_family(&labels)?)?;
+/// How a series reads its value from what a scrape sees.
+enum Read<T> {
+    Gauge(fn(&T) -> f64),
+    Counter(fn(&T) -> u64),
+}
+
+/// One series read at scrape time: adding a series is one entry in
+/// [`REPLICA_SERIES`] or [`FLEET_SERIES`].
+struct Scraped<T: 'static> {
+    name: &'static str,
+    help: &'static str,
+    unit: Option<Unit>,
+    read: Read<T>,
+}
+
+const fn gauge<T>(name: &'static str, help: &'static str, read: fn(&T) -> f64) -> Scraped<T> {
+    Scraped {
+        name,
+        help,
+        unit: None,
+        read: Read::Gauge(read),
     }
-    Ok(())
+}
+
+const fn counter<T>(name: &'static str, help: &'static str, read: fn(&T) -> u64) -> Scraped<T> {
+    Scraped {
+        name,
+        help,
+        unit: None,
+        read: Read::Counter(read),
+    }
+}
+
+fn flag(b: bool) -> f64 {
+    f64::from(u8::from(b))
+}
+
+/// Per-replica series, labelled `replica` (the replica's id).
+const REPLICA_SERIES: &[Scraped<ReplicaSnapshot>] = &[
+    gauge(
+        "hearth_replica_in_flight",
+        "Requests in flight on the replica (reserved by this sidecar)",
+        |r| f64::from(r.in_flight),
+    ),
+    gauge(
+        "hearth_replica_load",
+        "In-flight load on the replica, in load units (1 + uncached bytes / HEARTH_LOAD_UNIT_BYTES per request)",
+        |r| r.load,
+    ),
+    gauge(
+        "hearth_replica_warmth_blocks",
+        "Block hashes in the replica's warmth index",
+        |r| r.warmth_blocks as f64,
+    ),
+    gauge(
+        "hearth_replica_warmth_capacity_blocks",
+        "Capacity of the replica's warmth index, in blocks",
+        |r| r.warmth_capacity as f64,
+    ),
+    Scraped {
+        name: "hearth_replica_warmth_memory",
+        help: "Memory of the replica's warmth index",
+        unit: Some(Unit::Bytes),
+        read: Read::Gauge(|r| r.warmth_memory_bytes as f64),
+    },
+    gauge(
+        "hearth_replica_serving",
+        "Replica health: 1 serving, 0 fenced",
+        |r| flag(r.health.state == HealthState::Serving),
+    ),
+    gauge(
+        "hearth_replica_credentials_rejected",
+        "1 while the replica's engine refuses the sidecar's credentials (401/403 to its probes or metrics scrapes; see HEARTH_ENGINE_API_KEY); never a reason to fence",
+        |r| flag(r.health.credentials_error.is_some()),
+    ),
+    counter(
+        "hearth_replica_fencings",
+        "Times the replica was fenced (taken out of rotation)",
+        |r| r.health.fenced_total,
+    ),
+    counter(
+        "hearth_replica_requests",
+        "Requests routed to the replica as first choice",
+        |r| r.routed_total,
+    ),
+    counter(
+        "hearth_replica_prompt_tokens",
+        "Prompt tokens of the replica's answers that reported usage (the engine's own count)",
+        |r| r.usage.prompt_tokens_total,
+    ),
+    counter(
+        "hearth_replica_cached_tokens",
+        "Of those, prompt tokens the engine read from its cache (usage.prompt_tokens_details.cached_tokens)",
+        |r| r.usage.cached_tokens_total,
+    ),
+    counter(
+        "hearth_replica_predicted_cached_tokens",
+        "Cached tokens the decisions predicted, for the answers from the chosen replica",
+        |r| r.usage.predicted_cached_tokens_total,
+    ),
+    counter(
+        "hearth_replica_compared_cached_tokens",
+        "Cached tokens the engine served on those same answers (compare with the predicted counter)",
+        |r| r.usage.compared_cached_tokens_total,
+    ),
+    counter(
+        "hearth_replica_warmth_shrinks",
+        "Warmth corrections: the engine served less than predicted, the index shrank toward its real cache",
+        |r| r.usage.shrinks_total,
+    ),
+    counter(
+        "hearth_replica_warmth_growths",
+        "Warmth corrections: a full index predicted less than the engine served, the index grew",
+        |r| r.usage.growths_total,
+    ),
+    counter(
+        "hearth_replica_restarts",
+        "Engine restarts seen in the answers (continuing turns served nothing from cache, three in a row); the replica's warmth was dropped",
+        |r| r.usage.restarts_total,
+    ),
+];
+
+/// What a scrape sees of the fleet as a whole.
+struct FleetView {
+    snap: Snapshot,
+    stay_ratio: f64,
+    journal_dropped: u64,
+}
+
+/// Fleet-wide series, without labels.
+const FLEET_SERIES: &[Scraped<FleetView>] = &[
+    counter(
+        "hearth_requests_unhashed",
+        "Requests decided without a fingerprint (routed on load alone)",
+        |f| f.snap.unhashed_total,
+    ),
+    counter(
+        "hearth_streams_answered",
+        "Routed requests whose stream ended after the engine's response headers",
+        |f| f.snap.answered_total,
+    ),
+    counter(
+        "hearth_streams_unanswered",
+        "Routed requests whose stream ended before any response headers",
+        |f| f.snap.unanswered_total,
+    ),
+    counter(
+        "hearth_upstream_reloads",
+        "Reloads of the replica list applied (from HEARTH_UPSTREAMS_FILE)",
+        |f| f.snap.upstreams.reloads_total,
+    ),
+    counter(
+        "hearth_upstream_reload_errors",
+        "Reloads of the replica list refused (the file did not read, parse or check; the list stayed)",
+        |f| f.snap.upstreams.reload_errors_total,
+    ),
+    gauge(
+        "hearth_draining_in_flight",
+        "Requests still running on replicas a reload removed",
+        |f| f64::from(f.snap.upstreams.draining_in_flight),
+    ),
+    gauge(
+        "hearth_session_stay_ratio",
+        "Stays / (stays + moves) of returning sessions over the last 60 s (NaN when none returned)",
+        |f| f.stay_ratio,
+    ),
+    gauge(
+        "hearth_cache_hit_share",
+        "Share of the fleet's prompt tokens the engines read from cache, over the answers that reported usage (NaN before any)",
+        |f| {
+            let rs = &f.snap.replicas;
+            let prompt: u64 = rs.iter().map(|r| r.usage.prompt_tokens_total).sum();
+            let cached: u64 = rs.iter().map(|r| r.usage.cached_tokens_total).sum();
+            if prompt > 0 {
+                cached as f64 / prompt as f64
+            } else {
+                f64::NAN
+            }
+        },
+    ),
+    counter(
+        "hearth_journal_file_dropped",
+        "Decision records not written to HEARTH_JOURNAL_FILE because its writer fell behind (the in-memory journal keeps them)",
+        |f| f.journal_dropped,
+    ),
+];
+
+impl<T> Scraped<T> {
+    fn descriptor<'e>(
+        &'e self,
+        encoder: &'e mut DescriptorEncoder,
+    ) -> Result<MetricEncoder<'e>, std::fmt::Error> {
+        let kind = match self.read {
+            Read::Gauge(_) => MetricType::Gauge,
+            Read::Counter(_) => MetricType::Counter,
+        };
+        encoder.encode_descriptor(self.name, self.help, self.unit.as_ref(), kind)
+    }
+
+    fn value(&self, subject: &T, member: MetricEncoder) -> Result<(), std::fmt::Error> {
+        match self.read {
+            Read::Gauge(read) => ConstGauge::new(read(subject)).encode(member),
+            Read::Counter(read) => ConstCounter::new(read(subject)).encode(member),
+        }
+    }
 }
 
 impl Collector for FleetCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        use prometheus_client::metrics::MetricType::{Counter as C, Gauge as G};
         let snap = self.router.0.snapshot();
-        let rs = &snap.replicas;
-        let each = |f: &dyn Fn(&hearth_router::ReplicaSnapshot) -> f64| {
-            rs.iter()
-                .map(|r| (r.id.clone(), ConstGauge::new(f(r))))
-                .collect::<Vec<_>>()
+        for series in REPLICA_SERIES {
+            let mut family = series.descriptor(&mut encoder)?;
+            for r in &snap.replicas {
+                series.value(r, family.encode_family(&[("replica", r.id.as_str())])?)?;
+            }
+        }
+        let view = FleetView {
+            snap,
+            stay_ratio: self.series.stay_ratio(60),
+            journal_dropped: self.journal_dropped.load(Ordering::Relaxed),
         };
-        per_replica(
-            &mut encoder,
-            "hearth_replica_in_flight",
-            "Requests in flight on the replica (reserved by this sidecar)",
-            None,
-            each(&|r| f64::from(r.in_flight)),
-            G,
-        )?;
-        per_replica(
-            &mut encoder,
-            "hearth_replica_load",
-            "In-flight load on the replica, in load units (1 + uncached bytes / HEARTH_LOAD_UNIT_BYTES per request)",
-            None,
-            each(&|r| r.load),
-            G,
-        )?;
-        per_replica(
-            &mut encoder,
-            "hearth_replica_warmth_blocks",
-            "Block hashes in the replica's warmth index",
-            None,
-            each(&|r| r.warmth_blocks as f64),
-            G,
-        )?;
-        per_replica(
-            &mut encoder,
-            "hearth_replica_warmth_capacity_blocks",
-            "Capacity of the replica's warmth index, in blocks",
-            None,
-            each(&|r| r.warmth_capacity as f64),
-            G,
-        )?;
-        per_replica(
-            &mut encoder,
-            "hearth_replica_warmth_memory",
-            "Memory of the replica's warmth index",
-            Some(&Unit::Bytes),
-            each(&|r| r.warmth_memory_bytes as f64),
-            G,
-        )?;
-        per_replica(
-            &mut encoder,
-            "hearth_replica_serving",
-            "Replica health: 1 serving, 0 fenced",
-            None,
-            each(&|r| f64::from(u8::from(r.health.state == HealthState::Serving))),
-            G,
-        )?;
-        per_replica(
-            &mut encoder,
-            "hearth_replica_credentials_rejected",
-            "1 while the replica's engine refuses the sidecar's credentials (401/403 to its probes or metrics scrapes; see HEARTH_ENGINE_API_KEY); never a reason to fence",
-            None,
-            each(&|r| f64::from(u8::from(r.health.credentials_error.is_some()))),
-            G,
-        )?;
-        per_replica(
-            &mut encoder,
-            "hearth_replica_fencings",
-            "Times the replica was fenced (taken out of rotation)",
-            None,
-            rs.iter()
-                .map(|r| (r.id.clone(), ConstCounter::new(r.health.fenced_total))),
-            C,
-        )?;
-        per_replica(
-            &mut encoder,
-            "hearth_replica_requests",
-            "Requests routed to the replica as first choice",
-            None,
-            rs.iter()
-                .map(|r| (r.id.clone(), ConstCounter::new(r.routed_total))),
-            C,
-        )?;
-        let counter = |f: &dyn Fn(&hearth_router::UsageSnapshot) -> u64| {
-            rs.iter()
-                .map(|r| (r.id.clone(), ConstCounter::new(f(&r.usage))))
-                .collect::<Vec<_>>()
-        };
-        per_replica(
-            &mut encoder,
-            "hearth_replica_prompt_tokens",
-            "Prompt tokens of the replica's answers that reported usage (the engine's own count)",
-            None,
-            counter(&|u| u.prompt_tokens_total),
-            C,
-        )?;
-        per_replica(
-            &mut encoder,
-            "hearth_replica_cached_tokens",
-            "Of those, prompt tokens the engine read from its cache (usage.prompt_tokens_details.cached_tokens)",
-            None,
-            counter(&|u| u.cached_tokens_total),
-            C,
-        )?;
-        per_replica(
-            &mut encoder,
-            "hearth_replica_predicted_cached_tokens",
-            "Cached tokens the decisions predicted, for the answers from the chosen replica",
-            None,
-            counter(&|u| u.predicted_cached_tokens_total),
-            C,
-        )?;
-        per_replica(
-            &mut encoder,
-            "hearth_replica_compared_cached_tokens",
-            "Cached tokens the engine served on those same answers (compare with the predicted counter)",
-            None,
-            counter(&|u| u.compared_cached_tokens_total),
-            C,
-        )?;
-        per_replica(
-            &mut encoder,
-            "hearth_replica_warmth_shrinks",
-            "Warmth corrections: the engine served less than predicted, the index shrank toward its real cache",
-            None,
-            counter(&|u| u.shrinks_total),
-            C,
-        )?;
-        per_replica(
-            &mut encoder,
-            "hearth_replica_warmth_growths",
-            "Warmth corrections: a full index predicted less than the engine served, the index grew",
-            None,
-            counter(&|u| u.growths_total),
-            C,
-        )?;
-        per_replica(
-            &mut encoder,
-            "hearth_replica_restarts",
-            "Engine restarts seen in the answers (continuing turns served nothing from cache, three in a row); the replica's warmth was dropped",
-            None,
-            counter(&|u| u.restarts_total),
-            C,
-        )?;
-        let prompt: u64 = rs.iter().map(|r| r.usage.prompt_tokens_total).sum();
-        let cached: u64 = rs.iter().map(|r| r.usage.cached_tokens_total).sum();
-        let plain =
-            |encoder: &mut DescriptorEncoder, name: &str, help: &str, metric: &dyn EncodeMetric| {
-                let e = encoder.encode_descriptor(name, help, None, metric.metric_type())?;
-                metric.encode(e)
-            };
-        plain(
-            &mut encoder,
-            "hearth_requests_unhashed",
-            "Requests decided without a fingerprint (routed on load alone)",
-            &ConstCounter::new(snap.unhashed_total),
-        )?;
-        plain(
-            &mut encoder,
-            "hearth_streams_answered",
-            "Routed requests whose stream ended after the engine's response headers",
-            &ConstCounter::new(snap.answered_total),
-        )?;
-        plain(
-            &mut encoder,
-            "hearth_streams_unanswered",
-            "Routed requests whose stream ended before any response headers",
-            &ConstCounter::new(snap.unanswered_total),
-        )?;
-        plain(
-            &mut encoder,
-            "hearth_upstream_reloads",
-            "Reloads of the replica list applied (from HEARTH_UPSTREAMS_FILE)",
-            &ConstCounter::new(snap.upstreams.reloads_total),
-        )?;
-        plain(
-            &mut encoder,
-            "hearth_upstream_reload_errors",
-            "Reloads of the replica list refused (the file did not read, parse or check; the list stayed)",
-            &ConstCounter::new(snap.upstreams.reload_errors_total),
-        )?;
-        plain(
-            &mut encoder,
-            "hearth_draining_in_flight",
-            "Requests still running on replicas a reload removed",
-            &ConstGauge::new(i64::from(snap.upstreams.draining_in_flight)),
-        )?;
-        plain(
-            &mut encoder,
-            "hearth_session_stay_ratio",
-            "Stays / (stays + moves) of returning sessions over the last 60 s (NaN when none returned)",
-            &ConstGauge::new(self.series.stay_ratio(60)),
-        )?;
-        plain(
-            &mut encoder,
-            "hearth_cache_hit_share",
-            "Share of the fleet's prompt tokens the engines read from cache, over the answers that reported usage (NaN before any)",
-            &ConstGauge::new(if prompt > 0 {
-                cached as f64 / prompt as f64
-            } else {
-                f64::NAN
-            }),
-        )?;
-        plain(
-            &mut encoder,
-            "hearth_journal_file_dropped",
-            "Decision records not written to HEARTH_JOURNAL_FILE because its writer fell behind (the in-memory journal keeps them)",
-            &ConstCounter::new(self.journal_dropped.load(Ordering::Relaxed)),
-        )?;
+        for series in FLEET_SERIES {
+            series.value(&view, series.descriptor(&mut encoder)?)?;
+        }
         Ok(())
     }
 }
@@ -558,5 +556,57 @@ impl PickerMetrics {
 
     pub fn refused(&self, reason: &'static str) {
         self.refused.get_or_create(&ReasonLabel { reason }).inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::observe::journal::Journal;
+    use crate::observe::Observer;
+    use hearth_router::RouterParams;
+
+    /// Every scraped series is encoded (per replica, with its label) and
+    /// documented in docs/metrics.md.
+    #[test]
+    fn every_series_in_the_tables_is_scraped_and_documented() {
+        let docs = include_str!("../../../docs/metrics.md");
+        let upstreams = ["127.0.0.1:1;id=a", "127.0.0.1:2;id=b"].map(|u| u.parse().unwrap());
+        let router = Router::new(RouterParams::default(), &upstreams);
+        let observer = Observer::new(
+            router,
+            AffinityBasis::default(),
+            Journal::open(4, None).unwrap(),
+        );
+        let text = observer.encode_metrics();
+        for s in REPLICA_SERIES {
+            let suffix = match s.read {
+                Read::Counter(_) => "_total",
+                Read::Gauge(_) => "",
+            };
+            let unit = if s.unit.is_some() { "_bytes" } else { "" };
+            for id in ["a", "b"] {
+                let line = format!("{}{unit}{suffix}{{replica=\"{id}\"}} ", s.name);
+                assert!(text.contains(&line), "{line} missing from:\n{text}");
+            }
+            assert!(
+                docs.contains(&format!("`{}", s.name)),
+                "{} undocumented",
+                s.name
+            );
+        }
+        for s in FLEET_SERIES {
+            assert!(
+                text.lines()
+                    .any(|l| l.starts_with(s.name) && !l.contains('{')),
+                "{} missing",
+                s.name
+            );
+            assert!(
+                docs.contains(&format!("`{}", s.name)),
+                "{} undocumented",
+                s.name
+            );
+        }
     }
 }
