@@ -207,6 +207,52 @@ async fn forged_routing_headers_change_nothing() {
     assert!(resp.headers().get("x-engine-id").is_some());
 }
 
+/// Stripping, not overwriting: on a request the filter does not
+/// fingerprint (its body is not JSON), nothing sets Hearth's headers
+/// after the client, so whatever the sidecar sees of them came from the
+/// client. The journal shows it saw no fingerprint and no model (a forged
+/// model would have been refused as unknown), where an overwrite-only
+/// defence would have let all three through.
+#[tokio::test]
+async fn client_sent_hearth_headers_are_stripped_before_the_sidecar_reads_them() {
+    let fleet = Fleet::start(FleetOptions::default()).await.unwrap();
+    let forged_fp = hearth_wire::header::encode(2048, &[1, 2, 3, 4]);
+    let t = fleet
+        .post(
+            "/v1/chat/completions",
+            b"not json, so the filter sets nothing".to_vec(),
+            &[
+                ("content-type", "application/json"),
+                ("x-request-id", "strip-1"),
+                ("x-hearth-fp", forged_fp.as_str()),
+                ("x-hearth-prompt-bytes", "8192"),
+                ("x-hearth-model", "no-such-model"),
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(t.status, 400, "the engine judged the body: {:?}", t.body);
+    assert!(t.engine.is_some(), "routed to a replica, not refused");
+    let (code, text) = fleet
+        .admin_get("/debug/decisions?request_id=strip-1")
+        .await
+        .unwrap();
+    assert_eq!(code, 200, "{text}");
+    let found: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let d = &found["decisions"][0];
+    assert_eq!(d["outcome"], "routed", "{d}");
+    assert_eq!(
+        d["blocks"], 0,
+        "the forged fingerprint reached the sidecar: {d}"
+    );
+    assert_eq!(d["prompt_bytes"], 0, "{d}");
+    assert!(d["first_hash"].is_null(), "{d}");
+    assert!(
+        d["model"].is_null(),
+        "the forged model reached the sidecar: {d}"
+    );
+}
+
 #[tokio::test]
 async fn non_json_bodies_and_unknown_paths_still_reach_a_replica() {
     let fleet = Fleet::start(FleetOptions::default()).await.unwrap();
