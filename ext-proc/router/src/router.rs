@@ -239,6 +239,11 @@ impl Router {
         if correction == Some(Correction::Restart) {
             s.forget_cache();
         }
+        // The engine's size of this prompt, for the next turn's prediction.
+        if let Some((tip, key)) = prediction.and_then(|p| p.tip.zip(Some(p.key))) {
+            lock(&self.tips).note_tokens(tip, key, usage.prompt_tokens);
+        }
+        drop(guard);
         Some(Served {
             replica: answered,
             usage,

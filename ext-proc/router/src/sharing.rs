@@ -147,7 +147,8 @@ impl Router {
                         r.resident.remove(previous);
                     }
                 }
-                tips.record(tip, fleet.replicas[s].key());
+                // (A peer's record does not say the prompt's size.)
+                tips.record(tip, fleet.replicas[s].key(), 0);
                 state[s].resident.insert(tip, now);
             }
         }

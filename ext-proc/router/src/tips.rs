@@ -31,12 +31,26 @@ pub struct Continuation {
     /// The replica the previous turn went to (by this sidecar's decision
     /// or a peer's report).
     pub from: ReplicaKey,
+    /// The previous turn's prompt: canonical bytes (0 when a peer reported
+    /// it), and the engine's token count once its answer's usage came.
+    /// An engine that read that prompt holds all of it, the partial last
+    /// block too.
+    pub prompt_bytes: u64,
+    pub prompt_tokens: Option<u64>,
+}
+
+/// What is remembered of a turn by its tip.
+#[derive(Clone, Copy, Debug)]
+struct Turn {
+    replica: ReplicaKey,
+    prompt_bytes: u64,
+    prompt_tokens: Option<u64>,
 }
 
 /// Recent prompts' tips, fleet-wide, each with the replica its turn went to.
 pub(crate) struct Tips {
     recency: LruBlocks,
-    went: HashMap<u64, ReplicaKey>,
+    went: HashMap<u64, Turn>,
 }
 
 impl Tips {
@@ -54,24 +68,42 @@ impl Tips {
     /// The turn `warm` (a prompt's leading blocks that some candidate
     /// holds) continues, if any.
     pub(crate) fn continued(&self, warm: &[u64]) -> Option<Continuation> {
-        let (tip, from) = warm
+        let (tip, turn) = warm
             .iter()
             .rev()
-            .find_map(|h| self.went.get(h).map(|&k| (*h, k)))?;
+            .find_map(|h| self.went.get(h).map(|&t| (*h, t)))?;
         let conversation = warm.iter().copied().find(|&h| self.contains(h))?;
         Some(Continuation {
             tip,
             conversation,
-            from,
+            from: turn.replica,
+            prompt_bytes: turn.prompt_bytes,
+            prompt_tokens: turn.prompt_tokens,
         })
     }
 
-    /// `tip` is now the latest turn of a conversation on `replica`.
-    pub(crate) fn record(&mut self, tip: u64, replica: ReplicaKey) {
+    /// `tip` is now the latest turn of a conversation on `replica`, a
+    /// prompt of `prompt_bytes`.
+    pub(crate) fn record(&mut self, tip: u64, replica: ReplicaKey, prompt_bytes: u64) {
         if let Some(old) = self.recency.touch_evicting(tip) {
             self.went.remove(&old);
         }
-        self.went.insert(tip, replica);
+        self.went.insert(
+            tip,
+            Turn {
+                replica,
+                prompt_bytes,
+                prompt_tokens: None,
+            },
+        );
+    }
+
+    /// The engine `replica` counted `tokens` in the prompt whose tip is
+    /// `tip` (its answer's usage).
+    pub(crate) fn note_tokens(&mut self, tip: u64, replica: ReplicaKey, tokens: u64) {
+        if let Some(t) = self.went.get_mut(&tip).filter(|t| t.replica == replica) {
+            t.prompt_tokens = Some(tokens);
+        }
     }
 
     #[cfg(test)]
@@ -91,20 +123,26 @@ mod tests {
     #[test]
     fn the_deepest_tip_is_the_previous_turn_and_the_earliest_the_conversation() {
         let mut tips = Tips::new(16);
-        tips.record(3, key(1));
-        tips.record(6, key(2));
+        tips.record(3, key(1), 3 * 2048);
+        tips.record(6, key(2), 6 * 2048 + 100);
+        // Its answer's usage names its size in the engine's tokens (only
+        // from the replica it went to).
+        tips.note_tokens(6, key(1), 99);
+        tips.note_tokens(6, key(2), 3100);
         let c = tips.continued(&[1, 2, 3, 4, 5, 6, 7]).unwrap();
         assert_eq!(
             c,
             Continuation {
                 tip: 6,
                 conversation: 3,
-                from: key(2)
+                from: key(2),
+                prompt_bytes: 6 * 2048 + 100,
+                prompt_tokens: Some(3100),
             }
         );
         assert_eq!(tips.continued(&[1, 2]), None);
         // Recorded again elsewhere: the latest replica wins.
-        tips.record(6, key(1));
+        tips.record(6, key(1), 6 * 2048 + 100);
         assert_eq!(tips.continued(&[3, 6]).unwrap().from, key(1));
     }
 
@@ -112,7 +150,7 @@ mod tests {
     fn tips_are_bounded_and_the_oldest_is_forgotten_first() {
         let mut tips = Tips::new(4);
         for t in 0..10 {
-            tips.record(t, key(1));
+            tips.record(t, key(1), 2048);
         }
         assert_eq!(tips.len(), 4);
         assert!(!tips.contains(5));

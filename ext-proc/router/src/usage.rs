@@ -92,6 +92,16 @@ pub struct Prediction {
     pub key: ReplicaKey,
     /// Leading blocks of the prompt it held.
     pub blocks: u32,
+    /// Prompt bytes it holds: its blocks, or, when it served the previous
+    /// turn of the conversation, all of that turn's prompt (the partial
+    /// last block too).
+    pub held_bytes: u64,
+    /// The same in the engine's tokens, when the previous turn's usage
+    /// said how many it had.
+    pub held_tokens: Option<u64>,
+    /// This prompt's tip: its answer's usage tells the tips how many
+    /// tokens the engine counted in it.
+    pub tip: Option<u64>,
     /// Canonical prompt bytes.
     pub prompt_bytes: u64,
     /// Set when the prompt continues an earlier one (its previous turn, read
@@ -162,6 +172,11 @@ pub(crate) struct UsageTally {
     pub(crate) compared_cached_tokens: u64,
     /// Canonical prompt bytes per engine token (a moving average).
     pub(crate) bytes_per_token: Option<f64>,
+    /// The greatest common divisor of the cached-token counts the engine
+    /// reported, and how many: an engine that caches whole blocks reports
+    /// multiples of its block size.
+    pub(crate) granule_gcd: u64,
+    pub(crate) granule_reports: u32,
     pub(crate) shrinks: u64,
     pub(crate) growths: u64,
     pub(crate) restarts: u64,
@@ -189,6 +204,9 @@ pub struct UsageSnapshot {
     pub compared_cached_tokens_total: u64,
     /// Canonical prompt bytes per engine token.
     pub bytes_per_token: Option<f64>,
+    /// The engine's cache granularity, in tokens, learnt from its reports
+    /// (None before [`GRANULE_REPORTS`] answers served from cache).
+    pub cache_granularity_tokens: Option<u64>,
     /// Warmth corrections: capacity shrunk, capacity grown, restarts seen.
     pub shrinks_total: u64,
     pub growths_total: u64,
@@ -207,6 +225,8 @@ impl UsageTally {
             predicted_cached_tokens_total: self.predicted_tokens,
             compared_cached_tokens_total: self.compared_cached_tokens,
             bytes_per_token: self.bytes_per_token,
+            cache_granularity_tokens: (self.granule_reports >= GRANULE_REPORTS)
+                .then_some(self.granule_gcd),
             shrinks_total: self.shrinks,
             growths_total: self.growths,
             restarts_total: self.restarts,
@@ -215,6 +235,22 @@ impl UsageTally {
 }
 
 impl UsageTally {
+    /// The engine's cache granularity in tokens (1 until learnt).
+    fn granule(&self) -> u64 {
+        if self.granule_reports >= GRANULE_REPORTS {
+            self.granule_gcd.max(1)
+        } else {
+            1
+        }
+    }
+
+    fn learn_granule(&mut self, cached_tokens: u64) {
+        if cached_tokens > 0 {
+            self.granule_gcd = gcd(self.granule_gcd, cached_tokens);
+            self.granule_reports = self.granule_reports.saturating_add(1);
+        }
+    }
+
     /// Counts an answer's usage and, with the decision's prediction (the
     /// predicted replica answered), compares the two and corrects `warmth`
     /// (with `usage_feedback` on). Returns the predicted cached tokens and
@@ -244,8 +280,14 @@ impl UsageTally {
         }
         let bpt = self.bytes_per_token.unwrap_or(DEFAULT_BYTES_PER_TOKEN);
         let block = p.block_size as f64;
-        let predicted = ((f64::from(pr.blocks) * block / bpt).round() as u64)
-            .min(usage.prompt_tokens.saturating_sub(1));
+        // In the engine's units: what it holds, never the whole prompt (an
+        // engine computes at least the last token), in whole cache blocks.
+        let held = pr
+            .held_tokens
+            .unwrap_or_else(|| (pr.held_bytes as f64 / bpt).round() as u64);
+        let granule = self.granule();
+        let predicted = held.min(usage.prompt_tokens.saturating_sub(1)) / granule * granule;
+        self.learn_granule(usage.cached_tokens);
         self.compared += 1;
         self.predicted_tokens += predicted;
         self.compared_cached_tokens += usage.cached_tokens;
@@ -336,6 +378,18 @@ pub fn blocks_for_tokens(
     (blocks as usize).max(MIN_WARMTH_BLOCKS)
 }
 
+/// Answers served from cache before a replica's granularity is used: one
+/// count is its own divisor, a few agree only on the block size.
+pub const GRANULE_REPORTS: u32 = 4;
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 /// Bytes per token before a replica's first report (English text and code
 /// run about four).
 pub const DEFAULT_BYTES_PER_TOKEN: f64 = 4.0;
@@ -358,6 +412,9 @@ mod tests {
             replica: 0,
             key: ("127.0.0.1:1".parse().unwrap(), None),
             blocks: 10,
+            held_bytes: 10 * 2048,
+            held_tokens: None,
+            tip: None,
             prompt_bytes: 10 * 2048,
             conversation: Some(k),
             compare: true,

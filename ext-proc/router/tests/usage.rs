@@ -359,3 +359,73 @@ fn answers_to_requests_that_partition_or_bypass_the_cache_are_not_compared() {
         assert!(s.warmth_blocks >= 1_200);
     }
 }
+
+/// A block cache (vLLM's: whole blocks of 128 tokens) and a prompt whose
+/// last block is partial. The prediction counts the previous turn's whole
+/// prompt, the partial block too, in the engine's own token count once its
+/// usage said it, and in whole engine blocks once the replica's reports
+/// showed its granularity.
+#[test]
+fn predictions_include_the_partial_block_in_the_engines_tokens_and_blocks() {
+    let r = fleet(|_| {});
+    // Turn 1: 10 full blocks and a partial one (20,980 bytes).
+    let mut hashes = conversation(1, 11);
+    let mut info = req(&hashes);
+    info.prompt_bytes = 10 * 2048 + 500;
+    let d = r.decide(&info).unwrap();
+    assert_eq!(d.prediction.held_bytes, 0);
+    // The engine counted 5,250 tokens and had nothing cached.
+    let prompt_tokens = 5_250;
+    let served = d
+        .record_usage(Usage {
+            prompt_tokens,
+            cached_tokens: 0,
+        })
+        .unwrap();
+    assert_eq!(served.predicted_tokens, Some(0));
+    drop(d);
+    // Turns 2..: each extends the last; the engine serves the previous
+    // prompt in whole blocks of 128 tokens.
+    let mut previous_tokens = prompt_tokens;
+    let mut predicted = Vec::new();
+    for turn in 0..6u64 {
+        hashes.truncate(hashes.len() - 1);
+        hashes.extend([100 + 10 * turn, 101 + 10 * turn, 102 + 10 * turn]);
+        let mut info = req(&hashes);
+        info.prompt_bytes = (hashes.len() as u64 - 1) * 2048 + 500;
+        let d = r.decide(&info).unwrap();
+        assert!(d.continues());
+        // All of the previous prompt, not only its full blocks.
+        assert!(d.prediction.held_bytes > u64::from(d.overlap) * 2048);
+        assert_eq!(d.prediction.held_tokens, Some(previous_tokens));
+        let tokens = previous_tokens + 1_000;
+        let cached = previous_tokens / 128 * 128;
+        let served = d
+            .record_usage(Usage {
+                prompt_tokens: tokens,
+                cached_tokens: cached,
+            })
+            .unwrap();
+        predicted.push((served.predicted_tokens.unwrap(), cached));
+        previous_tokens = tokens;
+    }
+    // Before the granularity is known, the prediction is the previous
+    // prompt's tokens: within one block of what was served.
+    let (p, s) = predicted[0];
+    assert_eq!(p, 5_250);
+    assert!(p - s < 128);
+    // From the fifth answer served from cache on (four reports taught
+    // the block size), it is exact.
+    for &(p, s) in &predicted[4..] {
+        assert_eq!(p, s);
+    }
+    let snap = replica(
+        &r,
+        r.snapshot()
+            .replicas
+            .iter()
+            .position(|x| x.usage.reports_total > 0)
+            .unwrap(),
+    );
+    assert_eq!(snap.usage.cache_granularity_tokens, Some(128));
+}

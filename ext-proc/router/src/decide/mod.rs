@@ -186,10 +186,25 @@ impl Router {
                 score,
             })
             .collect();
+        // What the chosen replica holds: its blocks, or all of the previous
+        // turn's prompt when it served that turn (engines keep the partial
+        // last block a fingerprint cannot name).
+        let key = replicas[chosen].key();
+        let block_bytes = u64::from(picked.overlap) * self.params.block_size as u64;
+        let previous = warm
+            .continued
+            .filter(|c| c.from == key && req.hashes[..picked.overlap as usize].contains(&c.tip));
+        let (held_bytes, held_tokens) = match previous {
+            Some(c) if c.prompt_bytes > block_bytes => (c.prompt_bytes, c.prompt_tokens),
+            _ => (block_bytes, None),
+        };
         let prediction = Prediction {
             replica: chosen,
-            key: replicas[chosen].key(),
+            key,
             blocks: picked.overlap,
+            held_bytes: held_bytes.min(req.prompt_bytes.max(block_bytes)),
+            held_tokens,
+            tip: reservation.tip,
             prompt_bytes: req.prompt_bytes,
             conversation: warm.continued.map(|c| c.conversation),
             compare: !req.hashes.is_empty() && req.cache == hearth_wire::CacheUse::Shared,

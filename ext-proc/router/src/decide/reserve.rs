@@ -91,7 +91,7 @@ pub(crate) fn reserve(
     fleet.peers.note_decision(chosen, &req.hashes, tip);
     let state = &mut fleet.state;
     if let Some(tip) = tip {
-        tips.record(tip, fleet.replicas[chosen].key());
+        tips.record(tip, fleet.replicas[chosen].key(), req.prompt_bytes);
         if let Some(previous) = warm.continued {
             for s in state.iter_mut() {
                 s.resident.remove(previous.tip);
