@@ -180,6 +180,16 @@ async fn conversations_stay_on_their_engine_and_read_their_history_from_its_cach
         ["llama-0", "llama-1"],
         "the conversations did not use both engines: {homes:?}"
     );
+    // What the decisions predicted from cache against what the engine
+    // served: the previous turn's whole prompt, in the engine's tokens,
+    // within 5% of each prompt on average.
+    let (_, m) = lf.fleet.admin_get("/metrics").await.unwrap();
+    let sample = |name: &str| hearth_e2e::metric_sample(&m, name).unwrap_or(0.0);
+    let compared = sample("hearth_prediction_error_count");
+    assert!(compared >= 12.0, "{compared} answers compared:\n{m}");
+    let mean = sample("hearth_prediction_error_sum") / compared;
+    eprintln!("mean |predicted - served| / prompt: {mean:.4} over {compared} answers");
+    assert!(mean < 0.05, "mean prediction error {mean:.3}:\n{m}");
     lf.fleet.assert_wasm_healthy();
 }
 
