@@ -350,6 +350,11 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_JOURNAL_SIZE", default_value_t = 10_000)]
     pub journal_size: usize,
 
+    /// The pool's name in the `llm_d_epp_*` pool series (the `name` label:
+    /// the InferencePool's name where Hearth is its endpoint picker).
+    #[arg(long, env = "HEARTH_POOL_NAME", default_value = "hearth")]
+    pub pool_name: String,
+
     /// Also append every decision as one JSON line to this file (off when
     /// unset). Hashes and numbers only, never prompt text.
     #[arg(long, env = "HEARTH_JOURNAL_FILE")]

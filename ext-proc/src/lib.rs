@@ -114,8 +114,12 @@ impl Sidecar {
                 .map(|path| (path, settings.journal_file_max_bytes)),
         )
         .context("opening HEARTH_JOURNAL_FILE")?;
-        let observer =
-            observe::Observer::new(Arc::clone(&router), settings.affinity_basis, journal);
+        let observer = observe::Observer::new(
+            Arc::clone(&router),
+            settings.affinity_basis,
+            journal,
+            &settings.pool_name,
+        );
         let outcomes = outcomes::Outcomes::new(Arc::clone(&observer));
         let stop = CancellationToken::new();
         if let (Some(path), Some(asked)) = (&settings.upstreams_file, &reload) {

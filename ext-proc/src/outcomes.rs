@@ -62,6 +62,8 @@ struct Pending {
     prediction: Prediction,
     /// Envoy's `x-request-id`, for the journal (never for matching).
     request_id: Option<String>,
+    /// The model asked for (the metrics' label).
+    model: Option<String>,
 }
 
 /// How one ext_proc stream ended.
@@ -114,13 +116,19 @@ impl Outcomes {
 
     /// Keeps a routed request's prediction until its answer ends, and
     /// returns the ticket it waits under.
-    pub fn issue_ticket(&self, prediction: Prediction, request_id: Option<&str>) -> String {
+    pub fn issue_ticket(
+        &self,
+        prediction: Prediction,
+        request_id: Option<&str>,
+        model: Option<&str>,
+    ) -> String {
         let ticket = self.tickets.next();
         self.lock().insert(
             &ticket,
             Pending {
                 prediction,
                 request_id: request_id.map(str::to_string),
+                model: model.map(str::to_string),
             },
             Instant::now(),
         );
@@ -189,6 +197,10 @@ impl Outcomes {
     /// answer's usage against the decision's prediction.
     fn close(&self, c: Close<'_>) {
         let answered = c.served.unwrap_or(c.chosen);
+        let model = c.pending.as_ref().and_then(|p| p.model.as_deref());
+        if matches!(c.ending, Ending::Answered { status: 500.., .. }) {
+            self.observer.engine_error(model);
+        }
         self.router.record_request(answered, judge(c.ending));
         if answered != c.chosen {
             // Envoy retried away from the primary (connect failure, reset
@@ -210,7 +222,7 @@ impl Outcomes {
             .router
             .record_usage(answered, prediction.as_ref(), usage)
         {
-            self.observer.served(c.request_id, &served);
+            self.observer.served(c.request_id, model, &served);
         }
     }
 
@@ -291,6 +303,7 @@ mod tests {
                 stamp: None,
             },
             request_id: None,
+            model: None,
         }
     }
 

@@ -621,9 +621,11 @@ impl Exchange {
                 // (filter shapes) or this stream closes (body shapes).
                 let mut set_headers = vec![headers::set(DESTINATION, &dest)];
                 if info.model.is_some() {
-                    let ticket = self
-                        .outcomes
-                        .issue_ticket(decision.prediction, self.request_id.as_deref());
+                    let ticket = self.outcomes.issue_ticket(
+                        decision.prediction,
+                        self.request_id.as_deref(),
+                        info.model.as_deref(),
+                    );
                     if !self.mode.bodies_come() {
                         set_headers.push(headers::set(header::TICKET, &ticket));
                     }

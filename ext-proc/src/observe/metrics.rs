@@ -172,6 +172,8 @@ pub struct FleetCollector {
     series: Arc<Series>,
     /// Decision records the journal file's writer could not keep up with.
     journal_dropped: Arc<AtomicU64>,
+    /// The pool's name (the `name` label of the `llm_d_epp_*` pool series).
+    pool: String,
 }
 
 /// `Router` is not `Debug`; the collector trait wants it.
@@ -189,11 +191,13 @@ impl FleetCollector {
         router: Arc<Router>,
         series: Arc<Series>,
         journal_dropped: Arc<AtomicU64>,
+        pool: &str,
     ) {
         reg.register_collector(Box::new(FleetCollector {
             router: Arc::new(RouterRef(router)),
             series,
             journal_dropped,
+            pool: pool.to_string(),
         }));
     }
 }
@@ -320,6 +324,67 @@ const REPLICA_SERIES: &[Scraped<ReplicaSnapshot>] = &[
     ),
 ];
 
+/// The llm-d router's pool series, labelled `name` (the pool): what the
+/// engines' own metrics said (`vllm:*`, `sglang:*`, `llamacpp:*`, scraped
+/// every `HEARTH_ENGINE_METRICS_SECONDS`), over the replicas that said it.
+const POOL_SERIES: &[Scraped<FleetView>] = &[
+    gauge(
+        "llm_d_epp_ready_endpoints",
+        "Endpoints serving (not fenced)",
+        |f| {
+            let serving = f.snap.replicas.iter();
+            serving
+                .filter(|r| r.health.state == HealthState::Serving)
+                .count() as f64
+        },
+    ),
+    gauge(
+        "llm_d_epp_average_kv_cache_utilization",
+        "Mean KV-cache utilization the engines report (0-1; NaN when none reports it)",
+        |f| {
+            mean(
+                f.snap
+                    .replicas
+                    .iter()
+                    .filter_map(|r| r.engine.as_ref()?.kv_usage),
+            )
+        },
+    ),
+    gauge(
+        "llm_d_epp_average_queue_size",
+        "Mean queue depth the engines report (NaN when none reports)",
+        |f| {
+            mean(
+                f.snap
+                    .replicas
+                    .iter()
+                    .filter_map(|r| Some(r.engine.as_ref()?.waiting)),
+            )
+        },
+    ),
+    gauge(
+        "llm_d_epp_average_running_requests",
+        "Mean running requests the engines report (NaN when none reports)",
+        |f| {
+            mean(
+                f.snap
+                    .replicas
+                    .iter()
+                    .filter_map(|r| Some(r.engine.as_ref()?.running)),
+            )
+        },
+    ),
+];
+
+fn mean(values: impl Iterator<Item = f64>) -> f64 {
+    let (sum, n) = values.fold((0.0, 0u32), |(s, n), v| (s + v, n + 1));
+    if n == 0 {
+        f64::NAN
+    } else {
+        sum / f64::from(n)
+    }
+}
+
 /// What a scrape sees of the fleet as a whole.
 struct FleetView {
     snap: Snapshot,
@@ -421,6 +486,32 @@ impl Collector for FleetCollector {
         };
         for series in FLEET_SERIES {
             series.value(&view, series.descriptor(&mut encoder)?)?;
+        }
+        let pool = [("name", self.pool.as_str())];
+        for series in POOL_SERIES {
+            let mut family = series.descriptor(&mut encoder)?;
+            series.value(&view, family.encode_family(&pool)?)?;
+        }
+        // Per endpoint (an address: data-parallel ranks share one queue),
+        // as the engine reported it.
+        let mut family = encoder.encode_descriptor(
+            "llm_d_epp_per_endpoint_queue_size",
+            "Queue depth each engine reports, by endpoint address",
+            None,
+            MetricType::Gauge,
+        )?;
+        let mut seen = Vec::new();
+        for r in &view.snap.replicas {
+            let Some(engine) = &r.engine else { continue };
+            if seen.contains(&&r.address) {
+                continue;
+            }
+            seen.push(&r.address);
+            let labels = [
+                ("name", self.pool.as_str()),
+                ("model_server_endpoint", r.address.as_str()),
+            ];
+            ConstGauge::new(engine.waiting).encode(family.encode_family(&labels)?)?;
         }
         Ok(())
     }
@@ -577,6 +668,7 @@ mod tests {
             router,
             AffinityBasis::default(),
             Journal::open(4, None).unwrap(),
+            "pool-a",
         );
         let text = observer.encode_metrics();
         for s in REPLICA_SERIES {
@@ -608,5 +700,19 @@ mod tests {
                 s.name
             );
         }
+        for s in POOL_SERIES {
+            let line = format!("{}{{name=\"pool-a\"}} ", s.name);
+            assert!(text.contains(&line), "{line} missing from:\n{text}");
+            assert!(
+                docs.contains(&format!("`{}", s.name)),
+                "{} undocumented",
+                s.name
+            );
+        }
+        assert!(
+            text.contains("llm_d_epp_ready_endpoints{name=\"pool-a\"} 2"),
+            "{text}"
+        );
+        assert!(docs.contains("`llm_d_epp_per_endpoint_queue_size"));
     }
 }

@@ -11,6 +11,7 @@
 //! otherwise; a hashed request that continues nothing is *new*.
 
 pub mod admin;
+pub mod epp;
 pub mod journal;
 pub mod metrics;
 pub mod series;
@@ -25,6 +26,7 @@ use prometheus_client::registry::Registry;
 use hearth_router::health::Outcome;
 use hearth_router::{AffinityBasis, Decision, RequestInfo, RouteError, Router, Served};
 
+use crate::observe::epp::EppMetrics;
 use crate::observe::journal::{hex, CandidateRecord, DecisionRecord, Journal, ServedRecord};
 use crate::observe::metrics::{
     DecisionMetrics, FleetCollector, PeerMetrics, PickerMetrics, ProbeMetrics,
@@ -41,6 +43,8 @@ pub struct Observer {
     decisions: DecisionMetrics,
     probes: ProbeMetrics,
     usage: UsageMetrics,
+    /// The llm-d router's picker series.
+    epp: EppMetrics,
     /// The peer bus's counters.
     pub peers: Arc<PeerMetrics>,
     /// The endpoint-picker mode's held bodies.
@@ -50,7 +54,13 @@ pub struct Observer {
 }
 
 impl Observer {
-    pub fn new(router: Arc<Router>, basis: AffinityBasis, journal: Journal) -> Arc<Observer> {
+    /// `pool`: the pool's name in the `llm_d_epp_*` pool series.
+    pub fn new(
+        router: Arc<Router>,
+        basis: AffinityBasis,
+        journal: Journal,
+        pool: &str,
+    ) -> Arc<Observer> {
         let mut registry = Registry::default();
         let series = Arc::new(Series::default());
         let decisions = DecisionMetrics::register(&mut registry, basis);
@@ -58,11 +68,13 @@ impl Observer {
         let usage = UsageMetrics::register(&mut registry);
         let peers = Arc::new(PeerMetrics::register(&mut registry));
         let picker = PickerMetrics::register(&mut registry);
+        let epp = EppMetrics::register(&mut registry);
         FleetCollector::register(
             &mut registry,
             Arc::clone(&router),
             Arc::clone(&series),
             journal.file_dropped(),
+            pool,
         );
         Arc::new(Observer {
             router,
@@ -71,6 +83,7 @@ impl Observer {
             decisions,
             probes,
             usage,
+            epp,
             peers,
             picker,
             series,
@@ -102,6 +115,7 @@ impl Observer {
         let blocks = hashed.then_some((decision.overlap, info.hashes.len()));
         self.decisions
             .record(DecisionOutcome::Routed, elapsed, blocks, session);
+        self.epp.decided(info.model.as_deref(), Ok(()), elapsed);
         self.series
             .record(now as u64, DecisionOutcome::Routed, blocks, session);
         let ids = &decision.replicas;
@@ -147,6 +161,7 @@ impl Observer {
             RouteError::Saturated => DecisionOutcome::Saturated,
         };
         self.decisions.record(outcome, elapsed, None, None);
+        self.epp.decided(info.model.as_deref(), Err(error), elapsed);
         self.series.record(now as u64, outcome, None, None);
         let mut record = self.record(now, request_id, info, elapsed, outcome);
         record.error = Some(error.to_string());
@@ -186,8 +201,14 @@ impl Observer {
     /// An answer's usage, as the router took it ([`crate::outcomes`]):
     /// the prediction's error goes to the metrics, the served figures next
     /// to the decision in the journal.
-    pub fn served(&self, request_id: Option<&str>, served: &Served) {
+    /// `model`: the model the request asked for.
+    pub fn served(&self, request_id: Option<&str>, model: Option<&str>, served: &Served) {
         self.usage.served(served);
+        self.epp.usage(
+            model,
+            served.usage.prompt_tokens,
+            served.usage.cached_tokens,
+        );
         if let Some(id) = request_id {
             let replica = self
                 .router
@@ -206,6 +227,11 @@ impl Observer {
                 },
             );
         }
+    }
+
+    /// An engine answered a routed request for `model` with a 5xx.
+    pub fn engine_error(&self, model: Option<&str>) {
+        self.epp.engine_error(model);
     }
 
     /// A generation's answer ended without usage with cached tokens.
@@ -275,6 +301,7 @@ mod tests {
             Arc::clone(&router),
             params.score.basis,
             Journal::open(16, None).unwrap(),
+            "hearth",
         );
         let info = |hashes: Vec<u64>| RequestInfo {
             prompt_bytes: hashes.len() as u64 * 2048,
