@@ -9,7 +9,8 @@
 //!   its load accounting is the sidecar's.
 //! - `hearth_informed`: `hearth_relative` whose overlaps come from the
 //!   engines' real caches instead of the sidecar's warmth index (the
-//!   share of the prompt each engine holds, in the fingerprint's blocks):
+//!   share of the prompt each engine holds, in the fingerprint's blocks,
+//!   given to the router's simulation-only `Router::decide_knowing_at`):
 //!   the same scoring with perfect knowledge, the yardstick for what the
 //!   approximate index costs. Not a practical router.
 //! - `oracle`: reads every engine's real prefix cache and sends each request
@@ -374,8 +375,16 @@ impl Policy {
                         prompt_bytes: fp.prompt_bytes,
                         model: Some(fp.model.clone()),
                         max_output_tokens: fp.max_output_tokens,
-                        known_overlaps: informed.then(|| {
-                            let blocks = fp.prompt_bytes as f64 / f64::from(fp.block_size.max(1));
+                        cache: fp.cache,
+                    },
+                    None => RequestInfo::default(),
+                };
+                // The informed yardstick is told each engine's real
+                // cached share of the prompt, in the fingerprint's blocks.
+                let known: Option<Vec<usize>> = match req.fingerprint {
+                    Some(fp) if informed => {
+                        let blocks = fp.prompt_bytes as f64 / f64::from(fp.block_size.max(1));
+                        Some(
                             engines
                                 .iter()
                                 .map(|e| match e.cached_share(req.engine_hashes) {
@@ -383,15 +392,16 @@ impl Policy {
                                     share if share >= 1.0 => fp.hashes.len(),
                                     share => (share * blocks) as usize,
                                 })
-                                .collect()
-                        }),
-                        cache: fp.cache,
-                    },
-                    None => RequestInfo::default(),
+                                .collect(),
+                        )
+                    }
+                    _ => None,
                 };
-                let decision = router
-                    .decide_at(&info, now)
-                    .expect("every simulated replica serves every model");
+                let decision = match &known {
+                    Some(overlaps) => router.decide_knowing_at(&info, overlaps, now),
+                    None => router.decide_at(&info, now),
+                }
+                .expect("every simulated replica serves every model");
                 return Routed {
                     replica: decision.primary(),
                     hearth: Some(decision),

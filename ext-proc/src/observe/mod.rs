@@ -428,7 +428,6 @@ mod tests {
             hashes,
             model: None,
             max_output_tokens: None,
-            known_overlaps: None,
             cache: Default::default(),
         };
         // Turn 1 lands on replica x, as the observer sees it.
