@@ -10,6 +10,8 @@
 //!   (shared with the e2e tests).
 //! - [`demo`]: the `hearth-bench demo` subcommand.
 //! - [`sidecar`]: the sidecar binary as a child process.
+//! - [`settings`]: sidecar settings on the command line (`--set`),
+//!   parsed by the sidecar's own parser.
 //! - [`soak`]: the `hearth-bench soak` subcommand (faults under load).
 //! - [`live`]: a scenario through the real Envoy, filter and sidecar,
 //!   beside the same cell simulated.
@@ -32,6 +34,7 @@ pub mod report;
 pub mod rng;
 pub mod scenario;
 pub mod serve;
+pub mod settings;
 pub mod sidecar;
 pub mod sim;
 pub mod soak;

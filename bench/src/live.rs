@@ -52,6 +52,10 @@ pub struct LiveArgs {
     /// Also write both rows as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Sidecar settings (`--set HEARTH_NAME=VALUE`): the same for the
+    /// sidecar process and the simulator's router.
+    #[command(flatten)]
+    pub sidecar: crate::settings::SidecarSettings,
 }
 
 struct Shared {
@@ -199,19 +203,30 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
     if let Some(r) = args.replicas {
         sc.replicas = r;
     }
+    sc.hearth.set(args.sidecar.set.iter().cloned())?;
     let scale = args.time_scale;
     let wall = Duration::from_secs(args.seconds);
     let warmup = wall / 5;
     sc.warmup_s = warmup.as_secs_f64() * scale;
     sc.duration_s = (wall - warmup).as_secs_f64() * scale;
     println!(
-        "hearth-bench live --scenario {} --agents {} --replicas {} --seconds {} --time-scale {} --seed {}",
-        sc.name, args.agents, sc.replicas, args.seconds, scale, args.seed
+        "hearth-bench live --scenario {} --agents {} --replicas {} --seconds {} --time-scale {} --seed {}{}",
+        sc.name,
+        args.agents,
+        sc.replicas,
+        args.seconds,
+        scale,
+        args.seed,
+        args.sidecar
+            .set
+            .iter()
+            .map(|kv| format!(" --set {}", crate::settings::shown_setting(kv)))
+            .collect::<String>()
     );
 
     // Engines running the simulator's own scheduler and cost model
-    // (time-scaled), and the sidecar with the knobs the simulator gives its
-    // Router.
+    // (time-scaled), and the sidecar with the settings the simulator gives
+    // its Router.
     let mut engines: Vec<EngineHandle> = Vec::new();
     for i in 0..sc.replicas {
         let cfg = EngineConfig {
@@ -231,17 +246,17 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
         .map(|e| format!("{};id={}", e.addr, e.engine.config().id))
         .collect::<Vec<_>>()
         .join(",");
-    let k = &sc.hearth;
-    let settings = [
-        ("HEARTH_ALPHA", k.alpha.to_string()),
-        ("HEARTH_AFFINITY_CAP", k.affinity_cap.to_string()),
-        ("HEARTH_FIRST_TURN_CAP", k.first_turn_cap.to_string()),
-        ("HEARTH_LOAD_UNIT_BYTES", k.load_unit_bytes.to_string()),
-        ("HEARTH_WARMTH_BLOCKS", k.warmth_blocks.to_string()),
-        // The simulated Router has neither probes nor engine scrapes.
-        ("HEARTH_PROBE_INTERVAL_SECONDS", "0".into()),
-        ("HEARTH_ENGINE_METRICS_SECONDS", "0".into()),
-    ];
+    // The scenario's and the command line's settings, as the simulated
+    // router gets them; then what the simulated router lacks: probes and
+    // engine scrapes.
+    let mut settings: Vec<(&str, String)> = sc
+        .hearth
+        .settings()
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
+    settings.push(("HEARTH_PROBE_INTERVAL_SECONDS", "0".into()));
+    settings.push(("HEARTH_ENGINE_METRICS_SECONDS", "0".into()));
     let (grpc, admin) = (free_port()?, free_port()?);
     let sidecar = SidecarProcess::start(&upstreams, grpc, admin, &settings).await?;
     let gateway = Gateway::local(

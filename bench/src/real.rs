@@ -32,6 +32,7 @@ use crate::conversation::{cached_and_prompt_tokens, filler, Conversation};
 use crate::gateway::{find_wasm, Envoy};
 use crate::report::percentile;
 use crate::rng::Rng;
+use crate::settings::{parse_setting, shown_setting, SidecarSettings};
 use crate::sidecar::{free_port, SidecarProcess};
 
 /// The response header every configuration adds: the upstream that served.
@@ -92,30 +93,15 @@ pub struct RealArgs {
     /// pass it to replay the exact bytes).
     #[arg(long)]
     pub salt: Option<u64>,
-    /// A sidecar setting for the hearth run, `HEARTH_NAME=VALUE`
-    /// (repeatable); without any, the sidecar runs at its defaults.
-    #[arg(long = "hearth-setting", value_parser = parse_setting)]
-    pub hearth_settings: Vec<(String, String)>,
+    /// Sidecar settings for the hearth run (`--set HEARTH_NAME=VALUE`,
+    /// also spelled `--hearth-setting`); without any, the sidecar runs at
+    /// its defaults.
+    #[command(flatten)]
+    pub sidecar: SidecarSettings,
     /// Also write the settings, the rows, every turn and the sidecar's
     /// decisions and final state as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
-}
-
-/// `NAME=VALUE` for printing, with the value of a credential hidden.
-fn shown_setting((k, v): &(String, String)) -> String {
-    if k.contains("KEY") || k.contains("TOKEN") || k.contains("SECRET") {
-        format!("{k}=***")
-    } else {
-        format!("{k}={v}")
-    }
-}
-
-fn parse_setting(s: &str) -> Result<(String, String), String> {
-    match s.split_once('=') {
-        Some((k, v)) if k.starts_with("HEARTH_") => Ok((k.to_string(), v.to_string())),
-        _ => Err(format!("expected HEARTH_NAME=VALUE, got {s:?}")),
-    }
 }
 
 /// A routing configuration of the gateway.
@@ -803,9 +789,12 @@ fn redacted(args: impl IntoIterator<Item = String>) -> String {
             a
         } else if a.starts_with("--api-key=") {
             "--api-key=***".into()
-        } else if let Some(setting) = a.strip_prefix("--hearth-setting=") {
+        } else if let Some((flag, setting)) = ["--set=", "--hearth-setting="]
+            .into_iter()
+            .find_map(|f| Some((f, a.strip_prefix(f)?)))
+        {
             match parse_setting(setting) {
-                Ok(kv) => format!("--hearth-setting={}", shown_setting(&kv)),
+                Ok(kv) => format!("{flag}{}", shown_setting(&kv)),
                 Err(_) => a,
             }
         } else {
@@ -841,7 +830,8 @@ async fn run_policy(
                 .join(",");
             let (grpc, admin) = (free_port()?, free_port()?);
             let mut settings: Vec<(&str, String)> = args
-                .hearth_settings
+                .sidecar
+                .set
                 .iter()
                 .map(|(k, v)| (k.as_str(), v.clone()))
                 .collect();
@@ -919,6 +909,8 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
         "--conversations and --turns must be > 0"
     );
     anyhow::ensure!(!args.policies.is_empty(), "--policies is empty");
+    // Refused here, before any run, as the sidecar would refuse them.
+    args.sidecar.parse()?;
     let model = match &args.model {
         Some(m) => m.clone(),
         None => first_model(args.engines[0], args.api_key.as_deref()).await?,
@@ -940,10 +932,11 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
         .map(|p| p.name())
         .collect::<Vec<_>>()
         .join(",");
-    let hearth_settings = if args.hearth_settings.is_empty() {
+    let hearth_settings = if args.sidecar.set.is_empty() {
         "defaults".to_string()
     } else {
-        args.hearth_settings
+        args.sidecar
+            .set
             .iter()
             .map(shown_setting)
             .collect::<Vec<_>>()
@@ -963,9 +956,9 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
         args.max_tokens,
         args.timeout,
         args.seed,
-        args.hearth_settings
+        args.sidecar.set
             .iter()
-            .map(|kv| format!(" --hearth-setting {}", shown_setting(kv)))
+            .map(|kv| format!(" --set {}", shown_setting(kv)))
             .collect::<String>(),
     );
     println!(
@@ -1016,7 +1009,7 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
             "shape": Shape::of(&args),
             "salt": run_salt,
             "timeout_s": args.timeout,
-            "hearth_settings": args.hearth_settings.iter().map(shown_setting).collect::<Vec<_>>(),
+            "hearth_settings": args.sidecar.set.iter().map(shown_setting).collect::<Vec<_>>(),
             "rows": rows,
         });
         std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
@@ -1292,15 +1285,9 @@ mod tests {
             line("x --hearth-setting=HEARTH_ENGINE_API_KEY=k1"),
             "x --hearth-setting=HEARTH_ENGINE_API_KEY=***"
         );
-    }
-
-    #[test]
-    fn settings_must_be_hearth_variables() {
         assert_eq!(
-            parse_setting("HEARTH_PROBE_INTERVAL_SECONDS=0"),
-            Ok(("HEARTH_PROBE_INTERVAL_SECONDS".into(), "0".into()))
+            line("x --set=HEARTH_PEERS_TOKEN=t --set HEARTH_ENGINE_API_KEY=k1"),
+            "x --set=HEARTH_PEERS_TOKEN=*** --set HEARTH_ENGINE_API_KEY=***"
         );
-        assert!(parse_setting("PATH=/").is_err());
-        assert!(parse_setting("HEARTH_X").is_err());
     }
 }
