@@ -81,6 +81,46 @@ impl SidecarProcess {
         }
     }
 
+    /// Starts the sidecar with `args` (its flags: `--upstreams=..`,
+    /// `--listen=..`, `--admin-listen=ADMIN`, ...) and waits until its
+    /// health endpoint on `admin` answers.
+    pub async fn spawn(args: &[String], admin: SocketAddr) -> anyhow::Result<SidecarProcess> {
+        let grpc = args
+            .iter()
+            .find_map(|a| a.strip_prefix("--listen=")?.parse().ok())
+            .context("the sidecar's arguments name no --listen address")?;
+        let mut cmd = Command::new(binary()?);
+        cmd.args(args)
+            .env(
+                "HEARTH_LOG",
+                std::env::var("HEARTH_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::null());
+        let child = cmd.spawn().context("starting hearth-ext-proc")?;
+        let mut sidecar = SidecarProcess { child, grpc, admin };
+        sidecar.wait_ready().await?;
+        Ok(sidecar)
+    }
+
+    async fn wait_ready(&mut self) -> anyhow::Result<()> {
+        let until = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                bail!("hearth-ext-proc exited with {status}");
+            }
+            if reqwest::get(format!("http://{}/health", self.admin))
+                .await
+                .is_ok()
+            {
+                return Ok(());
+            }
+            if Instant::now() > until {
+                bail!("hearth-ext-proc did not come up within 20 s");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
