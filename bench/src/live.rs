@@ -16,16 +16,14 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use futures::StreamExt;
-use hearth_ext_proc::envoy::render::{render, Gateway};
 use serde_json::Value;
 
-use crate::engine::{self, EngineConfig, EngineHandle};
-use crate::gateway::{find_wasm, Envoy};
+use crate::engine::EngineConfig;
 use crate::policies::PolicyKind;
 use crate::report::{self, RequestRecord, RunResult};
 use crate::scenario::Scenario;
-use crate::sidecar::{free_port, SidecarProcess};
 use crate::sim::{self, RunSpec};
+use crate::stack::Stack;
 use crate::workload::{Client, Generator};
 
 const MODEL: &str = "hearth-sim";
@@ -225,11 +223,11 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
     );
 
     // Engines running the simulator's own scheduler and cost model
-    // (time-scaled), and the sidecar with the settings the simulator gives
-    // its Router.
-    let mut engines: Vec<EngineHandle> = Vec::new();
-    for i in 0..sc.replicas {
-        let cfg = EngineConfig {
+    // (time-scaled), and the sidecar with the settings the simulator
+    // gives its Router (the scenario's and the command line's), then what
+    // the simulated router lacks: probes and engine scrapes.
+    let configs = (0..sc.replicas)
+        .map(|i| EngineConfig {
             id: format!("engine-{i}"),
             model: MODEL.into(),
             block_tokens: sc.engine.block_tokens,
@@ -237,36 +235,18 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
             time_scale: scale,
             scheduler: Some(sc.engine.cost.clone()),
             ..EngineConfig::default()
-        };
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        engines.push(engine::spawn(cfg, listener).await?);
-    }
-    let upstreams = engines
-        .iter()
-        .map(|e| format!("{};id={}", e.addr, e.engine.config().id))
-        .collect::<Vec<_>>()
-        .join(",");
-    // The scenario's and the command line's settings, as the simulated
-    // router gets them; then what the simulated router lacks: probes and
-    // engine scrapes.
-    let mut settings: Vec<(&str, String)> = sc
-        .hearth
-        .settings()
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.clone()))
+        })
         .collect();
-    settings.push(("HEARTH_PROBE_INTERVAL_SECONDS", "0".into()));
-    settings.push(("HEARTH_ENGINE_METRICS_SECONDS", "0".into()));
-    let (grpc, admin) = (free_port()?, free_port()?);
-    let sidecar = SidecarProcess::start(&upstreams, grpc, admin, &settings).await?;
-    let gateway = Gateway::local(
-        "127.0.0.1:0".parse()?,
-        grpc,
-        admin,
-        engines.iter().map(|e| e.addr).collect(),
-        find_wasm()?.canonicalize()?,
-    );
-    let envoy = Envoy::start(&render(&gateway), Duration::from_secs(30)).await?;
+    let stack = Stack::simulated(configs)
+        .settings(sc.hearth.settings().iter().cloned())
+        .settings([
+            ("HEARTH_PROBE_INTERVAL_SECONDS", "0"),
+            ("HEARTH_ENGINE_METRICS_SECONDS", "0"),
+        ])
+        .envoy_deadline(Duration::from_secs(30))
+        .start()
+        .await?;
+    let envoy = &stack.envoy;
     let url = format!("{}/v1/chat/completions", envoy.url());
 
     let salt = args.seed ^ 0x11FE;
@@ -297,7 +277,7 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
         if Instant::now().duration_since(start) < warmup {
             continue;
         }
-        if let Ok(state) = sidecar.state().await {
+        if let Ok(state) = stack.state_json().await {
             for (i, r) in state["replicas"]
                 .as_array()
                 .into_iter()
@@ -325,11 +305,7 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
         long_unfinished: 0,
         corrections: None,
     };
-    drop(envoy);
-    drop(sidecar);
-    for e in engines {
-        e.shutdown().await;
-    }
+    stack.shutdown().await;
 
     // The same cell in the simulator.
     let spec = RunSpec {
