@@ -24,16 +24,15 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use futures::StreamExt;
-use hearth_ext_proc::envoy::render::{render, render_plain, Gateway};
+use hearth_ext_proc::envoy::render::{render_plain, Gateway};
 use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::conversation::{cached_and_prompt_tokens, filler, Conversation};
-use crate::gateway::{find_wasm, Envoy};
 use crate::report::percentile;
 use crate::rng::Rng;
 use crate::settings::{parse_setting, shown_setting, SidecarSettings};
-use crate::sidecar::{free_port, SidecarProcess};
+use crate::stack::{Front, Stack};
 
 /// The response header every configuration adds: the upstream that served.
 pub const UPSTREAM_HEADER: &str = "x-bench-upstream";
@@ -723,22 +722,19 @@ pub struct PolicyRun {
 }
 
 /// The sidecar's latest `limit` decisions.
-async fn decisions(sidecar: &SidecarProcess, limit: usize) -> Option<Value> {
-    let v: Value = reqwest::get(format!(
-        "http://{}/debug/decisions?limit={limit}",
-        sidecar.admin
-    ))
-    .await
-    .ok()?
-    .json()
-    .await
-    .ok()?;
+async fn decisions(admin: SocketAddr, limit: usize) -> Option<Value> {
+    let v: Value = reqwest::get(format!("http://{admin}/debug/decisions?limit={limit}"))
+        .await
+        .ok()?
+        .json()
+        .await
+        .ok()?;
     Some(v["decisions"].clone())
 }
 
 /// The sums of the sidecar's per-replica prompt and cached token counters.
-async fn usage_counted(sidecar: &SidecarProcess) -> Option<(u64, u64)> {
-    let text = reqwest::get(format!("http://{}/metrics", sidecar.admin))
+async fn usage_counted(admin: SocketAddr) -> Option<(u64, u64)> {
+    let text = reqwest::get(format!("http://{admin}/metrics"))
         .await
         .ok()?
         .text()
@@ -757,8 +753,8 @@ async fn usage_counted(sidecar: &SidecarProcess) -> Option<(u64, u64)> {
 }
 
 /// The sum of the sidecar's `hearth_probes_total` counters.
-async fn probes_sent(sidecar: &SidecarProcess) -> Option<u64> {
-    let text = reqwest::get(format!("http://{}/metrics", sidecar.admin))
+async fn probes_sent(admin: SocketAddr) -> Option<u64> {
+    let text = reqwest::get(format!("http://{admin}/metrics"))
         .await
         .ok()?
         .text()
@@ -816,54 +812,38 @@ async fn run_policy(
     run_salt: u64,
 ) -> anyhow::Result<PolicyRun> {
     let shape = Shape::of(args);
-    let (envoy, sidecar) = match policy {
-        Policy::RingHash | Policy::LeastRequest => {
-            let yaml = plain_config(policy, &args.engines)?;
-            (Envoy::start(&yaml, Duration::from_secs(60)).await?, None)
-        }
-        Policy::Hearth => {
-            let upstreams = args
-                .engines
-                .iter()
-                .map(SocketAddr::to_string)
-                .collect::<Vec<_>>()
-                .join(",");
-            let (grpc, admin) = (free_port()?, free_port()?);
-            let mut settings: Vec<(&str, String)> = args
-                .sidecar
-                .set
-                .iter()
-                .map(|(k, v)| (k.as_str(), v.clone()))
-                .collect();
-            // The sidecar's probes and metric scrapes need the engines' key
-            // too, as an operator would configure it.
-            if let Some(key) = &args.api_key {
-                settings.push(("HEARTH_ENGINE_API_KEY", key.clone()));
-            }
-            let sidecar = SidecarProcess::start(&upstreams, grpc, admin, &settings).await?;
-            let gateway = Gateway::local(
-                SocketAddr::from(([127, 0, 0, 1], 0)),
-                grpc,
-                admin,
-                args.engines.clone(),
-                find_wasm()?.canonicalize()?,
-            );
-            let yaml = with_upstream_header(&render(&gateway))?;
-            (
-                Envoy::start(&yaml, Duration::from_secs(60)).await?,
-                Some(sidecar),
+    let engines: Vec<String> = args.engines.iter().map(SocketAddr::to_string).collect();
+    let stack = match policy {
+        Policy::RingHash | Policy::LeastRequest => Stack::running(engines)
+            .front(Front::Plain)
+            .edit_envoy(move |yaml| match policy {
+                Policy::RingHash => with_upstream_header(&ring_hash(&yaml)?),
+                _ => with_upstream_header(&yaml),
+            }),
+        Policy::Hearth => Stack::running(engines)
+            .settings(args.sidecar.set.iter().cloned())
+            // The sidecar's probes and metric scrapes need the engines'
+            // key too, as an operator would configure it.
+            .settings(
+                args.api_key
+                    .iter()
+                    .map(|key| ("HEARTH_ENGINE_API_KEY", key.clone())),
             )
-        }
-    };
-    let probes_before = match &sidecar {
-        Some(s) => probes_sent(s).await,
-        None => None,
+            .edit_envoy(|yaml| with_upstream_header(&yaml)),
+    }
+    .start()
+    .await?;
+    let hearth = policy == Policy::Hearth;
+    let admin = stack.admin();
+    let probes_before = match hearth {
+        true => probes_sent(admin).await,
+        false => None,
     };
     let client = Arc::new(Client {
         http: reqwest::Client::builder()
             .timeout(Duration::from_secs(args.timeout))
             .build()?,
-        url: format!("{}/v1/chat/completions", envoy.url()),
+        url: format!("{}/v1/chat/completions", stack.url()),
         api_key: args.api_key.clone(),
         engines: args.engines.clone(),
         shape: shape.clone(),
@@ -881,18 +861,17 @@ async fn run_policy(
     let wall = start.elapsed().as_secs_f64();
     let mut summary = summarize(policy.name(), &records, args.engines.len(), wall);
     let (mut journal, mut state) = (None, None);
-    if let Some(s) = &sidecar {
-        summary.probes = match (probes_before, probes_sent(s).await) {
+    if hearth {
+        summary.probes = match (probes_before, probes_sent(admin).await) {
             (Some(a), Some(b)) => Some(b.saturating_sub(a)),
             (None, b) => b,
             _ => None,
         };
-        summary.sidecar_usage = usage_counted(s).await;
-        journal = decisions(s, records.len()).await;
-        state = s.state().await.ok();
+        summary.sidecar_usage = usage_counted(admin).await;
+        journal = decisions(admin, records.len()).await;
+        state = stack.state_json().await.ok();
     }
-    drop(envoy);
-    drop(sidecar);
+    stack.shutdown().await;
     records.sort_by_key(|r| (r.conversation, r.turn));
     Ok(PolicyRun {
         summary,
@@ -1021,6 +1000,7 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hearth_ext_proc::envoy::render::render;
 
     fn shape() -> Shape {
         Shape {
