@@ -65,7 +65,10 @@ impl Conversation {
             "session {} turn {}: {}",
             self.seed,
             self.turn,
-            filler(self.seed * 1000 + self.turn, user_bytes)
+            filler(
+                self.seed.wrapping_mul(1000).wrapping_add(self.turn),
+                user_bytes
+            )
         );
         self.messages.push(json!({"role": "user", "content": text}));
         self.body(stream)

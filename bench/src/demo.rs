@@ -9,13 +9,11 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use hearth_ext_proc::envoy::render::{render, Gateway};
 
 use crate::conversation::{cached_and_prompt_tokens, filler, reply_text, Conversation};
-use crate::engine::{self, EngineHandle};
-use crate::gateway::{find_wasm, Envoy};
 use crate::serve::EngineArgs;
-use crate::sidecar::{free_port, SidecarProcess};
+use crate::settings::SidecarSettings;
+use crate::stack::Stack;
 
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
@@ -44,6 +42,10 @@ pub struct DemoArgs {
     pub exit: bool,
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// Sidecar settings (`--set HEARTH_NAME=VALUE`; default: the
+    /// sidecar's defaults).
+    #[command(flatten)]
+    pub sidecar: SidecarSettings,
 }
 
 /// One chat turn through the gateway: the replica named in
@@ -82,50 +84,34 @@ async fn first_model(client: &reqwest::Client, upstream: &str) -> anyhow::Result
 }
 
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
-    // 1. Engines: the given upstreams, or simulated ones on free ports.
-    let mut engines: Vec<EngineHandle> = Vec::new();
-    let upstreams = match &args.upstreams {
-        Some(list) if !list.trim().is_empty() => list.clone(),
-        _ => {
-            for i in 0..args.engines {
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-                engines.push(engine::spawn(args.engine.config(i), listener).await?);
-            }
-            engines
-                .iter()
-                .map(|e| format!("{};id={}", e.addr, e.engine.config().id))
-                .collect::<Vec<_>>()
-                .join(",")
+    // Engines (the given upstreams, or simulated ones on free ports), the
+    // sidecar, then Envoy pointed at it.
+    let builder = match &args.upstreams {
+        Some(list) if !list.trim().is_empty() => {
+            Stack::running(list.split(',').map(str::to_string).collect())
         }
+        _ => Stack::simulated((0..args.engines).map(|i| args.engine.config(i)).collect()),
     };
-    let addrs: Vec<SocketAddr> = upstreams
-        .split(',')
-        .map(|u| u.split(';').next().unwrap_or_default().trim().parse())
-        .collect::<Result<_, _>>()
-        .context("upstreams must be ip:port[;id=..],...")?;
-
-    // 2. The sidecar, then Envoy pointed at it.
-    let (grpc, admin) = (free_port()?, free_port()?);
-    let sidecar = SidecarProcess::start(&upstreams, grpc, admin, &[]).await?;
-    let gateway = Gateway::local(
-        SocketAddr::from(([127, 0, 0, 1], args.port)),
-        grpc,
-        sidecar.admin,
-        addrs.clone(),
-        find_wasm()?.canonicalize()?,
-    );
-    let envoy = Envoy::start(&render(&gateway), Duration::from_secs(30)).await?;
+    let simulated = !matches!(&args.upstreams, Some(list) if !list.trim().is_empty());
+    let stack = builder
+        .listen(SocketAddr::from(([127, 0, 0, 1], args.port)))
+        .settings(args.sidecar.set.iter().cloned())
+        .envoy_deadline(Duration::from_secs(30))
+        .start()
+        .await?;
+    let envoy = &stack.envoy;
+    let addrs = &stack.addrs;
     let client = reqwest::Client::new();
-    let model = match (&args.upstream_model, engines.is_empty()) {
+    let model = match (&args.upstream_model, simulated) {
         (Some(m), _) => m.clone(),
-        (None, false) => args.engine.model.clone(),
-        (None, true) => first_model(&client, &addrs[0].to_string()).await?,
+        (None, true) => args.engine.model.clone(),
+        (None, false) => first_model(&client, &addrs[0].to_string()).await?,
     };
     println!(
         "Hearth gateway on {} -> {} replicas (sidecar state: http://{}/state)\n",
         envoy.url(),
         addrs.len(),
-        sidecar.admin
+        stack.admin()
     );
 
     // 3. Sessions that share one 24 KiB harness prompt, turns interleaved.
@@ -188,6 +174,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         );
     }
     if args.exit {
+        stack.shutdown().await;
         return Ok(());
     }
     println!(
@@ -195,10 +182,6 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         envoy.url()
     );
     tokio::signal::ctrl_c().await?;
-    drop(envoy);
-    drop(sidecar);
-    for e in engines {
-        e.shutdown().await;
-    }
+    stack.shutdown().await;
     Ok(())
 }

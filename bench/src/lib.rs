@@ -10,6 +10,10 @@
 //!   (shared with the e2e tests).
 //! - [`demo`]: the `hearth-bench demo` subcommand.
 //! - [`sidecar`]: the sidecar binary as a child process.
+//! - [`settings`]: sidecar settings on the command line (`--set`),
+//!   parsed by the sidecar's own parser.
+//! - [`stack`]: engines, the sidecar and Envoy with a rendered config,
+//!   assembled once for every driver and the end-to-end tests.
 //! - [`soak`]: the `hearth-bench soak` subcommand (faults under load).
 //! - [`live`]: a scenario through the real Envoy, filter and sidecar,
 //!   beside the same cell simulated.
@@ -32,7 +36,9 @@ pub mod report;
 pub mod rng;
 pub mod scenario;
 pub mod serve;
+pub mod settings;
 pub mod sidecar;
 pub mod sim;
 pub mod soak;
+pub mod stack;
 pub mod workload;

@@ -16,16 +16,14 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use futures::StreamExt;
-use hearth_ext_proc::envoy::render::{render, Gateway};
 use serde_json::Value;
 
-use crate::engine::{self, EngineConfig, EngineHandle};
-use crate::gateway::{find_wasm, Envoy};
+use crate::engine::EngineConfig;
 use crate::policies::PolicyKind;
 use crate::report::{self, RequestRecord, RunResult};
 use crate::scenario::Scenario;
-use crate::sidecar::{free_port, SidecarProcess};
 use crate::sim::{self, RunSpec};
+use crate::stack::Stack;
 use crate::workload::{Client, Generator};
 
 const MODEL: &str = "hearth-sim";
@@ -52,6 +50,10 @@ pub struct LiveArgs {
     /// Also write both rows as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Sidecar settings (`--set HEARTH_NAME=VALUE`): the same for the
+    /// sidecar process and the simulator's router.
+    #[command(flatten)]
+    pub sidecar: crate::settings::SidecarSettings,
 }
 
 struct Shared {
@@ -199,22 +201,33 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
     if let Some(r) = args.replicas {
         sc.replicas = r;
     }
+    sc.hearth.set(args.sidecar.set.iter().cloned())?;
     let scale = args.time_scale;
     let wall = Duration::from_secs(args.seconds);
     let warmup = wall / 5;
     sc.warmup_s = warmup.as_secs_f64() * scale;
     sc.duration_s = (wall - warmup).as_secs_f64() * scale;
     println!(
-        "hearth-bench live --scenario {} --agents {} --replicas {} --seconds {} --time-scale {} --seed {}",
-        sc.name, args.agents, sc.replicas, args.seconds, scale, args.seed
+        "hearth-bench live --scenario {} --agents {} --replicas {} --seconds {} --time-scale {} --seed {}{}",
+        sc.name,
+        args.agents,
+        sc.replicas,
+        args.seconds,
+        scale,
+        args.seed,
+        args.sidecar
+            .set
+            .iter()
+            .map(|kv| format!(" --set {}", crate::settings::shown_setting(kv)))
+            .collect::<String>()
     );
 
     // Engines running the simulator's own scheduler and cost model
-    // (time-scaled), and the sidecar with the knobs the simulator gives its
-    // Router.
-    let mut engines: Vec<EngineHandle> = Vec::new();
-    for i in 0..sc.replicas {
-        let cfg = EngineConfig {
+    // (time-scaled), and the sidecar with the settings the simulator
+    // gives its Router (the scenario's and the command line's), then what
+    // the simulated router lacks: probes and engine scrapes.
+    let configs = (0..sc.replicas)
+        .map(|i| EngineConfig {
             id: format!("engine-{i}"),
             model: MODEL.into(),
             block_tokens: sc.engine.block_tokens,
@@ -222,36 +235,18 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
             time_scale: scale,
             scheduler: Some(sc.engine.cost.clone()),
             ..EngineConfig::default()
-        };
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        engines.push(engine::spawn(cfg, listener).await?);
-    }
-    let upstreams = engines
-        .iter()
-        .map(|e| format!("{};id={}", e.addr, e.engine.config().id))
-        .collect::<Vec<_>>()
-        .join(",");
-    let k = &sc.hearth;
-    let settings = [
-        ("HEARTH_ALPHA", k.alpha.to_string()),
-        ("HEARTH_AFFINITY_CAP", k.affinity_cap.to_string()),
-        ("HEARTH_FIRST_TURN_CAP", k.first_turn_cap.to_string()),
-        ("HEARTH_LOAD_UNIT_BYTES", k.load_unit_bytes.to_string()),
-        ("HEARTH_WARMTH_BLOCKS", k.warmth_blocks.to_string()),
-        // The simulated Router has neither probes nor engine scrapes.
-        ("HEARTH_PROBE_INTERVAL_SECONDS", "0".into()),
-        ("HEARTH_ENGINE_METRICS_SECONDS", "0".into()),
-    ];
-    let (grpc, admin) = (free_port()?, free_port()?);
-    let sidecar = SidecarProcess::start(&upstreams, grpc, admin, &settings).await?;
-    let gateway = Gateway::local(
-        "127.0.0.1:0".parse()?,
-        grpc,
-        admin,
-        engines.iter().map(|e| e.addr).collect(),
-        find_wasm()?.canonicalize()?,
-    );
-    let envoy = Envoy::start(&render(&gateway), Duration::from_secs(30)).await?;
+        })
+        .collect();
+    let stack = Stack::simulated(configs)
+        .settings(sc.hearth.settings().iter().cloned())
+        .settings([
+            ("HEARTH_PROBE_INTERVAL_SECONDS", "0"),
+            ("HEARTH_ENGINE_METRICS_SECONDS", "0"),
+        ])
+        .envoy_deadline(Duration::from_secs(30))
+        .start()
+        .await?;
+    let envoy = &stack.envoy;
     let url = format!("{}/v1/chat/completions", envoy.url());
 
     let salt = args.seed ^ 0x11FE;
@@ -282,7 +277,7 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
         if Instant::now().duration_since(start) < warmup {
             continue;
         }
-        if let Ok(state) = sidecar.state().await {
+        if let Ok(state) = stack.state_json().await {
             for (i, r) in state["replicas"]
                 .as_array()
                 .into_iter()
@@ -310,11 +305,7 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
         long_unfinished: 0,
         corrections: None,
     };
-    drop(envoy);
-    drop(sidecar);
-    for e in engines {
-        e.shutdown().await;
-    }
+    stack.shutdown().await;
 
     // The same cell in the simulator.
     let spec = RunSpec {

@@ -16,17 +16,17 @@
 //! run in this process; their CPU is the same for every configuration and
 //! is not counted.
 
-use std::net::{SocketAddr, TcpListener as StdListener};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
-use clap::Parser;
+use anyhow::Context;
+use hearth_ext_proc::config::Mode;
 
 use crate::engine::{self, EngineConfig, EngineHandle};
-use crate::gateway::{find_wasm, Envoy};
+use crate::stack::{Front, Stack};
 
 /// Flags of `hearth-bench overhead`.
 #[derive(Debug, Clone, clap::Args)]
@@ -75,23 +75,11 @@ impl Config {
     }
 }
 
-/// One configuration's running processes.
-struct Stack {
+/// One configuration's running processes (in front of the shared
+/// engines).
+struct Configured {
     config: Config,
-    envoy: Envoy,
-    sidecar: Option<Sidecar>,
-}
-
-/// A `hearth-ext-proc` child process, killed by its own PID on drop.
-struct Sidecar {
-    child: Child,
-}
-
-impl Drop for Sidecar {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    stack: Stack,
 }
 
 /// Latency and CPU of one configuration in one cell.
@@ -162,7 +150,7 @@ pub async fn run(args: OverheadArgs) -> anyhow::Result<()> {
             for stack in &stacks {
                 drive(
                     &client,
-                    &stack.envoy.url(),
+                    &stack.stack.url(),
                     &bodies,
                     conc.min(8),
                     conc.min(8),
@@ -177,7 +165,7 @@ pub async fn run(args: OverheadArgs) -> anyhow::Result<()> {
                     let cpu0 = stack_cpu(stack, ticks);
                     let hash0 = hash_stats(stack).await;
                     let (lat, failures, wall) =
-                        drive(&client, &stack.envoy.url(), &bodies, per_round, conc).await;
+                        drive(&client, &stack.stack.url(), &bodies, per_round, conc).await;
                     let cpu1 = stack_cpu(stack, ticks);
                     let hash1 = hash_stats(stack).await;
                     let s = &mut samples[i];
@@ -220,7 +208,9 @@ pub async fn run(args: OverheadArgs) -> anyhow::Result<()> {
             println!("{}", r.json());
         }
     }
-    drop(stacks);
+    for c in stacks {
+        c.stack.shutdown().await;
+    }
     for e in engines {
         e.shutdown().await;
     }
@@ -439,116 +429,29 @@ pub fn chat_body(size: usize, s: u64) -> Vec<u8> {
     .unwrap_or_default()
 }
 
-async fn start_stack(config: Config, upstreams: &[SocketAddr]) -> anyhow::Result<Stack> {
-    let ups = upstreams
-        .iter()
-        .map(SocketAddr::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
-    let (yaml, sidecar) = match config {
-        Config::Plain => (plain_config(upstreams), None),
-        Config::Hearth | Config::Body => {
-            let grpc = free_port()?;
-            let admin = free_port()?;
-            let sidecar = start_sidecar(&ups, grpc, admin)?;
-            let mode = if config == Config::Body {
-                "body"
-            } else {
-                "filter"
-            };
-            let wasm = find_wasm()?.canonicalize()?;
-            let cli = hearth_ext_proc::config::Cli::try_parse_from([
-                "hearth-ext-proc".to_string(),
-                format!("--upstreams={ups}"),
-                format!("--listen={grpc}"),
-                format!("--admin-listen={admin}"),
-                "envoy-config".into(),
-                "--gateway-listen=127.0.0.1:0".into(),
-                "--envoy-admin=127.0.0.1:0".into(),
-                format!("--wasm={}", wasm.display()),
-                format!("--mode={mode}"),
-            ])?;
-            let Some(hearth_ext_proc::config::Command::EnvoyConfig(args)) = &cli.command else {
-                bail!("envoy-config flags did not parse");
-            };
-            (args.render(&cli.settings), Some(sidecar))
-        }
+async fn start_stack(config: Config, upstreams: &[SocketAddr]) -> anyhow::Result<Configured> {
+    let engines = upstreams.iter().map(SocketAddr::to_string).collect();
+    let front = match config {
+        Config::Plain => Front::Plain,
+        Config::Hearth => Front::Hearth(Mode::Filter),
+        Config::Body => Front::Hearth(Mode::Body),
     };
-    let envoy = Envoy::start(&yaml, Duration::from_secs(60))
+    let stack = Stack::running(engines)
+        .front(front)
+        .start()
         .await
-        .with_context(|| format!("starting Envoy for {}", config.name()))?;
-    Ok(Stack {
-        config,
-        envoy,
-        sidecar,
-    })
-}
-
-fn free_port() -> anyhow::Result<SocketAddr> {
-    Ok(StdListener::bind("127.0.0.1:0")?.local_addr()?)
-}
-
-/// The sidecar binary next to this one (same cargo target directory).
-fn sidecar_binary() -> anyhow::Result<PathBuf> {
-    let exe = std::env::current_exe()?;
-    let dir = exe.parent().context("no directory for this binary")?;
-    for candidate in [dir.join("hearth-ext-proc"), dir.join("../hearth-ext-proc")] {
-        if candidate.is_file() {
-            return Ok(candidate);
-        }
-    }
-    bail!(
-        "hearth-ext-proc is not built next to {}: cargo build --release -p hearth-ext-proc",
-        exe.display()
-    )
-}
-
-fn start_sidecar(upstreams: &str, grpc: SocketAddr, admin: SocketAddr) -> anyhow::Result<Sidecar> {
-    let child = Command::new(sidecar_binary()?)
-        .arg(format!("--upstreams={upstreams}"))
-        .arg(format!("--listen={grpc}"))
-        .arg(format!("--admin-listen={admin}"))
-        .arg("--log=warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .context("starting hearth-ext-proc")?;
-    let sidecar = Sidecar { child };
-    // Ready when the gRPC port accepts connections.
-    let until = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(grpc).is_err() {
-        if Instant::now() > until {
-            bail!("hearth-ext-proc did not listen on {grpc} within 10 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(sidecar)
-}
-
-/// Plain Envoy: the same listener limits and timeouts as the gateway, no
-/// Hearth filter, `least_request` over the engines.
-/// Plain Envoy in front of `upstreams`: the gateway's listener without
-/// Hearth.
-fn plain_config(upstreams: &[SocketAddr]) -> String {
-    // An ephemeral loopback listener; the sidecar addresses go unused.
-    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
-    hearth_ext_proc::envoy::render::render_plain(&hearth_ext_proc::envoy::render::Gateway::local(
-        loopback,
-        loopback,
-        loopback,
-        upstreams.to_vec(),
-        std::path::PathBuf::new(),
-    ))
+        .with_context(|| format!("starting the {} stack", config.name()))?;
+    Ok(Configured { config, stack })
 }
 
 /// `(Envoy, sidecar)` CPU seconds so far.
-fn stack_cpu(stack: &Stack, ticks: f64) -> (f64, f64) {
-    let envoy = stack.envoy.pid().map_or(0.0, |p| cpu_seconds(p, ticks));
-    let sidecar = stack
-        .sidecar
+fn stack_cpu(c: &Configured, ticks: f64) -> (f64, f64) {
+    let envoy = c.stack.envoy.pid().map_or(0.0, |p| cpu_seconds(p, ticks));
+    let sidecar = c
+        .stack
+        .sidecar_process
         .as_ref()
-        .map_or(0.0, |s| cpu_seconds(s.child.id(), ticks));
+        .map_or(0.0, |s| cpu_seconds(s.pid(), ticks));
     (envoy, sidecar)
 }
 
@@ -577,17 +480,19 @@ fn clock_ticks() -> f64 {
 }
 
 /// The filter's `(hash_micros, hashed)` counters (zero without the filter).
-async fn hash_stats(stack: &Stack) -> (u64, u64) {
-    if stack.config != Config::Hearth {
+async fn hash_stats(c: &Configured) -> (u64, u64) {
+    if c.config != Config::Hearth {
         return (0, 0);
     }
-    let micros = stack
+    let micros = c
+        .stack
         .envoy
         .stat("wasmcustom.hearth_filter.hash_micros")
         .await
         .ok()
         .flatten();
-    let hashed = stack
+    let hashed = c
+        .stack
         .envoy
         .stat("wasmcustom.hearth_filter.hashed")
         .await
@@ -617,17 +522,6 @@ mod tests {
             assert!(fp.is_ok());
         }
         assert_ne!(chat_body(8000, 1), chat_body(8000, 2));
-    }
-
-    #[test]
-    fn plain_config_lists_every_engine() {
-        let ups: Vec<SocketAddr> = vec![
-            "127.0.0.1:1".parse().unwrap(),
-            "127.0.0.1:2".parse().unwrap(),
-        ];
-        let y = plain_config(&ups);
-        assert!(y.contains("port_value: 1 }") && y.contains("port_value: 2 }"));
-        assert!(!y.contains("ext_proc") && !y.contains("wasm"));
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //!   its load accounting is the sidecar's.
 //! - `hearth_informed`: `hearth_relative` whose overlaps come from the
 //!   engines' real caches instead of the sidecar's warmth index (the
-//!   share of the prompt each engine holds, in the fingerprint's blocks):
+//!   share of the prompt each engine holds, in the fingerprint's blocks,
+//!   given to the router's simulation-only `Router::decide_knowing_at`):
 //!   the same scoring with perfect knowledge, the yardstick for what the
 //!   approximate index costs. Not a practical router.
 //! - `oracle`: reads every engine's real prefix cache and sends each request
@@ -32,9 +33,7 @@ use std::hash::Hasher;
 use std::sync::Arc;
 use std::time::Instant;
 
-use hearth_router::{
-    AffinityBasis, Decision, RequestInfo, Router, RouterParams, ScoreParams, UpstreamSpec,
-};
+use hearth_router::{AffinityBasis, Decision, RequestInfo, Router, RouterParams, UpstreamSpec};
 use serde::Serialize;
 
 use crate::engine::cache::{block_hashes, PrefixCache};
@@ -106,23 +105,23 @@ impl PolicyKind {
     }
 }
 
-/// The sidecar knobs the Hearth policies run with (the sidecar's defaults
-/// unless a scenario or flag says otherwise).
+/// What the Hearth policies run with: the sidecar's own settings
+/// (`HEARTH_NAME=VALUE`, turned into the router's parameters by the
+/// sidecar's parser, [`hearth_ext_proc::config::settings_from_pairs`]),
+/// and the few things that are the benchmark's, not a sidecar's: which
+/// replicas are tagged `long`, how many sidecars split the traffic and
+/// how late their updates reach each other.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct HearthKnobs {
-    pub affinity_cap: u32,
-    pub alpha: f64,
-    pub first_turn_cap: u32,
-    pub load_unit_bytes: u64,
-    pub warmth_blocks: usize,
+    /// The sidecar settings given, in order (a later one wins): the
+    /// scenario's, then the command line's `--set`. Every other setting
+    /// is at the sidecar's default.
+    settings: Vec<(String, String)>,
+    /// What the sidecar's parser makes of them.
+    #[serde(serialize_with = "as_debug")]
+    params: RouterParams,
     /// The last this many replicas are tagged `long`.
     pub long_replicas: usize,
-    pub long_lane: hearth_router::LongLane,
-    pub long_prompt_bytes: u64,
-    /// Load units a resident conversation adds for newcomers.
-    pub resident_load: f64,
-    /// HEARTH_USAGE_FEEDBACK: correct warmth from the answers' usage.
-    pub usage_feedback: bool,
     /// Sidecars behind a random split (each request reaches one).
     pub sidecars: usize,
     /// With several sidecars: each one's updates reach its peers this
@@ -131,21 +130,20 @@ pub struct HearthKnobs {
     pub peer_delay_ms: Option<f64>,
 }
 
+fn as_debug<S: serde::Serializer>(p: &RouterParams, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&format!("{p:?}"))
+}
+
 impl Default for HearthKnobs {
     /// The sidecar's own defaults.
     fn default() -> Self {
-        let p = RouterParams::default();
+        let params = crate::settings::parse(&[])
+            .expect("the sidecar's defaults parse")
+            .router_params();
         HearthKnobs {
-            affinity_cap: p.score.cap,
-            alpha: p.score.alpha,
-            first_turn_cap: p.score.first_turn_cap,
-            load_unit_bytes: p.load_unit_bytes,
-            warmth_blocks: p.warmth_blocks,
+            settings: Vec::new(),
+            params,
             long_replicas: 0,
-            long_lane: p.long_lane,
-            long_prompt_bytes: p.long_prompt_bytes,
-            resident_load: p.resident_load,
-            usage_feedback: p.usage_feedback,
             sidecars: 1,
             peer_delay_ms: None,
         }
@@ -153,24 +151,46 @@ impl Default for HearthKnobs {
 }
 
 impl HearthKnobs {
-    /// The router's parameters under `basis`.
-    pub fn params(&self, basis: AffinityBasis) -> RouterParams {
-        let d = RouterParams::default();
-        RouterParams {
-            score: ScoreParams {
-                basis,
-                cap: self.affinity_cap,
-                alpha: self.alpha,
-                first_turn_cap: self.first_turn_cap,
-            },
-            load_unit_bytes: self.load_unit_bytes,
-            warmth_blocks: self.warmth_blocks,
-            long_lane: self.long_lane,
-            long_prompt_bytes: self.long_prompt_bytes,
-            resident_load: self.resident_load,
-            usage_feedback: self.usage_feedback,
-            ..d
-        }
+    /// Adds sidecar settings (after those given before, so they win), and
+    /// rebuilds the router's parameters from all of them with the
+    /// sidecar's parser.
+    pub fn set<I, K, V>(&mut self, pairs: I) -> anyhow::Result<()>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: Into<String>,
+        V: Into<String>,
+    {
+        let mut settings = self.settings.clone();
+        settings.extend(pairs.into_iter().map(|(k, v)| (k.into(), v.into())));
+        self.params = crate::settings::parse(&settings)?.router_params();
+        self.settings = settings;
+        Ok(())
+    }
+
+    /// Drops every value given for `name` (back to the sidecar's default).
+    pub fn unset(&mut self, name: &str) {
+        let mut settings = std::mem::take(&mut self.settings);
+        settings.retain(|(k, _)| k != name);
+        self.settings = Vec::new();
+        self.set(settings)
+            .expect("settings that parsed still parse with one fewer");
+    }
+
+    /// The sidecar settings given, in order.
+    pub fn settings(&self) -> &[(String, String)] {
+        &self.settings
+    }
+
+    /// The router's parameters, as the sidecar would run with them.
+    pub fn params(&self) -> &RouterParams {
+        &self.params
+    }
+
+    /// The router's parameters under a policy's credit basis.
+    pub fn params_for(&self, basis: AffinityBasis) -> RouterParams {
+        let mut p = self.params;
+        p.score.basis = basis;
+        p
     }
 
     /// The address the sidecar knows replica `i` by.
@@ -196,7 +216,7 @@ impl HearthKnobs {
 
     /// A router over `replicas` engines under `basis`.
     pub fn router(&self, basis: AffinityBasis, replicas: usize) -> Arc<Router> {
-        Router::new(self.params(basis), &self.upstreams(replicas))
+        Router::new(self.params_for(basis), &self.upstreams(replicas))
     }
 }
 
@@ -374,8 +394,16 @@ impl Policy {
                         prompt_bytes: fp.prompt_bytes,
                         model: Some(fp.model.clone()),
                         max_output_tokens: fp.max_output_tokens,
-                        known_overlaps: informed.then(|| {
-                            let blocks = fp.prompt_bytes as f64 / f64::from(fp.block_size.max(1));
+                        cache: fp.cache,
+                    },
+                    None => RequestInfo::default(),
+                };
+                // The informed yardstick is told each engine's real
+                // cached share of the prompt, in the fingerprint's blocks.
+                let known: Option<Vec<usize>> = match req.fingerprint {
+                    Some(fp) if informed => {
+                        let blocks = fp.prompt_bytes as f64 / f64::from(fp.block_size.max(1));
+                        Some(
                             engines
                                 .iter()
                                 .map(|e| match e.cached_share(req.engine_hashes) {
@@ -383,15 +411,16 @@ impl Policy {
                                     share if share >= 1.0 => fp.hashes.len(),
                                     share => (share * blocks) as usize,
                                 })
-                                .collect()
-                        }),
-                        cache: fp.cache,
-                    },
-                    None => RequestInfo::default(),
+                                .collect(),
+                        )
+                    }
+                    _ => None,
                 };
-                let decision = router
-                    .decide_at(&info, now)
-                    .expect("every simulated replica serves every model");
+                let decision = match &known {
+                    Some(overlaps) => router.decide_knowing_at(&info, overlaps, now),
+                    None => router.decide_at(&info, now),
+                }
+                .expect("every simulated replica serves every model");
                 return Routed {
                     replica: decision.primary(),
                     hearth: Some(decision),

@@ -24,15 +24,15 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use futures::StreamExt;
-use hearth_ext_proc::envoy::render::{render, render_plain, Gateway};
+use hearth_ext_proc::envoy::render::{render_plain, Gateway};
 use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::conversation::{cached_and_prompt_tokens, filler, Conversation};
-use crate::gateway::{find_wasm, Envoy};
 use crate::report::percentile;
 use crate::rng::Rng;
-use crate::sidecar::{free_port, SidecarProcess};
+use crate::settings::{parse_setting, shown_setting, SidecarSettings};
+use crate::stack::{Front, Stack};
 
 /// The response header every configuration adds: the upstream that served.
 pub const UPSTREAM_HEADER: &str = "x-bench-upstream";
@@ -92,30 +92,15 @@ pub struct RealArgs {
     /// pass it to replay the exact bytes).
     #[arg(long)]
     pub salt: Option<u64>,
-    /// A sidecar setting for the hearth run, `HEARTH_NAME=VALUE`
-    /// (repeatable); without any, the sidecar runs at its defaults.
-    #[arg(long = "hearth-setting", value_parser = parse_setting)]
-    pub hearth_settings: Vec<(String, String)>,
+    /// Sidecar settings for the hearth run (`--set HEARTH_NAME=VALUE`,
+    /// also spelled `--hearth-setting`); without any, the sidecar runs at
+    /// its defaults.
+    #[command(flatten)]
+    pub sidecar: SidecarSettings,
     /// Also write the settings, the rows, every turn and the sidecar's
     /// decisions and final state as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
-}
-
-/// `NAME=VALUE` for printing, with the value of a credential hidden.
-fn shown_setting((k, v): &(String, String)) -> String {
-    if k.contains("KEY") || k.contains("TOKEN") || k.contains("SECRET") {
-        format!("{k}=***")
-    } else {
-        format!("{k}={v}")
-    }
-}
-
-fn parse_setting(s: &str) -> Result<(String, String), String> {
-    match s.split_once('=') {
-        Some((k, v)) if k.starts_with("HEARTH_") => Ok((k.to_string(), v.to_string())),
-        _ => Err(format!("expected HEARTH_NAME=VALUE, got {s:?}")),
-    }
 }
 
 /// A routing configuration of the gateway.
@@ -737,22 +722,19 @@ pub struct PolicyRun {
 }
 
 /// The sidecar's latest `limit` decisions.
-async fn decisions(sidecar: &SidecarProcess, limit: usize) -> Option<Value> {
-    let v: Value = reqwest::get(format!(
-        "http://{}/debug/decisions?limit={limit}",
-        sidecar.admin
-    ))
-    .await
-    .ok()?
-    .json()
-    .await
-    .ok()?;
+async fn decisions(admin: SocketAddr, limit: usize) -> Option<Value> {
+    let v: Value = reqwest::get(format!("http://{admin}/debug/decisions?limit={limit}"))
+        .await
+        .ok()?
+        .json()
+        .await
+        .ok()?;
     Some(v["decisions"].clone())
 }
 
 /// The sums of the sidecar's per-replica prompt and cached token counters.
-async fn usage_counted(sidecar: &SidecarProcess) -> Option<(u64, u64)> {
-    let text = reqwest::get(format!("http://{}/metrics", sidecar.admin))
+async fn usage_counted(admin: SocketAddr) -> Option<(u64, u64)> {
+    let text = reqwest::get(format!("http://{admin}/metrics"))
         .await
         .ok()?
         .text()
@@ -771,8 +753,8 @@ async fn usage_counted(sidecar: &SidecarProcess) -> Option<(u64, u64)> {
 }
 
 /// The sum of the sidecar's `hearth_probes_total` counters.
-async fn probes_sent(sidecar: &SidecarProcess) -> Option<u64> {
-    let text = reqwest::get(format!("http://{}/metrics", sidecar.admin))
+async fn probes_sent(admin: SocketAddr) -> Option<u64> {
+    let text = reqwest::get(format!("http://{admin}/metrics"))
         .await
         .ok()?
         .text()
@@ -803,9 +785,12 @@ fn redacted(args: impl IntoIterator<Item = String>) -> String {
             a
         } else if a.starts_with("--api-key=") {
             "--api-key=***".into()
-        } else if let Some(setting) = a.strip_prefix("--hearth-setting=") {
+        } else if let Some((flag, setting)) = ["--set=", "--hearth-setting="]
+            .into_iter()
+            .find_map(|f| Some((f, a.strip_prefix(f)?)))
+        {
             match parse_setting(setting) {
-                Ok(kv) => format!("--hearth-setting={}", shown_setting(&kv)),
+                Ok(kv) => format!("{flag}{}", shown_setting(&kv)),
                 Err(_) => a,
             }
         } else {
@@ -827,53 +812,38 @@ async fn run_policy(
     run_salt: u64,
 ) -> anyhow::Result<PolicyRun> {
     let shape = Shape::of(args);
-    let (envoy, sidecar) = match policy {
-        Policy::RingHash | Policy::LeastRequest => {
-            let yaml = plain_config(policy, &args.engines)?;
-            (Envoy::start(&yaml, Duration::from_secs(60)).await?, None)
-        }
-        Policy::Hearth => {
-            let upstreams = args
-                .engines
-                .iter()
-                .map(SocketAddr::to_string)
-                .collect::<Vec<_>>()
-                .join(",");
-            let (grpc, admin) = (free_port()?, free_port()?);
-            let mut settings: Vec<(&str, String)> = args
-                .hearth_settings
-                .iter()
-                .map(|(k, v)| (k.as_str(), v.clone()))
-                .collect();
-            // The sidecar's probes and metric scrapes need the engines' key
-            // too, as an operator would configure it.
-            if let Some(key) = &args.api_key {
-                settings.push(("HEARTH_ENGINE_API_KEY", key.clone()));
-            }
-            let sidecar = SidecarProcess::start(&upstreams, grpc, admin, &settings).await?;
-            let gateway = Gateway::local(
-                SocketAddr::from(([127, 0, 0, 1], 0)),
-                grpc,
-                admin,
-                args.engines.clone(),
-                find_wasm()?.canonicalize()?,
-            );
-            let yaml = with_upstream_header(&render(&gateway))?;
-            (
-                Envoy::start(&yaml, Duration::from_secs(60)).await?,
-                Some(sidecar),
+    let engines: Vec<String> = args.engines.iter().map(SocketAddr::to_string).collect();
+    let stack = match policy {
+        Policy::RingHash | Policy::LeastRequest => Stack::running(engines)
+            .front(Front::Plain)
+            .edit_envoy(move |yaml| match policy {
+                Policy::RingHash => with_upstream_header(&ring_hash(&yaml)?),
+                _ => with_upstream_header(&yaml),
+            }),
+        Policy::Hearth => Stack::running(engines)
+            .settings(args.sidecar.set.iter().cloned())
+            // The sidecar's probes and metric scrapes need the engines'
+            // key too, as an operator would configure it.
+            .settings(
+                args.api_key
+                    .iter()
+                    .map(|key| ("HEARTH_ENGINE_API_KEY", key.clone())),
             )
-        }
-    };
-    let probes_before = match &sidecar {
-        Some(s) => probes_sent(s).await,
-        None => None,
+            .edit_envoy(|yaml| with_upstream_header(&yaml)),
+    }
+    .start()
+    .await?;
+    let hearth = policy == Policy::Hearth;
+    let admin = stack.admin();
+    let probes_before = match hearth {
+        true => probes_sent(admin).await,
+        false => None,
     };
     let client = Arc::new(Client {
         http: reqwest::Client::builder()
             .timeout(Duration::from_secs(args.timeout))
             .build()?,
-        url: format!("{}/v1/chat/completions", envoy.url()),
+        url: format!("{}/v1/chat/completions", stack.url()),
         api_key: args.api_key.clone(),
         engines: args.engines.clone(),
         shape: shape.clone(),
@@ -891,18 +861,17 @@ async fn run_policy(
     let wall = start.elapsed().as_secs_f64();
     let mut summary = summarize(policy.name(), &records, args.engines.len(), wall);
     let (mut journal, mut state) = (None, None);
-    if let Some(s) = &sidecar {
-        summary.probes = match (probes_before, probes_sent(s).await) {
+    if hearth {
+        summary.probes = match (probes_before, probes_sent(admin).await) {
             (Some(a), Some(b)) => Some(b.saturating_sub(a)),
             (None, b) => b,
             _ => None,
         };
-        summary.sidecar_usage = usage_counted(s).await;
-        journal = decisions(s, records.len()).await;
-        state = s.state().await.ok();
+        summary.sidecar_usage = usage_counted(admin).await;
+        journal = decisions(admin, records.len()).await;
+        state = stack.state_json().await.ok();
     }
-    drop(envoy);
-    drop(sidecar);
+    stack.shutdown().await;
     records.sort_by_key(|r| (r.conversation, r.turn));
     Ok(PolicyRun {
         summary,
@@ -919,6 +888,8 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
         "--conversations and --turns must be > 0"
     );
     anyhow::ensure!(!args.policies.is_empty(), "--policies is empty");
+    // Refused here, before any run, as the sidecar would refuse them.
+    args.sidecar.parse()?;
     let model = match &args.model {
         Some(m) => m.clone(),
         None => first_model(args.engines[0], args.api_key.as_deref()).await?,
@@ -940,10 +911,11 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
         .map(|p| p.name())
         .collect::<Vec<_>>()
         .join(",");
-    let hearth_settings = if args.hearth_settings.is_empty() {
+    let hearth_settings = if args.sidecar.set.is_empty() {
         "defaults".to_string()
     } else {
-        args.hearth_settings
+        args.sidecar
+            .set
             .iter()
             .map(shown_setting)
             .collect::<Vec<_>>()
@@ -963,9 +935,9 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
         args.max_tokens,
         args.timeout,
         args.seed,
-        args.hearth_settings
+        args.sidecar.set
             .iter()
-            .map(|kv| format!(" --hearth-setting {}", shown_setting(kv)))
+            .map(|kv| format!(" --set {}", shown_setting(kv)))
             .collect::<String>(),
     );
     println!(
@@ -1016,7 +988,7 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
             "shape": Shape::of(&args),
             "salt": run_salt,
             "timeout_s": args.timeout,
-            "hearth_settings": args.hearth_settings.iter().map(shown_setting).collect::<Vec<_>>(),
+            "hearth_settings": args.sidecar.set.iter().map(shown_setting).collect::<Vec<_>>(),
             "rows": rows,
         });
         std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
@@ -1028,6 +1000,7 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hearth_ext_proc::envoy::render::render;
 
     fn shape() -> Shape {
         Shape {
@@ -1292,15 +1265,9 @@ mod tests {
             line("x --hearth-setting=HEARTH_ENGINE_API_KEY=k1"),
             "x --hearth-setting=HEARTH_ENGINE_API_KEY=***"
         );
-    }
-
-    #[test]
-    fn settings_must_be_hearth_variables() {
         assert_eq!(
-            parse_setting("HEARTH_PROBE_INTERVAL_SECONDS=0"),
-            Ok(("HEARTH_PROBE_INTERVAL_SECONDS".into(), "0".into()))
+            line("x --set=HEARTH_PEERS_TOKEN=t --set HEARTH_ENGINE_API_KEY=k1"),
+            "x --set=HEARTH_PEERS_TOKEN=*** --set HEARTH_ENGINE_API_KEY=***"
         );
-        assert!(parse_setting("PATH=/").is_err());
-        assert!(parse_setting("HEARTH_X").is_err());
     }
 }

@@ -61,6 +61,20 @@ pub fn warmth_blocks_for(tokens: usize) -> usize {
     (tokens * crate::workload::BYTES_PER_TOKEN / hearth_wire::DEFAULT_BLOCK_SIZE).max(1)
 }
 
+impl HearthKnobs {
+    /// The sidecar's defaults, with `HEARTH_WARMTH_BLOCKS` sized to engines
+    /// of `tokens` of KV cache each ([`warmth_blocks_for`]).
+    pub fn sized_to(tokens: usize) -> HearthKnobs {
+        let mut k = HearthKnobs::default();
+        k.set([(
+            "HEARTH_WARMTH_BLOCKS",
+            warmth_blocks_for(tokens).to_string(),
+        )])
+        .expect("a warmth size of at least one block is valid");
+        k
+    }
+}
+
 impl Scenario {
     pub fn preset(name: &str) -> Option<Scenario> {
         let engine = |cache_tokens: usize| EngineSpec {
@@ -74,10 +88,7 @@ impl Scenario {
             replicas,
             agents: agents.to_vec(),
             engine: engine(cache_tokens),
-            hearth: HearthKnobs {
-                warmth_blocks: warmth_blocks_for(cache_tokens),
-                ..HearthKnobs::default()
-            },
+            hearth: HearthKnobs::sized_to(cache_tokens),
             warmup_s: 60.0,
             duration_s: 300.0,
             restart_at_s: None,
@@ -97,7 +108,7 @@ impl Scenario {
             // the index is 170 times too large.
             "undersized-kv" => {
                 let mut s = scenario(swarm, 8, &[64], 300_000);
-                s.hearth.warmth_blocks = HearthKnobs::default().warmth_blocks;
+                s.hearth.unset("HEARTH_WARMTH_BLOCKS");
                 s
             }
             // The same engines, the index sized to them, and the first
@@ -138,7 +149,7 @@ impl Scenario {
             ),
             // The long-context mix with the last of four replicas tagged
             // `long`: prompts over HEARTH_LONG_PROMPT_BYTES go only there,
-            // short ones per HEARTH_LONG_LANE (`--long-lane`). Long
+            // short ones per HEARTH_LONG_LANE (`--set HEARTH_LONG_LANE=..`). Long
             // documents are 0.5% of requests, which one replica can read
             // (at 2%, 1.1 MB each, they are 40% of all prompt tokens and
             // swamp any lane smaller than half the fleet); 900 s measured

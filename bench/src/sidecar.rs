@@ -1,6 +1,6 @@
 //! The sidecar as a child process (the real `hearth-ext-proc` binary), for
-//! the demo and the soak: started on given loopback ports, waited for,
-//! killed by its own PID.
+//! the stacks of the benchmark's drivers ([`crate::stack`]): started with
+//! its flags on given loopback ports, waited for, killed by its own PID.
 
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::path::PathBuf;
@@ -44,35 +44,38 @@ pub struct SidecarProcess {
 }
 
 impl SidecarProcess {
-    /// Starts the sidecar for `upstreams` on `grpc` and `admin`, with extra
-    /// `HEARTH_*` settings, and waits until its state endpoint answers.
-    pub async fn start(
-        upstreams: &str,
-        grpc: SocketAddr,
-        admin: SocketAddr,
-        settings: &[(&str, String)],
-    ) -> anyhow::Result<SidecarProcess> {
+    /// Starts the sidecar with `args` (its flags: `--upstreams=..`,
+    /// `--listen=..`, `--admin-listen=ADMIN`, ...) and waits until its
+    /// health endpoint on `admin` answers.
+    pub async fn spawn(args: &[String], admin: SocketAddr) -> anyhow::Result<SidecarProcess> {
+        let grpc = args
+            .iter()
+            .find_map(|a| a.strip_prefix("--listen=")?.parse().ok())
+            .context("the sidecar's arguments name no --listen address")?;
         let mut cmd = Command::new(binary()?);
-        cmd.env("HEARTH_UPSTREAMS", upstreams)
-            .env("HEARTH_LISTEN", grpc.to_string())
-            .env("HEARTH_ADMIN_LISTEN", admin.to_string())
+        cmd.args(args)
             .env(
                 "HEARTH_LOG",
                 std::env::var("HEARTH_LOG").unwrap_or_else(|_| "warn".into()),
             )
             .stdin(Stdio::null());
-        for (k, v) in settings {
-            cmd.env(k, v);
-        }
         let child = cmd.spawn().context("starting hearth-ext-proc")?;
         let mut sidecar = SidecarProcess { child, grpc, admin };
+        sidecar.wait_ready().await?;
+        Ok(sidecar)
+    }
+
+    async fn wait_ready(&mut self) -> anyhow::Result<()> {
         let until = Instant::now() + Duration::from_secs(20);
         loop {
-            if let Some(status) = sidecar.child.try_wait()? {
+            if let Some(status) = self.child.try_wait()? {
                 bail!("hearth-ext-proc exited with {status}");
             }
-            if reqwest::get(format!("http://{admin}/health")).await.is_ok() {
-                return Ok(sidecar);
+            if reqwest::get(format!("http://{}/health", self.admin))
+                .await
+                .is_ok()
+            {
+                return Ok(());
             }
             if Instant::now() > until {
                 bail!("hearth-ext-proc did not come up within 20 s");
@@ -97,14 +100,6 @@ impl SidecarProcess {
             .parse()
             .ok()?;
         Some(kib * 1024)
-    }
-
-    /// `GET /state` as JSON.
-    pub async fn state(&self) -> anyhow::Result<serde_json::Value> {
-        Ok(reqwest::get(format!("http://{}/state", self.admin))
-            .await?
-            .json()
-            .await?)
     }
 }
 

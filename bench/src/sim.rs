@@ -145,6 +145,7 @@ pub fn run(spec: &RunSpec) -> RunResult {
     let mut policy = Policy::new(spec.policy, n, spec.seed, &sc.hearth);
     let fp_params = hearth_wire::Params::default();
     let block_bytes = sc.engine.block_tokens * BYTES_PER_TOKEN;
+    let long_prompt_bytes = sc.hearth.params().long_prompt_bytes;
 
     let warmup_us = (sc.warmup_s * 1e6) as u64;
     let end_us = warmup_us + (sc.duration_s * 1e6) as u64;
@@ -261,7 +262,7 @@ pub fn run(spec: &RunSpec) -> RunResult {
                         restart: turn.restart,
                         long: fp
                             .as_ref()
-                            .is_some_and(|f| f.prompt_bytes >= sc.hearth.long_prompt_bytes),
+                            .is_some_and(|f| f.prompt_bytes >= long_prompt_bytes),
                         routed,
                     },
                 );
@@ -456,36 +457,20 @@ pub struct SimArgs {
     /// Engine seconds measured (default: the scenario's).
     #[arg(long)]
     pub duration_s: Option<f64>,
-    /// Sidecar knobs for the Hearth policies (default: the sidecar's).
-    #[arg(long)]
-    pub alpha: Option<f64>,
-    #[arg(long)]
-    pub affinity_cap: Option<u32>,
-    #[arg(long)]
-    pub first_turn_cap: Option<u32>,
-    #[arg(long)]
-    pub resident_load: Option<f64>,
     /// Replicas tagged `long` for the sidecar (the last ones; default:
     /// the scenario's).
     #[arg(long)]
     pub long_replicas: Option<usize>,
-    /// The sidecar's HEARTH_LONG_LANE: shared, exclusive, avoid or
-    /// avoid-unless-warm.
-    #[arg(long)]
-    pub long_lane: Option<hearth_router::LongLane>,
-    #[arg(long)]
-    pub long_prompt_bytes: Option<u64>,
     /// Share of long-document requests in the long-context mix (default:
     /// the scenario's).
     #[arg(long)]
     pub long_share: Option<f64>,
-    #[arg(long)]
-    pub load_unit_bytes: Option<u64>,
-    #[arg(long)]
-    pub warmth_blocks: Option<usize>,
-    /// HEARTH_USAGE_FEEDBACK for the Hearth policies (default: on).
-    #[arg(long, action = clap::ArgAction::Set)]
-    pub usage_feedback: Option<bool>,
+    /// The Hearth policies' sidecar settings: `--set HEARTH_ALPHA=2`,
+    /// any setting of docs/settings.md, parsed by the sidecar's own
+    /// parser (default: the sidecar's defaults, with HEARTH_WARMTH_BLOCKS
+    /// sized to the engines' KV cache). The policy picks the credit basis.
+    #[command(flatten)]
+    pub sidecar: crate::settings::SidecarSettings,
     /// Seconds into the measured window when the first replica's engine
     /// restarts (default: the scenario's; engine-restart: 60).
     #[arg(long)]
@@ -536,7 +521,10 @@ impl SimArgs {
         }
         if let Some(c) = self.cache_tokens {
             sc.engine.cache_capacity_tokens = c;
-            sc.hearth.warmth_blocks = crate::scenario::warmth_blocks_for(c);
+            sc.hearth.set([(
+                "HEARTH_WARMTH_BLOCKS",
+                crate::scenario::warmth_blocks_for(c).to_string(),
+            )])?;
         }
         if let Some(w) = self.warmup_s {
             sc.warmup_s = w;
@@ -544,26 +532,8 @@ impl SimArgs {
         if let Some(d) = self.duration_s {
             sc.duration_s = d;
         }
-        if let Some(a) = self.alpha {
-            sc.hearth.alpha = a;
-        }
-        if let Some(c) = self.affinity_cap {
-            sc.hearth.affinity_cap = c;
-        }
-        if let Some(c) = self.first_turn_cap {
-            sc.hearth.first_turn_cap = c;
-        }
-        if let Some(r) = self.resident_load {
-            sc.hearth.resident_load = r;
-        }
         if let Some(n) = self.long_replicas {
             sc.hearth.long_replicas = n;
-        }
-        if let Some(l) = self.long_lane {
-            sc.hearth.long_lane = l;
-        }
-        if let Some(b) = self.long_prompt_bytes {
-            sc.hearth.long_prompt_bytes = b;
         }
         if let Some(share) = self.long_share {
             let crate::workload::Workload::LongContext(l) = &mut sc.workload else {
@@ -572,15 +542,7 @@ impl SimArgs {
             anyhow::ensure!((0.0..=1.0).contains(&share), "--long-share must be 0 to 1");
             l.long_share = share;
         }
-        if let Some(l) = self.load_unit_bytes {
-            sc.hearth.load_unit_bytes = l;
-        }
-        if let Some(w) = self.warmth_blocks {
-            sc.hearth.warmth_blocks = w;
-        }
-        if let Some(f) = self.usage_feedback {
-            sc.hearth.usage_feedback = f;
-        }
+        sc.hearth.set(self.sidecar.set.iter().cloned())?;
         if let Some(at) = self.restart_at {
             anyhow::ensure!(
                 at.is_finite() && at >= 0.0,
@@ -739,16 +701,20 @@ pub fn main(args: SimArgs) -> anyhow::Result<()> {
     {
         println!(
             "# TTFT by prompt size (long: >= {} prompt bytes; {} replica(s) tagged long, lane {})",
-            sc.hearth.long_prompt_bytes,
+            sc.hearth.params().long_prompt_bytes,
             sc.hearth.long_replicas,
-            sc.hearth.long_lane.as_str()
+            sc.hearth.params().long_lane.as_str()
         );
         print!("{}", crate::report::long_table(&rows));
     }
     if rows.iter().any(|r| r.prediction_bias.is_some()) {
         println!(
             "# the sidecar's predicted cached tokens against the engines' (usage feedback {}): bias = predicted / served - 1; |err|/prm = sum |predicted - served| / prompt tokens",
-            if sc.hearth.usage_feedback { "on" } else { "off" }
+            if sc.hearth.params().usage_feedback {
+                "on"
+            } else {
+                "off"
+            }
         );
         print!("{}", crate::report::prediction_table(&rows));
     }
@@ -799,6 +765,82 @@ mod tests {
             seed: 5,
             salt: 5,
         }
+    }
+
+    fn sim_args(args: &[&str]) -> SimArgs {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            sim: SimArgs,
+        }
+        <Cli as clap::Parser>::try_parse_from(std::iter::once("sim").chain(args.iter().copied()))
+            .unwrap()
+            .sim
+    }
+
+    /// The router parameters the simulator's Hearth policy really runs.
+    fn routed_params(args: &SimArgs) -> hearth_router::RouterParams {
+        let sc = args.scenario().unwrap();
+        let policy = Policy::new(PolicyKind::HearthRelative, sc.replicas, 1, &sc.hearth);
+        *policy.routers()[0].params()
+    }
+
+    #[test]
+    fn a_sidecar_setting_given_to_the_bench_reaches_the_simulated_router() {
+        let plain = routed_params(&sim_args(&["--scenario", "shared-prefix"]));
+        let set = sim_args(&[
+            "--scenario",
+            "shared-prefix",
+            "--set",
+            "HEARTH_ALPHA=3.5",
+            "--set=HEARTH_SHORT_OUTPUT_TOKENS=77",
+            "--hearth-setting",
+            "HEARTH_RESIDENT_SECONDS=30",
+        ]);
+        let tuned = routed_params(&set);
+        assert_eq!(tuned.score.alpha, 3.5);
+        // A setting the bench never heard of reaches it just the same.
+        assert_eq!(tuned.short_output_tokens, 77);
+        assert_eq!(tuned.resident_window, Duration::from_secs(30));
+        assert_ne!(plain, tuned);
+        // Nothing else moved.
+        let mut back = tuned;
+        back.score.alpha = plain.score.alpha;
+        back.short_output_tokens = plain.short_output_tokens;
+        back.resident_window = plain.resident_window;
+        assert_eq!(back, plain);
+        // The sidecar's parser refuses for the bench what it would refuse.
+        for bad in [
+            "HEARTH_ALPHA=-1",
+            "HEARTH_ALFA=1",
+            "HEARTH_LONG_LANE=sideways",
+        ] {
+            let args = sim_args(&["--set", bad]);
+            assert!(args.scenario().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_simulators_defaults_are_the_sidecars() {
+        let sidecar = hearth_ext_proc::config::settings_from_pairs(&[])
+            .unwrap()
+            .router_params();
+        assert_eq!(*crate::policies::HearthKnobs::default().params(), sidecar);
+        assert_eq!(sidecar, hearth_router::RouterParams::default());
+        // A scenario changes only the warmth index's size, to its engines'
+        // KV cache; the policy picks the basis.
+        let sc = Scenario::preset("cache-runs-out").unwrap();
+        let mut p = routed_params(&sim_args(&["--scenario", "cache-runs-out"]));
+        assert_eq!(
+            p.warmth_blocks,
+            crate::scenario::warmth_blocks_for(sc.engine.cache_capacity_tokens)
+        );
+        p.warmth_blocks = sidecar.warmth_blocks;
+        p.warmth_from_engine = sidecar.warmth_from_engine;
+        assert_eq!(p, sidecar);
+        // The undersized-kv scenario runs the sidecar's own index size.
+        let p = routed_params(&sim_args(&["--scenario", "undersized-kv"]));
+        assert_eq!(p, sidecar);
     }
 
     #[test]

@@ -22,15 +22,13 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use futures::StreamExt;
-use hearth_ext_proc::envoy::render::{render, Gateway};
 use serde::Serialize;
 use serde_json::Value;
 
 use crate::conversation::{filler, Conversation};
 use crate::engine::{self, EngineConfig, EngineHandle, Fault};
-use crate::gateway::{find_wasm, Envoy};
 use crate::rng::Rng;
-use crate::sidecar::{free_port, SidecarProcess};
+use crate::stack::Stack;
 
 #[derive(Debug, Clone, Args)]
 pub struct SoakArgs {
@@ -214,47 +212,33 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         events.push(line);
     };
 
-    // Engines on fixed loopback addresses (so a killed one can come back).
-    let mut engines: Vec<Option<EngineHandle>> = Vec::new();
-    let mut addrs = Vec::new();
-    for i in 0..args.replicas {
-        let e = spawn_engine(i, free_port()?).await?;
-        addrs.push(e.addr);
-        engines.push(Some(e));
-    }
-    let upstreams = addrs
-        .iter()
-        .enumerate()
-        .map(|(i, a)| format!("{a};id=engine-{i}"))
-        .collect::<Vec<_>>()
-        .join(",");
-    let (grpc, admin) = (free_port()?, free_port()?);
-    let sidecar_settings = [
-        ("HEARTH_PROBE_INTERVAL_SECONDS", "1".to_string()),
-        ("HEARTH_PROBE_TIMEOUT_SECONDS", "2".to_string()),
-        ("HEARTH_EJECT_BACKOFF_SECONDS", "5".to_string()),
-        ("HEARTH_FIRST_BYTE_TIMEOUT_SECONDS", "5".to_string()),
-        // A replica that served within the busy grace is not struck for a
-        // timeout; the soak's stall comes right after real successes.
-        ("HEARTH_BUSY_GRACE_SECONDS", "3".to_string()),
-    ];
-    let mut sidecar = SidecarProcess::start(&upstreams, grpc, admin, &sidecar_settings).await?;
-    let gateway = Gateway::local(
-        "127.0.0.1:0".parse()?,
-        grpc,
-        admin,
-        addrs.clone(),
-        find_wasm()?.canonicalize()?,
-    );
-    let envoy = Envoy::start(&render(&gateway), Duration::from_secs(30)).await?;
-    let url = format!("{}/v1/chat/completions", envoy.url());
+    // The engines, the sidecar as its own process (so it can be killed)
+    // and Envoy. A killed engine comes back on its address.
+    let mut stack = Stack::simulated((0..args.replicas).map(engine_config).collect())
+        .settings([
+            ("HEARTH_PROBE_INTERVAL_SECONDS", "1"),
+            ("HEARTH_PROBE_TIMEOUT_SECONDS", "2"),
+            ("HEARTH_EJECT_BACKOFF_SECONDS", "5"),
+            ("HEARTH_FIRST_BYTE_TIMEOUT_SECONDS", "5"),
+            // A replica that served within the busy grace is not struck
+            // for a timeout; the soak's stall comes right after real
+            // successes.
+            ("HEARTH_BUSY_GRACE_SECONDS", "3"),
+        ])
+        .envoy_deadline(Duration::from_secs(30))
+        .start()
+        .await?;
+    let addrs = stack.addrs.clone();
+    let sidecar_pid = |stack: &Stack| stack.sidecar_process.as_ref().map_or(0, |s| s.pid());
+    let rss = |stack: &Stack| stack.sidecar_process.as_ref().and_then(|s| s.rss_bytes());
+    let envoy_url = stack.url();
+    let url = format!("{envoy_url}/v1/chat/completions");
     note(
         &mut events,
         format!(
-            "{} engines, sidecar pid {}, Envoy at {}",
+            "{} engines, sidecar pid {}, Envoy at {envoy_url}",
             args.replicas,
-            sidecar.pid(),
-            envoy.url()
+            sidecar_pid(&stack),
         ),
     );
 
@@ -277,23 +261,21 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
     let stalled = "engine-1";
     let killed = 2usize;
     tokio::time::sleep_until(at(0.25).into()).await;
-    drop(sidecar);
+    stack.stop_sidecar().await?;
     note(&mut events, "sidecar killed".into());
     tokio::time::sleep(Duration::from_secs(2)).await;
-    sidecar = SidecarProcess::start(&upstreams, grpc, admin, &sidecar_settings).await?;
+    stack.start_sidecar().await?;
     note(
         &mut events,
-        format!("sidecar restarted (pid {})", sidecar.pid()),
+        format!("sidecar restarted (pid {})", sidecar_pid(&stack)),
     );
     // The restarted sidecar's memory, once it carries traffic again.
     tokio::time::sleep_until(at(0.30).into()).await;
-    let rss_start = sidecar.rss_bytes();
+    let rss_start = rss(&stack);
 
     tokio::time::sleep_until(at(0.40).into()).await;
     let stall_at = Instant::now();
-    if let Some(e) = &engines[1] {
-        e.engine.set_fault(Fault::Stall);
-    }
+    stack.engines[1].engine.set_fault(Fault::Stall);
     note(&mut events, format!("{stalled} stops generating"));
     let mut detected: Option<(Instant, u64)> = None;
 
@@ -302,7 +284,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
     while Instant::now() < until {
         let now = Instant::now();
         if detected.is_none() {
-            if let Ok(state) = sidecar.state().await {
+            if let Ok(state) = stack.state_json().await {
                 if is_fenced(&state, stalled) {
                     let routed = replica_field(&state, stalled, "routed_total")
                         .and_then(|v| v.as_u64())
@@ -313,16 +295,17 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
             }
         }
         if !killed_done && now >= at(0.60) {
-            if let Some(e) = engines[killed].take() {
-                // Cut its streams, then stop it.
-                e.engine.set_fault(Fault::Reset);
-                e.shutdown().await;
-            }
+            // Cut its streams, then stop it (its place in the list is
+            // kept by the engine started there later).
+            let e = stack.engines.remove(killed);
+            e.engine.set_fault(Fault::Reset);
+            e.shutdown().await;
             killed_done = true;
             note(&mut events, format!("engine-{killed} killed"));
         }
         if killed_done && !restarted && now >= at(0.75) {
-            engines[killed] = Some(spawn_engine(killed, addrs[killed]).await?);
+            let e = spawn_engine(killed, addrs[killed]).await?;
+            stack.engines.insert(killed, e);
             restarted = true;
             note(&mut events, format!("engine-{killed} restarted (cold)"));
         }
@@ -335,7 +318,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
 
     // Let the last streams end, then read the sidecar's books.
     let settle_until = Instant::now() + Duration::from_secs(15);
-    let mut state = sidecar.state().await?;
+    let mut state = stack.state_json().await?;
     while Instant::now() < settle_until {
         let busy = state["replicas"]
             .as_array()
@@ -344,7 +327,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
             break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
-        state = sidecar.state().await?;
+        state = stack.state_json().await?;
     }
     let in_flight_at_end: Vec<u64> = state["replicas"]
         .as_array()
@@ -391,7 +374,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         routed_to_stalled_after_detection: routed_after,
         in_flight_at_end,
         sidecar_rss_start_bytes: rss_start,
-        sidecar_rss_end_bytes: sidecar.rss_bytes(),
+        sidecar_rss_end_bytes: rss(&stack),
         events,
     };
     print_report(&report);
@@ -399,11 +382,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         std::fs::write(path, serde_json::to_vec_pretty(&report)?)?;
         println!("wrote {}", path.display());
     }
-    drop(envoy);
-    drop(sidecar);
-    for e in engines.into_iter().flatten() {
-        e.shutdown().await;
-    }
+    stack.shutdown().await;
     Ok(())
 }
 

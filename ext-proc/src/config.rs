@@ -1115,6 +1115,75 @@ pub fn check_env<I: IntoIterator<Item = String>>(names: I) -> Result<(), String>
     ))
 }
 
+/// `HEARTH_NAME=VALUE` pairs as the sidecar's flags (`--name=VALUE`), in
+/// order, for its command line; an unknown name is refused, with the
+/// valid ones.
+pub fn setting_args(pairs: &[(String, String)]) -> Result<Vec<String>, Vec<String>> {
+    let flags: Vec<(String, String)> = Cli::command()
+        .get_arguments()
+        .filter_map(|a| {
+            Some((
+                a.get_env()?.to_str()?.to_string(),
+                a.get_long()?.to_string(),
+            ))
+        })
+        .collect();
+    let mut problems = Vec::new();
+    let mut args = Vec::new();
+    for (name, value) in pairs {
+        match flags.iter().find(|(env, _)| env == name) {
+            Some((_, long)) => args.push(format!("--{long}={value}")),
+            None => problems.push(format!("unknown setting {name}")),
+        }
+    }
+    if problems.is_empty() {
+        return Ok(args);
+    }
+    let mut valid: Vec<&str> = flags.iter().map(|(env, _)| env.as_str()).collect();
+    valid.sort_unstable();
+    problems.push(format!("valid settings: {}", valid.join(", ")));
+    Err(problems)
+}
+
+/// The sidecar's settings from `HEARTH_NAME=VALUE` pairs, every other
+/// setting at its default, parsed and validated as the sidecar parses and
+/// validates its own: what the benchmark and the simulator run the router
+/// with, so a setting is written once, here, and can be benchmarked the
+/// day it exists. The process's environment is not read (a benchmark's
+/// settings are the ones its printed command shows); a later pair
+/// overrides an earlier one. Without `HEARTH_UPSTREAMS` (or
+/// `HEARTH_UPSTREAMS_FILE`) among the pairs, a placeholder list of one
+/// loopback replica stands in: the caller brings its own replicas. Every
+/// problem is reported: an unknown name (with the valid ones), a value
+/// that does not parse, a setting that does not validate.
+pub fn settings_from_pairs(pairs: &[(String, String)]) -> Result<Settings, Vec<String>> {
+    let cmd = Cli::command()
+        .mut_args(|a| a.env(None::<&'static str>))
+        .args_override_self(true);
+    let mut argv = vec!["hearth-ext-proc".to_string()];
+    let lists_upstreams = pairs
+        .iter()
+        .any(|(k, _)| k == "HEARTH_UPSTREAMS" || k == "HEARTH_UPSTREAMS_FILE");
+    if !lists_upstreams {
+        argv.push("--upstreams=127.0.0.1:1".into());
+    }
+    argv.extend(setting_args(pairs)?);
+    let matches = cmd.try_get_matches_from(argv).map_err(|e| {
+        vec![e
+            .render()
+            .to_string()
+            .lines()
+            .next()
+            .unwrap_or("a setting does not parse")
+            .to_string()]
+    })?;
+    let settings = <Cli as clap::FromArgMatches>::from_arg_matches(&matches)
+        .map_err(|e| vec![e.to_string()])?
+        .settings;
+    settings.validate()?;
+    Ok(settings)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1179,6 +1248,37 @@ mod tests {
     fn the_router_defaults_are_the_settings_defaults() {
         let s = parse(&["--upstreams", "127.0.0.1:1"]).unwrap().settings;
         assert_eq!(s.router_params(), RouterParams::default());
+    }
+
+    #[test]
+    fn settings_from_pairs_are_the_parsers_and_its_defaults() {
+        let pairs = |p: &[(&str, &str)]| -> Vec<(String, String)> {
+            p.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let none = settings_from_pairs(&[]).unwrap();
+        assert_eq!(none.router_params(), RouterParams::default());
+        let s = settings_from_pairs(&pairs(&[
+            ("HEARTH_ALPHA", "2.5"),
+            ("HEARTH_LONG_LANE", "avoid"),
+            ("HEARTH_USAGE_FEEDBACK", "false"),
+            ("HEARTH_ALPHA", "3"),
+        ]))
+        .unwrap();
+        let p = s.router_params();
+        assert_eq!(p.score.alpha, 3.0, "the later pair wins");
+        assert_eq!(p.long_lane, LongLane::Avoid);
+        assert!(!p.usage_feedback);
+        assert_eq!(p.score.cap, RouterParams::default().score.cap);
+        // Unknown names, bad values and invalid settings are refused.
+        let e = settings_from_pairs(&pairs(&[("HEARTH_ALPA", "2")])).unwrap_err();
+        assert!(e[0].contains("HEARTH_ALPA"), "{e:?}");
+        assert!(e[1].contains("HEARTH_ALPHA"), "names the valid ones: {e:?}");
+        let e = settings_from_pairs(&pairs(&[("HEARTH_ALPHA", "much")])).unwrap_err();
+        assert!(e[0].contains("much"), "{e:?}");
+        let e = settings_from_pairs(&pairs(&[("HEARTH_ALPHA", "-1")])).unwrap_err();
+        assert!(e[0].contains("HEARTH_ALPHA"), "{e:?}");
     }
 
     #[test]

@@ -276,3 +276,25 @@ fn the_router_reads_the_clock_only_in_its_wrappers() {
         }
     }
 }
+
+#[test]
+fn the_sidecar_leaves_the_simulators_entry_point_alone() {
+    // `Router::decide_knowing_at` exists only with the router's
+    // `simulation` feature, which the benchmark enables: the sidecar's
+    // manifest never does, so a sidecar built on its own (its release
+    // build, its image) cannot call it, and its code never names it.
+    let manifest = std::fs::read_to_string(dir("Cargo.toml")).expect("sidecar manifest");
+    assert!(
+        !manifest.contains("simulation"),
+        "ext-proc/Cargo.toml enables the router's simulation feature"
+    );
+    for (module, code) in modules(&dir("src")) {
+        assert!(
+            !code.contains("decide_knowing"),
+            "sidecar module {} calls the simulator's entry point",
+            name(&module)
+        );
+    }
+    let router = std::fs::read_to_string(dir("router/src/decide/mod.rs")).expect("decide");
+    assert!(router.contains("#[cfg(feature = \"simulation\")]\nmod simulation;"));
+}

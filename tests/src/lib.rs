@@ -2,19 +2,18 @@
 //! sidecar in-process on ephemeral loopback ports, the real Envoy (with the
 //! real wasm filter) as a child process in front of them; or real engines
 //! (llama.cpp's `llama-server`, [`LlamaFleet`]) in place of the simulated
-//! ones.
+//! ones. The assembly itself is the benchmark's [`Stack`]; [`Fleet`] adds
+//! what the tests send and check.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Parser;
-use hearth_bench::engine::{self, EngineConfig, EngineHandle, EngineStats};
-use hearth_bench::gateway::{find_wasm, Envoy};
+use hearth_bench::engine::{EngineConfig, EngineStats};
+use hearth_bench::gateway::Envoy;
 use hearth_bench::llama::{LlamaConfig, LlamaServer};
-use hearth_ext_proc::config::Cli;
-use hearth_ext_proc::envoy::render::{render, Gateway};
-use hearth_ext_proc::{Settings, Sidecar};
+use hearth_bench::stack::{Front, SidecarRun, Stack};
+use hearth_ext_proc::config::Mode;
 use hearth_router::Snapshot;
 use serde_json::Value;
 
@@ -204,150 +203,83 @@ impl Home {
     }
 }
 
+/// The tests' assembly: a [`Stack`] (simulated or the test's own engines,
+/// the sidecar in this process, Envoy with a rendered config) and the
+/// client the tests send through it. The stack's fields (`engines`,
+/// `sidecar`, `settings`, `envoy`, `gateway`, `control_token`) and
+/// methods (`admin_get`, `stop_sidecar`, `start_sidecar`) are the fleet's.
 pub struct Fleet {
-    pub engines: Vec<EngineHandle>,
-    pub sidecar: Option<Sidecar>,
-    pub settings: Settings,
-    pub envoy: Envoy,
+    pub stack: Stack,
     pub client: reqwest::Client,
-    /// What the gateway config was rendered from (for more Envoys in
-    /// front of the same sidecar and engines).
-    pub gateway: Gateway,
-    /// Each engine's upstream spec, as listed to the sidecar.
-    specs: Vec<String>,
-    /// The directory of the replica-list file, when there is one.
-    upstreams_file: Option<std::path::PathBuf>,
-    /// The control token the sidecar requires and Envoy sends
-    /// ([`FleetOptions::control_token`]).
-    pub control_token: Option<String>,
-    /// Its file.
-    token_file: Option<std::path::PathBuf>,
     /// The engines are the test's own (real) ones.
     external: bool,
+}
+
+impl std::ops::Deref for Fleet {
+    type Target = Stack;
+    fn deref(&self) -> &Stack {
+        &self.stack
+    }
+}
+
+impl std::ops::DerefMut for Fleet {
+    fn deref_mut(&mut self) -> &mut Stack {
+        &mut self.stack
+    }
 }
 
 impl Fleet {
     pub async fn start(opts: FleetOptions) -> anyhow::Result<Fleet> {
         let external = !opts.external_engines.is_empty();
-        let mut engines = Vec::new();
-        let simulated = if external { 0 } else { opts.engines };
-        for i in 0..simulated {
-            let config = EngineConfig {
-                id: format!("engine-{i}"),
-                model: MODEL.into(),
-                decode_micros_per_token: opts.decode_micros_per_token,
-                cache_capacity_tokens: opts.cache_capacity_tokens,
-                max_running: opts.max_running,
-                reasoning_tokens: opts.reasoning_tokens,
-                api_key: opts.engine_api_key.clone(),
-                ..EngineConfig::default()
-            };
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-            engines.push(engine::spawn(config, listener).await?);
-        }
-        // Replica ids equal the engine ids, so `x-hearth-upstream` can be
-        // checked against the engine that really answered.
-        let addrs: Vec<(String, SocketAddr)> = if external {
-            opts.external_engines.clone()
+        let builder = if external {
+            Stack::running(
+                opts.external_engines
+                    .iter()
+                    .map(|(id, addr)| format!("{addr};id={id}"))
+                    .collect(),
+            )
         } else {
-            engines
-                .iter()
-                .map(|e| (e.engine.config().id.clone(), e.addr))
-                .collect()
-        };
-        let specs: Vec<String> = addrs
-            .iter()
-            .enumerate()
-            .map(|(i, (id, addr))| {
-                let mut tag = if opts.model_tag {
-                    format!(";model={MODEL}")
-                } else {
-                    String::new()
-                };
-                for (_, extra) in opts.upstream_options.iter().filter(|(k, _)| *k == i) {
-                    tag.push_str(extra);
-                }
-                format!("{addr};id={id}{tag}")
-            })
-            .collect();
-        static FLEETS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = FLEETS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let upstreams_file = opts
-            .upstreams_file
-            .then(|| std::env::temp_dir().join(format!("hearth-e2e-{}-{n}", std::process::id())));
-        let control_token = opts.control_token.then(|| test_token(n));
-        let token_file = match &control_token {
-            Some(token) => {
-                let path = std::env::temp_dir()
-                    .join(format!("hearth-e2e-token-{}-{n}", std::process::id()));
-                std::fs::write(&path, format!("{token}\n"))?;
-                Some(path)
-            }
-            None => None,
-        };
-        let list = match &upstreams_file {
-            Some(dir) => {
-                std::fs::create_dir_all(dir)?;
-                let file = dir.join("upstreams");
-                std::fs::write(&file, specs.join("\n"))?;
-                vec![
-                    format!("--upstreams-file={}", file.display()),
-                    "--upstreams-poll-seconds=0.2".into(),
-                ]
-            }
-            None => vec![format!("--upstreams={}", specs.join(","))],
-        };
-        let mut args = vec![
-            "hearth-ext-proc".to_string(),
-            "--listen=127.0.0.1:0".into(),
-            "--admin-listen=127.0.0.1:0".into(),
-            "--drain-seconds=1".into(),
-        ];
-        args.extend(list);
-        if let Some(path) = &token_file {
-            args.push(format!("--control-token-file={}", path.display()));
-        }
-        args.extend(opts.sidecar_flags.iter().cloned());
-        let mut settings = Cli::try_parse_from(args)?.settings;
-        settings
-            .validate()
-            .map_err(|p| anyhow::anyhow!("bad sidecar settings: {p:?}"))?;
-        let sidecar = Sidecar::start(&settings).await?;
-        // From now on the sidecar keeps this address across restarts.
-        settings.listen = sidecar.grpc_addr;
-        settings.admin_listen = sidecar.admin_addr;
-
-        let gateway = Gateway {
-            block_size: settings.block_size,
-            eds: opts.eds,
-            control_token: settings.control_token().map_err(|e| anyhow::anyhow!(e))?,
-            ..Gateway::local(
-                "127.0.0.1:0".parse()?,
-                sidecar.grpc_addr,
-                sidecar.admin_addr,
-                addrs.iter().map(|(_, addr)| *addr).collect(),
-                find_wasm()?.canonicalize()?,
+            Stack::simulated(
+                (0..opts.engines)
+                    .map(|i| EngineConfig {
+                        id: format!("engine-{i}"),
+                        model: MODEL.into(),
+                        decode_micros_per_token: opts.decode_micros_per_token,
+                        cache_capacity_tokens: opts.cache_capacity_tokens,
+                        max_running: opts.max_running,
+                        reasoning_tokens: opts.reasoning_tokens,
+                        api_key: opts.engine_api_key.clone(),
+                        ..EngineConfig::default()
+                    })
+                    .collect(),
             )
         };
-        let config = if opts.gie_mode {
-            hearth_ext_proc::envoy::render::render_gie(&gateway)
+        let mode = if opts.gie_mode {
+            Mode::Gie
         } else if opts.body_mode {
-            hearth_ext_proc::envoy::render::render_body(&gateway)
+            Mode::Body
         } else {
-            render(&gateway)
+            Mode::Filter
         };
-        let envoy = Envoy::start(&config, Duration::from_secs(60)).await?;
+        let mut builder = builder
+            .sidecar(SidecarRun::InProcess)
+            .front(Front::Hearth(mode))
+            .sidecar_flags(
+                std::iter::once("--drain-seconds=1".to_string())
+                    .chain(opts.sidecar_flags.iter().cloned()),
+            )
+            .eds(opts.eds)
+            .upstreams_file(opts.upstreams_file)
+            .control_token(opts.control_token);
+        if opts.model_tag {
+            builder = builder.model_tag(MODEL);
+        }
+        for (i, extra) in &opts.upstream_options {
+            builder = builder.upstream_option(*i, extra.clone());
+        }
         Ok(Fleet {
-            engines,
-            sidecar: Some(sidecar),
-            settings,
-            envoy,
+            stack: builder.start().await?,
             client: reqwest::Client::new(),
-            gateway,
-            specs,
-            upstreams_file,
-            control_token,
-            token_file,
             external,
         })
     }
@@ -394,14 +326,7 @@ impl Fleet {
 
     /// Replaces the replica-list file's text (atomically).
     pub async fn write_upstreams(&self, text: &str) -> anyhow::Result<()> {
-        let dir = self
-            .upstreams_file
-            .as_ref()
-            .context("the fleet was started without an upstreams file")?;
-        let next = dir.join("upstreams.next");
-        std::fs::write(&next, text)?;
-        std::fs::rename(&next, dir.join("upstreams"))?;
-        Ok(())
+        self.stack.write_upstreams(text)
     }
 
     /// Starts another Envoy with `config` (ports 0), e.g. a second gateway
@@ -501,43 +426,6 @@ impl Fleet {
         Ok(serde_json::from_str(&body)?)
     }
 
-    /// GETs `path` from the sidecar's HTTP endpoint, with the control
-    /// token as an operator who holds it would: the status and body.
-    pub async fn admin_get(&self, path: &str) -> anyhow::Result<(u16, String)> {
-        let mut req = self
-            .client
-            .get(format!("http://{}{path}", self.settings.admin_listen));
-        if let Some(token) = &self.control_token {
-            req = req.bearer_auth(token);
-        }
-        let r = req.send().await?;
-        Ok((r.status().as_u16(), r.text().await?))
-    }
-
-    pub async fn stop_sidecar(&mut self) -> anyhow::Result<()> {
-        if let Some(s) = self.sidecar.take() {
-            s.shutdown().await?;
-        }
-        Ok(())
-    }
-
-    /// Restarts the sidecar on the same addresses (with empty state).
-    pub async fn start_sidecar(&mut self) -> anyhow::Result<()> {
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            match Sidecar::start(&self.settings).await {
-                Ok(s) => {
-                    self.sidecar = Some(s);
-                    return Ok(());
-                }
-                Err(_) if std::time::Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-
     /// Waits until every replica's in-flight load is zero, up to `deadline`;
     /// returns the last state either way.
     pub async fn settle(&self, deadline: Duration) -> anyhow::Result<Snapshot> {
@@ -550,27 +438,6 @@ impl Fleet {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
-}
-
-impl Drop for Fleet {
-    fn drop(&mut self) {
-        if let Some(dir) = &self.upstreams_file {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-        if let Some(file) = &self.token_file {
-            let _ = std::fs::remove_file(file);
-        }
-    }
-}
-
-/// A control token for fleet number `n` of this process: 48 hex digits,
-/// different for every fleet and every run.
-fn test_token(n: usize) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
-    format!("{nanos:032x}{:08x}{n:08x}", std::process::id())
 }
 
 /// The real-engine tests' `llama-server`: two slots, 2,048 tokens of KV

@@ -13,6 +13,7 @@ async fn a_short_live_cell_runs_beside_its_simulation() {
         time_scale: 20.0,
         seed: 3,
         json: None,
+        sidecar: Default::default(),
     };
     // Needs target/<profile>/hearth-ext-proc: scripts/test builds it first.
     let rows = measure(&args).await.unwrap_or_else(|e| panic!("{e:#}"));

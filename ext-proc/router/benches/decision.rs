@@ -38,7 +38,6 @@ fn session(s: u64) -> RequestInfo {
         hashes,
         model: Some("m".into()),
         max_output_tokens: None,
-        known_overlaps: None,
         cache: Default::default(),
     }
 }

@@ -30,7 +30,6 @@ fn req(hashes: &[u64]) -> RequestInfo {
         prompt_bytes: hashes.len() as u64 * 2048,
         model: Some("m".into()),
         max_output_tokens: None,
-        known_overlaps: None,
         cache: Default::default(),
     }
 }
@@ -57,13 +56,13 @@ fn known_overlaps_replace_the_warmth_index() {
     let other = 1 - home;
     // Told that the other replica holds three blocks and home none, the
     // router goes there, with that overlap.
+    // (`decide_knowing_at`, the simulator's entry point, behind the
+    // crate's `simulation` feature.)
     let mut known = vec![0; 2];
     known[other] = 3;
-    let told = RequestInfo {
-        known_overlaps: Some(known),
-        ..req(&hashes)
-    };
-    let d = router.decide(&told).unwrap();
+    let d = router
+        .decide_knowing_at(&req(&hashes), &known, Instant::now())
+        .unwrap();
     assert_eq!(d.primary(), other);
     assert_eq!(d.overlap, 3);
     drop(d);
@@ -71,10 +70,7 @@ fn known_overlaps_replace_the_warmth_index() {
     let mut known = vec![0; 2];
     known[home] = 99;
     let d = router
-        .decide(&RequestInfo {
-            known_overlaps: Some(known),
-            ..req(&hashes)
-        })
+        .decide_knowing_at(&req(&hashes), &known, Instant::now())
         .unwrap();
     assert_eq!((d.primary(), d.overlap), (home, 4));
 }
@@ -202,7 +198,6 @@ fn sized(hashes: &[u64], bytes: u64) -> RequestInfo {
         prompt_bytes: bytes,
         model: None,
         max_output_tokens: None,
-        known_overlaps: None,
         cache: Default::default(),
     }
 }

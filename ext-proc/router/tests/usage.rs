@@ -25,7 +25,6 @@ fn req(hashes: &[u64]) -> RequestInfo {
         prompt_bytes: hashes.len() as u64 * 2048,
         model: Some("m".into()),
         max_output_tokens: None,
-        known_overlaps: None,
         cache: Default::default(),
     }
 }

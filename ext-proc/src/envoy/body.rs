@@ -62,7 +62,6 @@ pub fn request_info(endpoint: Endpoint, body: &[u8], block_size: usize) -> Reque
             prompt_bytes: fp.prompt_bytes,
             model: Some(hearth_wire::names::capped_model(&fp.model)),
             max_output_tokens: fp.max_output_tokens,
-            known_overlaps: None,
             cache: fp.cache,
         },
         Err(reason) => {

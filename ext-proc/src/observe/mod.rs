@@ -308,7 +308,6 @@ mod tests {
             hashes,
             model: None,
             max_output_tokens: None,
-            known_overlaps: None,
             cache: Default::default(),
         };
         // Turn 1 of a conversation: new.

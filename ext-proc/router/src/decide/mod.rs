@@ -33,6 +33,8 @@ pub mod pick;
 pub mod policy;
 pub mod request;
 pub mod reserve;
+#[cfg(feature = "simulation")]
+mod simulation;
 
 pub use request::{RequestInfo, RouteError};
 pub use reserve::Reservation;
@@ -147,6 +149,18 @@ impl Router {
         allowed: Option<&[usize]>,
         now: Instant,
     ) -> Result<Decision, RouteError> {
+        self.decide_with(req, allowed, None, now)
+    }
+
+    /// The pipeline, with the overlaps `known` instead of the warmth
+    /// index's when given (the simulator's yardstick only).
+    pub(crate) fn decide_with(
+        self: &Arc<Self>,
+        req: &RequestInfo,
+        allowed: Option<&[usize]>,
+        known: Option<&[usize]>,
+        now: Instant,
+    ) -> Result<Decision, RouteError> {
         self.decisions.fetch_add(1, Ordering::Relaxed);
         if !req.hashes.is_empty() {
             self.hashed.fetch_add(1, Ordering::Relaxed);
@@ -157,7 +171,7 @@ impl Router {
             self.rejected.fetch_add(1, Ordering::Relaxed);
         })?;
         let mut tips = lock(&self.tips);
-        let warm = overlap::measure(self, fleet, &tips, req, admitted);
+        let warm = overlap::measure(self, fleet, &tips, req, admitted, known);
         let scored = policy::score(self, fleet, &warm, now);
         let picked = pick::pick(self, fleet, req, &warm, &scored);
         // When the chosen replica last used the deepest block it holds of

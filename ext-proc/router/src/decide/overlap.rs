@@ -19,19 +19,23 @@ pub(crate) struct Warmth {
     pub continued: Option<Continuation>,
 }
 
+/// `known`: how many leading blocks each replica holds (by replica
+/// index), when something knows better than the warmth index (only the
+/// simulator's entry point, `Router::decide_knowing_at`, passes it).
 pub(crate) fn measure(
     router: &Router,
     fleet: &Fleet,
     tips: &Tips,
     req: &RequestInfo,
     admitted: Admitted,
+    known: Option<&[usize]>,
 ) -> Warmth {
     let Admitted {
         candidates,
         long_request,
     } = admitted;
     // The overlap searches of all candidates run together.
-    let overlaps = match &req.known_overlaps {
+    let overlaps = match known {
         Some(known) => candidates
             .iter()
             .map(|&i| known.get(i).map_or(0, |&k| k.min(req.hashes.len())))

@@ -18,11 +18,6 @@ pub struct RequestInfo {
     /// requests that partition or bypass it are never compared with the
     /// prediction (what they were served says nothing of the shared cache).
     pub cache: CacheUse,
-    /// How many leading blocks of the prompt each replica holds (by
-    /// replica index), when something knows better than the warmth index:
-    /// the simulator's `hearth_informed` yardstick reads the engines' real
-    /// caches. None (always, in the sidecar): the warmth index says.
-    pub known_overlaps: Option<Vec<usize>>,
 }
 
 /// Why a request could not be routed.
