@@ -127,7 +127,14 @@ async fn the_dashboard_renders_the_fleet_in_a_headless_browser() {
     );
     // Every figure has a value (returning turns happened, blocks were
     // routed), none is a placeholder.
-    for kpi in ["k-rate", "k-hit", "k-stay", "k-total"] {
+    for kpi in [
+        "k-served",
+        "k-predicted",
+        "k-rate",
+        "k-hit",
+        "k-stay",
+        "k-total",
+    ] {
         let at = rendered.find(&format!(r#"id="{kpi}">"#)).unwrap();
         let value = &rendered[at..].split('>').nth(1).unwrap();
         assert!(

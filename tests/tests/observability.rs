@@ -168,6 +168,31 @@ async fn metrics_journal_and_history_explain_every_decision() {
     assert_eq!(v("hearth_session_stay_ratio"), 1.0);
     let hit = v("hearth_overlap_blocks_total") / v("hearth_prompt_blocks_total");
     assert!(hit > 0.3 && hit < 1.0, "cache-hit proxy {hit}");
+    // The llm-d router's picker series, under its names and labels.
+    let labels = |model: &str| {
+        format!(
+            "model_name=\"{model}\",target_model_name=\"{model}\",fairness_id=\"\",priority=\"\""
+        )
+    };
+    assert_eq!(
+        v(&format!("llm_d_epp_request_total{{{}}}", labels(MODEL))),
+        9.0
+    );
+    assert_eq!(
+        v(&format!(
+            "llm_d_epp_request_error_total{{{},error_code=\"BadRequest\"}}",
+            labels("no-such-model")
+        )),
+        1.0
+    );
+    assert_eq!(v("llm_d_epp_scheduler_e2e_duration_seconds_count"), 10.0);
+    let usage = |name: &str| v(&format!("{name}{{{}}}", labels(MODEL)));
+    assert_eq!(usage("llm_d_epp_request_input_tokens_count"), 9.0);
+    assert!(usage("llm_d_epp_request_cached_tokens_sum") > 0.0);
+    assert!(
+        usage("llm_d_epp_request_cached_tokens_sum") < usage("llm_d_epp_request_input_tokens_sum")
+    );
+    assert_eq!(v("llm_d_epp_ready_endpoints{name=\"hearth\"}"), 4.0);
     let state = fleet.state().await.unwrap();
     let mut routed = 0.0;
     for r in &state.replicas {
