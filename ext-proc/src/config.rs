@@ -117,16 +117,47 @@ pub struct Settings {
         long,
         env = "HEARTH_UPSTREAMS",
         value_delimiter = ',',
-        required_unless_present = "upstreams_file",
-        conflicts_with = "upstreams_file"
+        required_unless_present_any = ["upstreams_file", "discovery"],
+        conflicts_with_all = ["upstreams_file", "discovery"]
     )]
     pub upstreams: Vec<UpstreamSpec>,
 
     /// Read the replica list from this file instead (one upstream per line,
     /// the `HEARTH_UPSTREAMS` syntax, `#` comments), and reload it when it
     /// changes or on SIGHUP, without a restart.
-    #[arg(long, env = "HEARTH_UPSTREAMS_FILE")]
+    #[arg(long, env = "HEARTH_UPSTREAMS_FILE", conflicts_with = "discovery")]
     pub upstreams_file: Option<std::path::PathBuf>,
+
+    /// Learn the replicas from the Kubernetes API instead of a list:
+    /// `inferencepool` (the pods an InferencePool selects, on its target
+    /// ports) or `pods` (the pods HEARTH_DISCOVERY_SELECTOR selects, on
+    /// HEARTH_DISCOVERY_PORT); a replica per ready pod and port.
+    #[arg(long, env = "HEARTH_DISCOVERY", value_enum)]
+    pub discovery: Option<crate::feeds::kube::Discovery>,
+
+    /// Namespace of the InferencePool or the pods (default: the sidecar's
+    /// own namespace in a cluster, else the kubeconfig context's).
+    #[arg(long, env = "HEARTH_DISCOVERY_NAMESPACE")]
+    pub discovery_namespace: Option<String>,
+
+    /// Name of the InferencePool (`HEARTH_DISCOVERY=inferencepool`).
+    #[arg(long, env = "HEARTH_INFERENCE_POOL")]
+    pub inference_pool: Option<String>,
+
+    /// Label selector of the engine pods (`HEARTH_DISCOVERY=pods`), as
+    /// `key=value[,key=value...]`.
+    #[arg(long, env = "HEARTH_DISCOVERY_SELECTOR")]
+    pub discovery_selector: Option<String>,
+
+    /// Engine port on each pod (`HEARTH_DISCOVERY=pods`).
+    #[arg(long, env = "HEARTH_DISCOVERY_PORT")]
+    pub discovery_port: Option<u16>,
+
+    /// A kubeconfig file for reaching the API from outside a cluster
+    /// (default: in-cluster service account, else `KUBECONFIG`, else
+    /// `~/.kube/config`).
+    #[arg(long, env = "HEARTH_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
 
     /// Seconds between two checks of `HEARTH_UPSTREAMS_FILE` for changes
     /// (0 = reload on SIGHUP only).
@@ -1059,8 +1090,10 @@ impl Settings {
         if self.load_unit_bytes == 0 {
             problems.push("HEARTH_LOAD_UNIT_BYTES must be at least 1".into());
         }
-        // A file-based list is read and checked when the sidecar starts.
-        if self.upstreams_file.is_none() {
+        problems.extend(crate::feeds::kube::setting_problems(self));
+        // A file-based list is read and checked when the sidecar starts;
+        // a discovered one may be empty.
+        if self.upstreams_file.is_none() && self.discovery.is_none() {
             problems.extend(check_upstreams(&self.upstreams, "HEARTH_UPSTREAMS"));
         }
         if self.listen == self.admin_listen && self.listen.port() != 0 {
