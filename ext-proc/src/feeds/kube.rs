@@ -507,7 +507,9 @@ impl WatchState {
                 self.lost = None;
                 self.synced
             }
-            Ok(Event::Init | Event::InitApply(_)) => {
+            // Said before the list is asked for: proves nothing yet.
+            Ok(Event::Init) => false,
+            Ok(Event::InitApply(_)) => {
                 self.lost = None;
                 false
             }
@@ -659,6 +661,67 @@ mod tests {
             }),
             ..Pod::default()
         })
+    }
+
+    fn settings(args: &[&str]) -> Result<Settings, String> {
+        let all = ["hearth-ext-proc"].iter().chain(args);
+        <crate::config::Cli as clap::Parser>::try_parse_from(all)
+            .map(|c| c.settings)
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn exactly_one_source_and_each_mode_its_own_settings() {
+        // A list and discovery, or a file and discovery: refused by the
+        // parser.
+        for other in [["--upstreams", "127.0.0.1:1"], ["--upstreams-file", "/x"]] {
+            let mut args = vec!["--discovery", "pods"];
+            args.extend(other);
+            assert!(settings(&args).is_err(), "{args:?}");
+        }
+        let problems = |args: &[&str]| settings(args).unwrap().validate().err().unwrap_or_default();
+        assert!(problems(&["--discovery", "inferencepool", "--inference-pool", "p"]).is_empty());
+        assert!(problems(&[
+            "--discovery",
+            "pods",
+            "--discovery-selector",
+            "app=x",
+            "--discovery-port",
+            "80"
+        ])
+        .is_empty());
+        let p = problems(&["--discovery", "inferencepool"]);
+        assert!(
+            p.iter().any(|p| p.contains("HEARTH_INFERENCE_POOL")),
+            "{p:?}"
+        );
+        let p = problems(&["--discovery", "pods", "--discovery-selector", "app"]);
+        assert!(
+            p.iter().any(|p| p.contains("HEARTH_DISCOVERY_SELECTOR")),
+            "{p:?}"
+        );
+        assert!(
+            p.iter().any(|p| p.contains("HEARTH_DISCOVERY_PORT")),
+            "{p:?}"
+        );
+        let p = problems(&[
+            "--discovery",
+            "inferencepool",
+            "--inference-pool",
+            "p",
+            "--discovery-port",
+            "80",
+        ]);
+        assert!(
+            p.iter()
+                .any(|p| p.contains("are for HEARTH_DISCOVERY=pods")),
+            "{p:?}"
+        );
+        let p = problems(&["--upstreams", "127.0.0.1:1", "--inference-pool", "p"]);
+        assert!(
+            p.iter().any(|p| p.contains("need HEARTH_DISCOVERY")),
+            "{p:?}"
+        );
     }
 
     #[test]
