@@ -1,6 +1,7 @@
 //! Settings: one typed struct, parsed from flags and `HEARTH_*` variables,
 //! validated as a whole before anything starts.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -133,7 +134,7 @@ pub struct Settings {
     /// ports) or `pods` (the pods HEARTH_DISCOVERY_SELECTOR selects, on
     /// HEARTH_DISCOVERY_PORT); a replica per ready pod and port.
     #[arg(long, env = "HEARTH_DISCOVERY", value_enum)]
-    pub discovery: Option<crate::feeds::kube::Discovery>,
+    pub discovery: Option<Discovery>,
 
     /// Namespace of the InferencePool or the pods (default: the sidecar's
     /// own namespace in a cluster, else the kubeconfig context's).
@@ -532,6 +533,82 @@ fn sidecar_pair(s: &str) -> Result<(SocketAddr, SocketAddr), String> {
             .map_err(|e| format!("{what} address {a:?}: {e}"))
     };
     Ok((parse("gRPC", grpc)?, parse("HTTP", http)?))
+}
+
+/// Where the replicas are learnt from, in the Kubernetes API.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Discovery {
+    /// The pods an InferencePool selects, on its target ports.
+    Inferencepool,
+    /// The pods a label selector picks, on one port.
+    Pods,
+}
+
+/// Parses `key=value[,key=value...]` (equality only: what an
+/// InferencePool's `matchLabels` can say too).
+pub fn parse_selector(text: &str) -> Result<BTreeMap<String, String>, String> {
+    let mut labels = BTreeMap::new();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (k, v) = part
+            .split_once('=')
+            .map(|(k, v)| (k.trim(), v.trim().trim_start_matches('=')))
+            .ok_or_else(|| format!("{part:?} is not key=value"))?;
+        if k.is_empty() || k.contains('!') {
+            return Err(format!("{part:?} is not key=value"));
+        }
+        labels.insert(k.to_string(), v.to_string());
+    }
+    if labels.is_empty() {
+        return Err("selects nothing: give at least one key=value".into());
+    }
+    Ok(labels)
+}
+
+/// The discovery settings' problems (`HEARTH_DISCOVERY` and the settings
+/// of each mode).
+fn discovery_problems(s: &Settings) -> Vec<String> {
+    let mut problems = Vec::new();
+    let pool_only = s.inference_pool.is_some();
+    let pods_only = s.discovery_selector.is_some() || s.discovery_port.is_some();
+    match s.discovery {
+        None => {
+            if pool_only || pods_only || s.discovery_namespace.is_some() || s.kubeconfig.is_some() {
+                problems.push(
+                    "HEARTH_INFERENCE_POOL, HEARTH_DISCOVERY_SELECTOR, HEARTH_DISCOVERY_PORT, \
+                     HEARTH_DISCOVERY_NAMESPACE and HEARTH_KUBECONFIG need HEARTH_DISCOVERY"
+                        .into(),
+                );
+            }
+        }
+        Some(Discovery::Inferencepool) => {
+            if s.inference_pool.as_deref().is_none_or(str::is_empty) {
+                problems.push("HEARTH_DISCOVERY=inferencepool needs HEARTH_INFERENCE_POOL".into());
+            }
+            if pods_only {
+                problems.push(
+                    "HEARTH_DISCOVERY_SELECTOR and HEARTH_DISCOVERY_PORT are for \
+                     HEARTH_DISCOVERY=pods (the pool names its own selector and ports)"
+                        .into(),
+                );
+            }
+        }
+        Some(Discovery::Pods) => {
+            match s.discovery_selector.as_deref().map(parse_selector) {
+                None => {
+                    problems.push("HEARTH_DISCOVERY=pods needs HEARTH_DISCOVERY_SELECTOR".into())
+                }
+                Some(Err(e)) => problems.push(format!("HEARTH_DISCOVERY_SELECTOR {e}")),
+                Some(Ok(_)) => {}
+            }
+            if s.discovery_port.is_none_or(|p| p == 0) {
+                problems.push("HEARTH_DISCOVERY=pods needs HEARTH_DISCOVERY_PORT (1-65535)".into());
+            }
+            if pool_only {
+                problems.push("HEARTH_INFERENCE_POOL is for HEARTH_DISCOVERY=inferencepool".into());
+            }
+        }
+    }
+    problems
 }
 
 /// Where the engines cluster's endpoints come from.
@@ -1090,7 +1167,7 @@ impl Settings {
         if self.load_unit_bytes == 0 {
             problems.push("HEARTH_LOAD_UNIT_BYTES must be at least 1".into());
         }
-        problems.extend(crate::feeds::kube::setting_problems(self));
+        problems.extend(discovery_problems(self));
         // A file-based list is read and checked when the sidecar starts;
         // a discovered one may be empty.
         if self.upstreams_file.is_none() && self.discovery.is_none() {
