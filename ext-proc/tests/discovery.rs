@@ -6,6 +6,7 @@
 //! Pod IPs are loopback addresses (127.0.0.x) on a closed port, and the
 //! sidecar's probes and scrapes are off: nothing is dialled.
 
+mod common;
 mod kubeapi;
 
 use std::path::PathBuf;
@@ -427,4 +428,35 @@ async fn pods_by_label_selector_with_a_token() {
         .iter()
         .all(|(_, q)| q.contains("labelSelector=app=engine")));
     sidecar.shutdown().await.unwrap();
+}
+
+#[test]
+fn an_unreadable_kubeconfig_stops_the_sidecar_naming_the_setting() {
+    let (code, stderr) = common::run(
+        &[
+            ("HEARTH_DISCOVERY", "pods"),
+            ("HEARTH_DISCOVERY_SELECTOR", "app=engine"),
+            ("HEARTH_DISCOVERY_PORT", "8000"),
+            ("HEARTH_KUBECONFIG", "/nonexistent/kubeconfig"),
+        ],
+        &[],
+    );
+    assert_ne!(code, 0, "{stderr}");
+    assert!(
+        stderr.contains("HEARTH_KUBECONFIG /nonexistent/kubeconfig"),
+        "{stderr}"
+    );
+    // Discovery beside a list: refused before anything starts.
+    let (code, stderr) = common::run(
+        &[
+            ("HEARTH_DISCOVERY", "pods"),
+            ("HEARTH_UPSTREAMS", "127.0.0.1:1"),
+        ],
+        &[],
+    );
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("--discovery") || stderr.contains("HEARTH_DISCOVERY"),
+        "{stderr}"
+    );
 }

@@ -384,6 +384,7 @@ impl Backoff for RetryBackoff {
 fn reflected<K>(
     api: Api<K>,
     config: watcher::Config,
+    trim: fn(&mut K),
 ) -> (
     Store<K>,
     impl Stream<Item = Result<Event<K>, watcher::Error>>,
@@ -400,8 +401,23 @@ where
     let (store, writer) = reflector::store();
     let stream = watcher::watcher(api, config)
         .backoff(RetryBackoff::default())
+        .modify(trim)
         .reflect(writer);
     (store, stream)
+}
+
+/// Keeps of a pod what discovery reads (its name, uid, labels, deletion
+/// and status), so a namespace of large pods costs little memory.
+fn trim_pod(pod: &mut Pod) {
+    pod.metadata.managed_fields = None;
+    pod.metadata.annotations = None;
+    pod.metadata.owner_references = None;
+    pod.spec = None;
+}
+
+fn trim_pool(pool: &mut InferencePool) {
+    pool.metadata.managed_fields = None;
+    pool.metadata.annotations = None;
 }
 
 /// Which watch an event came from (boxed: a pod is large).
@@ -507,7 +523,7 @@ pub async fn run(router: Arc<Router>, client: Client, target: Target) {
         } => {
             let api: Api<Pod> = Api::namespaced(client.clone(), &namespace);
             let config = watcher::Config::default().labels(&selector_text(&selector));
-            let (pods, stream) = reflected(api, config);
+            let (pods, stream) = reflected(api, config, trim_pod);
             let mut stream = std::pin::pin!(stream.map(|e| Change::Pods(Box::new(e))));
             let mut states = [WatchState::default(), WatchState::default()];
             states[0].synced = true;
@@ -525,6 +541,7 @@ pub async fn run(router: Arc<Router>, client: Client, target: Target) {
             let (pool_store, pool_stream) = reflected(
                 pools,
                 watcher::Config::default().fields(&format!("metadata.name={name}")),
+                trim_pool,
             );
             // Every pod of the namespace, filtered here by the pool's
             // selector: a selector change needs no new watch.
@@ -532,6 +549,7 @@ pub async fn run(router: Arc<Router>, client: Client, target: Target) {
             let (pods, pod_stream) = reflected(
                 Api::<Pod>::namespaced(client, &namespace),
                 watcher::Config::default(),
+                trim_pod,
             );
             let events = futures::stream::select(
                 pool_stream.map(|e| Change::Pool(Box::new(e))),
