@@ -760,19 +760,44 @@ fn discovery_reads_pods_and_pools_only_and_either_shape_validates() {
         granted,
         ["/pods", "inference.networking.k8s.io/inferencepools"]
     );
+    // The Role is where discovery reads, bound to the base's
+    // ServiceAccount in the base's namespace, which the Deployment runs
+    // as; the base does not carry the Role (its namespace would move it).
+    let settings = &find(&docs, "ConfigMap", "hearth-settings")["data"];
+    let kustomization = docs
+        .iter()
+        .map(|(_, d)| d)
+        .find(|d| d["kind"] == "Kustomization")
+        .unwrap();
+    assert_eq!(
+        role["metadata"]["namespace"],
+        settings["HEARTH_DISCOVERY_NAMESPACE"]
+    );
     let binding = find(&docs, "RoleBinding", "hearth-discovery");
+    assert_eq!(
+        binding["metadata"]["namespace"],
+        role["metadata"]["namespace"]
+    );
     assert_eq!(binding["roleRef"]["name"], "hearth-discovery");
     assert_eq!(
         binding["subjects"],
-        json!([{"kind": "ServiceAccount", "name": "hearth-ext-proc"}])
+        json!([{"kind": "ServiceAccount", "name": "hearth-ext-proc",
+                "namespace": kustomization["namespace"]}])
     );
     let pod = &find(&docs, "Deployment", "hearth-ext-proc")["spec"]["template"]["spec"];
     assert_eq!(pod["serviceAccountName"], "hearth-ext-proc");
     find(&docs, "ServiceAccount", "hearth-ext-proc");
+    let resources = kustomization["resources"].as_array().unwrap();
+    assert!(resources.iter().any(|r| r == "serviceaccount.yaml"));
+    assert!(!resources.iter().any(|r| r == "discovery-rbac.yaml"));
 
-    // The shipped selector and port are the shipped pool's.
+    // The shipped selector and port are the shipped pool's, in the
+    // namespace discovery reads.
     let pool = find(&docs, "InferencePool", "engines");
-    let settings = &find(&docs, "ConfigMap", "hearth-settings")["data"];
+    assert_eq!(
+        pool["metadata"]["namespace"],
+        settings["HEARTH_DISCOVERY_NAMESPACE"]
+    );
     let labels = pool["spec"]["selector"]["matchLabels"].as_object().unwrap();
     let selector: Vec<String> = labels
         .iter()
