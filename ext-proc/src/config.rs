@@ -154,6 +154,11 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_DISCOVERY_PORT")]
     pub discovery_port: Option<u16>,
 
+    /// Data-parallel ranks behind each discovered pod and port (as an
+    /// upstream's `dp=N`): each rank its own routing target.
+    #[arg(long, env = "HEARTH_DISCOVERY_DP_RANKS", default_value_t = 1)]
+    pub discovery_dp_ranks: u32,
+
     /// A kubeconfig file for reaching the API from outside a cluster
     /// (default: in-cluster service account, else `KUBECONFIG`, else
     /// `~/.kube/config`).
@@ -570,12 +575,24 @@ fn discovery_problems(s: &Settings) -> Vec<String> {
     let mut problems = Vec::new();
     let pool_only = s.inference_pool.is_some();
     let pods_only = s.discovery_selector.is_some() || s.discovery_port.is_some();
+    if !(1..=256).contains(&s.discovery_dp_ranks) {
+        problems.push(format!(
+            "HEARTH_DISCOVERY_DP_RANKS must be between 1 and 256, got {}",
+            s.discovery_dp_ranks
+        ));
+    }
     match s.discovery {
         None => {
-            if pool_only || pods_only || s.discovery_namespace.is_some() || s.kubeconfig.is_some() {
+            if pool_only
+                || pods_only
+                || s.discovery_namespace.is_some()
+                || s.kubeconfig.is_some()
+                || s.discovery_dp_ranks != 1
+            {
                 problems.push(
                     "HEARTH_INFERENCE_POOL, HEARTH_DISCOVERY_SELECTOR, HEARTH_DISCOVERY_PORT, \
-                     HEARTH_DISCOVERY_NAMESPACE and HEARTH_KUBECONFIG need HEARTH_DISCOVERY"
+                     HEARTH_DISCOVERY_NAMESPACE, HEARTH_DISCOVERY_DP_RANKS and HEARTH_KUBECONFIG \
+                     need HEARTH_DISCOVERY"
                         .into(),
                 );
             }

@@ -112,7 +112,7 @@ impl Sidecar {
         let admin_addr = admin.local_addr()?;
         let router = Router::new(settings.router_params(), &settings.upstreams);
         match (&discovery, &settings.upstreams_file) {
-            (Some((_, target)), _) => router.set_source(target.describe(), false),
+            (Some(found), _) => router.set_source(found.target.describe(), false),
             (None, Some(_)) => router.set_source("file", true),
             (None, None) => router.set_source("list", true),
         }
@@ -138,8 +138,8 @@ impl Sidecar {
                 ),
             );
         }
-        if let Some((client, target)) = discovery {
-            spawn_until(&stop, feeds::kube::run(Arc::clone(&router), client, target));
+        if let Some(found) = discovery {
+            spawn_until(&stop, feeds::kube::run(Arc::clone(&router), found));
         }
         if let Some(peer_settings) =
             feeds::peers::PeerSettings::of(settings).map_err(|e| anyhow::anyhow!(e))?

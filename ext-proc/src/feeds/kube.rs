@@ -139,7 +139,7 @@ fn selector_text(labels: &BTreeMap<String, String>) -> String {
 /// Connects to the API (`HEARTH_KUBECONFIG`, else `KUBECONFIG` or
 /// `~/.kube/config`, else the pod's service account) and resolves what to
 /// watch; `None` without `HEARTH_DISCOVERY`.
-pub async fn connect(settings: &Settings) -> Result<Option<(Client, Target)>, String> {
+pub async fn connect(settings: &Settings) -> Result<Option<Discovered>, String> {
     let Some(mode) = settings.discovery else {
         return Ok(None);
     };
@@ -169,7 +169,19 @@ pub async fn connect(settings: &Settings) -> Result<Option<(Client, Target)>, St
             port: settings.discovery_port.unwrap_or_default(),
         },
     };
-    Ok(Some((client, target)))
+    Ok(Some(Discovered {
+        client,
+        target,
+        dp_ranks: settings.discovery_dp_ranks.max(1),
+    }))
+}
+
+/// A connected client and what it is to watch.
+pub struct Discovered {
+    pub client: Client,
+    pub target: Target,
+    /// Data-parallel ranks behind each pod and port.
+    pub dp_ranks: u32,
 }
 
 async fn from_kubeconfig(path: &Path) -> Result<kube::Config, String> {
@@ -219,6 +231,7 @@ pub fn replicas(
     pods: &[Arc<Pod>],
     selector: &BTreeMap<String, String>,
     ports: &[u16],
+    dp_ranks: u32,
 ) -> Vec<Found> {
     let mut found: Vec<(String, u16, Found)> = Vec::new();
     if selector.is_empty() {
@@ -242,7 +255,7 @@ pub fn replicas(
                         id: Some(id),
                         models: Vec::new(),
                         long: false,
-                        dp_ranks: 1,
+                        dp_ranks,
                         short_output: false,
                         tls: false,
                     },
@@ -513,7 +526,12 @@ async fn next_change(
 }
 
 /// Watches `target` and keeps the router's list in step, until dropped.
-pub async fn run(router: Arc<Router>, client: Client, target: Target) {
+pub async fn run(router: Arc<Router>, discovered: Discovered) {
+    let Discovered {
+        client,
+        target,
+        dp_ranks,
+    } = discovered;
     let mut applier = Applier::new(Arc::clone(&router), target.describe());
     match target {
         Target::Pods {
@@ -531,7 +549,7 @@ pub async fn run(router: Arc<Router>, client: Client, target: Target) {
             while let Some(event) = next_change(&mut stream, &mut states, &recheck, &router).await {
                 let Change::Pods(event) = event else { continue };
                 if states[1].note("pods", &*event) {
-                    applier.apply(replicas(&pods.state(), &selector, &[port]), None);
+                    applier.apply(replicas(&pods.state(), &selector, &[port], dp_ranks), None);
                 }
                 router.note_source_connection(lost(&states));
             }
@@ -569,9 +587,8 @@ pub async fn run(router: Arc<Router>, client: Client, target: Target) {
                         .into_iter()
                         .find(|p| p.metadata.name.as_deref() == Some(name.as_str()));
                     match pool_shape(pool.as_deref()) {
-                        Ok((selector, ports)) => {
-                            applier.apply(replicas(&pods.state(), &selector, &ports), None)
-                        }
+                        Ok((selector, ports)) => applier
+                            .apply(replicas(&pods.state(), &selector, &ports, dp_ranks), None),
                         Err(why) => applier.apply(Vec::new(), Some(why)),
                     }
                 }
@@ -694,7 +711,7 @@ mod tests {
             pod("e", "5", None, true, "engine"),
             pod("f", "6", Some("10.0.0.6"), true, "other"),
         ];
-        let found = replicas(&pods, &selector, &[8000]);
+        let found = replicas(&pods, &selector, &[8000], 1);
         let listed: Vec<(String, String)> = found
             .iter()
             .map(|f| (f.spec.id.clone().unwrap(), f.spec.addr.to_string()))
@@ -707,11 +724,14 @@ mod tests {
             ]
         );
         // Two ports: a replica per pod and port, ids tell them apart.
-        let found = replicas(&pods, &selector, &[8000, 8001]);
+        let found = replicas(&pods, &selector, &[8000, 8001], 1);
         assert_eq!(found.len(), 4);
         assert_eq!(found[1].spec.id.as_deref(), Some("a:8001"));
+        // Data-parallel ranks: each discovered replica carries them.
+        let found = replicas(&pods, &selector, &[8000], 4);
+        assert!(found.iter().all(|f| f.spec.dp_ranks == 4));
         // An empty selector selects nothing (never the whole namespace).
-        assert!(replicas(&pods, &BTreeMap::new(), &[8000]).is_empty());
+        assert!(replicas(&pods, &BTreeMap::new(), &[8000], 1).is_empty());
     }
 
     #[test]
@@ -740,6 +760,7 @@ mod tests {
                 &[pod("a", "1", Some("10.0.0.1"), true, "engine")],
                 &selector,
                 &[80],
+                1,
             ),
             None,
         );
@@ -751,6 +772,7 @@ mod tests {
                 &[pod("a", "1", Some("10.0.0.1"), true, "engine")],
                 &selector,
                 &[80],
+                1,
             ),
             None,
         );
@@ -761,6 +783,7 @@ mod tests {
                 &[pod("b", "2", Some("10.0.0.1"), true, "engine")],
                 &selector,
                 &[80],
+                1,
             ),
             None,
         );
