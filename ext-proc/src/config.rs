@@ -1,6 +1,7 @@
 //! Settings: one typed struct, parsed from flags and `HEARTH_*` variables,
 //! validated as a whole before anything starts.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -117,16 +118,52 @@ pub struct Settings {
         long,
         env = "HEARTH_UPSTREAMS",
         value_delimiter = ',',
-        required_unless_present = "upstreams_file",
-        conflicts_with = "upstreams_file"
+        required_unless_present_any = ["upstreams_file", "discovery"],
+        conflicts_with_all = ["upstreams_file", "discovery"]
     )]
     pub upstreams: Vec<UpstreamSpec>,
 
     /// Read the replica list from this file instead (one upstream per line,
     /// the `HEARTH_UPSTREAMS` syntax, `#` comments), and reload it when it
     /// changes or on SIGHUP, without a restart.
-    #[arg(long, env = "HEARTH_UPSTREAMS_FILE")]
+    #[arg(long, env = "HEARTH_UPSTREAMS_FILE", conflicts_with = "discovery")]
     pub upstreams_file: Option<std::path::PathBuf>,
+
+    /// Learn the replicas from the Kubernetes API instead of a list:
+    /// `inferencepool` (the pods an InferencePool selects, on its target
+    /// ports) or `pods` (the pods HEARTH_DISCOVERY_SELECTOR selects, on
+    /// HEARTH_DISCOVERY_PORT); a replica per ready pod and port.
+    #[arg(long, env = "HEARTH_DISCOVERY", value_enum)]
+    pub discovery: Option<Discovery>,
+
+    /// Namespace of the InferencePool or the pods (default: the sidecar's
+    /// own namespace in a cluster, else the kubeconfig context's).
+    #[arg(long, env = "HEARTH_DISCOVERY_NAMESPACE")]
+    pub discovery_namespace: Option<String>,
+
+    /// Name of the InferencePool (`HEARTH_DISCOVERY=inferencepool`).
+    #[arg(long, env = "HEARTH_INFERENCE_POOL")]
+    pub inference_pool: Option<String>,
+
+    /// Label selector of the engine pods (`HEARTH_DISCOVERY=pods`), as
+    /// `key=value[,key=value...]`.
+    #[arg(long, env = "HEARTH_DISCOVERY_SELECTOR")]
+    pub discovery_selector: Option<String>,
+
+    /// Engine port on each pod (`HEARTH_DISCOVERY=pods`).
+    #[arg(long, env = "HEARTH_DISCOVERY_PORT")]
+    pub discovery_port: Option<u16>,
+
+    /// Data-parallel ranks behind each discovered pod and port (as an
+    /// upstream's `dp=N`): each rank its own routing target.
+    #[arg(long, env = "HEARTH_DISCOVERY_DP_RANKS", default_value_t = 1)]
+    pub discovery_dp_ranks: u32,
+
+    /// A kubeconfig file for reaching the API from outside a cluster
+    /// (default: in-cluster service account, else `KUBECONFIG`, else
+    /// `~/.kube/config`).
+    #[arg(long, env = "HEARTH_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
 
     /// Seconds between two checks of `HEARTH_UPSTREAMS_FILE` for changes
     /// (0 = reload on SIGHUP only).
@@ -506,6 +543,94 @@ fn sidecar_pair(s: &str) -> Result<(SocketAddr, SocketAddr), String> {
             .map_err(|e| format!("{what} address {a:?}: {e}"))
     };
     Ok((parse("gRPC", grpc)?, parse("HTTP", http)?))
+}
+
+/// Where the replicas are learnt from, in the Kubernetes API.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Discovery {
+    /// The pods an InferencePool selects, on its target ports.
+    Inferencepool,
+    /// The pods a label selector picks, on one port.
+    Pods,
+}
+
+/// Parses `key=value[,key=value...]` (equality only: what an
+/// InferencePool's `matchLabels` can say too).
+pub fn parse_selector(text: &str) -> Result<BTreeMap<String, String>, String> {
+    let mut labels = BTreeMap::new();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (k, v) = part
+            .split_once('=')
+            .map(|(k, v)| (k.trim(), v.trim().trim_start_matches('=')))
+            .ok_or_else(|| format!("{part:?} is not key=value"))?;
+        if k.is_empty() || k.contains('!') {
+            return Err(format!("{part:?} is not key=value"));
+        }
+        labels.insert(k.to_string(), v.to_string());
+    }
+    if labels.is_empty() {
+        return Err("selects nothing: give at least one key=value".into());
+    }
+    Ok(labels)
+}
+
+/// The discovery settings' problems (`HEARTH_DISCOVERY` and the settings
+/// of each mode).
+fn discovery_problems(s: &Settings) -> Vec<String> {
+    let mut problems = Vec::new();
+    let pool_only = s.inference_pool.is_some();
+    let pods_only = s.discovery_selector.is_some() || s.discovery_port.is_some();
+    if !(1..=256).contains(&s.discovery_dp_ranks) {
+        problems.push(format!(
+            "HEARTH_DISCOVERY_DP_RANKS must be between 1 and 256, got {}",
+            s.discovery_dp_ranks
+        ));
+    }
+    match s.discovery {
+        None => {
+            if pool_only
+                || pods_only
+                || s.discovery_namespace.is_some()
+                || s.kubeconfig.is_some()
+                || s.discovery_dp_ranks != 1
+            {
+                problems.push(
+                    "HEARTH_INFERENCE_POOL, HEARTH_DISCOVERY_SELECTOR, HEARTH_DISCOVERY_PORT, \
+                     HEARTH_DISCOVERY_NAMESPACE, HEARTH_DISCOVERY_DP_RANKS and HEARTH_KUBECONFIG \
+                     need HEARTH_DISCOVERY"
+                        .into(),
+                );
+            }
+        }
+        Some(Discovery::Inferencepool) => {
+            if s.inference_pool.as_deref().is_none_or(str::is_empty) {
+                problems.push("HEARTH_DISCOVERY=inferencepool needs HEARTH_INFERENCE_POOL".into());
+            }
+            if pods_only {
+                problems.push(
+                    "HEARTH_DISCOVERY_SELECTOR and HEARTH_DISCOVERY_PORT are for \
+                     HEARTH_DISCOVERY=pods (the pool names its own selector and ports)"
+                        .into(),
+                );
+            }
+        }
+        Some(Discovery::Pods) => {
+            match s.discovery_selector.as_deref().map(parse_selector) {
+                None => {
+                    problems.push("HEARTH_DISCOVERY=pods needs HEARTH_DISCOVERY_SELECTOR".into())
+                }
+                Some(Err(e)) => problems.push(format!("HEARTH_DISCOVERY_SELECTOR {e}")),
+                Some(Ok(_)) => {}
+            }
+            if s.discovery_port.is_none_or(|p| p == 0) {
+                problems.push("HEARTH_DISCOVERY=pods needs HEARTH_DISCOVERY_PORT (1-65535)".into());
+            }
+            if pool_only {
+                problems.push("HEARTH_INFERENCE_POOL is for HEARTH_DISCOVERY=inferencepool".into());
+            }
+        }
+    }
+    problems
 }
 
 /// Where the engines cluster's endpoints come from.
@@ -1064,8 +1189,10 @@ impl Settings {
         if self.load_unit_bytes == 0 {
             problems.push("HEARTH_LOAD_UNIT_BYTES must be at least 1".into());
         }
-        // A file-based list is read and checked when the sidecar starts.
-        if self.upstreams_file.is_none() {
+        problems.extend(discovery_problems(self));
+        // A file-based list is read and checked when the sidecar starts;
+        // a discovered one may be empty.
+        if self.upstreams_file.is_none() && self.discovery.is_none() {
             problems.extend(check_upstreams(&self.upstreams, "HEARTH_UPSTREAMS"));
         }
         if self.listen == self.admin_listen && self.listen.port() != 0 {

@@ -97,6 +97,11 @@ impl Sidecar {
             client_certificates = settings.grpc_tls_client_ca_file.is_some(),
             "control surfaces"
         );
+        // HEARTH_DISCOVERY: the API is configured now; the list arrives
+        // from the watch (readiness waits for it).
+        let discovery = feeds::kube::connect(settings)
+            .await
+            .map_err(|e| anyhow::anyhow!(e))?;
         let grpc = TcpListener::bind(settings.listen)
             .await
             .with_context(|| format!("binding the gRPC listener on {}", settings.listen))?;
@@ -106,6 +111,11 @@ impl Sidecar {
         let grpc_addr = grpc.local_addr()?;
         let admin_addr = admin.local_addr()?;
         let router = Router::new(settings.router_params(), &settings.upstreams);
+        match (&discovery, &settings.upstreams_file) {
+            (Some(found), _) => router.set_source(found.target.describe(), false),
+            (None, Some(_)) => router.set_source("file", true),
+            (None, None) => router.set_source("list", true),
+        }
         let journal = observe::journal::Journal::open(
             settings.journal_size,
             settings
@@ -131,6 +141,9 @@ impl Sidecar {
                     Arc::clone(asked),
                 ),
             );
+        }
+        if let Some(found) = discovery {
+            spawn_until(&stop, feeds::kube::run(Arc::clone(&router), found));
         }
         if let Some(peer_settings) =
             feeds::peers::PeerSettings::of(settings).map_err(|e| anyhow::anyhow!(e))?
@@ -372,19 +385,37 @@ fn spawn_until(stop: &CancellationToken, task: impl Future<Output = ()> + Send +
     tokio::spawn(stop.clone().run_until_cancelled_owned(task));
 }
 
+/// gRPC health, with the endpoint-picker protocol's service names:
+/// `liveness` SERVING while the process answers; `readiness` SERVING once
+/// the replica list is in (a discovered list's first sync; a peer bus's
+/// first sync happens before the servers start); the ext_proc service
+/// (and `""`) as readiness, and also NOT_SERVING while no replica serves.
 async fn report_grpc_health(router: Arc<Router>, reporter: tonic_health::server::HealthReporter) {
     use tonic_health::ServingStatus;
-    const SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+    let serving = |yes: bool| {
+        if yes {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        }
+    };
+    reporter
+        .set_service_status(envoy::HEALTH_LIVENESS, ServingStatus::Serving)
+        .await;
     let mut last = None;
     loop {
-        let status = match router.fleet_health() {
-            hearth_router::FleetHealth::Unhealthy => ServingStatus::NotServing,
-            _ => ServingStatus::Serving,
-        };
-        if last != Some(status) {
-            reporter.set_service_status("", status).await;
-            reporter.set_service_status(SERVICE, status).await;
-            last = Some(status);
+        let ready = router.source().synced;
+        let routing = ready && router.fleet_health() != hearth_router::FleetHealth::Unhealthy;
+        let now = (serving(ready), serving(routing));
+        if last != Some(now) {
+            reporter
+                .set_service_status(envoy::HEALTH_READINESS, now.0)
+                .await;
+            reporter.set_service_status("", now.1).await;
+            reporter
+                .set_service_status(envoy::HEALTH_EXT_PROC, now.1)
+                .await;
+            last = Some(now);
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }

@@ -106,6 +106,7 @@ fn schema(api_version: &str, kind: &str) -> Option<Vec<&'static str>> {
             "spec.template.metadata.labels.*",
             "spec.template.metadata.annotations.*",
             "spec.template.spec",
+            "spec.template.spec.serviceAccountName",
             "spec.template.spec.terminationGracePeriodSeconds",
             "spec.template.spec.containers",
             "spec.template.spec.containers[]",
@@ -133,8 +134,12 @@ fn schema(api_version: &str, kind: &str) -> Option<Vec<&'static str>> {
             "spec.template.spec.containers[].readinessProbe",
             "spec.template.spec.containers[].readinessProbe.grpc",
             "spec.template.spec.containers[].readinessProbe.grpc.port",
+            "spec.template.spec.containers[].readinessProbe.grpc.service",
             "spec.template.spec.containers[].readinessProbe.periodSeconds",
             "spec.template.spec.containers[].livenessProbe",
+            "spec.template.spec.containers[].livenessProbe.grpc",
+            "spec.template.spec.containers[].livenessProbe.grpc.port",
+            "spec.template.spec.containers[].livenessProbe.grpc.service",
             "spec.template.spec.containers[].livenessProbe.httpGet",
             "spec.template.spec.containers[].livenessProbe.httpGet.path",
             "spec.template.spec.containers[].livenessProbe.httpGet.port",
@@ -166,6 +171,28 @@ fn schema(api_version: &str, kind: &str) -> Option<Vec<&'static str>> {
             "spec.template.spec.volumes[].secret.items[]",
             "spec.template.spec.volumes[].secret.items[].key",
             "spec.template.spec.volumes[].secret.items[].path",
+        ],
+        ("v1", "ServiceAccount") => &[],
+        ("rbac.authorization.k8s.io/v1", "Role") => &[
+            "rules",
+            "rules[]",
+            "rules[].apiGroups",
+            "rules[].apiGroups[]",
+            "rules[].resources",
+            "rules[].resources[]",
+            "rules[].verbs",
+            "rules[].verbs[]",
+        ],
+        ("rbac.authorization.k8s.io/v1", "RoleBinding") => &[
+            "roleRef",
+            "roleRef.apiGroup",
+            "roleRef.kind",
+            "roleRef.name",
+            "subjects",
+            "subjects[]",
+            "subjects[].kind",
+            "subjects[].name",
+            "subjects[].namespace",
         ],
         ("networking.k8s.io/v1", "NetworkPolicy") => &[
             "spec",
@@ -709,6 +736,95 @@ fn the_sidecars_reach_nats_over_tls_with_its_user_and_sign_with_the_fleet_key() 
     let resources = kustomization["resources"].as_array().unwrap();
     assert!(!resources.iter().any(|r| r == "secrets.example.yaml"));
     assert!(secret_value(&docs, "hearth-peers", "password").contains("REPLACE-ME"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn discovery_reads_pods_and_pools_only_and_either_shape_validates() {
+    let docs = documents();
+    let role = find(&docs, "Role", "hearth-discovery");
+    let mut granted = Vec::new();
+    for rule in role["rules"].as_array().unwrap() {
+        assert_eq!(rule["verbs"], json!(["get", "list", "watch"]), "{rule}");
+        for group in rule["apiGroups"].as_array().unwrap() {
+            for resource in rule["resources"].as_array().unwrap() {
+                granted.push(format!(
+                    "{}/{}",
+                    group.as_str().unwrap(),
+                    resource.as_str().unwrap()
+                ));
+            }
+        }
+    }
+    assert_eq!(
+        granted,
+        ["/pods", "inference.networking.k8s.io/inferencepools"]
+    );
+    // The Role is where discovery reads, bound to the base's
+    // ServiceAccount in the base's namespace, which the Deployment runs
+    // as; the base does not carry the Role (its namespace would move it).
+    let settings = &find(&docs, "ConfigMap", "hearth-settings")["data"];
+    let kustomization = docs
+        .iter()
+        .map(|(_, d)| d)
+        .find(|d| d["kind"] == "Kustomization")
+        .unwrap();
+    assert_eq!(
+        role["metadata"]["namespace"],
+        settings["HEARTH_DISCOVERY_NAMESPACE"]
+    );
+    let binding = find(&docs, "RoleBinding", "hearth-discovery");
+    assert_eq!(
+        binding["metadata"]["namespace"],
+        role["metadata"]["namespace"]
+    );
+    assert_eq!(binding["roleRef"]["name"], "hearth-discovery");
+    assert_eq!(
+        binding["subjects"],
+        json!([{"kind": "ServiceAccount", "name": "hearth-ext-proc",
+                "namespace": kustomization["namespace"]}])
+    );
+    let pod = &find(&docs, "Deployment", "hearth-ext-proc")["spec"]["template"]["spec"];
+    assert_eq!(pod["serviceAccountName"], "hearth-ext-proc");
+    find(&docs, "ServiceAccount", "hearth-ext-proc");
+    let resources = kustomization["resources"].as_array().unwrap();
+    assert!(resources.iter().any(|r| r == "serviceaccount.yaml"));
+    assert!(!resources.iter().any(|r| r == "discovery-rbac.yaml"));
+
+    // The shipped selector and port are the shipped pool's, in the
+    // namespace discovery reads.
+    let pool = find(&docs, "InferencePool", "engines");
+    assert_eq!(
+        pool["metadata"]["namespace"],
+        settings["HEARTH_DISCOVERY_NAMESPACE"]
+    );
+    let labels = pool["spec"]["selector"]["matchLabels"].as_object().unwrap();
+    let selector: Vec<String> = labels
+        .iter()
+        .map(|(k, v)| format!("{k}={}", v.as_str().unwrap()))
+        .collect();
+    assert_eq!(settings["HEARTH_DISCOVERY_SELECTOR"], selector.join(","));
+    assert_eq!(
+        settings["HEARTH_DISCOVERY_PORT"],
+        pool["spec"]["targetPorts"][0]["number"].to_string()
+    );
+    // The InferencePool shape, as the comments say to set it, validates.
+    let dir = scratch("pool-shape");
+    let mut env = sidecar_pod_env(&docs, &dir);
+    let token = dir.join("control-token");
+    std::fs::write(&token, "x".repeat(64)).unwrap();
+    for (k, v) in [
+        ("HEARTH_CONTROL_TOKEN_FILE", token.display().to_string()),
+        ("HEARTH_DISCOVERY", "inferencepool".into()),
+        ("HEARTH_INFERENCE_POOL", "engines".into()),
+        ("HEARTH_DISCOVERY_SELECTOR", String::new()),
+        ("HEARTH_DISCOVERY_PORT", String::new()),
+    ] {
+        env.insert(k.into(), v);
+    }
+    parse_settings(&env)
+        .validate()
+        .unwrap_or_else(|p| panic!("the InferencePool shape's settings refused: {p:?}"));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

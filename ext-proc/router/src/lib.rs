@@ -49,7 +49,7 @@ pub use replica::{
     check_upstreams, default_replica_id, engine_url, targets, ProbeTarget, ReloadSummary, Replica,
     ReplicaKey, UpstreamSpec,
 };
-pub use router::Router;
+pub use router::{Router, SourceStatus};
 pub use snapshot::{EngineSnapshot, ReplicaSnapshot, Snapshot, UpstreamsSnapshot};
 pub use tips::Continuation;
 pub use usage::{Correction, Prediction, Served, Usage, UsageSnapshot};

@@ -37,6 +37,8 @@ pub struct Router {
     pub(crate) reloads: AtomicU64,
     pub(crate) reload_errors: AtomicU64,
     pub(crate) reload_error: Mutex<Option<String>>,
+    /// Where the list comes from, and whether that source is in step.
+    pub(crate) source: Mutex<SourceStatus>,
     pub(crate) decisions: AtomicU64,
     pub(crate) hashed: AtomicU64,
     pub(crate) rejected: AtomicU64,
@@ -56,6 +58,7 @@ impl Router {
             reloads: AtomicU64::new(0),
             reload_errors: AtomicU64::new(0),
             reload_error: Mutex::new(None),
+            source: Mutex::new(SourceStatus::default()),
             decisions: AtomicU64::new(0),
             hashed: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
@@ -101,6 +104,45 @@ impl Router {
     pub fn note_reload_error(&self, error: String) {
         self.reload_errors.fetch_add(1, Ordering::Relaxed);
         *lock(&self.reload_error) = Some(error);
+    }
+
+    /// Names the replica list's source (a list is in step from the start;
+    /// a watched source is not until its first list).
+    pub fn set_source(&self, name: impl Into<String>, synced: bool) {
+        let mut s = lock(&self.source);
+        s.name = name.into();
+        s.synced = synced;
+        s.connected = true;
+        s.error = None;
+    }
+
+    /// A watched source's first list was applied.
+    pub fn note_source_synced(&self) {
+        lock(&self.source).synced = true;
+    }
+
+    /// The watched source is reachable again (`None`), or was lost (why):
+    /// while lost, the last list stays.
+    pub fn note_source_connection(&self, lost: Option<String>) {
+        let mut s = lock(&self.source);
+        match lost {
+            None => {
+                s.connected = true;
+                s.error = None;
+            }
+            Some(why) => {
+                if s.connected {
+                    s.disconnects_total += 1;
+                }
+                s.connected = false;
+                s.error = Some(why);
+            }
+        }
+    }
+
+    /// The replica list's source and its state.
+    pub fn source(&self) -> SourceStatus {
+        lock(&self.source).clone()
     }
 
     /// The replica list's version; changes whenever [`Router::endpoints`]
@@ -353,6 +395,35 @@ impl Router {
     pub fn fleet_health(&self) -> FleetHealth {
         let fleet = self.lock();
         FleetHealth::of(fleet.serving().map(|(i, _)| fleet.state[i].health.state()))
+    }
+}
+
+/// Where the replica list comes from (`/state`'s `upstreams.source`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SourceStatus {
+    /// `list` (`HEARTH_UPSTREAMS`), `file` (`HEARTH_UPSTREAMS_FILE`), or a
+    /// Kubernetes source (`inferencepool NAMESPACE/NAME`, `pods NAMESPACE
+    /// SELECTOR`).
+    pub name: String,
+    /// The first list has arrived: readiness waits for it.
+    pub synced: bool,
+    /// The source is reachable; false: the last list stays until it is.
+    pub connected: bool,
+    /// Why the source was lost, while it is.
+    pub error: Option<String>,
+    /// Times the source was lost.
+    pub disconnects_total: u64,
+}
+
+impl Default for SourceStatus {
+    fn default() -> Self {
+        SourceStatus {
+            name: "list".into(),
+            synced: true,
+            connected: true,
+            error: None,
+            disconnects_total: 0,
+        }
     }
 }
 

@@ -90,6 +90,9 @@ pub struct UpstreamsSnapshot {
     pub reload_error: Option<String>,
     /// Requests still running on replicas a reload removed.
     pub draining_in_flight: u32,
+    /// Where the list comes from, and whether that source is in step.
+    #[serde(default)]
+    pub source: crate::router::SourceStatus,
 }
 
 impl Router {
@@ -129,6 +132,7 @@ impl Router {
                     .filter(|(r, _)| r.retired)
                     .map(|(_, s)| s.in_flight)
                     .sum(),
+                source: self.source(),
             },
             replicas: fleet
                 .serving()

@@ -13,3 +13,11 @@ pub mod picker;
 pub mod render;
 pub mod report;
 pub mod service;
+
+/// gRPC health service names of the endpoint-picker protocol
+/// (Gateway API Inference Extension, "Endpoint Picker Protocol", Health
+/// Checking): the process answers; it is ready to pick; and the ext_proc
+/// service itself.
+pub const HEALTH_LIVENESS: &str = "liveness";
+pub const HEALTH_READINESS: &str = "readiness";
+pub const HEALTH_EXT_PROC: &str = "envoy.service.ext_proc.v3.ExternalProcessor";

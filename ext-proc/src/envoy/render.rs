@@ -57,14 +57,13 @@ impl EnvoyConfigArgs {
             block_size: settings.block_size,
             max_prefix_bytes: self.max_prefix_bytes,
             max_body_bytes: self.max_body_bytes,
-            eds: self
-                .endpoints
-                .unwrap_or(if settings.upstreams_file.is_some() {
+            eds: self.endpoints.unwrap_or(
+                if settings.upstreams_file.is_some() || settings.discovery.is_some() {
                     Endpoints::Eds
                 } else {
                     Endpoints::Static
-                })
-                == Endpoints::Eds,
+                },
+            ) == Endpoints::Eds,
             engines_tls: all_tls.then(|| {
                 settings
                     .engine_ca_file

@@ -5,6 +5,7 @@
 //! ([`peer_guard`]).
 
 pub mod engines;
+pub mod kube;
 pub mod peer_guard;
 pub mod peers;
 pub mod probe;

@@ -172,7 +172,10 @@ async fn health(State(router): State<Arc<Router>>) -> (StatusCode, Json<serde_js
     // Peers configured and the bus down: still routing, on this sidecar's
     // own state alone.
     let bus_down = router.peers_snapshot().is_some_and(|p| !p.connected);
-    if bus_down && fleet == FleetHealth::Ok {
+    // The replica list's source (the Kubernetes API) lost: routing on the
+    // last list it gave.
+    let source_lost = !router.source().connected;
+    if (bus_down || source_lost) && fleet == FleetHealth::Ok {
         fleet = FleetHealth::Degraded;
     }
     let code = match fleet {

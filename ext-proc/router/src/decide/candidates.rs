@@ -35,6 +35,11 @@ pub(crate) fn admit(
         .filter(|&i| replicas[i].serves(req.model.as_deref()))
         .filter(|i| allowed.is_none_or(|a| a.contains(i)))
         .collect();
+    if serving.is_empty() && fleet.listed.is_empty() {
+        // No replica at all (a discovered pool with no ready pod yet):
+        // nothing is ready, a 503, not an unknown model.
+        return Err(RouteError::NoHealthyReplica(model()));
+    }
     if serving.is_empty() {
         return Err(RouteError::NoReplicaForModel(model()));
     }
