@@ -387,10 +387,11 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_JOURNAL_SIZE", default_value_t = 10_000)]
     pub journal_size: usize,
 
-    /// The pool's name in the `llm_d_epp_*` pool series (the `name` label:
-    /// the InferencePool's name where Hearth is its endpoint picker).
-    #[arg(long, env = "HEARTH_POOL_NAME", default_value = "hearth")]
-    pub pool_name: String,
+    /// The pool's name in the `llm_d_epp_*` pool series (their `name`
+    /// label). Unset: `HEARTH_INFERENCE_POOL` when discovery follows a
+    /// pool, else `hearth`.
+    #[arg(long, env = "HEARTH_POOL_NAME")]
+    pub pool_name: Option<String>,
 
     /// Also append every decision as one JSON line to this file (off when
     /// unset). Hashes and numbers only, never prompt text.
@@ -895,6 +896,15 @@ impl Settings {
 }
 
 impl Settings {
+    /// The pool's name in the `llm_d_epp_*` pool series.
+    pub fn pool_name(&self) -> &str {
+        self.pool_name
+            .as_deref()
+            .or(self.inference_pool.as_deref())
+            .filter(|n| !n.is_empty())
+            .unwrap_or("hearth")
+    }
+
     /// The engines' bearer key: the setting, or the file's contents.
     pub fn engine_api_key(&self) -> Result<Option<Secret>, String> {
         if let Some(key) = &self.engine_api_key {
@@ -1375,6 +1385,16 @@ mod tests {
     fn the_router_defaults_are_the_settings_defaults() {
         let s = parse(&["--upstreams", "127.0.0.1:1"]).unwrap().settings;
         assert_eq!(s.router_params(), RouterParams::default());
+    }
+
+    #[test]
+    fn the_pool_is_named_by_the_setting_else_the_followed_pool_else_hearth() {
+        let mut s = settings_from_pairs(&[]).unwrap();
+        assert_eq!(s.pool_name(), "hearth");
+        s.inference_pool = Some("chat".into());
+        assert_eq!(s.pool_name(), "chat");
+        s.pool_name = Some("p".into());
+        assert_eq!(s.pool_name(), "p");
     }
 
     #[test]

@@ -128,7 +128,7 @@ impl Sidecar {
             Arc::clone(&router),
             settings.affinity_basis,
             journal,
-            &settings.pool_name,
+            settings.pool_name(),
         );
         let outcomes = outcomes::Outcomes::new(Arc::clone(&observer));
         let stop = CancellationToken::new();
