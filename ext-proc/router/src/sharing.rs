@@ -136,19 +136,17 @@ impl Router {
             applied.blocks += w.hashes.len();
             if let Some(tip) = w.tip {
                 // The conversation's previous turn (the latest tip its
-                // prompt passes) is resident where it went no more.
-                if let Some(&previous) = w
-                    .hashes
-                    .iter()
-                    .rev()
-                    .find(|&&h| h != tip && tips.contains(h))
-                {
+                // prompt passes before its own) is resident where it went
+                // no more.
+                let own = w.hashes.iter().position(|&h| h == tip);
+                let previous = tips.continued(&w.hashes[..own.unwrap_or(w.hashes.len())]);
+                if let Some(p) = &previous {
                     for r in state.iter_mut() {
-                        r.resident.remove(previous);
+                        r.resident.remove(p.tip);
                     }
                 }
                 // (A peer's record does not say the prompt's size.)
-                tips.record(tip, fleet.replicas[s].key(), 0);
+                tips.record(tip, fleet.replicas[s].key(), 0, previous.as_ref());
                 state[s].resident.insert(tip, now);
             }
         }

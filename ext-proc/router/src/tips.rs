@@ -6,9 +6,8 @@
 //! leaves its *tip*, the hash of its last full block, with the replica it
 //! went to. A later prompt continues an earlier one when the warm part of
 //! its chain (the leading blocks some candidate holds) passes a tip: the
-//! deepest such tip is the previous turn, the earliest names the
-//! conversation (its first turn's tip, the same for all its turns while
-//! remembered). Scoring (first-turn cap, resident load), the stay ratio,
+//! deepest such tip is the previous turn, and each turn hands its
+//! conversation's name (the first turn's tip) on to the next. Scoring (first-turn cap, resident load), the stay ratio,
 //! restart evidence and the journal all read this one answer, carried by
 //! the [`crate::Decision`].
 //!
@@ -16,17 +15,15 @@
 //! turn counts as new: one whose previous turn was forgotten, or evicted
 //! from every warmth index.
 
-use std::collections::HashMap;
-
 use crate::replica::ReplicaKey;
-use crate::warmth::LruBlocks;
+use crate::warmth::{BlockMap, LruBlocks};
 
 /// The earlier turn a prompt continues.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Continuation {
     /// The previous turn's tip (the deepest tip in the prompt's warm part).
     pub tip: u64,
-    /// The conversation: the earliest tip the prompt passes.
+    /// The conversation, named by its first turn's tip.
     pub conversation: u64,
     /// The replica the previous turn went to (by this sidecar's decision
     /// or a peer's report).
@@ -45,23 +42,27 @@ struct Turn {
     replica: ReplicaKey,
     prompt_bytes: u64,
     prompt_tokens: Option<u64>,
+    /// Its conversation: the first turn's tip, handed on turn to turn.
+    conversation: u64,
 }
 
 /// Recent prompts' tips, fleet-wide, each with the replica its turn went to.
 pub(crate) struct Tips {
     recency: LruBlocks,
-    went: HashMap<u64, Turn>,
+    /// (Keyed by the warmth index's seeded hasher: tips are block hashes.)
+    went: BlockMap<Turn>,
 }
 
 impl Tips {
     pub(crate) fn new(capacity: usize) -> Tips {
         Tips {
             recency: LruBlocks::new(capacity),
-            went: HashMap::new(),
+            went: BlockMap::default(),
         }
     }
 
-    pub(crate) fn contains(&self, tip: u64) -> bool {
+    #[cfg(test)]
+    fn contains(&self, tip: u64) -> bool {
         self.went.contains_key(&tip)
     }
 
@@ -72,10 +73,9 @@ impl Tips {
             .iter()
             .rev()
             .find_map(|h| self.went.get(h).map(|&t| (*h, t)))?;
-        let conversation = warm.iter().copied().find(|&h| self.contains(h))?;
         Some(Continuation {
             tip,
-            conversation,
+            conversation: turn.conversation,
             from: turn.replica,
             prompt_bytes: turn.prompt_bytes,
             prompt_tokens: turn.prompt_tokens,
@@ -83,8 +83,15 @@ impl Tips {
     }
 
     /// `tip` is now the latest turn of a conversation on `replica`, a
-    /// prompt of `prompt_bytes`.
-    pub(crate) fn record(&mut self, tip: u64, replica: ReplicaKey, prompt_bytes: u64) {
+    /// prompt of `prompt_bytes`, continuing `previous` (else it starts
+    /// its conversation).
+    pub(crate) fn record(
+        &mut self,
+        tip: u64,
+        replica: ReplicaKey,
+        prompt_bytes: u64,
+        previous: Option<&Continuation>,
+    ) {
         if let Some(old) = self.recency.touch_evicting(tip) {
             self.went.remove(&old);
         }
@@ -94,6 +101,7 @@ impl Tips {
                 replica,
                 prompt_bytes,
                 prompt_tokens: None,
+                conversation: previous.map_or(tip, |c| c.conversation),
             },
         );
     }
@@ -121,10 +129,12 @@ mod tests {
     }
 
     #[test]
-    fn the_deepest_tip_is_the_previous_turn_and_the_earliest_the_conversation() {
+    fn the_deepest_tip_is_the_previous_turn_and_the_first_names_the_conversation() {
         let mut tips = Tips::new(16);
-        tips.record(3, key(1), 3 * 2048);
-        tips.record(6, key(2), 6 * 2048 + 100);
+        tips.record(3, key(1), 3 * 2048, None);
+        let turn1 = tips.continued(&[1, 2, 3, 4]).unwrap();
+        assert_eq!((turn1.tip, turn1.conversation), (3, 3));
+        tips.record(6, key(2), 6 * 2048 + 100, Some(&turn1));
         // Its answer's usage names its size in the engine's tokens (only
         // from the replica it went to).
         tips.note_tokens(6, key(1), 99);
@@ -142,7 +152,7 @@ mod tests {
         );
         assert_eq!(tips.continued(&[1, 2]), None);
         // Recorded again elsewhere: the latest replica wins.
-        tips.record(6, key(1), 6 * 2048 + 100);
+        tips.record(6, key(1), 6 * 2048 + 100, None);
         assert_eq!(tips.continued(&[3, 6]).unwrap().from, key(1));
     }
 
@@ -150,7 +160,7 @@ mod tests {
     fn tips_are_bounded_and_the_oldest_is_forgotten_first() {
         let mut tips = Tips::new(4);
         for t in 0..10 {
-            tips.record(t, key(1), 2048);
+            tips.record(t, key(1), 2048, None);
         }
         assert_eq!(tips.len(), 4);
         assert!(!tips.contains(5));

@@ -106,7 +106,7 @@ pub struct Prediction {
     pub prompt_bytes: u64,
     /// Set when the prompt continues an earlier one (its previous turn, read
     /// in full by the engine that served it): the conversation's name, the
-    /// same for all its turns (the earliest tip its prompt passes).
+    /// same for all its turns (its first turn's tip, handed on turn to turn).
     pub conversation: Option<u64>,
     /// The answer may be compared with this prediction: the request was
     /// hashed and uses the engine's shared prompt cache (see

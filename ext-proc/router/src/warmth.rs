@@ -81,7 +81,7 @@ impl Hasher for BlockHasher {
     }
 }
 
-type BlockMap<V> = HashMap<u64, V, BlockHashState>;
+pub(crate) type BlockMap<V> = HashMap<u64, V, BlockHashState>;
 
 const NIL: u32 = u32::MAX;
 

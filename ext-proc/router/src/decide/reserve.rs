@@ -91,7 +91,12 @@ pub(crate) fn reserve(
     fleet.peers.note_decision(chosen, &req.hashes, tip);
     let state = &mut fleet.state;
     if let Some(tip) = tip {
-        tips.record(tip, fleet.replicas[chosen].key(), req.prompt_bytes);
+        tips.record(
+            tip,
+            fleet.replicas[chosen].key(),
+            req.prompt_bytes,
+            warm.continued.as_ref(),
+        );
         if let Some(previous) = warm.continued {
             for s in state.iter_mut() {
                 s.resident.remove(previous.tip);
