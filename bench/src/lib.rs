@@ -35,4 +35,5 @@ pub mod serve;
 pub mod sidecar;
 pub mod sim;
 pub mod soak;
+pub mod vllm;
 pub mod workload;
