@@ -41,4 +41,5 @@ pub mod sidecar;
 pub mod sim;
 pub mod soak;
 pub mod stack;
+pub mod vllm;
 pub mod workload;

