@@ -206,13 +206,13 @@ async fn vllm_conversations_stay_warm_and_the_sidecar_reads_the_engines_metrics(
         assert!(r.health.credentials_error.is_none(), "{r:?}");
     }
 
-    // Four conversations, one turn each in rotation, three turns each.
+    // Four conversations, one turn each in rotation, four turns each.
     let mut sessions: Vec<Session> = (100..104).map(Session::new).collect();
     let mut homes = Vec::new();
     for s in sessions.iter_mut() {
         homes.push(s.turn(fleet, block, &[]).await);
     }
-    for turn in 2..=3 {
+    for turn in 2..=4 {
         for (s, home) in sessions.iter_mut().zip(&homes) {
             let engine = s.turn(fleet, block, &[]).await;
             assert_eq!(&engine, home, "{} moved in turn {turn}", s.label);
@@ -232,6 +232,19 @@ async fn vllm_conversations_stay_warm_and_the_sidecar_reads_the_engines_metrics(
         assert!(r.usage.cached_tokens_total > 0, "{r:?}");
         assert!(r.usage.bytes_per_token.is_some(), "{r:?}");
         assert_eq!(r.usage.restarts_total, 0, "{r:?}");
+    }
+    // What the decisions predicted from cache against what the engines
+    // served: the previous turn's whole prompt in the engine's tokens, in
+    // whole blocks once the replica's reports showed its block size.
+    let (_, m) = fleet.admin_get("/metrics").await.unwrap();
+    let sample = |name: &str| hearth_e2e::metric_sample(&m, name).unwrap_or(0.0);
+    let compared = sample("hearth_prediction_error_count");
+    assert!(compared >= 16.0, "{compared} answers compared:\n{m}");
+    let mean = sample("hearth_prediction_error_sum") / compared;
+    eprintln!("mean |predicted - served| / prompt: {mean:.4} over {compared} answers");
+    assert!(mean < 0.05, "mean prediction error {mean:.3}:\n{m}");
+    for r in &s.replicas {
+        assert_eq!(r.usage.cache_granularity_tokens, Some(block), "{r:?}");
     }
 
     // Queue, running and KV usage as the engine reports them: more
