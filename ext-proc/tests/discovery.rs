@@ -295,6 +295,20 @@ async fn readiness_waits_for_the_first_list_and_a_lost_api_keeps_the_last_one() 
     assert_eq!(state["upstreams"]["source"]["connected"], false);
     assert!(state["upstreams"]["source"]["error"].is_string(), "{state}");
     assert_eq!(http_health(&sidecar).await, "degraded");
+    let metrics = reqwest::get(format!("http://{}/metrics", sidecar.admin_addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("\nhearth_replica_source_connected 0"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("\nhearth_replica_source_disconnects_total 2\n"),
+        "{metrics}"
+    );
     assert_eq!(listed(&sidecar), pairs(&[("a", "127.0.0.11:8000")]));
     assert_eq!(
         grpc_health(&sidecar, "readiness").await,

@@ -420,6 +420,16 @@ const FLEET_SERIES: &[Scraped<FleetView>] = &[
         |f| f.snap.upstreams.reload_errors_total,
     ),
     gauge(
+        "hearth_replica_source_connected",
+        "1 while the replica list's source (HEARTH_DISCOVERY's Kubernetes API, or the list or file) is reachable; 0: the last list is kept until it is",
+        |f| flag(f.snap.upstreams.source.connected),
+    ),
+    counter(
+        "hearth_replica_source_disconnects",
+        "Times the replica list's source was lost (a Kubernetes API connection, for discovery)",
+        |f| f.snap.upstreams.source.disconnects_total,
+    ),
+    gauge(
         "hearth_draining_in_flight",
         "Requests still running on replicas a reload removed",
         |f| f64::from(f.snap.upstreams.draining_in_flight),
