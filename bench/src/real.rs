@@ -445,6 +445,10 @@ pub struct Summary {
     /// Prompt and cached tokens the sidecar counted from the engines'
     /// answers (`/metrics`, hearth only), against the turns' own.
     pub sidecar_usage: Option<(u64, u64)>,
+    /// The sidecar's `hearth_prediction_error`: answers compared, and the
+    /// mean `|predicted - served cached tokens| / prompt tokens` (hearth
+    /// only).
+    pub prediction_error: Option<(u64, f64)>,
     /// Prompt and cached tokens of the answered turns, from their usage.
     pub answered_usage: (u64, u64),
 }
@@ -516,6 +520,7 @@ pub fn summarize(policy: &str, records: &[TurnRecord], engines: usize, wall_s: f
         per_engine,
         probes: None,
         sidecar_usage: None,
+        prediction_error: None,
         answered_usage: ok
             .iter()
             .filter_map(|r| Some((r.prompt_tokens?, r.cached_tokens?)))
@@ -752,6 +757,25 @@ async fn usage_counted(admin: SocketAddr) -> Option<(u64, u64)> {
     ))
 }
 
+/// The sidecar's `hearth_prediction_error` histogram: its count, and its
+/// sum over its count.
+async fn prediction_error(admin: SocketAddr) -> Option<(u64, f64)> {
+    let text = reqwest::get(format!("http://{admin}/metrics"))
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    let count = value("hearth_prediction_error_count")?;
+    let sum = value("hearth_prediction_error_sum")?;
+    Some((count as u64, sum / count.max(1.0)))
+}
+
 /// The sum of the sidecar's `hearth_probes_total` counters.
 async fn probes_sent(admin: SocketAddr) -> Option<u64> {
     let text = reqwest::get(format!("http://{admin}/metrics"))
@@ -868,6 +892,7 @@ async fn run_policy(
             _ => None,
         };
         summary.sidecar_usage = usage_counted(admin).await;
+        summary.prediction_error = prediction_error(admin).await;
         journal = decisions(admin, records.len()).await;
         state = stack.state_json().await.ok();
     }
@@ -969,6 +994,13 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
         println!("\nhearth: the sidecar sent {p} active probes to the engines during its run");
     }
     for r in &summaries {
+        if let Some((n, mean)) = r.prediction_error {
+            println!(
+                "{}: hearth_prediction_error: mean |predicted - served cached tokens| / prompt tokens {:.2}% over {n} answers",
+                r.policy,
+                100.0 * mean
+            );
+        }
         if let Some((prompt, cached)) = r.sidecar_usage {
             let share = |c: u64, p: u64| 100.0 * c as f64 / p.max(1) as f64;
             let (ap, ac) = r.answered_usage;
