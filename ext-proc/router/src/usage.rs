@@ -348,10 +348,7 @@ impl UsageTally {
             };
             self.shrink_window = Some((since, before));
             let floor = (before as f64 * SHRINK_FLOOR_PER_MINUTE).ceil() as usize;
-            let capacity = depth
-                .max(held * 9 / 10)
-                .max(MIN_WARMTH_BLOCKS.min(limit))
-                .max(floor);
+            let capacity = depth.max(held * 9 / 10).max(MIN_WARMTH_BLOCKS).max(floor);
             (capacity < warmth.capacity()).then(|| {
                 warmth.set_capacity(capacity);
                 self.shrinks += 1;
@@ -371,9 +368,6 @@ impl UsageTally {
 
 /// Blocks of the warmth index that `kv_tokens` tokens of an engine's KV
 /// cache hold, at `bytes_per_token` (shared by `ranks` routing targets).
-/// What the engine says it holds is taken as it is, however small (at
-/// least one block): [`MIN_WARMTH_BLOCKS`] bounds only what corrections
-/// infer from answers.
 pub fn blocks_for_tokens(
     kv_tokens: f64,
     bytes_per_token: f64,
@@ -381,7 +375,7 @@ pub fn blocks_for_tokens(
     ranks: f64,
 ) -> usize {
     let blocks = kv_tokens / ranks.max(1.0) * bytes_per_token / block_size.max(1) as f64;
-    (blocks as usize).max(1)
+    (blocks as usize).max(MIN_WARMTH_BLOCKS)
 }
 
 /// Answers served from cache before a replica's granularity is used: one

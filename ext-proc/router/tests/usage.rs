@@ -264,12 +264,6 @@ fn an_engine_that_reports_its_kv_capacity_sizes_the_index() {
     let s = replica(&r, 0);
     assert_eq!((s.warmth_blocks, s.warmth_capacity), (500, 500));
 
-    // A small engine is taken at its word: 4,224 tokens (33 blocks of
-    // 128) hold 8 of the index's 2 KiB blocks, not a floor of 64.
-    let b = "127.0.0.1:2".parse().unwrap();
-    r.set_engine_signals(b, engine(Some(4_224.0), 10.0, 1_000.0));
-    assert_eq!(replica(&r, 1).warmth_capacity, 8);
-
     // An operator's HEARTH_WARMTH_BLOCKS wins over what the engine says.
     let fixed = fleet(|p| p.warmth_from_engine = false);
     fixed.set_engine_signals(a, engine(Some(256_000.0), 10.0, 1_000.0));
