@@ -737,35 +737,35 @@ async fn decisions(admin: SocketAddr, limit: usize) -> Option<Value> {
     Some(v["decisions"].clone())
 }
 
-/// The sums of the sidecar's per-replica prompt and cached token counters.
-async fn usage_counted(admin: SocketAddr) -> Option<(u64, u64)> {
-    let text = reqwest::get(format!("http://{admin}/metrics"))
+/// The sidecar's `/metrics` page.
+async fn metrics(admin: SocketAddr) -> Option<String> {
+    reqwest::get(format!("http://{admin}/metrics"))
         .await
         .ok()?
         .text()
         .await
-        .ok()?;
-    let sum = |name: &str| {
-        text.lines()
-            .filter(|l| l.starts_with(name))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>() as u64
-    };
-    Some((
-        sum("hearth_replica_prompt_tokens_total{"),
-        sum("hearth_replica_cached_tokens_total{"),
-    ))
+        .ok()
+}
+
+/// The sum of the samples of every series starting with `prefix`.
+fn sum_of(text: &str, prefix: &str) -> u64 {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// The sums of the sidecar's per-replica prompt and cached token counters.
+fn usage_counted(text: &str) -> (u64, u64) {
+    (
+        sum_of(text, "hearth_replica_prompt_tokens_total{"),
+        sum_of(text, "hearth_replica_cached_tokens_total{"),
+    )
 }
 
 /// The sidecar's `hearth_prediction_error` histogram: its count, and its
 /// sum over its count.
-async fn prediction_error(admin: SocketAddr) -> Option<(u64, f64)> {
-    let text = reqwest::get(format!("http://{admin}/metrics"))
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
+fn prediction_error(text: &str) -> Option<(u64, f64)> {
     let value = |name: &str| {
         text.lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
@@ -777,19 +777,8 @@ async fn prediction_error(admin: SocketAddr) -> Option<(u64, f64)> {
 }
 
 /// The sum of the sidecar's `hearth_probes_total` counters.
-async fn probes_sent(admin: SocketAddr) -> Option<u64> {
-    let text = reqwest::get(format!("http://{admin}/metrics"))
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
-    Some(
-        text.lines()
-            .filter(|l| l.starts_with("hearth_probes_total"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>() as u64,
-    )
+fn probes_sent(text: &str) -> u64 {
+    sum_of(text, "hearth_probes_total")
 }
 
 /// The command line as given, with credentials hidden.
@@ -860,7 +849,7 @@ async fn run_policy(
     let hearth = policy == Policy::Hearth;
     let admin = stack.admin();
     let probes_before = match hearth {
-        true => probes_sent(admin).await,
+        true => metrics(admin).await.as_deref().map(probes_sent),
         false => None,
     };
     let client = Arc::new(Client {
@@ -886,13 +875,16 @@ async fn run_policy(
     let mut summary = summarize(policy.name(), &records, args.engines.len(), wall);
     let (mut journal, mut state) = (None, None);
     if hearth {
-        summary.probes = match (probes_before, probes_sent(admin).await) {
+        // One scrape for every figure read after the run.
+        let after = metrics(admin).await;
+        let after = after.as_deref();
+        summary.probes = match (probes_before, after.map(probes_sent)) {
             (Some(a), Some(b)) => Some(b.saturating_sub(a)),
             (None, b) => b,
             _ => None,
         };
-        summary.sidecar_usage = usage_counted(admin).await;
-        summary.prediction_error = prediction_error(admin).await;
+        summary.sidecar_usage = after.map(usage_counted);
+        summary.prediction_error = after.and_then(prediction_error);
         journal = decisions(admin, records.len()).await;
         state = stack.state_json().await.ok();
     }
