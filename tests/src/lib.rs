@@ -230,6 +230,20 @@ impl std::ops::DerefMut for Fleet {
 }
 
 impl Fleet {
+    /// The gateway (the sidecar with `sidecar_flags`, Envoy) in front of
+    /// engines already running, each named by its replica id.
+    pub async fn in_front_of(
+        engines: impl IntoIterator<Item = (String, SocketAddr)>,
+        sidecar_flags: &[&str],
+    ) -> anyhow::Result<Fleet> {
+        Fleet::start(FleetOptions {
+            sidecar_flags: sidecar_flags.iter().map(|s| s.to_string()).collect(),
+            external_engines: engines.into_iter().collect(),
+            ..FleetOptions::default()
+        })
+        .await
+    }
+
     pub async fn start(opts: FleetOptions) -> anyhow::Result<Fleet> {
         let external = !opts.external_engines.is_empty();
         let builder = if external {
@@ -480,15 +494,8 @@ impl LlamaFleet {
             })
         }))
         .await?;
-        let fleet = Fleet::start(FleetOptions {
-            sidecar_flags: sidecar_flags.iter().map(|s| s.to_string()).collect(),
-            external_engines: engines
-                .iter()
-                .map(|e| (e.config().alias.clone(), e.addr))
-                .collect(),
-            ..FleetOptions::default()
-        })
-        .await?;
+        let named = engines.iter().map(|e| (e.config().alias.clone(), e.addr));
+        let fleet = Fleet::in_front_of(named, sidecar_flags).await?;
         Ok(LlamaFleet { fleet, engines })
     }
 

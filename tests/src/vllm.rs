@@ -3,7 +3,7 @@
 
 use hearth_bench::vllm::{VllmConfig, VllmInstall, VllmServer};
 
-use crate::{Fleet, FleetOptions};
+use crate::Fleet;
 
 /// The model name clients ask every vLLM replica for (each also answers to
 /// its replica id, which it reports as the answer's `model`).
@@ -80,15 +80,10 @@ impl VllmFleet {
             })
         }))
         .await?;
-        let fleet = Fleet::start(FleetOptions {
-            sidecar_flags: sidecar_flags.iter().map(|s| s.to_string()).collect(),
-            external_engines: engines
-                .iter()
-                .map(|e| (e.config().served_model_name.clone(), e.addr))
-                .collect(),
-            ..FleetOptions::default()
-        })
-        .await?;
+        let named = engines
+            .iter()
+            .map(|e| (e.config().served_model_name.clone(), e.addr));
+        let fleet = Fleet::in_front_of(named, sidecar_flags).await?;
         Ok(VllmFleet { fleet, engines })
     }
 
