@@ -23,6 +23,9 @@ use crate::warmth::{BlockMap, LruBlocks};
 pub struct Continuation {
     /// The previous turn's tip (the deepest tip in the prompt's warm part).
     pub tip: u64,
+    /// Leading blocks of this prompt up to and including that tip: a
+    /// replica whose overlap reaches this far read the previous turn.
+    pub depth: usize,
     /// The conversation, named by its first turn's tip.
     pub conversation: u64,
     /// The replica the previous turn went to (by this sidecar's decision
@@ -69,12 +72,14 @@ impl Tips {
     /// The turn `warm` (a prompt's leading blocks that some candidate
     /// holds) continues, if any.
     pub(crate) fn continued(&self, warm: &[u64]) -> Option<Continuation> {
-        let (tip, turn) = warm
+        let (depth, tip, turn) = warm
             .iter()
+            .enumerate()
             .rev()
-            .find_map(|h| self.went.get(h).map(|&t| (*h, t)))?;
+            .find_map(|(j, h)| self.went.get(h).map(|&t| (j + 1, *h, t)))?;
         Some(Continuation {
             tip,
+            depth,
             conversation: turn.conversation,
             from: turn.replica,
             prompt_bytes: turn.prompt_bytes,
@@ -144,6 +149,7 @@ mod tests {
             c,
             Continuation {
                 tip: 6,
+                depth: 6,
                 conversation: 3,
                 from: key(2),
                 prompt_bytes: 6 * 2048 + 100,

@@ -207,7 +207,7 @@ impl Router {
         let block_bytes = u64::from(picked.overlap) * self.params.block_size as u64;
         let previous = warm
             .continued
-            .filter(|c| c.from == key && req.hashes[..picked.overlap as usize].contains(&c.tip));
+            .filter(|c| c.from == key && c.depth <= picked.overlap as usize);
         let (held_bytes, held_tokens) = match previous {
             Some(c) if c.prompt_bytes > block_bytes => (c.prompt_bytes, c.prompt_tokens),
             _ => (block_bytes, None),
