@@ -125,6 +125,11 @@ pub(crate) struct ReplicaState {
     /// The largest its warmth index may grow: `HEARTH_WARMTH_BLOCKS`, or
     /// what the engine says its KV cache holds.
     pub(crate) warmth_limit: usize,
+    /// What the engine says its KV cache holds, in warmth blocks (none
+    /// when it does not say): an index larger than this (the floor keeps
+    /// affinity beyond the engine's cache) predicts from what an LRU of
+    /// this size would hold ([`crate::warmth::LruBlocks::held_within`]).
+    pub(crate) engine_blocks: Option<usize>,
     /// Requests in flight here through the peer sidecars, and their load
     /// (the sum of their latest figures; see [`crate::peers`]).
     pub(crate) peer_in_flight: u32,
@@ -150,6 +155,7 @@ impl ReplicaState {
             resident: Residents::default(),
             usage: UsageTally::default(),
             warmth_limit: warmth_blocks,
+            engine_blocks: None,
             peer_in_flight: 0,
             peer_load: 0.0,
         }

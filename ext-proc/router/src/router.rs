@@ -13,7 +13,8 @@ use crate::params::RouterParams;
 use crate::replica::{targets, ProbeTarget, ReloadSummary, Replica, ReplicaKey, UpstreamSpec};
 use crate::tips::Tips;
 use crate::usage::{
-    blocks_for_tokens, Correction, Prediction, Served, Usage, DEFAULT_BYTES_PER_TOKEN,
+    blocks_for_tokens, engine_blocks, Correction, Prediction, Served, Usage,
+    DEFAULT_BYTES_PER_TOKEN,
 };
 
 /// Called with the replica list's new version after a reload changed it.
@@ -193,12 +194,15 @@ impl Router {
                 // the index takes that size when first told (or after a
                 // restart), and never exceeds it; in between, the answers'
                 // corrections move it below.
+                let bpt = s.usage.bytes_per_token.unwrap_or(DEFAULT_BYTES_PER_TOKEN);
+                s.engine_blocks = signals
+                    .kv_capacity_tokens
+                    .map(|kv| engine_blocks(kv, bpt, self.params.block_size, ranks));
                 let told = signals
                     .kv_capacity_tokens
                     .filter(|_| self.params.warmth_from_engine);
                 if let Some(kv) = told {
                     let first = s.engine.is_none_or(|e| e.kv_capacity_tokens.is_none());
-                    let bpt = s.usage.bytes_per_token.unwrap_or(DEFAULT_BYTES_PER_TOKEN);
                     s.warmth_limit = blocks_for_tokens(kv, bpt, self.params.block_size, ranks);
                     if first || restarted || s.warmth.capacity() > s.warmth_limit {
                         s.warmth.set_capacity(s.warmth_limit);

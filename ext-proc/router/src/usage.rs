@@ -4,7 +4,11 @@
 //! Every OpenAI-compatible engine can say in an answer's `usage` how many
 //! prompt tokens it read from its cache
 //! (`prompt_tokens_details.cached_tokens`). The decision predicted that
-//! number: the chosen replica's overlap, in blocks. The router
+//! number: the chosen replica's overlap, in blocks, or, when its engine
+//! says its KV cache holds fewer blocks than the index, what an LRU of
+//! the engine's size would hold of the prompt
+//! ([`crate::warmth::LruBlocks::held_within`]: the index keeps affinity
+//! beyond the engine's cache, the prediction does not). The router
 //! compares the two, per replica
 //! ([`crate::Router::record_usage`] takes the report):
 //!
@@ -90,7 +94,8 @@ pub struct Prediction {
     /// Its address and rank (a reload may have reused the slot by the time
     /// the answer comes).
     pub key: ReplicaKey,
-    /// Leading blocks of the prompt it held.
+    /// Leading blocks of the prompt its engine holds: the overlap, or
+    /// what an LRU of the engine's reported size holds of it.
     pub blocks: u32,
     /// Prompt bytes it holds: its blocks, or, when it served the previous
     /// turn of the conversation, all of that turn's prompt (the partial
@@ -374,8 +379,13 @@ pub fn blocks_for_tokens(
     block_size: usize,
     ranks: f64,
 ) -> usize {
-    let blocks = kv_tokens / ranks.max(1.0) * bytes_per_token / block_size.max(1) as f64;
-    (blocks as usize).max(MIN_WARMTH_BLOCKS)
+    engine_blocks(kv_tokens, bytes_per_token, block_size, ranks).max(MIN_WARMTH_BLOCKS)
+}
+
+/// The warmth blocks `kv_tokens` tokens of an engine's KV cache hold
+/// (shared by `ranks` routing targets), without the index's floor.
+pub fn engine_blocks(kv_tokens: f64, bytes_per_token: f64, block_size: usize, ranks: f64) -> usize {
+    (kv_tokens / ranks.max(1.0) * bytes_per_token / block_size.max(1) as f64) as usize
 }
 
 /// Answers served from cache before a replica's granularity is used: one

@@ -338,9 +338,14 @@ impl LruBlocks {
     /// block stamped then would sit now. Walks from the head, so it costs
     /// the answer.
     pub fn newer_than(&self, stamp: u32) -> usize {
+        self.newer_than_up_to(stamp, usize::MAX)
+    }
+
+    /// [`LruBlocks::newer_than`], counting no further than `limit`.
+    fn newer_than_up_to(&self, stamp: u32, limit: usize) -> usize {
         let mut n = 0;
         let mut at = self.head;
-        while at != NIL {
+        while at != NIL && n < limit {
             let age = self.stamps[at as usize].wrapping_sub(stamp);
             if age == 0 || age > u32::MAX / 2 {
                 break;
@@ -349,6 +354,38 @@ impl LruBlocks {
             at = self.nodes[at as usize].next;
         }
         n
+    }
+
+    /// Of the first `overlap` blocks of `hashes` (present here), the leading
+    /// ones a smaller LRU of `room` blocks, fed the same uses, would still
+    /// hold: those after whose last use fewer than `room` other blocks were
+    /// used (an LRU holds exactly its `room` most recent blocks, and the
+    /// blocks used after a present one are all still here). Prompts come
+    /// through [`LruBlocks::record_prompt`], last block first, so along a
+    /// chain a deeper block is never more recent than a shallower one and
+    /// what the smaller LRU holds is a prefix: a binary search finds it.
+    /// Costs at most `room` steps per probe, nothing when `room` is at
+    /// least this LRU's capacity.
+    pub fn held_within(&self, hashes: &[u64], overlap: usize, room: usize) -> usize {
+        let overlap = overlap.min(hashes.len());
+        if room >= self.capacity {
+            return overlap;
+        }
+        let held = |k: usize| {
+            self.stamp(hashes[k])
+                .is_some_and(|s| self.newer_than_up_to(s, room) < room)
+        };
+        // hashes[..lo] are held, hashes[hi..overlap] are not.
+        let (mut lo, mut hi) = (0, overlap);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if held(mid) {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
     }
 
     fn push_front(&mut self, slot: u32) {
@@ -498,6 +535,33 @@ mod tests {
                 );
                 lru.record_prompt(&p);
                 prompts.push(p);
+            }
+        }
+
+        #[test]
+        fn what_a_smaller_lru_holds_is_read_from_the_larger_one(
+            room in 1usize..24,
+            ops in proptest::collection::vec((0usize..8, 0usize..12, proptest::collection::vec(0u64..4, 0..10)), 1..60),
+        ) {
+            // The same prompts through an index of 64 blocks and through
+            // an LRU of `room` blocks: what the small one holds of each
+            // prompt is what `held_within` reads from the large one.
+            let mut large = LruBlocks::new(64);
+            let mut small = LruBlocks::new(room);
+            let mut prompts: Vec<Vec<u64>> = vec![Vec::new()];
+            for (base, cut, extra) in ops {
+                let base = &prompts[base % prompts.len()];
+                let p = chain(&base[..cut.min(base.len())], &extra);
+                large.record_prompt(&p);
+                small.record_prompt(&p);
+                prompts.push(p);
+                for q in &prompts {
+                    let overlap = large.leading_overlap(q);
+                    proptest::prop_assert_eq!(
+                        large.held_within(q, overlap, room),
+                        small.leading_overlap(q).min(overlap)
+                    );
+                }
             }
         }
 

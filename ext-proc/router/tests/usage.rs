@@ -428,3 +428,49 @@ fn predictions_include_the_partial_block_in_the_engines_tokens_and_blocks() {
     );
     assert_eq!(snap.usage.cache_granularity_tokens, Some(128));
 }
+
+#[test]
+fn an_engine_smaller_than_the_index_is_predicted_by_what_an_lru_its_size_holds() {
+    let r = fleet_of("127.0.0.1:1", |_| {});
+    // 5,120 tokens at four bytes a token: 10 blocks, where the index keeps
+    // at least 64 (affinity outlives the engine's cache).
+    let a = "127.0.0.1:1".parse().unwrap();
+    r.set_engine_signals(a, engine(Some(5_120.0), 10.0, 1_000.0));
+    assert_eq!(replica(&r, 0).warmth_capacity, 64);
+    // Conversations of a shared 2-block prompt and 3 blocks of their own.
+    let shared = [7, 8];
+    let own = |k: u64| -> Vec<u64> {
+        let mut c = shared.to_vec();
+        c.extend(conversation(1_000 * k, 3));
+        c
+    };
+    let first = own(1);
+    drop(r.decide(&req(&first)).unwrap());
+    // One other conversation since (5 blocks used after it): an LRU of 10
+    // still holds all of it, and the prediction is the whole previous
+    // prompt.
+    drop(r.decide(&req(&own(2))).unwrap());
+    let mut next = first.clone();
+    next.push(99);
+    let d = r.decide(&req(&next)).unwrap();
+    assert!(d.continues());
+    assert_eq!((d.overlap, d.prediction.blocks), (5, 5));
+    assert_eq!(d.prediction.held_bytes, 5 * 2048);
+    drop(d);
+    // Three more conversations: 9 blocks of their own and the shared two
+    // after this one's: the engine kept the shared prompt only. Routing
+    // still sees the whole conversation; the prediction does not.
+    for k in 3..6 {
+        drop(r.decide(&req(&own(k))).unwrap());
+    }
+    next.push(100);
+    let d = r.decide(&req(&next)).unwrap();
+    assert!(d.continues());
+    assert_eq!((d.overlap, d.prediction.blocks), (6, 2));
+    assert_eq!(d.prediction.held_bytes, 2 * 2048);
+    // Served as predicted: no miss, nothing corrected.
+    let served = d.record_usage(usage(next.len(), 2)).unwrap();
+    assert_eq!(served.predicted_tokens, Some(2 * 512));
+    assert_eq!(served.correction, None);
+    assert_eq!(replica(&r, 0).warmth_capacity, 64);
+}

@@ -174,11 +174,22 @@ impl Router {
         let warm = overlap::measure(self, fleet, &tips, req, admitted, known);
         let scored = policy::score(self, fleet, &warm, now);
         let picked = pick::pick(self, fleet, req, &warm, &scored);
+        // What the chosen replica's engine still holds of the prompt: the
+        // index may outlive the engine's cache (its floor), and then an
+        // LRU of the engine's size tells what is left.
+        let chosen = picked.order[0];
+        let held = match fleet.state[chosen].engine_blocks {
+            Some(room) => {
+                fleet.state[chosen]
+                    .warmth
+                    .held_within(&req.hashes, picked.overlap as usize, room)
+            }
+            None => picked.overlap as usize,
+        };
         // When the chosen replica last used the deepest block it holds of
         // this prompt: how deep that block sat, should the engine not
         // have it (see `usage`).
-        let chosen = picked.order[0];
-        let stamp = (picked.overlap as usize)
+        let stamp = held
             .checked_sub(1)
             .and_then(|k| req.hashes.get(k))
             .and_then(|&h| fleet.state[chosen].warmth.stamp(h));
@@ -204,10 +215,8 @@ impl Router {
         // turn's prompt when it served that turn (engines keep the partial
         // last block a fingerprint cannot name).
         let key = replicas[chosen].key();
-        let block_bytes = u64::from(picked.overlap) * self.params.block_size as u64;
-        let previous = warm
-            .continued
-            .filter(|c| c.from == key && c.depth <= picked.overlap as usize);
+        let block_bytes = held as u64 * self.params.block_size as u64;
+        let previous = warm.continued.filter(|c| c.from == key && c.depth <= held);
         let (held_bytes, held_tokens) = match previous {
             Some(c) if c.prompt_bytes > block_bytes => (c.prompt_bytes, c.prompt_tokens),
             _ => (block_bytes, None),
@@ -215,7 +224,7 @@ impl Router {
         let prediction = Prediction {
             replica: chosen,
             key,
-            blocks: picked.overlap,
+            blocks: held as u32,
             held_bytes: held_bytes.min(req.prompt_bytes.max(block_bytes)),
             held_tokens,
             tip: reservation.tip,
