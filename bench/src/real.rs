@@ -446,9 +446,9 @@ pub struct Summary {
     /// answers (`/metrics`, hearth only), against the turns' own.
     pub sidecar_usage: Option<(u64, u64)>,
     /// The sidecar's `hearth_prediction_error`: answers compared, and the
-    /// mean `|predicted - served cached tokens| / prompt tokens` (hearth
-    /// only).
-    pub prediction_error: Option<(u64, f64)>,
+    /// mean `|predicted - served cached tokens| / prompt tokens`, with the
+    /// cached tokens predicted and served over those answers (hearth only).
+    pub prediction_error: Option<PredictionScore>,
     /// Prompt and cached tokens of the answered turns, from their usage.
     pub answered_usage: (u64, u64),
 }
@@ -763,9 +763,22 @@ fn usage_counted(text: &str) -> (u64, u64) {
     )
 }
 
-/// The sidecar's `hearth_prediction_error` histogram: its count, and its
-/// sum over its count.
-fn prediction_error(text: &str) -> Option<(u64, f64)> {
+/// How the sidecar's predictions of cached tokens compared with what the
+/// engines served, over the answers it compared.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct PredictionScore {
+    pub answers: u64,
+    /// Mean `|predicted - served| / prompt tokens`.
+    pub mean_error: f64,
+    /// Cached tokens predicted and served, summed: which way it errs.
+    pub predicted_tokens: u64,
+    pub served_tokens: u64,
+}
+
+/// The sidecar's `hearth_prediction_error` histogram (its count, and its
+/// sum over its count) and its predicted and compared cached-token
+/// counters.
+fn prediction_error(text: &str) -> Option<PredictionScore> {
     let value = |name: &str| {
         text.lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
@@ -773,7 +786,12 @@ fn prediction_error(text: &str) -> Option<(u64, f64)> {
     };
     let count = value("hearth_prediction_error_count")?;
     let sum = value("hearth_prediction_error_sum")?;
-    Some((count as u64, sum / count.max(1.0)))
+    Some(PredictionScore {
+        answers: count as u64,
+        mean_error: sum / count.max(1.0),
+        predicted_tokens: sum_of(text, "hearth_replica_predicted_cached_tokens_total{"),
+        served_tokens: sum_of(text, "hearth_replica_compared_cached_tokens_total{"),
+    })
 }
 
 /// The sum of the sidecar's `hearth_probes_total` counters.
@@ -986,11 +1004,14 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
         println!("\nhearth: the sidecar sent {p} active probes to the engines during its run");
     }
     for r in &summaries {
-        if let Some((n, mean)) = r.prediction_error {
+        if let Some(p) = r.prediction_error {
             println!(
-                "{}: hearth_prediction_error: mean |predicted - served cached tokens| / prompt tokens {:.2}% over {n} answers",
+                "{}: hearth_prediction_error: mean |predicted - served cached tokens| / prompt tokens {:.2}% over {} answers; in all {} cached tokens predicted, {} served",
                 r.policy,
-                100.0 * mean
+                100.0 * p.mean_error,
+                p.answers,
+                p.predicted_tokens,
+                p.served_tokens
             );
         }
         if let Some((prompt, cached)) = r.sidecar_usage {
@@ -1293,5 +1314,24 @@ mod tests {
             line("x --set=HEARTH_PEERS_TOKEN=t --set HEARTH_ENGINE_API_KEY=k1"),
             "x --set=HEARTH_PEERS_TOKEN=*** --set HEARTH_ENGINE_API_KEY=***"
         );
+    }
+
+    #[test]
+    fn the_prediction_score_reads_the_histogram_and_both_counters() {
+        let scrape = "\
+hearth_prediction_error_sum 0.5
+hearth_prediction_error_count 10
+hearth_replica_predicted_cached_tokens_total{replica=\"replica-0\"} 1000
+hearth_replica_predicted_cached_tokens_total{replica=\"replica-1\"} 500
+hearth_replica_compared_cached_tokens_total{replica=\"replica-0\"} 1200
+hearth_replica_compared_cached_tokens_total{replica=\"replica-1\"} 256
+";
+        let p = prediction_error(scrape).unwrap();
+        assert_eq!(
+            (p.answers, p.predicted_tokens, p.served_tokens),
+            (10, 1500, 1456)
+        );
+        assert!((p.mean_error - 0.05).abs() < 1e-12);
+        assert_eq!(prediction_error("hearth_prediction_error_sum 0\n"), None);
     }
 }
