@@ -294,6 +294,8 @@ mod tests {
                 replica: 0,
                 key: ("127.0.0.1:1".parse().unwrap(), None),
                 blocks,
+                overlap: blocks,
+                mirrored: false,
                 held_bytes: u64::from(blocks) * 2048,
                 held_tokens: None,
                 tip: None,

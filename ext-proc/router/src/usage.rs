@@ -83,6 +83,14 @@ pub const SHRINK_FLOOR_PER_MINUTE: f64 = 0.5;
 /// The window of [`SHRINK_FLOOR_PER_MINUTE`].
 const SHRINK_WINDOW: Duration = Duration::from_secs(60);
 
+/// How far one answer moves a replica's room scale
+/// ([`UsageTally::engine_room`]): up by this share when the engine served
+/// more than a prediction its size cut short, down when it served less.
+pub const ROOM_STEP: f64 = 0.1;
+
+/// The room scale stays within this factor of the engine's figure.
+const ROOM_SCALE_MAX: f64 = 8.0;
+
 /// Weight of each new report in the bytes-per-token average.
 const BPT_WEIGHT: f64 = 0.05;
 
@@ -97,6 +105,12 @@ pub struct Prediction {
     /// Leading blocks of the prompt its engine holds: the overlap, or
     /// what an LRU of the engine's reported size holds of it.
     pub blocks: u32,
+    /// Leading blocks of the prompt the warmth index holds (at least
+    /// `blocks`).
+    pub overlap: u32,
+    /// `blocks` came from an LRU of the engine's size, smaller than the
+    /// index: the answer tells whether that size was right.
+    pub mirrored: bool,
     /// Prompt bytes it holds: its blocks, or, when it served the previous
     /// turn of the conversation, all of that turn's prompt (the partial
     /// last block too).
@@ -185,6 +199,10 @@ pub(crate) struct UsageTally {
     pub(crate) shrinks: u64,
     pub(crate) growths: u64,
     pub(crate) restarts: u64,
+    /// What the engine's reported KV capacity holds of prompts, as the
+    /// answers showed it, over what it holds in warmth blocks (see
+    /// [`UsageTally::engine_room`]).
+    pub(crate) room_scale: Option<f64>,
     /// Conversations whose continuing turns lost recent blocks since the
     /// last hit (each once, with when), and the capacity before the first.
     missed: Vec<(u64, Instant)>,
@@ -212,6 +230,10 @@ pub struct UsageSnapshot {
     /// The engine's cache granularity, in tokens, learnt from its reports
     /// (None before [`GRANULE_REPORTS`] answers served from cache).
     pub cache_granularity_tokens: Option<u64>,
+    /// What the engine's reported KV capacity held, in warmth blocks, per
+    /// block it says it has, as its answers showed (1 until they say
+    /// otherwise; `None` for an engine that reports no capacity).
+    pub engine_room_scale: Option<f64>,
     /// Warmth corrections: capacity shrunk, capacity grown, restarts seen.
     pub shrinks_total: u64,
     pub growths_total: u64,
@@ -232,6 +254,7 @@ impl UsageTally {
             bytes_per_token: self.bytes_per_token,
             cache_granularity_tokens: (self.granule_reports >= GRANULE_REPORTS)
                 .then_some(self.granule_gcd),
+            engine_room_scale: self.room_scale,
             shrinks_total: self.shrinks,
             growths_total: self.growths,
             restarts_total: self.restarts,
@@ -240,6 +263,17 @@ impl UsageTally {
 }
 
 impl UsageTally {
+    /// The blocks of this prompt's kind an engine whose KV capacity is
+    /// `engine_blocks` warmth blocks holds: that figure counts a block of
+    /// a prompt shared under a warmth block's size (a system prompt, a
+    /// harness) once per conversation, where the engine holds it once, and
+    /// counts nothing of a prompt's partial last block, which the engine
+    /// holds; the answers tell which weighs more ([`ROOM_STEP`]).
+    pub(crate) fn engine_room(&mut self, engine_blocks: usize) -> usize {
+        let scale = *self.room_scale.get_or_insert(1.0);
+        (engine_blocks as f64 * scale).round() as usize
+    }
+
     /// The engine's cache granularity in tokens (1 until learnt).
     fn granule(&self) -> u64 {
         if self.granule_reports >= GRANULE_REPORTS {
@@ -293,6 +327,18 @@ impl UsageTally {
         let granule = self.granule();
         let predicted = held.min(usage.prompt_tokens.saturating_sub(1)) / granule * granule;
         self.learn_granule(usage.cached_tokens);
+        if pr.mirrored {
+            // More than a block (of either kind) off: the engine's room
+            // was larger than the mirror's when it served more than a
+            // mirror-cut prediction, smaller when it served less.
+            let slack = granule.max((block / bpt).round() as u64);
+            let scale = self.room_scale.get_or_insert(1.0);
+            if usage.cached_tokens >= predicted + slack && pr.blocks < pr.overlap {
+                *scale = (*scale * (1.0 + ROOM_STEP)).min(ROOM_SCALE_MAX);
+            } else if usage.cached_tokens + slack <= predicted {
+                *scale = (*scale / (1.0 + ROOM_STEP)).max(1.0 / ROOM_SCALE_MAX);
+            }
+        }
         self.compared += 1;
         self.predicted_tokens += predicted;
         self.compared_cached_tokens += usage.cached_tokens;
@@ -422,6 +468,8 @@ mod tests {
             replica: 0,
             key: ("127.0.0.1:1".parse().unwrap(), None),
             blocks: 10,
+            overlap: 10,
+            mirrored: false,
             held_bytes: 10 * 2048,
             held_tokens: None,
             tip: None,

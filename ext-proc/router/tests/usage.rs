@@ -474,3 +474,82 @@ fn an_engine_smaller_than_the_index_is_predicted_by_what_an_lru_its_size_holds()
     assert_eq!(served.correction, None);
     assert_eq!(replica(&r, 0).warmth_capacity, 64);
 }
+
+/// Rounds of turns of `convs` conversations (a shared 2-block prompt and
+/// 3 blocks of their own, one block more each turn) on a one-replica
+/// fleet whose engine says its KV cache is 10 blocks; `serve` says what
+/// the engine served of each turn (its previous prompt's blocks, and the
+/// prompt's). Returns, per turn, the predicted and served cached tokens.
+fn mirrored_rounds(
+    r: &Arc<Router>,
+    convs: u64,
+    rounds: usize,
+    serve: impl Fn(usize, usize) -> u64,
+) -> Vec<(u64, u64)> {
+    let a = "127.0.0.1:1".parse().unwrap();
+    r.set_engine_signals(a, engine(Some(5_120.0), 10.0, 1_000.0));
+    let mut prompts: Vec<Vec<u64>> = (1..=convs)
+        .map(|k| {
+            let mut c = vec![7, 8];
+            c.extend(conversation(1_000 * k, 3));
+            c
+        })
+        .collect();
+    for p in &prompts {
+        let d = r.decide(&req(p)).unwrap();
+        d.record_usage(usage(p.len(), 0)).unwrap();
+    }
+    let mut out = Vec::new();
+    for round in 0..rounds {
+        for (k, p) in prompts.iter_mut().enumerate() {
+            let previous = p.len();
+            p.push(500_000 + (round * 100 + k) as u64);
+            let d = r.decide(&req(p)).unwrap();
+            assert!(d.continues());
+            let served = serve(previous, p.len());
+            let s = d.record_usage(usage(p.len(), served)).unwrap();
+            out.push((s.predicted_tokens.unwrap(), served * 512));
+        }
+    }
+    out
+}
+
+#[test]
+fn an_engine_that_holds_more_than_its_figure_says_widens_the_mirror() {
+    // The engine keeps every conversation's previous prompt (it holds
+    // what the shared prompt costs once, not once per conversation):
+    // the 10-block mirror cuts predictions three blocks short, and each
+    // such answer widens it. The conversations keep growing, so the
+    // mirror trails them, by a block at most.
+    let r = fleet_of("127.0.0.1:1", |_| {});
+    let turns = mirrored_rounds(&r, 3, 10, |previous, _| previous as u64);
+    let (p, s) = turns[0];
+    assert_eq!(s - p, 3 * 512, "at first the mirror cuts");
+    let last_round = &turns[turns.len() - 3..];
+    assert!(
+        last_round.iter().all(|(p, s)| p <= s && s - p <= 512),
+        "{last_round:?} (all: {turns:?})"
+    );
+    let scale = replica(&r, 0).usage.engine_room_scale.unwrap();
+    assert!(scale > 1.5, "{scale}");
+}
+
+#[test]
+fn an_engine_that_holds_less_than_its_figure_says_narrows_the_mirror() {
+    // Two conversations of 5-7 blocks fit a 10-block mirror, but the
+    // engine keeps only the shared prompt: predictions fall to it.
+    let r = fleet_of("127.0.0.1:1", |_| {});
+    let turns = mirrored_rounds(&r, 2, 12, |_, _| 2);
+    let (p, s) = turns[0];
+    assert!(
+        p > s,
+        "at first the mirror holds it all: {p} predicted, {s} served"
+    );
+    let last_round = &turns[turns.len() - 2..];
+    assert!(
+        last_round.iter().all(|(p, s)| p == s),
+        "{last_round:?} (all: {turns:?})"
+    );
+    let scale = replica(&r, 0).usage.engine_room_scale.unwrap();
+    assert!(scale < 1.0, "{scale}");
+}

@@ -178,12 +178,15 @@ impl Router {
         // index may outlive the engine's cache (its floor), and then an
         // LRU of the engine's size tells what is left.
         let chosen = picked.order[0];
-        let held = match fleet.state[chosen].engine_blocks {
-            Some(room) => {
-                fleet.state[chosen]
-                    .warmth
-                    .held_within(&req.hashes, picked.overlap as usize, room)
-            }
+        let state = &mut fleet.state[chosen];
+        let room = state
+            .engine_blocks
+            .map(|b| state.usage.engine_room(b))
+            .filter(|&room| room < state.warmth.capacity());
+        let held = match room {
+            Some(room) => state
+                .warmth
+                .held_within(&req.hashes, picked.overlap as usize, room),
             None => picked.overlap as usize,
         };
         // When the chosen replica last used the deepest block it holds of
@@ -225,6 +228,8 @@ impl Router {
             replica: chosen,
             key,
             blocks: held as u32,
+            overlap: picked.overlap,
+            mirrored: room.is_some(),
             held_bytes: held_bytes.min(req.prompt_bytes.max(block_bytes)),
             held_tokens,
             tip: reservation.tip,
