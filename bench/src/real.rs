@@ -431,6 +431,10 @@ pub struct Summary {
     pub computed_tokens: u64,
     pub ttft_p50_s: f64,
     pub ttft_p90_s: f64,
+    /// The same on turns after the first: what routing can change (a first
+    /// turn finds only the shared harness wherever it goes).
+    pub ttft_later_p50_s: f64,
+    pub ttft_later_p90_s: f64,
     /// Share of turns after the first served by the engine that served the
     /// conversation's previous answered turn.
     pub stay_rate: Option<f64>,
@@ -471,6 +475,12 @@ pub fn summarize(policy: &str, records: &[TurnRecord], engines: usize, wall_s: f
         .sum();
     let mut ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_s).collect();
     ttft.sort_by(f64::total_cmp);
+    let mut ttft_later: Vec<f64> = ok
+        .iter()
+        .filter(|r| r.turn > 1)
+        .filter_map(|r| r.ttft_s)
+        .collect();
+    ttft_later.sort_by(f64::total_cmp);
 
     // Stays: walk each conversation in turn order.
     let mut by_turn: Vec<&TurnRecord> = ok.to_vec();
@@ -513,6 +523,8 @@ pub fn summarize(policy: &str, records: &[TurnRecord], engines: usize, wall_s: f
         computed_tokens: computed,
         ttft_p50_s: percentile(&ttft, 0.5),
         ttft_p90_s: percentile(&ttft, 0.9),
+        ttft_later_p50_s: percentile(&ttft_later, 0.5),
+        ttft_later_p90_s: percentile(&ttft_later, 0.9),
         stay_rate: (stays + moves > 0).then(|| stays as f64 / (stays + moves) as f64),
         status_5xx: failed(&|s| s.is_some_and(|s| (500..600).contains(&s))),
         status_429: failed(&|s| s == Some(429)),
@@ -544,12 +556,12 @@ fn secs(v: f64) -> String {
 /// The rows as a Markdown table.
 pub fn table(rows: &[Summary]) -> String {
     let mut out = String::from(
-        "| policy | wall s | turns ok | prompt tok/turn | cached, turns 2+ | cached, turn 1 | computed tok | TTFT p50 s | TTFT p90 s | stay | 5xx | 429 | other fail | per engine |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
+        "| policy | wall s | turns ok | prompt tok/turn | cached, turns 2+ | cached, turn 1 | computed tok | TTFT p50 s | TTFT p90 s | TTFT p50 / p90 s, turns 2+ | stay | 5xx | 429 | other fail | per engine |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
     );
     for r in rows {
         out.push_str(&format!(
-            "| {} | {:.1} | {}/{} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {:.1} | {}/{} | {:.0} | {} | {} | {} | {} | {} | {} / {} | {} | {} | {} | {} | {} |\n",
             r.policy,
             r.wall_s,
             r.ok,
@@ -560,6 +572,8 @@ pub fn table(rows: &[Summary]) -> String {
             r.computed_tokens,
             secs(r.ttft_p50_s),
             secs(r.ttft_p90_s),
+            secs(r.ttft_later_p50_s),
+            secs(r.ttft_later_p90_s),
             pct(r.stay_rate),
             r.status_5xx,
             r.status_429,
@@ -1248,10 +1262,12 @@ mod tests {
         assert_eq!((s.status_5xx, s.status_429, s.other_failures), (1, 1, 1));
         assert_eq!(s.per_engine, [2, 3]);
         assert_eq!(s.ttft_p50_s, 0.2);
+        // Turns 2+ only: 0.2, 0.3 and 0.3 (first turns took 0.1).
+        assert_eq!(s.ttft_later_p50_s, 0.3);
         assert_eq!(s.mean_prompt_tokens, 100.0);
         let none = summarize("q", &records[3..4], 2, 1.0);
         assert!(table(&[none])
-            .contains("| q | 1.0 | 0/1 | 0 | - | - | 0 | - | - | - | 1 | 0 | 0 | 0 / 0 |"));
+            .contains("| q | 1.0 | 0/1 | 0 | - | - | 0 | - | - | - / - | - | 1 | 0 | 0 | 0 / 0 |"));
         let t = table(&[s]);
         assert!(
             t.contains("| p | 12.5 | 5/8 | 100 | 56.7% | 20.0% | 290 |"),
