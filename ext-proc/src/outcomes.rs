@@ -214,14 +214,11 @@ impl Outcomes {
             }
             return;
         };
-        let prediction = c.pending.as_ref().map(|p| p.prediction);
+        let prediction = c.pending.as_ref().map(|p| &p.prediction);
         if prediction.is_none() {
             self.observer.usage_unmatched();
         }
-        if let Some(served) = self
-            .router
-            .record_usage(answered, prediction.as_ref(), usage)
-        {
+        if let Some(served) = self.router.record_usage(answered, prediction, usage) {
             self.observer.served(c.request_id, model, &served);
         }
     }
@@ -296,6 +293,7 @@ mod tests {
                 blocks,
                 overlap: blocks,
                 mirrored: false,
+                chain: None,
                 held_bytes: u64::from(blocks) * 2048,
                 held_tokens: None,
                 tip: None,

@@ -553,3 +553,42 @@ fn an_engine_that_holds_less_than_its_figure_says_narrows_the_mirror() {
     let scale = replica(&r, 0).usage.engine_room_scale.unwrap();
     assert!(scale < 1.0, "{scale}");
 }
+
+#[test]
+fn the_mirror_orders_prompts_by_when_their_answers_came() {
+    // The engine's LRU counts a request's blocks from when it ended. Four
+    // conversations (a shared 2-block prompt, 3 blocks each: 14 in all)
+    // on an engine of 10 blocks: the one whose answer came last is held
+    // whole, whenever it was routed.
+    let next_turn_of_first = |answer_order: [usize; 4]| {
+        let r = fleet_of("127.0.0.1:1", |_| {});
+        let a = "127.0.0.1:1".parse().unwrap();
+        r.set_engine_signals(a, engine(Some(5_120.0), 10.0, 1_000.0));
+        let convs: Vec<Vec<u64>> = (1..=4)
+            .map(|k| {
+                let mut c = vec![7, 8];
+                c.extend(conversation(1_000 * k, 3));
+                c
+            })
+            .collect();
+        let decisions: Vec<_> = convs.iter().map(|c| r.decide(&req(c)).unwrap()).collect();
+        for i in answer_order {
+            // The first to be routed found nothing; the others the shared
+            // prompt.
+            let cached = if i == 0 { 0 } else { 2 };
+            let s = decisions[i].record_usage(usage(5, cached)).unwrap();
+            assert_eq!(s.predicted_tokens, Some(cached * 512));
+        }
+        drop(decisions);
+        let mut next = convs[0].clone();
+        next.push(99);
+        let d = r.decide(&req(&next)).unwrap();
+        assert!(d.continues());
+        d.prediction.blocks
+    };
+    // Answered in the order routed: the other three ended after it, and
+    // an LRU of 10 kept only the shared prompt of it.
+    assert_eq!(next_turn_of_first([0, 1, 2, 3]), 2);
+    // Its answer came last: the engine holds all of it.
+    assert_eq!(next_turn_of_first([1, 2, 3, 0]), 5);
+}
