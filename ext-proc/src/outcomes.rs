@@ -214,11 +214,14 @@ impl Outcomes {
             }
             return;
         };
-        let prediction = c.pending.as_ref().map(|p| &p.prediction);
+        let prediction = c.pending.as_ref().map(|p| p.prediction);
         if prediction.is_none() {
             self.observer.usage_unmatched();
         }
-        if let Some(served) = self.router.record_usage(answered, prediction, usage) {
+        if let Some(served) = self
+            .router
+            .record_usage(answered, prediction.as_ref(), usage)
+        {
             self.observer.served(c.request_id, model, &served);
         }
     }
@@ -293,7 +296,6 @@ mod tests {
                 blocks,
                 overlap: blocks,
                 mirrored: false,
-                chain: None,
                 held_bytes: u64::from(blocks) * 2048,
                 held_tokens: None,
                 tip: None,

@@ -284,12 +284,6 @@ impl Router {
         );
         if correction == Some(Correction::Restart) {
             s.forget_cache();
-        } else if let Some(chain) = prediction.and_then(|p| p.chain.as_deref()) {
-            // The engine holds the whole prompt now, and its LRU counts it
-            // from now (the blocks of a running request cannot be evicted):
-            // the index orders it so too, so that what an LRU of the
-            // engine's size holds is read in the engine's order.
-            s.warmth.record_prompt(chain);
         }
         // The engine's size of this prompt, for the next turn's prediction.
         if let Some((tip, key)) = prediction.and_then(|p| p.tip.zip(Some(p.key))) {

@@ -57,7 +57,6 @@
 //! comes its cache holds the whole prompt again, as the index says. What a
 //! miss tells about is everything older on that replica.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -96,7 +95,7 @@ const ROOM_SCALE_MAX: f64 = 8.0;
 const BPT_WEIGHT: f64 = 0.05;
 
 /// What a decision predicted for the replica it chose.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Prediction {
     /// The chosen replica's slot.
     pub replica: usize,
@@ -112,11 +111,6 @@ pub struct Prediction {
     /// `blocks` came from an LRU of the engine's size, smaller than the
     /// index: the answer tells whether that size was right.
     pub mirrored: bool,
-    /// With `mirrored`, the prompt's block hashes: the engine orders its
-    /// LRU by when a request ended (its blocks cannot be evicted while it
-    /// runs), so the answer uses them again (see
-    /// [`crate::Router::record_usage_at`]).
-    pub chain: Option<Arc<[u64]>>,
     /// Prompt bytes it holds: its blocks, or, when it served the previous
     /// turn of the conversation, all of that turn's prompt (the partial
     /// last block too).
@@ -476,7 +470,6 @@ mod tests {
             blocks: 10,
             overlap: 10,
             mirrored: false,
-            chain: None,
             held_bytes: 10 * 2048,
             held_tokens: None,
             tip: None,

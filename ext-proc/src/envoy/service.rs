@@ -622,7 +622,7 @@ impl Exchange {
                 let mut set_headers = vec![headers::set(DESTINATION, &dest)];
                 if info.model.is_some() {
                     let ticket = self.outcomes.issue_ticket(
-                        decision.prediction.clone(),
+                        decision.prediction,
                         self.request_id.as_deref(),
                         info.model.as_deref(),
                     );

@@ -230,7 +230,6 @@ impl Router {
             blocks: held as u32,
             overlap: picked.overlap,
             mirrored: room.is_some(),
-            chain: room.map(|_| Arc::from(req.hashes.as_slice())),
             held_bytes: held_bytes.min(req.prompt_bytes.max(block_bytes)),
             held_tokens,
             tip: reservation.tip,
