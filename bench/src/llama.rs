@@ -8,15 +8,15 @@
 //! Q4_1) at `.hearth/models/`. Shared by the end-to-end tests and the
 //! benchmark drivers.
 
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
+use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
 use crate::gateway::search_roots;
+use crate::process::ServerProcess;
 
 /// Where `scripts/setup` links the server binary, under the repository.
 pub const SERVER_RELATIVE: &str = ".hearth/bin/llama-server";
@@ -102,14 +102,12 @@ impl Default for LlamaConfig {
 /// A running `llama-server`. Dropping it kills the process (by its own
 /// PID); its log is printed when that happens during a panic.
 pub struct LlamaServer {
-    child: Option<Child>,
-    /// Where it listens (kept across [`LlamaServer::restart`]).
-    pub addr: SocketAddr,
+    /// The process, its address (kept across [`LlamaServer::restart`]) and
+    /// its log.
+    process: ServerProcess,
     config: LlamaConfig,
     binary: PathBuf,
     model: PathBuf,
-    dir: PathBuf,
-    starts: u32,
 }
 
 static STARTED: AtomicU32 = AtomicU32::new(0);
@@ -124,14 +122,19 @@ impl LlamaServer {
             STARTED.fetch_add(1, Ordering::Relaxed)
         ));
         std::fs::create_dir_all(&dir)?;
+        let process = ServerProcess::new(
+            dir,
+            "llama-server.log",
+            format!("llama-server {}", config.alias),
+            "127.0.0.1:0".parse()?,
+            config.api_key.clone(),
+            false,
+        );
         let mut server = LlamaServer {
-            child: None,
-            addr: "127.0.0.1:0".parse()?,
+            process,
             config,
             binary: find_server()?,
             model: find_model()?,
-            dir,
-            starts: 0,
         };
         server.spawn_and_wait().await?;
         Ok(server)
@@ -168,29 +171,10 @@ impl LlamaServer {
     /// Starts the process (on `self.addr`'s port; 0 the first time) and
     /// waits until it serves.
     async fn spawn_and_wait(&mut self) -> anyhow::Result<()> {
-        self.starts += 1;
-        let log_path = self.log_path();
-        let mut log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)?;
         let args = self.args();
-        std::io::Write::write_all(
-            &mut log,
-            format!(
-                "--- hearth: start {} of {} {} ---\n",
-                self.starts,
-                self.binary.display(),
-                args.join(" ")
-            )
-            .as_bytes(),
-        )?;
-        let offset = std::fs::metadata(&log_path)?.len();
+        let (log, offset) = self.process.log_for_start(&self.binary, &args)?;
         let mut cmd = Command::new(&self.binary);
-        cmd.args(&args)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log);
+        cmd.args(&args);
         // llama.cpp reads every flag from LLAMA_ARG_* as well: only the
         // flags above count.
         for (k, _) in std::env::vars_os() {
@@ -198,10 +182,9 @@ impl LlamaServer {
                 cmd.env_remove(k);
             }
         }
-        let child = cmd
-            .spawn()
+        self.process
+            .spawn(cmd, log)
             .with_context(|| format!("starting {}", self.binary.display()))?;
-        self.child = Some(child);
         if let Err(e) = self.wait_ready(offset).await {
             self.stop();
             bail!("{e:#}\n--- llama-server log ---\n{}", self.log());
@@ -214,13 +197,7 @@ impl LlamaServer {
         let until = Instant::now() + deadline;
         let client = reqwest::Client::new();
         loop {
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .map(Child::try_wait)
-                .transpose()?
-                .flatten()
-            {
+            if let Some(status) = self.process.exited()? {
                 bail!("llama-server exited during start-up with {status}");
             }
             if Instant::now() > until {
@@ -230,31 +207,13 @@ impl LlamaServer {
                 let log = std::fs::read(self.log_path())?;
                 let since = log.get(log_offset as usize..).unwrap_or_default();
                 if let Some(port) = listening_port(&String::from_utf8_lossy(since)) {
-                    self.addr.set_port(port);
+                    self.process.addr.set_port(port);
                 }
             }
-            if self.addr.port() != 0 {
-                let ready = client
-                    .get(format!("{}/health", self.url()))
-                    .timeout(Duration::from_secs(2))
-                    .send()
-                    .await
-                    .map(|r| r.status().is_success())
-                    .unwrap_or(false);
-                if ready {
-                    return Ok(());
-                }
+            if self.addr.port() != 0 && self.process.healthy(&client).await {
+                return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    /// Kills the process (SIGKILL, by its PID: an engine that crashed) and
-    /// reaps it. The port stays free for [`LlamaServer::restart`].
-    pub fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
         }
     }
 
@@ -265,42 +224,8 @@ impl LlamaServer {
         self.spawn_and_wait().await
     }
 
-    /// Whether the process is alive.
-    pub fn is_running(&mut self) -> bool {
-        matches!(self.child.as_mut().map(Child::try_wait), Some(Ok(None)))
-    }
-
-    /// The process id while it runs.
-    pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
-    }
-
-    /// `http://ip:port`.
-    pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
     pub fn config(&self) -> &LlamaConfig {
         &self.config
-    }
-
-    /// The server's log so far, every start included.
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(self.log_path()).unwrap_or_default()
-    }
-
-    fn log_path(&self) -> PathBuf {
-        self.dir.join("llama-server.log")
-    }
-
-    /// `GET /metrics` (Prometheus text, `llamacpp:*`).
-    pub async fn metrics(&self) -> anyhow::Result<String> {
-        let mut req = reqwest::Client::new().get(format!("{}/metrics", self.url()));
-        if let Some(key) = &self.config.api_key {
-            req = req.bearer_auth(key);
-        }
-        let resp = req.send().await?.error_for_status()?;
-        Ok(resp.text().await?)
     }
 
     /// One `llamacpp:NAME` figure from `/metrics`.
@@ -308,26 +233,19 @@ impl LlamaServer {
         let text = self.metrics().await?;
         metric_value(&text, name).with_context(|| format!("no llamacpp:{name} in /metrics"))
     }
+}
 
-    /// The directory holding the log.
-    pub fn dir(&self) -> &Path {
-        &self.dir
+/// The process's accessors (`url`, `pid`, `log`, `metrics`, `stop`, ...).
+impl std::ops::Deref for LlamaServer {
+    type Target = ServerProcess;
+    fn deref(&self) -> &ServerProcess {
+        &self.process
     }
 }
 
-impl Drop for LlamaServer {
-    fn drop(&mut self) {
-        self.stop();
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        } else {
-            eprintln!(
-                "--- llama-server {} log ({}) ---\n{}",
-                self.config.alias,
-                self.dir.display(),
-                self.log()
-            );
-        }
+impl std::ops::DerefMut for LlamaServer {
+    fn deref_mut(&mut self) -> &mut ServerProcess {
+        &mut self.process
     }
 }
 

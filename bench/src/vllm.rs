@@ -12,13 +12,14 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
 use crate::gateway::search_roots;
+use crate::process::ServerProcess;
 
 /// Where `scripts/setup` links the install, under the repository.
 pub const INSTALL_RELATIVE: &str = ".hearth/vllm";
@@ -120,13 +121,11 @@ impl Default for VllmConfig {
 /// server and its engine-core process); its log is printed when that
 /// happens during a panic.
 pub struct VllmServer {
-    child: Option<Child>,
-    /// Where it listens (kept across [`VllmServer::restart`]).
-    pub addr: SocketAddr,
+    /// The process group, its address (kept across
+    /// [`VllmServer::restart`]) and its log.
+    process: ServerProcess,
     config: VllmConfig,
     install: VllmInstall,
-    dir: PathBuf,
-    starts: u32,
     /// How long the last start took, to `/health` answering 200.
     pub last_start: Duration,
 }
@@ -149,13 +148,18 @@ impl VllmServer {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();
+        let process = ServerProcess::new(
+            dir,
+            "vllm.log",
+            format!("vLLM {}", config.served_model_name),
+            SocketAddr::from(([127, 0, 0, 1], port)),
+            config.api_key.clone(),
+            true,
+        );
         let mut server = VllmServer {
-            child: None,
-            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            process,
             config,
             install,
-            dir,
-            starts: 0,
             last_start: Duration::ZERO,
         };
         server.spawn_and_wait().await?;
@@ -210,30 +214,11 @@ impl VllmServer {
     /// Starts the process group (on `self.addr`'s port) and waits until it
     /// serves.
     async fn spawn_and_wait(&mut self) -> anyhow::Result<()> {
-        self.starts += 1;
-        let log_path = self.log_path();
-        let mut log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)?;
         let args = self.args();
-        std::io::Write::write_all(
-            &mut log,
-            format!(
-                "--- hearth: start {} of {} {} ---\n",
-                self.starts,
-                self.install.python.display(),
-                args.join(" ")
-            )
-            .as_bytes(),
-        )?;
-        let tmp = self.dir.join("tmp");
+        let (log, _) = self.process.log_for_start(&self.install.python, &args)?;
+        let tmp = self.dir().join("tmp");
         let mut cmd = Command::new(&self.install.python);
-        cmd.args(&args)
-            .current_dir(&self.dir)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log);
+        cmd.args(&args).current_dir(self.dir());
         // Only the settings below count: vLLM reads many VLLM_* variables.
         for (k, _) in std::env::vars_os() {
             let k_str = k.to_string_lossy();
@@ -252,21 +237,20 @@ impl VllmServer {
             .env("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             .env("OMP_NUM_THREADS", self.config.threads.to_string())
             .env("TMPDIR", &tmp)
-            .env("VLLM_CACHE_ROOT", self.dir.join("cache"))
-            .env("HF_HOME", self.dir.join("hf"))
+            .env("VLLM_CACHE_ROOT", self.dir().join("cache"))
+            .env("HF_HOME", self.dir().join("hf"))
             .env("HF_HUB_OFFLINE", "1")
             .env("TRANSFORMERS_OFFLINE", "1")
             .env("VLLM_NO_USAGE_STATS", "1")
             .env("DO_NOT_TRACK", "1")
             .env("PYTHONUNBUFFERED", "1");
-        // Its own process group: the engine core runs in a child process,
-        // and stopping the server must stop both.
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        // In its own process group (`ServerProcess::new(.., true)`): the
+        // engine core runs in a child process, and stopping the server
+        // must stop both.
         let started = Instant::now();
-        let child = cmd
-            .spawn()
+        self.process
+            .spawn(cmd, log)
             .with_context(|| format!("starting {}", self.install.python.display()))?;
-        self.child = Some(child);
         if let Err(e) = self.wait_ready().await {
             self.stop();
             bail!("{e:#}\n--- vLLM log ---\n{}", self.log_tail(80));
@@ -280,43 +264,16 @@ impl VllmServer {
         let until = Instant::now() + deadline;
         let client = reqwest::Client::new();
         loop {
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .map(Child::try_wait)
-                .transpose()?
-                .flatten()
-            {
+            if let Some(status) = self.process.exited()? {
                 bail!("vLLM exited during start-up with {status}");
             }
             if Instant::now() > until {
                 bail!("vLLM was not ready within {deadline:?}");
             }
-            let ready = client
-                .get(format!("{}/health", self.url()))
-                .timeout(Duration::from_secs(2))
-                .send()
-                .await
-                .map(|r| r.status().is_success())
-                .unwrap_or(false);
-            if ready {
+            if self.process.healthy(&client).await {
                 return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-    }
-
-    /// Kills the process group (SIGKILL: an engine that crashed) and reaps
-    /// the server. The port stays free for [`VllmServer::restart`].
-    pub fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            // The group's id is the server's PID (process_group(0)).
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", child.id())])
-                .stderr(Stdio::null())
-                .status();
-            let _ = child.kill();
-            let _ = child.wait();
         }
     }
 
@@ -332,71 +289,23 @@ impl VllmServer {
         self.spawn_and_wait().await
     }
 
-    /// Whether the server process is alive.
-    pub fn is_running(&mut self) -> bool {
-        matches!(self.child.as_mut().map(Child::try_wait), Some(Ok(None)))
-    }
-
-    /// The server's process id (and group id) while it runs.
-    pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
-    }
-
-    /// `http://ip:port`.
-    pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
     pub fn config(&self) -> &VllmConfig {
         &self.config
     }
+}
 
-    /// The server's log so far, every start included.
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(self.log_path()).unwrap_or_default()
-    }
-
-    /// The last `lines` lines of the log.
-    pub fn log_tail(&self, lines: usize) -> String {
-        let log = self.log();
-        let all: Vec<&str> = log.lines().collect();
-        all[all.len().saturating_sub(lines)..].join("\n")
-    }
-
-    fn log_path(&self) -> PathBuf {
-        self.dir.join("vllm.log")
-    }
-
-    /// The directory holding the log and vLLM's scratch files.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
-    /// `GET /metrics` (Prometheus text, `vllm:*`), with the key when the
-    /// server has one.
-    pub async fn metrics(&self) -> anyhow::Result<String> {
-        let mut req = reqwest::Client::new().get(format!("{}/metrics", self.url()));
-        if let Some(key) = &self.config.api_key {
-            req = req.bearer_auth(key);
-        }
-        let resp = req.send().await?.error_for_status()?;
-        Ok(resp.text().await?)
+/// The process's accessors (`url`, `pid`, `log_tail`, `metrics`, `stop`,
+/// ...).
+impl std::ops::Deref for VllmServer {
+    type Target = ServerProcess;
+    fn deref(&self) -> &ServerProcess {
+        &self.process
     }
 }
 
-impl Drop for VllmServer {
-    fn drop(&mut self) {
-        self.stop();
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        } else {
-            eprintln!(
-                "--- vLLM {} log ({}) ---\n{}",
-                self.config.served_model_name,
-                self.dir.display(),
-                self.log_tail(200)
-            );
-        }
+impl std::ops::DerefMut for VllmServer {
+    fn deref_mut(&mut self) -> &mut ServerProcess {
+        &mut self.process
     }
 }
 
