@@ -10,13 +10,12 @@
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 
 use crate::gateway::search_roots;
-use crate::process::ServerProcess;
+use crate::process::{PortInLog, ServerProcess};
 
 /// Where `scripts/setup` links the server binary, under the repository.
 pub const SERVER_RELATIVE: &str = ".hearth/bin/llama-server";
@@ -110,26 +109,18 @@ pub struct LlamaServer {
     model: PathBuf,
 }
 
-static STARTED: AtomicU32 = AtomicU32::new(0);
-
 impl LlamaServer {
     /// Starts `llama-server` with `config` on an ephemeral loopback port
     /// and waits until `GET /health` answers 200.
     pub async fn start(config: LlamaConfig) -> anyhow::Result<LlamaServer> {
-        let dir = std::env::temp_dir().join(format!(
-            "hearth-llama-{}-{}",
-            std::process::id(),
-            STARTED.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir)?;
         let process = ServerProcess::new(
-            dir,
+            "llama",
             "llama-server.log",
             format!("llama-server {}", config.alias),
             "127.0.0.1:0".parse()?,
             config.api_key.clone(),
             false,
-        );
+        )?;
         let mut server = LlamaServer {
             process,
             config,
@@ -185,36 +176,19 @@ impl LlamaServer {
         self.process
             .spawn(cmd, log)
             .with_context(|| format!("starting {}", self.binary.display()))?;
-        if let Err(e) = self.wait_ready(offset).await {
+        let ready = self.process.wait_ready(
+            self.config.ready_timeout,
+            Duration::from_millis(50),
+            Some(PortInLog {
+                parse: listening_port,
+                since: offset,
+            }),
+        );
+        if let Err(e) = ready.await {
             self.stop();
             bail!("{e:#}\n--- llama-server log ---\n{}", self.log());
         }
         Ok(())
-    }
-
-    async fn wait_ready(&mut self, log_offset: u64) -> anyhow::Result<()> {
-        let deadline = self.config.ready_timeout;
-        let until = Instant::now() + deadline;
-        let client = reqwest::Client::new();
-        loop {
-            if let Some(status) = self.process.exited()? {
-                bail!("llama-server exited during start-up with {status}");
-            }
-            if Instant::now() > until {
-                bail!("llama-server was not ready within {deadline:?}");
-            }
-            if self.addr.port() == 0 {
-                let log = std::fs::read(self.log_path())?;
-                let since = log.get(log_offset as usize..).unwrap_or_default();
-                if let Some(port) = listening_port(&String::from_utf8_lossy(since)) {
-                    self.process.addr.set_port(port);
-                }
-            }
-            if self.addr.port() != 0 && self.process.healthy(&client).await {
-                return Ok(());
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
     }
 
     /// Starts the server again on the same port (stopping it first if it

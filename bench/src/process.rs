@@ -9,7 +9,21 @@ use std::fs::File;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+
+/// Scratch folders made by this process so far (each server gets its own).
+static FOLDERS: AtomicU32 = AtomicU32::new(0);
+
+/// Where a server started on port 0 says its port: `parse` reads it from
+/// the log it wrote since `since` (bytes).
+#[derive(Clone, Copy)]
+pub struct PortInLog {
+    pub parse: fn(&str) -> Option<u16>,
+    pub since: u64,
+}
 
 /// One engine server process the bench started.
 pub struct ServerProcess {
@@ -28,16 +42,24 @@ pub struct ServerProcess {
 }
 
 impl ServerProcess {
-    /// A process not started yet, logging to `dir/log_name`.
+    /// A process not started yet, with a new scratch folder
+    /// `hearth-KIND-PID-N` in the temporary directory, logging to
+    /// `log_name` there.
     pub fn new(
-        dir: PathBuf,
+        kind: &str,
         log_name: &'static str,
         label: String,
         addr: SocketAddr,
         api_key: Option<String>,
         group: bool,
-    ) -> ServerProcess {
-        ServerProcess {
+    ) -> anyhow::Result<ServerProcess> {
+        let dir = std::env::temp_dir().join(format!(
+            "hearth-{kind}-{}-{}",
+            std::process::id(),
+            FOLDERS.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir)?;
+        Ok(ServerProcess {
             child: None,
             addr,
             dir,
@@ -46,7 +68,7 @@ impl ServerProcess {
             api_key,
             group,
             starts: 0,
-        }
+        })
     }
 
     /// Opens the log for one more start, noting `program` and `args` in
@@ -98,8 +120,41 @@ impl ServerProcess {
             .flatten())
     }
 
+    /// Waits, checking every `poll`, until `GET /health` answers 200;
+    /// fails when the process exits or `deadline` passes. A server started
+    /// on port 0 says its port in its log ([`PortInLog`]); health is asked
+    /// once it has.
+    pub async fn wait_ready(
+        &mut self,
+        deadline: Duration,
+        poll: Duration,
+        port_in_log: Option<PortInLog>,
+    ) -> anyhow::Result<()> {
+        let until = Instant::now() + deadline;
+        let client = reqwest::Client::new();
+        loop {
+            if let Some(status) = self.exited()? {
+                bail!("{} exited during start-up with {status}", self.label);
+            }
+            if Instant::now() > until {
+                bail!("{} was not ready within {deadline:?}", self.label);
+            }
+            if let Some(p) = port_in_log.filter(|_| self.addr.port() == 0) {
+                let log = std::fs::read(self.log_path())?;
+                let since = log.get(p.since as usize..).unwrap_or_default();
+                if let Some(port) = (p.parse)(&String::from_utf8_lossy(since)) {
+                    self.addr.set_port(port);
+                }
+            }
+            if self.addr.port() != 0 && self.healthy(&client).await {
+                return Ok(());
+            }
+            tokio::time::sleep(poll).await;
+        }
+    }
+
     /// Whether `GET /health` answers 200 now.
-    pub async fn healthy(&self, client: &reqwest::Client) -> bool {
+    async fn healthy(&self, client: &reqwest::Client) -> bool {
         client
             .get(format!("{}/health", self.url()))
             .timeout(Duration::from_secs(2))

@@ -13,7 +13,6 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -130,32 +129,25 @@ pub struct VllmServer {
     pub last_start: Duration,
 }
 
-static STARTED: AtomicU32 = AtomicU32::new(0);
-
 impl VllmServer {
     /// Starts vLLM with `config` on a free loopback port and waits until
     /// `GET /health` answers 200.
     pub async fn start(config: VllmConfig) -> anyhow::Result<VllmServer> {
         let install = VllmInstall::find()?;
-        let dir = std::env::temp_dir().join(format!(
-            "hearth-vllm-{}-{}",
-            std::process::id(),
-            STARTED.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(dir.join("tmp"))?;
         // vLLM takes its port as given: a port the kernel just handed out
         // and that is free again.
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();
         let process = ServerProcess::new(
-            dir,
+            "vllm",
             "vllm.log",
             format!("vLLM {}", config.served_model_name),
             SocketAddr::from(([127, 0, 0, 1], port)),
             config.api_key.clone(),
             true,
-        );
+        )?;
+        std::fs::create_dir_all(process.dir().join("tmp"))?;
         let mut server = VllmServer {
             process,
             config,
@@ -251,30 +243,15 @@ impl VllmServer {
         self.process
             .spawn(cmd, log)
             .with_context(|| format!("starting {}", self.install.python.display()))?;
-        if let Err(e) = self.wait_ready().await {
+        let ready =
+            self.process
+                .wait_ready(self.config.ready_timeout, Duration::from_millis(250), None);
+        if let Err(e) = ready.await {
             self.stop();
             bail!("{e:#}\n--- vLLM log ---\n{}", self.log_tail(80));
         }
         self.last_start = started.elapsed();
         Ok(())
-    }
-
-    async fn wait_ready(&mut self) -> anyhow::Result<()> {
-        let deadline = self.config.ready_timeout;
-        let until = Instant::now() + deadline;
-        let client = reqwest::Client::new();
-        loop {
-            if let Some(status) = self.process.exited()? {
-                bail!("vLLM exited during start-up with {status}");
-            }
-            if Instant::now() > until {
-                bail!("vLLM was not ready within {deadline:?}");
-            }
-            if self.process.healthy(&client).await {
-                return Ok(());
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
     }
 
     /// Starts the server again on the same port (stopping it first if it
