@@ -222,7 +222,7 @@ mod tests {
             } => {
                 assert_eq!(headers.len(), 3);
                 assert_eq!(headers[0].0, "x-hearth-fp");
-                assert!(headers[0].1.starts_with("v1.2048."));
+                assert!(headers[0].1.starts_with("v2.2048."));
                 assert_eq!(
                     headers[1],
                     ("x-hearth-prompt-bytes", hashed_bytes.to_string())

@@ -27,7 +27,7 @@ async fn sessions_stay_on_their_warm_replica_in_body_mode() {
                     serde_json::to_vec(&body).unwrap(),
                     &[
                         ("content-type", "application/json"),
-                        ("x-hearth-fp", "v1.2048.AAAAAAAAAAA"),
+                        ("x-hearth-fp", "v2.2048.AAAAAAAAAAA"),
                         ("x-gateway-destination-endpoint", "10.255.255.1:1"),
                     ],
                 )

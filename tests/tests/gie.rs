@@ -46,7 +46,7 @@ async fn sessions_stay_on_their_warm_replica_as_an_endpoint_picker() {
                         ("content-type", "application/json"),
                         ("x-gateway-destination-endpoint", &forged),
                         ("x-gateway-destination-endpoint-subset", &forged),
-                        ("x-hearth-fp", "v1.2048.AAAAAAAAAAA"),
+                        ("x-hearth-fp", "v2.2048.AAAAAAAAAAA"),
                     ],
                 )
                 .await

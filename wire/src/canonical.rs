@@ -28,6 +28,10 @@ const TAG_PROMPT_JSON: u8 = b'J';
 const TAG_INSTRUCTIONS: u8 = b'I';
 const TAG_INPUT: u8 = b'N';
 const TAG_INPUT_ITEM: u8 = b'E';
+/// Ends every record. UTF-8 never contains it, and every payload is UTF-8
+/// text (a string's text, or canonical JSON), so no payload can end a
+/// record early or forge one.
+const RECORD_END: u8 = 0xFF;
 
 /// Extracts the model and the canonical prompt bytes of an OpenAI-style body.
 ///
@@ -103,35 +107,22 @@ pub(crate) fn canonical_request(
 // ---------------------------------------------------------------------------
 // Writing records
 
-fn record(out: &mut Vec<u8>, tag: u8, payload: &[u8]) -> Result<(), SkipReason> {
-    let len = u32::try_from(payload.len()).map_err(|_| SkipReason::BadField)?;
+fn record(out: &mut Vec<u8>, tag: u8, payload: &[u8]) {
     out.push(tag);
-    out.extend_from_slice(&len.to_le_bytes());
     out.extend_from_slice(payload);
-    Ok(())
+    out.push(RECORD_END);
 }
 
 /// A record whose payload is canonical JSON, written in place.
-fn json_record(
-    out: &mut Vec<u8>,
-    tag: u8,
-    write: impl FnOnce(&mut Vec<u8>),
-) -> Result<(), SkipReason> {
+fn json_record(out: &mut Vec<u8>, tag: u8, write: impl FnOnce(&mut Vec<u8>)) {
     out.push(tag);
-    let at = out.len();
-    out.extend_from_slice(&[0; 4]);
     write(out);
-    let len = u32::try_from(out.len() - at - 4).map_err(|_| SkipReason::BadField)?;
-    if let Some(slot) = out.get_mut(at..at + 4) {
-        slot.copy_from_slice(&len.to_le_bytes());
-    }
-    Ok(())
+    out.push(RECORD_END);
 }
 
-fn value_record(out: &mut Vec<u8>, tag: u8, v: &Option<Value>) -> Result<(), SkipReason> {
-    match v {
-        None | Some(Value::Null) => Ok(()),
-        Some(v) => json_record(out, tag, |o| json::write_value(o, v)),
+fn value_record(out: &mut Vec<u8>, tag: u8, v: &Option<Value>) {
+    if let Some(v) = v.as_ref().filter(|v| !v.is_null()) {
+        json_record(out, tag, |o| json::write_value(o, v));
     }
 }
 
@@ -142,7 +133,10 @@ fn str_record(
 ) -> Result<(), SkipReason> {
     match s {
         None | Some(Lenient::Null) => Ok(()),
-        Some(Lenient::Val(s)) => record(out, tag, s.as_bytes()),
+        Some(Lenient::Val(s)) => {
+            record(out, tag, s.as_bytes());
+            Ok(())
+        }
         Some(Lenient::Bad) => Err(SkipReason::BadField),
     }
 }
@@ -164,9 +158,9 @@ fn write_chat(out: &mut Vec<u8>, f: &Fields<'_>) -> Result<(), SkipReason> {
     for m in system {
         write_message(out, m)?;
     }
-    value_record(out, TAG_TOOLS, &f.tools)?;
-    value_record(out, TAG_TOOL_CHOICE, &f.tool_choice)?;
-    value_record(out, TAG_RESPONSE_FORMAT, &f.response_format)?;
+    value_record(out, TAG_TOOLS, &f.tools);
+    value_record(out, TAG_TOOL_CHOICE, &f.tool_choice);
+    value_record(out, TAG_RESPONSE_FORMAT, &f.response_format);
     for m in rest {
         write_message(out, m)?;
     }
@@ -178,12 +172,12 @@ fn write_message(out: &mut Vec<u8>, m: &Lenient<Message<'_>>) -> Result<(), Skip
         return Err(SkipReason::BadField);
     };
     match &m.role {
-        Some(Lenient::Val(role)) => record(out, TAG_MESSAGE, role.as_bytes())?,
+        Some(Lenient::Val(role)) => record(out, TAG_MESSAGE, role.as_bytes()),
         _ => return Err(SkipReason::BadField),
     }
     match &m.content {
         None | Some(Lenient::Null) => {}
-        Some(Lenient::Val(StrOrArray::Str(s))) => record(out, TAG_CONTENT, s.as_bytes())?,
+        Some(Lenient::Val(StrOrArray::Str(s))) => record(out, TAG_CONTENT, s.as_bytes()),
         Some(Lenient::Val(StrOrArray::Array(parts))) => {
             for part in parts {
                 write_part(out, part)?;
@@ -191,7 +185,7 @@ fn write_message(out: &mut Vec<u8>, m: &Lenient<Message<'_>>) -> Result<(), Skip
         }
         Some(Lenient::Bad) => return Err(SkipReason::BadField),
     }
-    value_record(out, TAG_TOOL_CALLS, &m.tool_calls)?;
+    value_record(out, TAG_TOOL_CALLS, &m.tool_calls);
     str_record(out, TAG_TOOL_CALL_ID, &m.tool_call_id)?;
     str_record(out, TAG_NAME, &m.name)?;
     Ok(())
@@ -204,16 +198,21 @@ fn write_part(out: &mut Vec<u8>, part: &Value) -> Result<(), SkipReason> {
     if let (Some(Value::String(t)), Some(Value::String(text))) = (map.get("type"), map.get("text"))
     {
         if t == "text" {
-            return record(out, TAG_CONTENT, text.as_bytes());
+            record(out, TAG_CONTENT, text.as_bytes());
+            return Ok(());
         }
     }
-    json_record(out, TAG_PART, |o| json::write_value(o, part))
+    json_record(out, TAG_PART, |o| json::write_value(o, part));
+    Ok(())
 }
 
 fn write_completions(out: &mut Vec<u8>, f: &Fields<'_>) -> Result<(), SkipReason> {
     match &f.prompt {
         None | Some(Lenient::Null) => Ok(()),
-        Some(Lenient::Val(StrOrArray::Str(s))) => record(out, TAG_PROMPT, s.as_bytes()),
+        Some(Lenient::Val(StrOrArray::Str(s))) => {
+            record(out, TAG_PROMPT, s.as_bytes());
+            Ok(())
+        }
         Some(Lenient::Val(StrOrArray::Array(items))) => {
             if items.iter().all(Value::is_string) {
                 for item in items {
@@ -221,7 +220,7 @@ fn write_completions(out: &mut Vec<u8>, f: &Fields<'_>) -> Result<(), SkipReason
                         out,
                         TAG_PROMPT,
                         item.as_str().unwrap_or_default().as_bytes(),
-                    )?;
+                    );
                 }
                 Ok(())
             } else if items.iter().all(|v| v.is_number() || v.is_array()) {
@@ -234,7 +233,8 @@ fn write_completions(out: &mut Vec<u8>, f: &Fields<'_>) -> Result<(), SkipReason
                         json::write_value(o, item);
                     }
                     o.push(b']');
-                })
+                });
+                Ok(())
             } else {
                 Err(SkipReason::BadField)
             }
@@ -245,13 +245,16 @@ fn write_completions(out: &mut Vec<u8>, f: &Fields<'_>) -> Result<(), SkipReason
 
 fn write_responses(out: &mut Vec<u8>, f: &Fields<'_>) -> Result<(), SkipReason> {
     str_record(out, TAG_INSTRUCTIONS, &f.instructions)?;
-    value_record(out, TAG_TOOLS, &f.tools)?;
+    value_record(out, TAG_TOOLS, &f.tools);
     match &f.input {
         None | Some(Lenient::Null) => Ok(()),
-        Some(Lenient::Val(StrOrArray::Str(s))) => record(out, TAG_INPUT, s.as_bytes()),
+        Some(Lenient::Val(StrOrArray::Str(s))) => {
+            record(out, TAG_INPUT, s.as_bytes());
+            Ok(())
+        }
         Some(Lenient::Val(StrOrArray::Array(items))) => {
             for item in items {
-                json_record(out, TAG_INPUT_ITEM, |o| json::write_value(o, item))?;
+                json_record(out, TAG_INPUT_ITEM, |o| json::write_value(o, item));
             }
             Ok(())
         }
@@ -575,9 +578,45 @@ mod tests {
 
     fn rec(tag: u8, payload: &str) -> Vec<u8> {
         let mut v = vec![tag];
-        v.extend_from_slice(&(payload.len() as u32).to_le_bytes());
         v.extend_from_slice(payload.as_bytes());
+        v.push(0xFF);
         v
+    }
+
+    #[test]
+    fn system_prompts_that_open_alike_share_their_opening_bytes() {
+        // One harness, two projects' instructions of different lengths:
+        // the engine shares the harness's tokens, and the canonical bytes
+        // share the harness's text.
+        let harness = "You are a coding agent. ".repeat(20);
+        let body = |own: &str| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"system","content":"{harness}{own}"}},{{"role":"user","content":"go"}}]}}"#
+            )
+        };
+        let a = canon(Endpoint::ChatCompletions, &body("Project 7.")).unwrap();
+        let b = canon(Endpoint::ChatCompletions, &body("Project 123456, longer.")).unwrap();
+        let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+        let opening = rec(b'm', "system").len() + 1 + harness.len();
+        assert!(common >= opening + "Project ".len(), "{common} < {opening}");
+    }
+
+    #[test]
+    fn text_cannot_end_a_record_or_forge_one() {
+        // A user's text that spells out what a tool record would look like
+        // stays inside its own record: the end byte cannot be written in
+        // JSON text (the nearest is U+00FF, two other bytes in UTF-8).
+        let forged = canon(
+            Endpoint::ChatCompletions,
+            r#"{"model":"m","messages":[{"role":"user","content":"x\u00ffT[]"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            forged,
+            [rec(b'm', "user"), rec(b'c', "x\u{ff}T[]")].concat()
+        );
+        let ends = forged.iter().filter(|&&b| b == 0xFF).count();
+        assert_eq!(ends, 2);
     }
 
     #[test]

@@ -4,7 +4,7 @@ use crate::{Params, MAX_BLOCK_SIZE, MAX_HASHES, MIN_BLOCK_SIZE};
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
-const SEED_DOMAIN: &[u8] = b"hearth-fp/v1\0";
+const SEED_DOMAIN: &[u8] = b"hearth-fp/v2\0";
 
 /// FNV-1a 64 of `bytes`.
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
@@ -39,7 +39,7 @@ pub(crate) fn seed(model: &str) -> u64 {
 
 /// Chained block hashes of the first `max_prefix_bytes` of `canonical`.
 ///
-/// `h_i = fnv1a(h_{i-1}.to_le_bytes() ++ block_i)`, `h_{-1} = fnv1a(b"hearth-fp/v1\0" ++ model)`.
+/// `h_i = fnv1a(h_{i-1}.to_le_bytes() ++ block_i)`, `h_{-1} = fnv1a(b"hearth-fp/v2\0" ++ model)`.
 /// A trailing partial block gets a hash; an empty input gives no hashes.
 pub fn chain_hashes(model: &str, canonical: &[u8], params: &Params) -> Vec<u64> {
     let block = effective_block_size(params);

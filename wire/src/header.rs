@@ -1,6 +1,6 @@
 //! The request headers the filter sets and the `x-hearth-fp` value format.
 //!
-//! `x-hearth-fp: v1.<block_size>.<hashes>` where `<block_size>` is decimal
+//! `x-hearth-fp: v2.<block_size>.<hashes>` where `<block_size>` is decimal
 //! without leading zeros and `<hashes>` is base64url without padding of the
 //! hashes as little-endian `u64`s, concatenated.
 
@@ -27,15 +27,15 @@ pub const TICKET: &str = "x-hearth-ticket";
 /// Every header starting with this prefix is Hearth's; clients may not send them.
 pub const PREFIX: &str = "x-hearth-";
 
-const VERSION_PREFIX: &str = "v1.";
+const VERSION_PREFIX: &str = "v2.";
 /// Longest base64 text for [`MAX_HASHES`] hashes.
 const MAX_B64_LEN: usize = (MAX_HASHES * 8 * 4).div_ceil(3);
 
 /// Why a header value was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DecodeError {
-    /// The value does not start with `v1.`.
-    #[error("unsupported fingerprint version (want `v1.`)")]
+    /// The value does not start with `v2.`.
+    #[error("unsupported fingerprint version (want `v2.`)")]
     Version,
     /// The block size is missing, not canonical decimal, or out of range.
     #[error("bad block size (want {MIN_BLOCK_SIZE}..={MAX_BLOCK_SIZE} in decimal)")]
@@ -121,22 +121,23 @@ mod tests {
     #[test]
     fn roundtrip_and_shape() {
         let v = encode(2048, &[1, u64::MAX]);
-        assert!(v.starts_with("v1.2048."));
+        assert!(v.starts_with("v2.2048."));
         assert_eq!(decode(&v), Ok((2048, vec![1, u64::MAX])));
-        assert_eq!(decode("v1.64."), Ok((64, vec![])));
+        assert_eq!(decode("v2.64."), Ok((64, vec![])));
     }
 
     #[test]
     fn rejects() {
         assert_eq!(decode(""), Err(DecodeError::Version));
-        assert_eq!(decode("v2.2048.AAAAAAAAAAA"), Err(DecodeError::Version));
-        assert_eq!(decode("v1.2048"), Err(DecodeError::BlockSize));
-        assert_eq!(decode("v1.02048.AAAAAAAAAAA"), Err(DecodeError::BlockSize));
-        assert_eq!(decode("v1.+2048.AAAAAAAAAAA"), Err(DecodeError::BlockSize));
-        assert_eq!(decode("v1.32.AAAAAAAAAAA"), Err(DecodeError::BlockSize));
-        assert_eq!(decode("v1.2048.AAAA"), Err(DecodeError::Length(3)));
-        assert_eq!(decode("v1.2048.AAAAAAAAAAA="), Err(DecodeError::Base64));
-        assert_eq!(decode("v1.2048.AA+AAAAAAAA"), Err(DecodeError::Base64));
+        // The first format's fingerprints name other bytes: refused.
+        assert_eq!(decode("v1.2048.AAAAAAAAAAA"), Err(DecodeError::Version));
+        assert_eq!(decode("v2.2048"), Err(DecodeError::BlockSize));
+        assert_eq!(decode("v2.02048.AAAAAAAAAAA"), Err(DecodeError::BlockSize));
+        assert_eq!(decode("v2.+2048.AAAAAAAAAAA"), Err(DecodeError::BlockSize));
+        assert_eq!(decode("v2.32.AAAAAAAAAAA"), Err(DecodeError::BlockSize));
+        assert_eq!(decode("v2.2048.AAAA"), Err(DecodeError::Length(3)));
+        assert_eq!(decode("v2.2048.AAAAAAAAAAA="), Err(DecodeError::Base64));
+        assert_eq!(decode("v2.2048.AA+AAAAAAAA"), Err(DecodeError::Base64));
         let too_many = encode(64, &vec![0; MAX_HASHES + 1]);
         assert_eq!(decode(&too_many), Err(DecodeError::TooManyHashes));
         let max = encode(64, &vec![7; MAX_HASHES]);

@@ -17,21 +17,30 @@
 //! `golden/vectors.json` pins all of it; any change to the bytes below is a
 //! new [`FORMAT_VERSION`].
 //!
-//! # Canonical prompt bytes (format version 1)
+//! # Canonical prompt bytes (format version 2)
 //!
 //! The canonical prompt is a sequence of *records*, each self-delimiting:
 //!
 //! ```text
-//! record = tag:u8  len:u32 little-endian  payload:[u8; len]
+//! record = tag:u8  payload  0xFF
 //! ```
 //!
-//! There is no header, count or trailer, so when chat conversation A's
-//! messages are a prefix of B's (same model, same leading system messages,
-//! same tools), canonical(A) is a byte prefix of canonical(B). (One edge:
-//! tools are written after the *whole* leading system run, so a conversation
-//! that ends inside that run is not a prefix of one that extends the run.)
-//! String payloads
-//! are the JSON string's decoded UTF-8 text. "JSON" payloads are the value's
+//! Every payload is UTF-8 text, which never contains the byte `0xFF`, so a
+//! record ends at its first `0xFF` and no text inside one can end it early
+//! or forge another. There is no header, count or trailer, so when chat
+//! conversation A's messages are a prefix of B's (same model, same leading
+//! system messages, same tools), canonical(A) is a byte prefix of
+//! canonical(B). (One edge: tools are written after the *whole* leading
+//! system run, so a conversation that ends inside that run is not a prefix
+//! of one that extends the run.) Nothing about a record is written before
+//! its text, so two messages whose texts begin alike have canonical bytes
+//! that begin alike, up to where the texts part: conversations whose system
+//! prompts open with the same harness text share those blocks, as the
+//! engine shares their tokens. (Format version 1 wrote each payload's
+//! length before it, so two system prompts of different lengths shared
+//! nothing.)
+//!
+//! String payloads are the JSON string's decoded UTF-8 text. "JSON" payloads are the value's
 //! canonical JSON (below). A field that is absent or `null` writes no record.
 //!
 //! **Chat completions** (`messages`):
@@ -79,8 +88,8 @@
 //! # Hashes
 //!
 //! FNV-1a 64 (offset basis `0xcbf29ce484222325`, prime `0x100000001b3`).
-//! `seed = fnv1a(b"hearth-fp/v1\0" ++ model)`, or for a partitioned
-//! request `fnv1a(b"hearth-fp/v1\0" ++ model ++ b"\0cache_salt\0" ++ salt)`
+//! `seed = fnv1a(b"hearth-fp/v2\0" ++ model)`, or for a partitioned
+//! request `fnv1a(b"hearth-fp/v2\0" ++ model ++ b"\0cache_salt\0" ++ salt)`
 //! (the salt as its JSON string's text, other JSON values as their
 //! canonical JSON), so salted prompts share warmth only with the same
 //! salt, as in the engine; the first
@@ -90,7 +99,7 @@
 //!
 //! # Header
 //!
-//! `x-hearth-fp: v1.<block_size>.<base64url, no padding, of the hashes as
+//! `x-hearth-fp: v2.<block_size>.<base64url, no padding, of the hashes as
 //! little-endian u64s>`, see [`header`].
 
 mod canonical;
@@ -106,7 +115,7 @@ pub use canonical::canonical_prompt;
 pub use hash::{chain_hashes, fnv1a64};
 
 /// Version of the canonical format, the hash chain and the header.
-pub const FORMAT_VERSION: u8 = 1;
+pub const FORMAT_VERSION: u8 = 2;
 /// Bytes per hashed block by default.
 pub const DEFAULT_BLOCK_SIZE: usize = 2048;
 /// At most this many canonical bytes are hashed by default (2 MiB).

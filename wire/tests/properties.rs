@@ -192,6 +192,46 @@ proptest! {
         prop_assert_eq!(&fa.hashes[..full], &fb.hashes[..full]);
     }
 
+    /// (1b) The records read back: each is a tag, text without `0xFF`,
+    /// then `0xFF`, so whatever the texts hold (quotes, controls, any
+    /// Unicode) the canonical bytes name exactly one list of records.
+    #[test]
+    fn records_read_back_whatever_the_texts((role, texts) in ("[a-z]{1,10}", prop::collection::vec(text(), 1..5))) {
+        let parts: Vec<Value> = texts.iter().map(|t| json!({"type": "text", "text": t})).collect();
+        let body = json!({"model": "m", "messages": [{"role": role, "content": parts}]});
+        let bytes = canon(&body);
+        let mut records = Vec::new();
+        let mut rest = &bytes[..];
+        while let Some((&tag, after)) = rest.split_first() {
+            let end = after.iter().position(|&b| b == 0xFF);
+            prop_assert!(end.is_some(), "a record without its end");
+            let end = end.unwrap();
+            records.push((tag, String::from_utf8(after[..end].to_vec()).unwrap()));
+            rest = &after[end + 1..];
+        }
+        let mut want = vec![(b'm', role.clone())];
+        want.extend(texts.iter().map(|t| (b'c', t.clone())));
+        prop_assert_eq!(records, want);
+    }
+
+    /// (1c) Two system prompts that open with the same text share canonical
+    /// bytes through that text, whatever follows it: the blocks it fills
+    /// are shared, as an engine shares its tokens.
+    #[test]
+    fn texts_that_open_alike_share_their_blocks(opening in text(), a in text(), b in text(), p in params()) {
+        let body = |own: &str| json!({"model": "m", "messages": [
+            {"role": "system", "content": format!("{opening}{own}")},
+            {"role": "user", "content": "go"},
+        ]});
+        let (x, y) = (canon(&body(&a)), canon(&body(&b)));
+        let shared = 1 + "system".len() + 1 + 1 + opening.len();
+        prop_assert_eq!(&x[..shared], &y[..shared]);
+        let fx = fingerprint(CHAT, body(&a).to_string().as_bytes(), &p).unwrap();
+        let fy = fingerprint(CHAT, body(&b).to_string().as_bytes(), &p).unwrap();
+        let full = shared / p.block_size;
+        prop_assert_eq!(&fx.hashes[..full], &fy.hashes[..full]);
+    }
+
     /// (2) Key order, whitespace and string escaping do not matter.
     #[test]
     fn serialization_invariance((body, _) in chat_body(), seed in any::<u64>()) {
@@ -256,7 +296,7 @@ proptest! {
         let _ = canonical_prompt(Endpoint::ALL[e], s.as_bytes());
         let wrapped = format!(r#"{{"model":"m","messages":{s},"prompt":{s},"input":{s}}}"#);
         let _ = canonical_prompt(Endpoint::ALL[e], wrapped.as_bytes());
-        let _ = header::decode(&format!("v1.2048.{s}"));
+        let _ = header::decode(&format!("v2.2048.{s}"));
     }
 
     #[test]

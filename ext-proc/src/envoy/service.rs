@@ -842,7 +842,7 @@ mod tests {
         assert_eq!(info.model.as_deref(), Some("m"));
         // Another block size, or garbage, is ignored rather than trusted.
         assert!(request_info(&h, 4096).hashes.is_empty());
-        let bad = headers(&[(header::FP, "v1.2048.!!!")]);
+        let bad = headers(&[(header::FP, "v2.2048.!!!")]);
         assert!(request_info(&bad, 2048).hashes.is_empty());
     }
 
