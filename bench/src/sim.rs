@@ -373,6 +373,7 @@ pub fn run(spec: &RunSpec) -> RunResult {
                             prompt_tokens_total: Some(prompt_counter[r]),
                             started_at: Some(started_s[r]),
                             kv_capacity_tokens: None,
+                            cache_block_tokens: None,
                         };
                         router.set_engine_signals(sc.hearth.replica_addr(r), signals);
                     }

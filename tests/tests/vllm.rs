@@ -235,7 +235,7 @@ async fn vllm_conversations_stay_warm_and_the_sidecar_reads_the_engines_metrics(
     }
     // What the decisions predicted from cache against what the engines
     // served: the previous turn's whole prompt in the engine's tokens, in
-    // whole blocks once the replica's reports showed its block size.
+    // whole blocks of the size its metrics state (and its answers bear out).
     let (_, m) = fleet.admin_get("/metrics").await.unwrap();
     let sample = |name: &str| hearth_e2e::metric_sample(&m, name).unwrap_or(0.0);
     let compared = sample("hearth_prediction_error_count");

@@ -34,6 +34,9 @@ pub struct EngineSignals {
     /// Tokens its KV cache holds, when it says (vLLM's cache config,
     /// SGLang's token capacity).
     pub kv_capacity_tokens: Option<f64>,
+    /// Tokens per block of its prefix cache, when it says (vLLM's
+    /// `block_size`): it serves cached prompts in whole blocks.
+    pub cache_block_tokens: Option<f64>,
 }
 
 impl EngineSignals {

@@ -196,6 +196,10 @@ pub(crate) struct UsageTally {
     /// multiples of its block size.
     pub(crate) granule_gcd: u64,
     pub(crate) granule_reports: u32,
+    /// The block size the engine's metrics state, in tokens: the
+    /// granularity from the first answer, for as long as every cached
+    /// count it serves is a multiple of it.
+    pub(crate) engine_granule: Option<u64>,
     pub(crate) shrinks: u64,
     pub(crate) growths: u64,
     pub(crate) restarts: u64,
@@ -227,8 +231,9 @@ pub struct UsageSnapshot {
     pub compared_cached_tokens_total: u64,
     /// Canonical prompt bytes per engine token.
     pub bytes_per_token: Option<f64>,
-    /// The engine's cache granularity, in tokens, learnt from its reports
-    /// (None before [`GRANULE_REPORTS`] answers served from cache).
+    /// The engine's cache granularity, in tokens: the block size its
+    /// metrics state while its answers bear it out, else learnt from its
+    /// answers (None before [`GRANULE_REPORTS`] answers served from cache).
     pub cache_granularity_tokens: Option<u64>,
     /// What the engine's reported KV capacity held, in warmth blocks, per
     /// block it says it has, as its answers showed (1 until they say
@@ -252,8 +257,7 @@ impl UsageTally {
             predicted_cached_tokens_total: self.predicted_tokens,
             compared_cached_tokens_total: self.compared_cached_tokens,
             bytes_per_token: self.bytes_per_token,
-            cache_granularity_tokens: (self.granule_reports >= GRANULE_REPORTS)
-                .then_some(self.granule_gcd),
+            cache_granularity_tokens: self.known_granule(),
             engine_room_scale: self.room_scale,
             shrinks_total: self.shrinks,
             growths_total: self.growths,
@@ -274,13 +278,23 @@ impl UsageTally {
         (engine_blocks as f64 * scale).round() as usize
     }
 
-    /// The engine's cache granularity in tokens (1 until learnt).
+    /// The engine's cache granularity in tokens (1 until known).
     fn granule(&self) -> u64 {
-        if self.granule_reports >= GRANULE_REPORTS {
-            self.granule_gcd.max(1)
-        } else {
-            1
-        }
+        self.known_granule().unwrap_or(1)
+    }
+
+    /// The block size the engine's metrics state, unless a cached count it
+    /// served is no multiple of it; else the greatest common divisor of its
+    /// cached counts once [`GRANULE_REPORTS`] came. A divisor learnt from a
+    /// few answers can be a multiple of the block (answers that all hit the
+    /// same two-block shared prompt say 256 where blocks are 128), which
+    /// the stated size avoids.
+    fn known_granule(&self) -> Option<u64> {
+        let stated = self
+            .engine_granule
+            .filter(|&b| b > 0 && self.granule_gcd.is_multiple_of(b));
+        let learnt = (self.granule_reports >= GRANULE_REPORTS).then(|| self.granule_gcd.max(1));
+        stated.or(learnt)
     }
 
     fn learn_granule(&mut self, cached_tokens: u64) {

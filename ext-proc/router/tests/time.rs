@@ -93,6 +93,7 @@ fn a_queued_engine_stops_repelling_traffic_once_its_figures_are_stale() {
             prompt_tokens_total: None,
             started_at: None,
             kv_capacity_tokens: None,
+            cache_block_tokens: None,
         };
         r.set_engine_signals(addr(home), queued);
         let next = r.decide_at(&req(&conversation(1, 10)), t0 + after).unwrap();

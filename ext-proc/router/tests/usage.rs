@@ -243,6 +243,7 @@ fn engine(kv: Option<f64>, prompts: f64, started: f64) -> hearth_router::EngineS
         prompt_tokens_total: Some(prompts),
         started_at: Some(started),
         kv_capacity_tokens: kv,
+        cache_block_tokens: None,
     }
 }
 
@@ -552,4 +553,67 @@ fn an_engine_that_holds_less_than_its_figure_says_narrows_the_mirror() {
     );
     let scale = replica(&r, 0).usage.engine_room_scale.unwrap();
     assert!(scale < 1.0, "{scale}");
+}
+
+/// Answers that all hit one shared two-block prompt (256 tokens where
+/// blocks are 128) on replica 0, then a conversation's next turn there:
+/// its prediction in the granule the replica knows by then.
+fn shared_prompt_hits_then_a_next_turn(stated: Option<f64>) -> (Option<u64>, Option<u64>) {
+    let r = fleet_of("127.0.0.1:1", |_| {});
+    let a = "127.0.0.1:1".parse().unwrap();
+    r.set_engine_signals(
+        a,
+        hearth_router::EngineSignals {
+            cache_block_tokens: stated,
+            ..engine(None, 10.0, 1_000.0)
+        },
+    );
+    for k in 1..=5 {
+        let mut hashes = vec![7];
+        hashes.extend(conversation(1_000 * k, 3));
+        let d = r.decide(&req(&hashes)).unwrap();
+        d.record_usage(Usage {
+            prompt_tokens: 2_000,
+            cached_tokens: if k == 1 { 0 } else { 256 },
+        })
+        .unwrap();
+    }
+    // Conversation 1's next turn: it holds the whole previous prompt
+    // (2,000 tokens), 15 blocks and a part.
+    let mut next = vec![7];
+    next.extend(conversation(1_000, 3));
+    next.push(99);
+    let d = r.decide(&req(&next)).unwrap();
+    assert!(d.continues());
+    let served = d
+        .record_usage(Usage {
+            prompt_tokens: 2_500,
+            cached_tokens: 1_920,
+        })
+        .unwrap();
+    (
+        served.predicted_tokens,
+        replica(&r, 0).usage.cache_granularity_tokens,
+    )
+}
+
+#[test]
+fn an_engine_that_states_its_block_size_is_predicted_in_its_blocks_from_the_first_answer() {
+    // Learnt from the answers alone, four hits of 256 say 256: the
+    // prediction falls a block short (and this answer teaches 128).
+    assert_eq!(
+        shared_prompt_hits_then_a_next_turn(None),
+        (Some(1_792), Some(128))
+    );
+    // vLLM states 128-token blocks: exact.
+    assert_eq!(
+        shared_prompt_hits_then_a_next_turn(Some(128.0)),
+        (Some(1_920), Some(128))
+    );
+    // A stated size the answers contradict (256 is no multiple of 112;
+    // taken, it would predict 1,904) is dropped for what they teach.
+    assert_eq!(
+        shared_prompt_hits_then_a_next_turn(Some(112.0)),
+        (Some(1_792), Some(128))
+    );
 }

@@ -844,6 +844,9 @@ mod tests {
         assert!(request_info(&h, 4096).hashes.is_empty());
         let bad = headers(&[(header::FP, "v2.2048.!!!")]);
         assert!(request_info(&bad, 2048).hashes.is_empty());
+        // A filter of the first format names other bytes: load alone.
+        let old = headers(&[(header::FP, "v1.2048.AAAAAAAAAAA")]);
+        assert!(request_info(&old, 2048).hashes.is_empty());
     }
 
     #[test]

@@ -55,6 +55,7 @@ pub fn parse(text: &str, at: Instant) -> Option<EngineSignals> {
             prompt_tokens_total: sum(text, prompt_tokens),
             started_at: samples(text, "process_start_time_seconds").next(),
             kv_capacity_tokens: kv_capacity(text),
+            cache_block_tokens: cache_block(text),
         });
     }
     None
@@ -76,6 +77,15 @@ fn kv_capacity(text: &str) -> Option<f64> {
         .fold(None, |acc: Option<f64>, t| Some(acc.unwrap_or(0.0) + t));
     vllm.or_else(|| sum(text, "sglang:max_total_num_tokens"))
         .filter(|t| t.is_finite() && *t > 0.0)
+}
+
+/// Tokens per prefix-cache block: vLLM's `cache_config_info` `block_size`
+/// (its engines share one).
+fn cache_block(text: &str) -> Option<f64> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("vllm:cache_config_info{"))
+        .find_map(|l| label(&l[..l.find('}')?], "block_size")?.parse::<f64>().ok())
+        .filter(|b| b.is_finite() && *b >= 1.0)
 }
 
 /// The value of label `key` in a sample's label set (`a="1",b="2"`, the
@@ -178,12 +188,14 @@ mod tests {
         let s = parse(page, Instant::now()).unwrap();
         assert_eq!((s.waiting, s.running, s.kv_usage), (5.0, 7.0, Some(0.5)));
         assert_eq!((s.kv_capacity_tokens, s.started_at), (None, None));
+        assert_eq!(s.cache_block_tokens, None);
         let more = format!(
             "{page}vllm:cache_config_info{{block_size=\"16\",gpu_memory_utilization=\"0.9\",num_gpu_blocks=\"2048\"}} 1.0\n\
              process_start_time_seconds 1.7e9\nvllm:prompt_tokens_total{{model_name=\"a\"}} 5000\n"
         );
         let s = parse(&more, Instant::now()).unwrap();
         assert_eq!(s.kv_capacity_tokens, Some(32_768.0));
+        assert_eq!(s.cache_block_tokens, Some(16.0));
         assert_eq!(s.started_at, Some(1.7e9));
         assert_eq!(s.prompt_tokens_total, Some(5000.0));
     }
@@ -215,6 +227,7 @@ mod tests {
         let s = parse(&page, Instant::now()).unwrap();
         assert_eq!((s.waiting, s.running, s.kv_usage), (2.0, 1.0, Some(0.25)));
         assert_eq!(s.kv_capacity_tokens, Some(64.0 * 128.0));
+        assert_eq!(s.cache_block_tokens, Some(128.0));
         assert_eq!(s.prompt_tokens_total, Some(502.0));
         assert_eq!(s.started_at, Some(1.79621973694e9));
         // Two engines behind one server: two caches.
@@ -233,6 +246,7 @@ mod tests {
         let told = format!("{page}sglang:max_total_num_tokens 500000\n");
         let s = parse(&told, Instant::now()).unwrap();
         assert_eq!(s.kv_capacity_tokens, Some(500_000.0));
+        assert_eq!(s.cache_block_tokens, None);
         assert!(parse("process_cpu_seconds_total 4\n", Instant::now()).is_none());
         assert!(parse("vllm:num_requests_waiting NaN\n", Instant::now()).is_none());
     }
