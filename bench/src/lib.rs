@@ -31,6 +31,7 @@ pub mod live;
 pub mod llama;
 pub mod overhead;
 pub mod policies;
+pub mod pool;
 pub mod process;
 pub mod real;
 pub mod report;

@@ -36,6 +36,9 @@ enum Command {
     /// real OpenAI-compatible engines given by address: the same seeded
     /// multi-turn workload through each, cache hits from the engines.
     Real(hearth_bench::real::RealArgs),
+    /// Pool several `real --json` runs into one table per policy (TTFT
+    /// percentiles over every turn of every run).
+    Pool(hearth_bench::pool::PoolArgs),
     /// Start real vLLM servers (the install `scripts/setup` makes) on
     /// loopback, print their addresses and serve until Ctrl-C/SIGTERM.
     Vllm(hearth_bench::vllm::VllmArgs),
@@ -58,6 +61,7 @@ async fn main() -> ExitCode {
         Command::Live(args) => hearth_bench::live::run(args).await,
         Command::Real(args) => hearth_bench::real::run(args).await,
         Command::Vllm(args) => hearth_bench::vllm::run(args).await,
+        Command::Pool(args) => hearth_bench::pool::run(args).await,
         Command::Sim(args) => tokio::task::spawn_blocking(move || hearth_bench::sim::main(args))
             .await
             .map_err(anyhow::Error::from)

@@ -25,7 +25,7 @@ use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use futures::StreamExt;
 use hearth_ext_proc::envoy::render::{render_plain, Gateway};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::conversation::{cached_and_prompt_tokens, filler, Conversation};
@@ -390,7 +390,7 @@ impl StreamReader {
 // Records and their summary: pure.
 
 /// One turn as the client saw it.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TurnRecord {
     pub conversation: usize,
     /// 1-based.
