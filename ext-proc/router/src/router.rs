@@ -190,13 +190,13 @@ impl Router {
                     s.forget_cache();
                     s.usage.restarts += 1;
                 }
+                // Its cache block, when it states one (its answers must
+                // bear it out: see `usage`).
+                s.usage.engine_granule = signals.cache_block_tokens.map(|b| b as u64);
                 // Its KV capacity, when it says and the operator set none:
                 // the index takes that size when first told (or after a
                 // restart), and never exceeds it; in between, the answers'
                 // corrections move it below.
-                // Its cache block, when it states one (its answers must
-                // bear it out: see `usage`).
-                s.usage.engine_granule = signals.cache_block_tokens.map(|b| b as u64);
                 let bpt = s.usage.bytes_per_token.unwrap_or(DEFAULT_BYTES_PER_TOKEN);
                 s.engine_blocks = signals
                     .kv_capacity_tokens
