@@ -164,45 +164,39 @@ mod tests {
         }
     }
 
+    /// A policy's row: its name, wall s, TTFT p90 of later turns, and one
+    /// conversation's two turns (engine, TTFT).
+    type RowSpec<'a> = (&'a str, f64, f64, [(usize, f64); 2]);
+
+    fn run(rows: &[RowSpec]) -> Run {
+        Run {
+            engines: vec!["a".into(), "b".into()],
+            rows: rows
+                .iter()
+                .map(|&(policy, wall_s, p90, [(e1, t1), (e2, t2)])| {
+                    row(
+                        policy,
+                        wall_s,
+                        p90,
+                        vec![turn(0, 1, e1, t1), turn(0, 2, e2, t2)],
+                    )
+                })
+                .collect(),
+        }
+    }
+
     #[test]
     fn runs_pool_into_one_sample_per_policy() {
-        let engines = vec!["a".to_string(), "b".to_string()];
-        // Conversation 0 of each run: on engine 0 in the first run, on
-        // engine 1 in the second, two turns each, never moving.
-        let first = Run {
-            engines: engines.clone(),
-            rows: vec![
-                row(
-                    "hearth",
-                    9.0,
-                    1.0,
-                    vec![turn(0, 1, 0, 0.2), turn(0, 2, 0, 0.4)],
-                ),
-                row(
-                    "least_request",
-                    10.0,
-                    0.9,
-                    vec![turn(0, 1, 0, 0.3), turn(0, 2, 1, 0.5)],
-                ),
-            ],
-        };
-        let mut second = Run {
-            engines,
-            rows: vec![
-                row(
-                    "hearth",
-                    8.0,
-                    0.8,
-                    vec![turn(0, 1, 1, 0.2), turn(0, 2, 1, 0.6)],
-                ),
-                row(
-                    "least_request",
-                    7.5,
-                    0.9,
-                    vec![turn(0, 1, 1, 0.3), turn(0, 2, 1, 0.7)],
-                ),
-            ],
-        };
+        // Conversation 0 of each run: hearth keeps it on one engine in
+        // both; least_request moves it in the first.
+        let first = run(&[
+            ("hearth", 9.0, 1.0, [(0, 0.2), (0, 0.4)]),
+            ("least_request", 10.0, 0.9, [(0, 0.3), (1, 0.5)]),
+        ]);
+        let mut second = run(&[
+            ("hearth", 8.0, 0.8, [(1, 0.2), (1, 0.6)]),
+            ("least_request", 7.5, 0.9, [(1, 0.3), (1, 0.7)]),
+        ]);
         second.rows[0].prediction_error = Some(Prediction {
             answers: 30,
             mean_error: 0.04,
