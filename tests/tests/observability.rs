@@ -8,7 +8,7 @@ use hearth_e2e::{
     filler, metric_sample as sample, reply_text, Conversation, Fleet, FleetOptions, MODEL,
 };
 use hearth_ext_proc::observe::admin::{Decisions, SeriesView};
-use hearth_ext_proc::observe::journal::DecisionRecord;
+use hearth_ext_proc::observe::journal::{DecisionRecord, ServedLine};
 
 async fn get(fleet: &Fleet, path: &str) -> (u16, String) {
     fleet.admin_get(path).await.unwrap()
@@ -242,22 +242,59 @@ async fn metrics_journal_and_history_explain_every_decision() {
     assert_eq!(total(|s| u64::from(s.stays)), 6);
     assert!(total(|s| s.overlap_blocks) > 0);
 
-    // The JSONL file: one line per decision, in order.
+    // The JSONL file: one line per decision, in order, and one per answer
+    // with what its engine served, as the ring's record holds it.
     let deadline = Instant::now() + Duration::from_secs(20);
-    let lines: Vec<DecisionRecord> = loop {
+    let (decisions, answers, ring) = loop {
         let text = std::fs::read_to_string(&jsonl).unwrap_or_default();
-        let lines: Vec<DecisionRecord> = text
+        // A decision's line has its outcome; an answer's has none.
+        let (decided, served): (Vec<serde_json::Value>, Vec<serde_json::Value>) = text
             .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .partition(|v| v.get("outcome").is_some());
+        let decisions: Vec<DecisionRecord> = decided
+            .into_iter()
+            .map(|v| serde_json::from_value(v).unwrap())
             .collect();
-        if lines.len() >= 10 || Instant::now() > deadline {
-            break lines;
+        let answers: Vec<ServedLine> = served
+            .into_iter()
+            .map(|v| serde_json::from_value(v).unwrap())
+            .collect();
+        let (_, text) = get(&fleet, "/debug/decisions?limit=20").await;
+        let ring: Decisions = serde_json::from_str(&text).unwrap();
+        let done = decisions.len() >= 10 && answers.len() >= 9;
+        if done || Instant::now() > deadline {
+            break (decisions, answers, ring);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    assert_eq!(lines.len(), 10);
-    assert_eq!(lines[0].request_id.as_deref(), Some("obs-0-0"));
-    assert_eq!(lines[9].outcome, "no_replica");
+    assert_eq!(decisions.len(), 10);
+    assert_eq!(decisions[0].request_id.as_deref(), Some("obs-0-0"));
+    assert_eq!(decisions[9].outcome, "no_replica");
+    assert!(decisions.iter().all(|d| d.served.is_none()));
+    let mut in_file: Vec<(String, u64, u64)> = answers
+        .iter()
+        .map(|a| {
+            let s = &a.served;
+            (a.request_id.clone(), s.prompt_tokens, s.cached_tokens)
+        })
+        .collect();
+    let mut in_ring: Vec<(String, u64, u64)> = ring
+        .decisions
+        .iter()
+        .filter_map(|d| {
+            let s = d.served.as_ref()?;
+            Some((d.request_id.clone()?, s.prompt_tokens, s.cached_tokens))
+        })
+        .collect();
+    in_file.sort();
+    in_ring.sort();
+    assert_eq!(in_file.len(), 9, "every routed turn's answer: {in_file:?}");
+    assert_eq!(in_file, in_ring);
+    assert!(
+        in_file.iter().any(|&(_, _, cached)| cached > 0),
+        "{in_file:?}"
+    );
     fleet.assert_wasm_healthy();
     drop(fleet);
     std::fs::remove_dir_all(&dir).unwrap();

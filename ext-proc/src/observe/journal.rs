@@ -3,9 +3,11 @@
 //!
 //! A bounded in-memory ring (`HEARTH_JOURNAL_SIZE` records) and, when
 //! `HEARTH_JOURNAL_FILE` is set, one JSON line per decision appended to
-//! that file by a writer thread (the decision path only hands the record
-//! over; when the writer falls behind by [`FILE_QUEUE`] records, records
-//! are dropped from the file and counted, never from the ring). The file
+//! that file by a writer thread, and one more per answer whose usage came
+//! ([`ServedLine`]: the decision's line was written before the answer
+//! existed; the two share the request id). The request path only hands
+//! the line over; when the writer falls behind by [`FILE_QUEUE`] lines,
+//! lines are dropped from the file and counted, never from the ring. The file
 //! rotates: a line that would take it past `HEARTH_JOURNAL_FILE_MAX_BYTES`
 //! goes to a new file, the full one becoming `PATH.1` (replacing the
 //! previous `PATH.1`), so the journal takes at most twice that on disk.
@@ -24,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use hearth_router::Correction;
 use serde::{Deserialize, Serialize};
 
-/// Records waiting for the file writer before new ones are dropped.
+/// Lines waiting for the file writer before new ones are dropped.
 pub const FILE_QUEUE: usize = 4096;
 
 /// One candidate replica in a decision.
@@ -76,8 +78,9 @@ pub struct DecisionRecord {
     pub candidates: Vec<CandidateRecord>,
     /// Time spent deciding, microseconds.
     pub decision_us: f64,
-    /// What the engine said it served, once the answer's usage came
-    /// (in the ring only: the file gets the line at decision time).
+    /// What the engine said it served, once the answer's usage came (in
+    /// the ring; the file, which got the decision's line at decision time,
+    /// gets a [`ServedLine`]).
     #[serde(default)]
     pub served: Option<ServedRecord>,
 }
@@ -96,6 +99,32 @@ pub struct ServedRecord {
     pub correction: Option<Correction>,
 }
 
+/// An answer's usage as a line of the journal file, after its decision's
+/// line (matched by `request_id`; a retried id names its newest decision).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ServedLine {
+    /// When the usage came, Unix milliseconds.
+    pub time_ms: u64,
+    pub request_id: String,
+    pub served: ServedRecord,
+}
+
+/// What the file writer is handed.
+#[derive(Debug)]
+enum FileLine {
+    Decision(Arc<DecisionRecord>),
+    Served(ServedLine),
+}
+
+impl FileLine {
+    fn json(&self) -> serde_json::Result<Vec<u8>> {
+        match self {
+            FileLine::Decision(r) => serde_json::to_vec(&**r),
+            FileLine::Served(s) => serde_json::to_vec(s),
+        }
+    }
+}
+
 pub fn hex(h: u64) -> String {
     format!("{h:016x}")
 }
@@ -105,7 +134,7 @@ pub fn hex(h: u64) -> String {
 pub struct Journal {
     size: usize,
     ring: Mutex<VecDeque<Arc<DecisionRecord>>>,
-    file: Option<SyncSender<Arc<DecisionRecord>>>,
+    file: Option<SyncSender<FileLine>>,
     dropped: Arc<AtomicU64>,
 }
 
@@ -137,11 +166,7 @@ impl Journal {
 
     pub fn push(&self, record: DecisionRecord) {
         let record = Arc::new(record);
-        if let Some(tx) = &self.file {
-            if let Err(TrySendError::Full(_)) = tx.try_send(Arc::clone(&record)) {
-                self.dropped.fetch_add(1, Ordering::Relaxed);
-            }
-        }
+        self.to_file(|| FileLine::Decision(Arc::clone(&record)));
         if self.size == 0 {
             return;
         }
@@ -152,9 +177,26 @@ impl Journal {
         ring.push_back(record);
     }
 
+    /// Hands a line to the file writer, if there is a file (counted as
+    /// dropped when the writer is [`FILE_QUEUE`] lines behind).
+    fn to_file(&self, line: impl FnOnce() -> FileLine) {
+        if let Some(tx) = &self.file {
+            if let Err(TrySendError::Full(_)) = tx.try_send(line()) {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Puts `served` next to the newest decision for `request_id` still
-    /// in the ring without one.
-    pub fn attach_served(&self, request_id: &str, served: ServedRecord) {
+    /// in the ring without one, and writes it to the file at `time_ms`.
+    pub fn attach_served(&self, request_id: &str, served: ServedRecord, time_ms: u64) {
+        self.to_file(|| {
+            FileLine::Served(ServedLine {
+                time_ms,
+                request_id: request_id.to_string(),
+                served: served.clone(),
+            })
+        });
         let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         let found = ring
             .iter_mut()
@@ -280,9 +322,9 @@ impl Lines for RotatingFile {
     }
 }
 
-fn write_lines(rx: Receiver<Arc<DecisionRecord>>, mut out: impl Lines, dropped: &AtomicU64) {
-    let write = |r: &DecisionRecord, out: &mut dyn Lines| {
-        let ok = serde_json::to_vec(r).is_ok_and(|mut line| {
+fn write_lines(rx: Receiver<FileLine>, mut out: impl Lines, dropped: &AtomicU64) {
+    let write = |r: &FileLine, out: &mut dyn Lines| {
+        let ok = r.json().is_ok_and(|mut line| {
             line.push(b'\n');
             out.line(&line).is_ok()
         });
@@ -361,44 +403,64 @@ mod tests {
             predicted_cached_tokens: Some(90),
             correction: None,
         };
-        j.attach_served("r1", served(80));
+        j.attach_served("r1", served(80), 5);
         let r1 = j.find("r1");
         assert_eq!(r1[0].served.as_ref().map(|s| s.cached_tokens), Some(80));
         assert_eq!(r1[1].served, None);
         // A second answer for the id goes to the older decision; an
         // unknown id changes nothing.
-        j.attach_served("r1", served(70));
-        j.attach_served("nope", served(1));
+        j.attach_served("r1", served(70), 6);
+        j.attach_served("nope", served(1), 7);
         let r1 = j.find("r1");
         assert_eq!(r1[1].served.as_ref().map(|s| s.cached_tokens), Some(70));
         assert_eq!(j.find("r2")[0].served, None);
     }
 
     #[test]
-    fn the_file_gets_one_json_line_per_decision() {
+    fn the_file_gets_a_line_per_decision_and_one_per_answer() {
         let dir = std::env::temp_dir().join(format!("hearth-journal-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("decisions.jsonl");
         let _ = std::fs::remove_file(&path);
+        // No ring: the file alone keeps what the answers served.
         let j = Journal::open(0, Some((&path, 1 << 20))).unwrap();
         for i in 0..3 {
             j.push(record(&format!("f{i}")));
         }
+        let served = ServedRecord {
+            replica: "a".into(),
+            prompt_tokens: 100,
+            cached_tokens: 64,
+            predicted_cached_tokens: Some(60),
+            correction: None,
+        };
+        j.attach_served("f1", served.clone(), 1_234);
         drop(j); // closes the channel; the writer drains and exits
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        let lines = loop {
+        let text = loop {
             let text = std::fs::read_to_string(&path).unwrap_or_default();
-            let lines: Vec<DecisionRecord> = text
-                .lines()
-                .map(|l| serde_json::from_str(l).unwrap())
-                .collect();
-            if lines.len() == 3 || std::time::Instant::now() > deadline {
-                break lines;
+            if text.lines().count() == 4 || std::time::Instant::now() > deadline {
+                break text;
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
         };
-        assert_eq!(lines.len(), 3);
-        assert_eq!(lines[2].request_id.as_deref(), Some("f2"));
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text}");
+        let decisions: Vec<DecisionRecord> = lines[..3]
+            .iter()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(decisions[2].request_id.as_deref(), Some("f2"));
+        assert!(decisions.iter().all(|d| d.served.is_none()));
+        let answer: ServedLine = serde_json::from_str(lines[3]).unwrap();
+        assert_eq!(
+            answer,
+            ServedLine {
+                time_ms: 1_234,
+                request_id: "f1".into(),
+                served,
+            }
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -416,7 +478,8 @@ mod tests {
         let rx = {
             let (tx, rx) = sync_channel(16);
             for i in 0..11 {
-                tx.send(Arc::new(record(&format!("r{i:03}")))).unwrap();
+                tx.send(FileLine::Decision(Arc::new(record(&format!("r{i:03}")))))
+                    .unwrap();
             }
             rx
         };
@@ -462,7 +525,8 @@ mod tests {
         }
         let (tx, rx) = std::sync::mpsc::sync_channel(4);
         for i in 0..3 {
-            tx.send(Arc::new(record(&format!("d{i}")))).unwrap();
+            tx.send(FileLine::Decision(Arc::new(record(&format!("d{i}")))))
+                .unwrap();
         }
         drop(tx);
         let dropped = AtomicU64::new(0);

@@ -455,7 +455,7 @@ const FLEET_SERIES: &[Scraped<FleetView>] = &[
     ),
     counter(
         "hearth_journal_file_dropped",
-        "Decision records not written to HEARTH_JOURNAL_FILE because its writer fell behind (the in-memory journal keeps them)",
+        "Journal lines (decisions, answers' served figures) not written to HEARTH_JOURNAL_FILE because its writer fell behind (the in-memory journal keeps them)",
         |f| f.journal_dropped,
     ),
 ];

@@ -225,6 +225,7 @@ impl Observer {
                     predicted_cached_tokens: served.predicted_tokens,
                     correction: served.correction,
                 },
+                (series::unix_now() * 1000.0) as u64,
             );
         }
     }
