@@ -374,6 +374,7 @@ pub fn run(spec: &RunSpec) -> RunResult {
                             started_at: Some(started_s[r]),
                             kv_capacity_tokens: None,
                             cache_block_tokens: None,
+                            progress_total: None,
                         };
                         router.set_engine_signals(sc.hearth.replica_addr(r), signals);
                     }

@@ -257,6 +257,12 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_SUSPECT_PROBE_SECONDS", default_value_t = 10.0)]
     pub suspect_probe_seconds: f64,
 
+    /// A replica whose engine reports requests running or queued while its
+    /// own work counters (from its metrics) stand still this many seconds
+    /// is stalled: a strike per probe retry while it lasts (0 disables).
+    #[arg(long, env = "HEARTH_STALL_SECONDS", default_value_t = 30.0)]
+    pub stall_seconds: f64,
+
     /// Deadline of each probe request, in seconds.
     #[arg(long, env = "HEARTH_PROBE_TIMEOUT_SECONDS", default_value_t = 5.0)]
     pub probe_timeout_seconds: f64,
@@ -1038,6 +1044,7 @@ impl Settings {
                 probe_interval: seconds(self.probe_interval_seconds),
                 probe_retry: seconds(self.probe_retry_seconds),
                 suspect_probe_interval: seconds(self.suspect_probe_seconds),
+                stall_after: seconds(self.stall_seconds),
             },
             block_size: self.block_size,
             warmth_blocks: self.warmth_blocks.unwrap_or(DEFAULT_WARMTH_BLOCKS),
@@ -1087,6 +1094,7 @@ impl Settings {
             ("HEARTH_PROBE_TIMEOUT_SECONDS", self.probe_timeout_seconds),
             ("HEARTH_PROBE_RETRY_SECONDS", self.probe_retry_seconds),
             ("HEARTH_SUSPECT_PROBE_SECONDS", self.suspect_probe_seconds),
+            ("HEARTH_STALL_SECONDS", self.stall_seconds),
             ("HEARTH_EJECT_BACKOFF_SECONDS", self.eject_backoff_seconds),
             (
                 "HEARTH_EJECT_MAX_BACKOFF_SECONDS",

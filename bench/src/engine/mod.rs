@@ -223,6 +223,14 @@ pub struct Engine {
     /// Slots for running requests (when `max_running` is set).
     slots: Option<Arc<tokio::sync::Semaphore>>,
     waiting: AtomicU64,
+    /// Requests held by the `stall` fault: counted as running, never
+    /// progressing.
+    stalled: AtomicU64,
+    /// Work steps taken: one per [`WORK_STEP`] of wall time in which a
+    /// request ran and was not stalled (served as vLLM's per-step token
+    /// counter, which moves whenever the engine works; the simulator's
+    /// stands for it in steps, not tokens).
+    work_steps: AtomicU64,
     /// The scheduler task, started by the first request (with
     /// [`EngineConfig::scheduler`]).
     scheduler: std::sync::OnceLock<Arc<scheduled::Scheduler>>,
@@ -265,6 +273,8 @@ impl Engine {
             fault: Mutex::new(fault),
             slots: (max_running > 0).then(|| Arc::new(tokio::sync::Semaphore::new(max_running))),
             waiting: AtomicU64::new(0),
+            stalled: AtomicU64::new(0),
+            work_steps: AtomicU64::new(0),
             scheduler: std::sync::OnceLock::new(),
         })
     }
@@ -283,6 +293,17 @@ impl Engine {
     /// The engine's settings.
     pub fn config(&self) -> &EngineConfig {
         &self.config
+    }
+
+    /// Requests the engine holds now, running or waiting: the load every
+    /// router's run is measured by, whatever the router counts itself.
+    pub fn in_flight(&self) -> u64 {
+        let waiting = self
+            .scheduler
+            .get()
+            .map_or(&self.waiting, |s| &s.waiting)
+            .load(Ordering::Relaxed);
+        self.stats().running + waiting
     }
 
     /// A snapshot of the counters.
@@ -385,6 +406,12 @@ impl Engine {
             "Prefix cache hits, in terms of number of cached tokens.",
             s.cached_tokens_total.to_string(),
         );
+        metric(
+            "vllm:iteration_tokens_total_sum",
+            "counter",
+            "Work steps taken (the simulator's stand-in for tokens per engine step).",
+            self.work_steps.load(Ordering::Relaxed).to_string(),
+        );
         out
     }
 }
@@ -395,6 +422,32 @@ struct InFlight {
     completed: bool,
     /// The running slot, when slots are limited; freed with the request.
     _slot: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// Counts a request as stalled while it exists.
+struct Stalled(Arc<Engine>);
+
+impl Drop for Stalled {
+    fn drop(&mut self) {
+        self.0.stalled.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// How often the simulator's work counter looks for work.
+const WORK_STEP: Duration = Duration::from_millis(50);
+
+/// Counts work steps while the engine lives.
+async fn count_work(engine: std::sync::Weak<Engine>) {
+    let mut tick = tokio::time::interval(WORK_STEP);
+    loop {
+        tick.tick().await;
+        let Some(engine) = engine.upgrade() else {
+            return;
+        };
+        if engine.stats().running > engine.stalled.load(Ordering::Relaxed) {
+            engine.work_steps.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Counts a request as waiting while it exists.
@@ -494,6 +547,7 @@ pub async fn spawn(
     let app = router(engine.clone());
     let (stop, stopped) = oneshot::channel::<()>();
     let id = engine.config.id.clone();
+    tokio::spawn(count_work(Arc::downgrade(&engine)));
     let task = tokio::spawn(async move {
         let server = axum::serve(listener, app).with_graceful_shutdown(async {
             let _ = stopped.await;
@@ -840,8 +894,14 @@ async fn generate(
                 "injected fault",
             )
         }
-        // Until the client gives up and this future is dropped.
-        Fault::Stall => return std::future::pending().await,
+        // Until the client gives up and this future is dropped: running,
+        // as a stuck engine shows its requests, and never progressing.
+        Fault::Stall => {
+            let _running = InFlight::start(engine.clone()).await;
+            engine.stalled.fetch_add(1, Ordering::Relaxed);
+            let _stalled = Stalled(engine.clone());
+            return std::future::pending().await;
+        }
         Fault::Slow { millis } => tokio::time::sleep(Duration::from_millis(millis)).await,
         Fault::Reset => {
             // A first chunk, then the body fails: hyper drops the connection.

@@ -54,6 +54,11 @@ impl Router {
         self.record_probe_at(key, outcome, Instant::now());
     }
 
+    /// [`Router::probe_may_proceed_at`] now.
+    pub fn probe_may_proceed(&self, key: ReplicaKey, reason: crate::health::ProbeReason) -> bool {
+        self.probe_may_proceed_at(key, reason, Instant::now())
+    }
+
     /// [`Router::probe_targets_at`] now.
     pub fn probe_targets(&self) -> Vec<ProbeTarget> {
         self.probe_targets_at(Instant::now())

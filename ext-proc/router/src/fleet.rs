@@ -37,6 +37,10 @@ pub struct EngineSignals {
     /// Tokens per block of its prefix cache, when it says (vLLM's
     /// `block_size`): it serves cached prompts in whole blocks.
     pub cache_block_tokens: Option<f64>,
+    /// The sum of the engine's work counters (steps or tokens processed,
+    /// see the sidecar's scrape): it stands still only when the engine
+    /// does. `None` when it exports none.
+    pub progress_total: Option<f64>,
 }
 
 impl EngineSignals {

@@ -71,6 +71,10 @@ pub struct HealthParams {
     /// A replica made suspect by evidence a client could have provoked is
     /// probed at most this often.
     pub suspect_probe_interval: Duration,
+    /// A replica with real requests running or queued whose engine's own
+    /// work counters have not moved for this long is stalled: a strike
+    /// every `probe_retry` while it stays so (zero: never).
+    pub stall_after: Duration,
 }
 
 impl Default for HealthParams {
@@ -83,6 +87,7 @@ impl Default for HealthParams {
             probe_interval: Duration::from_secs(30),
             probe_retry: Duration::from_secs(2),
             suspect_probe_interval: Duration::from_secs(10),
+            stall_after: Duration::from_secs(30),
         }
     }
 }
@@ -106,6 +111,9 @@ pub enum Failure {
     Retried,
     /// A peer sidecar fenced it (a hint, until a probe here agrees).
     PeerFenced,
+    /// Real requests ran or waited on it while the engine's own work
+    /// counters stood still for `stall_after`.
+    Stalled,
 }
 
 impl Failure {
@@ -113,7 +121,7 @@ impl Failure {
     /// engine's connection failed, or was reset, before any byte.
     /// Everything else a real request shows is suspicion only.
     pub fn is_own_observation(self) -> bool {
-        self == Failure::ConnectFailure
+        matches!(self, Failure::ConnectFailure | Failure::Stalled)
     }
 }
 
@@ -127,6 +135,7 @@ impl Failure {
             Failure::ProbeModels => "probe_models",
             Failure::Retried => "retried",
             Failure::PeerFenced => "peer_fenced",
+            Failure::Stalled => "stalled",
         }
     }
 }
@@ -177,6 +186,14 @@ pub struct ReplicaHealth {
     probe_refused: Option<u16>,
     metrics_refused: Option<u16>,
     pub fenced_total: u64,
+    /// The engine exports a work counter (see [`ReplicaHealth::record_progress`]).
+    progress_known: bool,
+    /// The last scrape at which the engine's work counters had moved.
+    last_progress: Option<Instant>,
+    /// Since when real requests have run or waited on it without a pause.
+    working_since: Option<Instant>,
+    /// The last strike for a stall.
+    last_stall_strike: Option<Instant>,
 }
 
 impl Default for ReplicaHealth {
@@ -195,6 +212,10 @@ impl Default for ReplicaHealth {
             probe_refused: None,
             metrics_refused: None,
             fenced_total: 0,
+            progress_known: false,
+            last_progress: None,
+            working_since: None,
+            last_stall_strike: None,
         }
     }
 }
@@ -219,6 +240,34 @@ pub struct HealthSnapshot {
     pub credentials_error: Option<String>,
 }
 
+/// The real work on a replica, as [`ReplicaHealth::probe_due`] weighs it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Work {
+    /// Real requests running or queued there (this sidecar's, its
+    /// peers', and the engine's own count).
+    pub running: u32,
+    /// Some wait rather than run: the engine reports a queue, or this
+    /// sidecar's requests are more than the engine says it runs (on their
+    /// way, or queued; without fresh engine figures, any of them).
+    pub queued: bool,
+}
+
+impl Work {
+    /// Nothing runs or waits.
+    pub const IDLE: Work = Work {
+        running: 0,
+        queued: false,
+    };
+
+    /// `n` requests running, none queued.
+    pub fn running(n: u32) -> Work {
+        Work {
+            running: n,
+            queued: false,
+        }
+    }
+}
+
 /// Why a probe is due.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProbeReason {
@@ -238,6 +287,11 @@ impl ReplicaHealth {
 
     pub fn is_serving(&self) -> bool {
         self.state == HealthState::Serving
+    }
+
+    /// When a real request last succeeded on it.
+    pub fn last_served(&self) -> Option<Instant> {
+        self.last_served
     }
 
     /// A real request's outcome. A connection failure is a strike; any
@@ -275,12 +329,12 @@ impl ReplicaHealth {
         self.suspect.is_some()
     }
 
-    /// A probe's outcome, with the number of real requests running on the
-    /// replica now. A probe success clears suspicion and re-admits a fenced
-    /// replica once its backoff has run out; a failure is a strike; a
-    /// timeout is excused on a replica that served a real request within
-    /// `busy_grace`, or is running real requests none of which missed its
-    /// first-byte deadline.
+    /// A probe's outcome, with the number of real requests running or
+    /// queued on the replica now. A probe success clears suspicion and
+    /// re-admits a fenced replica once its backoff has run out; a failure
+    /// is a strike; a timeout is excused on a busy replica (a real success
+    /// or engine progress within `busy_grace`), or on one with requests
+    /// running none of which missed its first-byte deadline.
     pub fn record_probe(&mut self, outcome: Outcome, p: &HealthParams, now: Instant, running: u32) {
         self.last_probe = Some(now);
         if self.suspect.is_some() {
@@ -321,20 +375,68 @@ impl ReplicaHealth {
         self.metrics_refused = refused;
     }
 
-    /// Whether a probe is due now, and why (see the module's notes).
-    /// `running`: real requests running on the replica now.
-    pub fn probe_due(&self, p: &HealthParams, now: Instant, running: u32) -> Option<ProbeReason> {
+    /// One reading of the engine's own figures at `at`: whether it reports
+    /// requests running or queued, and whether its work counters moved
+    /// since the last reading (`None`: it exports none). Requests that
+    /// run or wait while the counters stand still for `stall_after` are a
+    /// stall, the engine's own evidence and no client's: a strike, and
+    /// another every `probe_retry` while it lasts. A client can keep an
+    /// engine busy, never keep its counters still.
+    pub fn record_reading(
+        &mut self,
+        p: &HealthParams,
+        at: Instant,
+        working: bool,
+        moved: Option<bool>,
+    ) {
+        self.progress_known = moved.is_some();
+        if moved == Some(true) {
+            self.last_progress = Some(at);
+        }
+        if !working {
+            self.working_since = None;
+            return;
+        }
+        let since = *self.working_since.get_or_insert(at);
+        if !self.progress_known || p.stall_after.is_zero() || self.state == HealthState::Fenced {
+            return;
+        }
+        let quiet_from = self.last_progress.map_or(since, |t| t.max(since));
+        let stalled = at.saturating_duration_since(quiet_from) >= p.stall_after;
+        let struck_recently = self
+            .last_stall_strike
+            .is_some_and(|t| at.saturating_duration_since(t) < p.probe_retry);
+        if stalled && !struck_recently {
+            self.last_stall_strike = Some(at);
+            self.fail(Failure::Stalled, p, at);
+        }
+    }
+
+    /// Whether a probe is due now, and why (see the module's notes), with
+    /// the real work on the replica now.
+    pub fn probe_due(&self, p: &HealthParams, now: Instant, work: Work) -> Option<ProbeReason> {
         if p.probe_interval.is_zero() {
             return None;
         }
         let since = |t: Option<Instant>| t.map(|t| now.saturating_duration_since(t));
         let probed_within = |d: Duration| since(self.last_probe).is_some_and(|s| s < d);
         if self.state == HealthState::Fenced {
+            // No conversation is kept on a fenced replica, so its probe
+            // costs nothing a client is waiting for.
             let backoff_over = self.fenced_until.is_none_or(|t| now >= t);
             return (backoff_over && !probed_within(p.probe_retry)).then_some(ProbeReason::Readmit);
         }
-        // Confirming or clearing goes ahead of running requests: their
-        // outcomes cannot fence, the probe's can.
+        // Never behind queued work: the probe would wait there, prove
+        // nothing the queued requests will not, and then, on a slot
+        // engine, take the slot of a conversation that just paused. A
+        // stuck engine is caught by its own counters meanwhile
+        // (`record_reading`).
+        if work.queued {
+            return None;
+        }
+        // Confirming or clearing goes alongside running requests (not
+        // behind them: nothing is queued): their outcomes cannot fence,
+        // the probe's can.
         if self.consecutive_failures > 0 {
             return (!probed_within(p.probe_retry)).then_some(ProbeReason::Suspect);
         }
@@ -343,7 +445,9 @@ impl ReplicaHealth {
                 since(self.last_suspect_probe).is_some_and(|s| s < p.suspect_probe_interval);
             return (!recent && !probed_within(p.probe_retry)).then_some(ProbeReason::Suspect);
         }
-        if running > 0 {
+        // An idle probe only where nothing at all runs: a running
+        // request's outcome is the evidence.
+        if work.running > 0 {
             return None;
         }
         let served_within = since(self.last_served).is_some_and(|s| s < p.probe_interval);
@@ -365,6 +469,9 @@ impl ReplicaHealth {
         }
     }
 
+    /// A real request succeeded within `busy_grace`: slow, not broken.
+    /// (The engine's counters are no such excuse: an engine that stalled
+    /// a moment ago moved them a moment before.)
     fn busy(&self, p: &HealthParams, now: Instant) -> bool {
         self.last_served
             .is_some_and(|t| now.saturating_duration_since(t) < p.busy_grace)
@@ -522,6 +629,7 @@ mod tests {
             probe_interval: Duration::from_secs(30),
             probe_retry: Duration::from_secs(2),
             suspect_probe_interval: Duration::from_secs(10),
+            stall_after: Duration::from_secs(30),
         }
     }
 
@@ -531,36 +639,51 @@ mod tests {
         let s = Duration::from_secs;
         let mut h = ReplicaHealth::default();
         // Never served, never probed: idle.
-        assert_eq!(h.probe_due(&p(), t0, 0), Some(ProbeReason::Idle));
+        assert_eq!(h.probe_due(&p(), t0, Work::IDLE), Some(ProbeReason::Idle));
         h.record_probe(Outcome::Success, &p(), t0, 0);
-        assert_eq!(h.probe_due(&p(), t0 + s(29), 0), None);
-        assert_eq!(h.probe_due(&p(), t0 + s(30), 0), Some(ProbeReason::Idle));
+        assert_eq!(h.probe_due(&p(), t0 + s(29), Work::IDLE), None);
+        assert_eq!(
+            h.probe_due(&p(), t0 + s(30), Work::IDLE),
+            Some(ProbeReason::Idle)
+        );
         // Real successes keep proving it: no probe however long it runs.
         for k in 1..10 {
             h.record_request(Outcome::Success, &p(), t0 + s(20 * k));
-            assert_eq!(h.probe_due(&p(), t0 + s(20 * k + 25), 0), None);
+            assert_eq!(h.probe_due(&p(), t0 + s(20 * k + 25), Work::IDLE), None);
         }
         // A failure makes it suspect: probed at once, then after the retry
         // delay while its probes fail.
         let t1 = t0 + s(200);
         h.record_request(Outcome::Failure(Failure::ServerError), &p(), t1);
-        assert_eq!(h.probe_due(&p(), t1, 0), Some(ProbeReason::Suspect));
+        assert_eq!(
+            h.probe_due(&p(), t1, Work::IDLE),
+            Some(ProbeReason::Suspect)
+        );
         h.record_probe(Outcome::Failure(Failure::ServerError), &p(), t1, 0);
-        assert_eq!(h.probe_due(&p(), t1 + s(1), 0), None);
-        assert_eq!(h.probe_due(&p(), t1 + s(2), 0), Some(ProbeReason::Suspect));
+        assert_eq!(h.probe_due(&p(), t1 + s(1), Work::IDLE), None);
+        assert_eq!(
+            h.probe_due(&p(), t1 + s(2), Work::IDLE),
+            Some(ProbeReason::Suspect)
+        );
         h.record_probe(Outcome::Failure(Failure::ServerError), &p(), t1 + s(2), 0);
         assert!(h.is_serving(), "two strikes");
         h.record_probe(Outcome::Failure(Failure::ServerError), &p(), t1 + s(4), 0);
         // Fenced: no probe until the backoff (10 s) is over.
         assert_eq!(h.state(), HealthState::Fenced);
-        assert_eq!(h.probe_due(&p(), t1 + s(13), 0), None);
-        assert_eq!(h.probe_due(&p(), t1 + s(14), 0), Some(ProbeReason::Readmit));
+        assert_eq!(h.probe_due(&p(), t1 + s(13), Work::IDLE), None);
+        assert_eq!(
+            h.probe_due(&p(), t1 + s(14), Work::IDLE),
+            Some(ProbeReason::Readmit)
+        );
         // Probes off.
         let off = HealthParams {
             probe_interval: Duration::ZERO,
             ..p()
         };
-        assert_eq!(ReplicaHealth::default().probe_due(&off, t0, 0), None);
+        assert_eq!(
+            ReplicaHealth::default().probe_due(&off, t0, Work::IDLE),
+            None
+        );
     }
 
     #[test]
@@ -576,7 +699,7 @@ mod tests {
         assert!(snap.credentials_error.unwrap().contains("probe: HTTP 401"));
         // Real requests still prove it.
         h.record_request(Outcome::Success, &p(), t0 + s(11));
-        assert_eq!(h.probe_due(&p(), t0 + s(12), 0), None);
+        assert_eq!(h.probe_due(&p(), t0 + s(12), Work::IDLE), None);
         // Fenced by refused connections, with the probe refused: after the
         // backoff it serves again, one failure away from another fencing.
         for _ in 0..3 {
@@ -617,7 +740,10 @@ mod tests {
             h.record_request(Outcome::Failure(Failure::Timeout), &p(), later);
         }
         assert!(h.is_serving() && h.is_suspect());
-        assert_eq!(h.probe_due(&p(), later, 2), Some(ProbeReason::Suspect));
+        assert_eq!(
+            h.probe_due(&p(), later, Work::running(2)),
+            Some(ProbeReason::Suspect)
+        );
         for k in 0..3 {
             h.record_probe(
                 Outcome::Failure(Failure::Timeout),
@@ -709,14 +835,14 @@ mod tests {
     }
 
     #[test]
-    fn a_replica_running_real_requests_gets_no_probe_and_a_probe_timeout_there_is_excused() {
+    fn a_replica_running_real_requests_gets_no_idle_probe_and_a_probe_timeout_there_is_excused() {
         let t0 = Instant::now();
         let s = Duration::from_secs;
         let mut h = ReplicaHealth::default();
         // A fresh replica whose first (cold, slow) requests are running:
         // their outcome is the evidence, no probe is sent.
-        assert_eq!(h.probe_due(&p(), t0, 2), None);
-        assert_eq!(h.probe_due(&p(), t0, 0), Some(ProbeReason::Idle));
+        assert_eq!(h.probe_due(&p(), t0, Work::running(2)), None);
+        assert_eq!(h.probe_due(&p(), t0, Work::IDLE), Some(ProbeReason::Idle));
         // A probe sent just before they arrived times out behind them:
         // never a strike, however often, while they run.
         for k in 0..5 {
@@ -735,26 +861,125 @@ mod tests {
         }
         assert_eq!(h.state(), HealthState::Fenced);
         // A fenced replica is still probed to re-admit it, even with
-        // requests of before its fencing still running.
-        assert_eq!(h.probe_due(&p(), t0 + s(30), 1), Some(ProbeReason::Readmit));
-        // A stuck engine is still caught: its requests' own first-byte
-        // deadlines make it suspect, and then a probe that times out behind
-        // them is a strike.
-        let mut stuck = ReplicaHealth::default();
-        stuck.record_request(Outcome::Failure(Failure::Timeout), &p(), t0 + s(60));
+        // requests of before its fencing still running or queued.
+        let queued = Work {
+            running: 3,
+            queued: true,
+        };
         assert_eq!(
-            stuck.probe_due(&p(), t0 + s(60), 2),
+            h.probe_due(&p(), t0 + s(30), queued),
+            Some(ProbeReason::Readmit)
+        );
+    }
+
+    #[test]
+    fn no_probe_goes_behind_queued_work_whatever_its_reason() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let queued = Work {
+            running: 4,
+            queued: true,
+        };
+        // Idle, suspect (client-shapeable evidence), and struck (a refused
+        // connection): each would be probed on an idle replica, none behind
+        // queued work.
+        let idle = ReplicaHealth::default();
+        let mut suspect = ReplicaHealth::default();
+        suspect.record_request(Outcome::Failure(Failure::EmptyAnswer), &p(), t0);
+        let mut struck = ReplicaHealth::default();
+        struck.record_request(Outcome::Failure(Failure::ConnectFailure), &p(), t0);
+        for (name, h, due) in [
+            ("idle", &idle, ProbeReason::Idle),
+            ("suspect", &suspect, ProbeReason::Suspect),
+            ("struck", &struck, ProbeReason::Suspect),
+        ] {
+            assert_eq!(
+                h.probe_due(&p(), t0 + s(1), Work::IDLE),
+                Some(due),
+                "{name}"
+            );
+            assert_eq!(h.probe_due(&p(), t0 + s(1), queued), None, "{name}");
+        }
+        // Suspicion and strikes are confirmed alongside running requests
+        // when nothing waits; an idle probe waits for nothing to run.
+        assert_eq!(idle.probe_due(&p(), t0, Work::running(1)), None);
+        assert_eq!(
+            suspect.probe_due(&p(), t0, Work::running(1)),
             Some(ProbeReason::Suspect)
         );
-        for k in 0..3 {
-            stuck.record_probe(
-                Outcome::Failure(Failure::Timeout),
-                &p(),
-                t0 + s(60 + 2 * k),
-                2,
-            );
+        assert_eq!(
+            struck.probe_due(&p(), t0, Work::running(1)),
+            Some(ProbeReason::Suspect)
+        );
+    }
+
+    #[test]
+    fn a_busy_engine_is_never_struck_and_a_stalled_one_is_fenced_by_its_own_counters() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        // Busy: requests run and queue for ten minutes (a client keeping
+        // every slot with long generations) and the counters move at every
+        // reading. The queued requests' first-byte timeouts make it
+        // suspect, and its probe waits behind nothing: never a strike.
+        let mut busy = ReplicaHealth::default();
+        let queued = Work {
+            running: 8,
+            queued: true,
+        };
+        for k in 0..300 {
+            busy.record_reading(&p(), t0 + s(2 * k), true, Some(true));
+            if k % 30 == 29 {
+                busy.record_request(Outcome::Failure(Failure::Timeout), &p(), t0 + s(2 * k));
+            }
+            assert_eq!(busy.probe_due(&p(), t0 + s(2 * k), queued), None);
         }
+        assert!(busy.is_serving() && busy.is_suspect());
+        assert_eq!(busy.snapshot(t0).consecutive_failures, 0);
+        // Stuck: the engine reports requests running and its counters
+        // stand still. Nothing for `stall_after` (30 s), then a strike per
+        // reading at least `probe_retry` apart: fenced at the third.
+        let mut stuck = ReplicaHealth::default();
+        stuck.record_reading(&p(), t0, true, Some(true));
+        for k in 1..=14 {
+            stuck.record_reading(&p(), t0 + s(2 * k), true, Some(false));
+        }
+        assert!(stuck.is_serving(), "28 s without progress");
+        assert_eq!(stuck.snapshot(t0).consecutive_failures, 0);
+        stuck.record_reading(&p(), t0 + s(30), true, Some(false));
+        assert_eq!(stuck.snapshot(t0).last_failure, Some(Failure::Stalled));
+        stuck.record_reading(&p(), t0 + s(31), true, Some(false));
+        assert_eq!(stuck.snapshot(t0).consecutive_failures, 1, "one a retry");
+        stuck.record_reading(&p(), t0 + s(32), true, Some(false));
+        stuck.record_reading(&p(), t0 + s(34), true, Some(false));
         assert_eq!(stuck.state(), HealthState::Fenced);
+        // Idle with still counters is no stall; nor is an engine without
+        // counters (no reading can tell), nor one the setting turns off.
+        let mut idle = ReplicaHealth::default();
+        let mut unknown = ReplicaHealth::default();
+        let mut off = ReplicaHealth::default();
+        let no_stall = HealthParams {
+            stall_after: Duration::ZERO,
+            ..p()
+        };
+        for k in 0..100 {
+            idle.record_reading(&p(), t0 + s(2 * k), false, Some(false));
+            unknown.record_reading(&p(), t0 + s(2 * k), true, None);
+            off.record_reading(&no_stall, t0 + s(2 * k), true, Some(false));
+        }
+        for h in [&idle, &unknown, &off] {
+            assert!(h.is_serving());
+            assert_eq!(h.snapshot(t0).consecutive_failures, 0);
+        }
+        // A stall is counted from when the work began, not from the last
+        // progress of an earlier busy spell.
+        let mut spells = ReplicaHealth::default();
+        spells.record_reading(&p(), t0, true, Some(true));
+        spells.record_reading(&p(), t0 + s(2), false, Some(false));
+        spells.record_reading(&p(), t0 + s(100), true, Some(false));
+        spells.record_reading(&p(), t0 + s(120), true, Some(false));
+        assert_eq!(spells.snapshot(t0).consecutive_failures, 0);
+        spells.record_reading(&p(), t0 + s(130), true, Some(false));
+        assert_eq!(spells.snapshot(t0).consecutive_failures, 1);
     }
 
     #[test]
@@ -810,14 +1035,17 @@ mod tests {
         assert_eq!(h.suspicions_total, 1);
         // Probed at once, even with requests running; then not again
         // within the suspicion interval, however much more comes.
-        assert_eq!(h.probe_due(&p(), later, 3), Some(ProbeReason::Suspect));
+        assert_eq!(
+            h.probe_due(&p(), later, Work::running(3)),
+            Some(ProbeReason::Suspect)
+        );
         h.record_probe(Outcome::Success, &p(), later, 3);
         assert!(!h.is_suspect(), "the probe cleared it");
         h.record_request(Outcome::Failure(Failure::EmptyAnswer), &p(), later + s(1));
         assert!(h.is_suspect());
-        assert_eq!(h.probe_due(&p(), later + s(9), 0), None);
+        assert_eq!(h.probe_due(&p(), later + s(9), Work::IDLE), None);
         assert_eq!(
-            h.probe_due(&p(), later + s(10), 0),
+            h.probe_due(&p(), later + s(10), Work::IDLE),
             Some(ProbeReason::Suspect)
         );
         // A real generation that succeeds clears it too.
@@ -829,7 +1057,7 @@ mod tests {
         h.record_request(Outcome::Failure(Failure::EmptyAnswer), &p(), t1);
         for k in 0..3 {
             assert_eq!(
-                h.probe_due(&p(), t1 + s(2 * k), 1),
+                h.probe_due(&p(), t1 + s(2 * k), Work::running(1)),
                 Some(ProbeReason::Suspect)
             );
             h.record_probe(
@@ -851,13 +1079,19 @@ mod tests {
         h.record_probe(Outcome::Success, &p(), t0, 0);
         h.record_request(Outcome::Failure(Failure::Retried), &p(), t0 + s(3));
         // An idle probe 3 s ago does not hold it back.
-        assert_eq!(h.probe_due(&p(), t0 + s(3), 1), Some(ProbeReason::Suspect));
+        assert_eq!(
+            h.probe_due(&p(), t0 + s(3), Work::running(1)),
+            Some(ProbeReason::Suspect)
+        );
         h.record_probe(Outcome::Success, &p(), t0 + s(3), 1);
         // Suspect again at once: the next suspicion probe waits for the
         // suspicion interval (10 s) after the last one.
         h.record_request(Outcome::Failure(Failure::Retried), &p(), t0 + s(4));
-        assert_eq!(h.probe_due(&p(), t0 + s(12), 1), None);
-        assert_eq!(h.probe_due(&p(), t0 + s(13), 1), Some(ProbeReason::Suspect));
+        assert_eq!(h.probe_due(&p(), t0 + s(12), Work::running(1)), None);
+        assert_eq!(
+            h.probe_due(&p(), t0 + s(13), Work::running(1)),
+            Some(ProbeReason::Suspect)
+        );
     }
 
     #[test]
@@ -876,10 +1110,13 @@ mod tests {
             h.record_request(Outcome::Failure(Failure::ConnectFailure), &p(), t0 + s(1));
         }
         assert_eq!(h.state(), HealthState::Fenced);
-        assert_eq!(h.probe_due(&p(), t0 + s(3), 0), None);
+        assert_eq!(h.probe_due(&p(), t0 + s(3), Work::IDLE), None);
         h.readmit_by_peer(t0 + s(3));
         assert!(!h.is_serving(), "not on a peer's word alone");
-        assert_eq!(h.probe_due(&p(), t0 + s(3), 0), Some(ProbeReason::Readmit));
+        assert_eq!(
+            h.probe_due(&p(), t0 + s(3), Work::IDLE),
+            Some(ProbeReason::Readmit)
+        );
         h.record_probe(Outcome::Success, &p(), t0 + s(3), 0);
         assert!(h.is_serving());
     }

@@ -241,4 +241,6 @@ pub struct ProbeTarget {
     pub id: String,
     pub model: Option<String>,
     pub url: String,
+    /// Why it is due.
+    pub reason: crate::health::ProbeReason,
 }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use crate::fleet::{EngineSignals, Fleet, ReplicaState};
-use crate::health::{FleetHealth, Outcome};
+use crate::health::{FleetHealth, Outcome, ProbeReason, Work};
 use crate::params::RouterParams;
 use crate::replica::{targets, ProbeTarget, ReloadSummary, Replica, ReplicaKey, UpstreamSpec};
 use crate::tips::Tips;
@@ -211,6 +211,16 @@ impl Router {
                         s.warmth.set_capacity(s.warmth_limit);
                     }
                 }
+                // Its own evidence of work: requests it runs or queues, and
+                // whether its work counters moved since the last reading.
+                let moved = signals.progress_total.map(|now_total| {
+                    s.engine
+                        .and_then(|old| old.progress_total)
+                        .is_none_or(|before| now_total != before)
+                });
+                let working = signals.running + signals.waiting > 0.0;
+                s.health
+                    .record_reading(&self.params.health, signals.at, working, moved);
                 s.engine = Some(EngineSignals {
                     waiting: signals.waiting / ranks,
                     running: signals.running / ranks,
@@ -219,6 +229,52 @@ impl Router {
                 });
             }
         }
+    }
+
+    /// The real work on a replica at `now`: this sidecar's requests, its
+    /// peers', and what the engine's fresh figures say it runs and queues.
+    fn work_on(&self, s: &ReplicaState, now: Instant) -> Work {
+        let ours = s.in_flight.saturating_add(s.peer_in_flight);
+        let Some(e) = self.fresh_engine(s, now) else {
+            return Work {
+                running: ours,
+                queued: ours > 0,
+            };
+        };
+        let engine = (e.running + e.waiting).ceil().min(f64::from(u32::MAX)) as u32;
+        Work {
+            running: ours.max(engine),
+            queued: e.waiting > 0.0 || f64::from(ours) > e.running,
+        }
+    }
+
+    /// Whether a probe of `key`, due for `reason`, may still go to the
+    /// engine at `now`, as [`crate::health::ReplicaHealth::probe_due`]
+    /// would have it: never behind queued work, and an idle probe only
+    /// where nothing runs; a fenced replica may always be probed.
+    pub fn probe_may_proceed_at(&self, key: ReplicaKey, reason: ProbeReason, now: Instant) -> bool {
+        let fleet = self.lock();
+        fleet
+            .replicas
+            .iter()
+            .zip(fleet.state.iter())
+            .filter(|(r, _)| r.key() == key && !r.retired)
+            .all(|(_, s)| {
+                let work = self.work_on(s, now);
+                !s.health.is_serving()
+                    || (!work.queued && (reason != ProbeReason::Idle || work.running == 0))
+            })
+    }
+
+    /// Whether a real request on `key` succeeded after `since`: the proof
+    /// a pending probe was sent for.
+    pub fn served_since(&self, key: ReplicaKey, since: Instant) -> bool {
+        let fleet = self.lock();
+        fleet
+            .replicas
+            .iter()
+            .zip(fleet.state.iter())
+            .any(|(r, s)| r.key() == key && s.health.last_served().is_some_and(|t| t >= since))
     }
 
     /// Engine figures that are still fresh.
@@ -325,7 +381,8 @@ impl Router {
         {
             if r.key() == key && !r.retired {
                 let was = s.health.is_serving();
-                s.health.record_probe(outcome, &params, now, s.in_flight);
+                let work = self.work_on(s, now).running;
+                s.health.record_probe(outcome, &params, now, work);
                 let is = s.health.is_serving();
                 if was != is {
                     fleet.peers.note_health(i, is);
@@ -355,17 +412,18 @@ impl Router {
         let fleet = self.lock();
         fleet
             .serving()
-            .filter(|&(i, _)| {
+            .filter_map(|(i, r)| {
                 let s = &fleet.state[i];
-                s.health
-                    .probe_due(&self.params.health, now, s.in_flight)
-                    .is_some()
-            })
-            .map(|(_, r)| ProbeTarget {
-                key: r.key(),
-                id: r.id.clone(),
-                model: r.models.first().cloned(),
-                url: r.engine_url(),
+                let reason = s
+                    .health
+                    .probe_due(&self.params.health, now, self.work_on(s, now))?;
+                Some(ProbeTarget {
+                    key: r.key(),
+                    id: r.id.clone(),
+                    model: r.models.first().cloned(),
+                    url: r.engine_url(),
+                    reason,
+                })
             })
             .collect()
     }

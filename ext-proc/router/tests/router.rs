@@ -411,6 +411,7 @@ fn engine_figures_add_load_until_they_go_stale() {
         started_at: None,
         kv_capacity_tokens: None,
         cache_block_tokens: None,
+        progress_total: None,
     };
     let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
     // Another gateway keeps engine 0 busy: new work goes to engine 1.

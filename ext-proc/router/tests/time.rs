@@ -94,6 +94,7 @@ fn a_queued_engine_stops_repelling_traffic_once_its_figures_are_stale() {
             started_at: None,
             kv_capacity_tokens: None,
             cache_block_tokens: None,
+            progress_total: None,
         };
         r.set_engine_signals(addr(home), queued);
         let next = r.decide_at(&req(&conversation(1, 10)), t0 + after).unwrap();

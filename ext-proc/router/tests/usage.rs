@@ -244,6 +244,7 @@ fn engine(kv: Option<f64>, prompts: f64, started: f64) -> hearth_router::EngineS
         started_at: Some(started),
         kv_capacity_tokens: kv,
         cache_block_tokens: None,
+        progress_total: None,
     }
 }
 
@@ -565,6 +566,7 @@ fn shared_prompt_hits_then_a_next_turn(stated: Option<f64>) -> (Option<u64>, Opt
         a,
         hearth_router::EngineSignals {
             cache_block_tokens: stated,
+            progress_total: None,
             ..engine(None, 10.0, 1_000.0)
         },
     );

@@ -9,6 +9,21 @@
 //! token count, a non-empty text or reasoning field, or a `length` finish
 //! (reasoning models put their first tokens outside `content`).
 //!
+//! **Never behind real work.** A probe proves nothing a real request that
+//! succeeds does not prove better, and one queued behind real work takes,
+//! on a slot engine, the slot a conversation just paused in. So a serving
+//! replica's probe is sent only while no real request runs or waits there
+//! (this sidecar's, its peers' and the engine's own count), checked again
+//! just before the generation goes out; a real request that succeeds
+//! while the probe is pending answers it (the probe is dropped, which
+//! cancels it in the engine, and counted as `answered`). On a slot engine
+//! (llama.cpp: `GET /slots` lists its slots) the generation is sent only
+//! when a slot is idle and holds no conversation (empty, or holding the
+//! previous probe, which carries [`PROBE_SEED`]), and it is pinned to that
+//! slot (`id_slot`); with no such slot it is not sent (`withheld`). A
+//! fenced replica is the exception: no conversation is kept on it, so its
+//! re-admission probe goes to whichever slot the engine picks.
+//!
 //! The prompt is chosen to cost the engine's cache as little as possible:
 //! it is raw text, so it shares no chat-template prefix with the
 //! conversations an engine holds, and it is the same every time and long
@@ -20,14 +35,14 @@
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
 use crate::feeds::engines::EngineClient;
 use crate::observe::Observer;
-use hearth_router::health::{Failure, Outcome};
+use hearth_router::health::{Failure, Outcome, ProbeReason};
 use hearth_router::{ProbeTarget, ReplicaKey, Router};
 use hearth_wire::names::DP_RANK;
 
@@ -57,12 +72,145 @@ impl ProbeParams {
 pub const PROBE_PROMPT: &str = "Hearth gateway health probe. This fixed text checks that the \
     engine still generates tokens; it is not part of any conversation. Answer with one word:";
 
+/// The probe's sampling seed: it marks the slot a probe used on a slot
+/// engine (`/slots` shows each slot's last task's seed), so the next probe
+/// re-uses that slot and no other. Sampling is greedy, so it changes
+/// nothing else.
+pub const PROBE_SEED: u64 = 0x4845_4152;
+
 /// How often the prober looks for replicas that are due.
 const TICK: Duration = Duration::from_millis(250);
 
+/// How often a pending probe looks for a real success that answers it.
+const ANSWER_POLL: Duration = Duration::from_millis(100);
+
+/// How a probe ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProbeEnd {
+    /// It ran, and found this.
+    Ran(Outcome),
+    /// Not sent to the engine, for this reason.
+    Withheld(Withheld),
+    /// A real request succeeded while it was pending: that is the proof,
+    /// and the probe was dropped.
+    Answered,
+}
+
+/// Why a probe's generation was not sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Withheld {
+    /// Real requests came to the replica while it was being prepared.
+    Busy,
+    /// The slot engine had no idle slot free of conversations.
+    NoFreeSlot,
+}
+
+impl ProbeEnd {
+    /// The `result` label of `hearth_probes_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProbeEnd::Ran(Outcome::Success) => "success",
+            ProbeEnd::Ran(Outcome::Neutral) => "neutral",
+            ProbeEnd::Ran(Outcome::Unauthorized(_)) => "unauthorized",
+            ProbeEnd::Ran(Outcome::Failure(f)) => f.as_str(),
+            ProbeEnd::Withheld(Withheld::Busy) => "withheld_busy",
+            ProbeEnd::Withheld(Withheld::NoFreeSlot) => "withheld_no_free_slot",
+            ProbeEnd::Answered => "answered",
+        }
+    }
+
+    /// What the replica's health learns from it: only a probe that ran
+    /// says anything (a withheld or answered one is recorded as neutral,
+    /// so the next one waits its interval).
+    pub fn outcome(self) -> Outcome {
+        match self {
+            ProbeEnd::Ran(o) => o,
+            ProbeEnd::Withheld(_) | ProbeEnd::Answered => Outcome::Neutral,
+        }
+    }
+}
+
+/// What a probe must respect on its way to the engine.
+pub struct Gate<'a> {
+    /// Asked just before the generation is sent: false while real
+    /// requests run or wait on the replica.
+    pub may_send: &'a (dyn Fn() -> bool + Send + Sync),
+    /// The replica is fenced: a slot engine may use any idle slot.
+    pub any_slot: bool,
+}
+
+impl Gate<'static> {
+    /// No real traffic to respect (a lone engine, the tests).
+    pub fn open() -> Gate<'static> {
+        Gate {
+            may_send: &|| true,
+            any_slot: false,
+        }
+    }
+}
+
+/// A slot engine's slot for the probe: `Ok(Some(id))` pins it there,
+/// `Ok(None)` is not a slot engine (or any slot will do), `Err` withholds
+/// the probe.
+async fn probe_slot(
+    client: &EngineClient,
+    base: &str,
+    timeout: Duration,
+    any_slot: bool,
+) -> Result<Option<u64>, ProbeEnd> {
+    let resp = match client.get(&format!("{base}/slots"), timeout).await {
+        Ok(r) => r,
+        Err(e) => return Err(ProbeEnd::Ran(request_failure(&e))),
+    };
+    let status = resp.status();
+    if refused(status) {
+        return Err(ProbeEnd::Ran(Outcome::Unauthorized(status.as_u16())));
+    }
+    // llama.cpp started with --no-slots: a slot engine that does not say
+    // what its slots hold.
+    if status.as_u16() == 501 {
+        return if any_slot {
+            Ok(None)
+        } else {
+            Err(ProbeEnd::Withheld(Withheld::NoFreeSlot))
+        };
+    }
+    if !status.is_success() {
+        return Ok(None);
+    }
+    let Ok(slots) = resp.json::<Value>().await else {
+        return Ok(None);
+    };
+    let Some(slots) = slots.as_array() else {
+        return Ok(None);
+    };
+    match free_slot(slots) {
+        Some(id) => Ok(Some(id)),
+        None if any_slot => Ok(None),
+        None => Err(ProbeEnd::Withheld(Withheld::NoFreeSlot)),
+    }
+}
+
+/// The idle slot that holds no conversation, from llama.cpp's `/slots`:
+/// the previous probe's (its last task carried [`PROBE_SEED`]) first, then
+/// an empty one (no task yet, or no cached tokens).
+pub fn free_slot(slots: &[Value]) -> Option<u64> {
+    let idle = || {
+        slots
+            .iter()
+            .filter(|s| s["is_processing"] == Value::Bool(false))
+            .filter_map(|s| Some((s["id"].as_u64()?, s)))
+    };
+    let probes = idle().find(|(_, s)| s["params"]["seed"].as_u64() == Some(PROBE_SEED));
+    let empty = || {
+        idle().find(|(_, s)| s.get("id_task").is_none() || s["n_prompt_tokens"].as_u64() == Some(0))
+    };
+    probes.or_else(empty).map(|(id, _)| id)
+}
+
 /// Probes the engine at `base` (`http://ip:port` or `https://ip:port`), rank `rank` when it
-/// has data-parallel ranks. `model` is the model to ask for; when `None`
-/// the first one `/v1/models` lists is used.
+/// has data-parallel ranks, with no real traffic to respect (see
+/// [`probe`]).
 pub async fn probe_once(
     client: &EngineClient,
     base: &str,
@@ -70,34 +218,65 @@ pub async fn probe_once(
     rank: Option<u32>,
     timeout: Duration,
 ) -> Outcome {
+    probe(client, base, model, rank, timeout, &Gate::open())
+        .await
+        .outcome()
+}
+
+/// Probes the engine at `base`, rank `rank` when it has data-parallel
+/// ranks. `model` is the model to ask for; when `None` the first one
+/// `/v1/models` lists is used. The generation is sent only as `gate`
+/// allows (see the module's notes).
+pub async fn probe(
+    client: &EngineClient,
+    base: &str,
+    model: Option<&str>,
+    rank: Option<u32>,
+    timeout: Duration,
+    gate: &Gate<'_>,
+) -> ProbeEnd {
+    use ProbeEnd::Ran;
     let models = match client.get(&format!("{base}/v1/models"), timeout).await {
-        Ok(r) if refused(r.status()) => return Outcome::Unauthorized(r.status().as_u16()),
+        Ok(r) if refused(r.status()) => return Ran(Outcome::Unauthorized(r.status().as_u16())),
         Ok(r) if r.status().is_success() => r.json::<Value>().await.ok(),
         Ok(_) => None,
-        Err(e) => return request_failure(&e),
+        Err(e) => return Ran(request_failure(&e)),
     };
     let listed = models
         .as_ref()
         .and_then(|m| m["data"][0]["id"].as_str())
         .map(str::to_string);
     let Some(model) = model.map(str::to_string).or(listed) else {
-        return Outcome::Failure(Failure::ProbeModels);
+        return Ran(Outcome::Failure(Failure::ProbeModels));
     };
+    let slot = match probe_slot(client, base, timeout, gate.any_slot).await {
+        Ok(slot) => slot,
+        Err(end) => return end,
+    };
+    if !(gate.may_send)() {
+        return ProbeEnd::Withheld(Withheld::Busy);
+    }
     let rank_header = rank.map(|r| (DP_RANK, r.to_string()));
-    let completion = json!({
+    let mut completion = json!({
         "model": model,
         "prompt": PROBE_PROMPT,
         "max_tokens": 1,
         "temperature": 0,
+        "seed": PROBE_SEED,
         "stream": false,
     });
-    let chat = json!({
+    let mut chat = json!({
         "model": model,
         "messages": [{"role": "user", "content": PROBE_PROMPT}],
         "max_tokens": 1,
         "temperature": 0,
+        "seed": PROBE_SEED,
         "stream": false,
     });
+    if let Some(id) = slot {
+        completion["id_slot"] = json!(id);
+        chat["id_slot"] = json!(id);
+    }
     let mut answer = None;
     for (path, body) in [
         ("/v1/completions", &completion),
@@ -113,7 +292,7 @@ pub async fn probe_once(
             .await
         {
             Ok(r) => r,
-            Err(e) => return request_failure(&e),
+            Err(e) => return Ran(request_failure(&e)),
         };
         let status = resp.status();
         // No completions endpoint (or not for this model): try chat.
@@ -124,20 +303,20 @@ pub async fn probe_once(
         break;
     }
     let Some(resp) = answer else {
-        return Outcome::Failure(Failure::ServerError);
+        return Ran(Outcome::Failure(Failure::ServerError));
     };
     let status = resp.status();
     if refused(status) {
-        return Outcome::Unauthorized(status.as_u16());
+        return Ran(Outcome::Unauthorized(status.as_u16()));
     }
     if status.is_server_error() {
-        return Outcome::Failure(Failure::ServerError);
+        return Ran(Outcome::Failure(Failure::ServerError));
     }
-    match resp.json::<Value>().await {
+    Ran(match resp.json::<Value>().await {
         Ok(v) if status.is_success() && generated(&v) => Outcome::Success,
         Err(e) if e.is_timeout() => Outcome::Failure(Failure::Timeout),
         _ => Outcome::Failure(Failure::EmptyAnswer),
-    }
+    })
 }
 
 /// 401 and 403: the engine refuses the sidecar's credentials.
@@ -198,6 +377,7 @@ pub async fn run(
             id,
             model,
             url: base,
+            reason,
         } in router.probe_targets()
         {
             if !lock(&running).insert(key) {
@@ -212,10 +392,31 @@ pub async fn run(
             tokio::spawn(async move {
                 if let Ok(_permit) = limit.acquire().await {
                     let (addr, rank) = key;
-                    let outcome =
-                        probe_once(&client, &base, model.as_deref(), rank, params.timeout).await;
+                    let started = Instant::now();
+                    let may_send = {
+                        let router = Arc::clone(&router);
+                        move || router.probe_may_proceed(key, reason)
+                    };
+                    let gate = Gate {
+                        may_send: &may_send,
+                        any_slot: reason == ProbeReason::Readmit,
+                    };
+                    let sent = probe(
+                        &client,
+                        &base,
+                        model.as_deref(),
+                        rank,
+                        params.timeout,
+                        &gate,
+                    );
+                    // Dropping the probe closes its connection: the engine
+                    // cancels it.
+                    let end = tokio::select! {
+                        end = sent => end,
+                        () = answered(&router, key, started) => ProbeEnd::Answered,
+                    };
                     let was_refused = lock(&refused).contains(&key);
-                    match outcome {
+                    match end.outcome() {
                         Outcome::Unauthorized(status) if !was_refused => {
                             lock(&refused).insert(key);
                             tracing::warn!(
@@ -226,17 +427,27 @@ pub async fn run(
                             );
                         }
                         Outcome::Unauthorized(_) => {}
-                        _ if was_refused => {
+                        _ if was_refused && matches!(end, ProbeEnd::Ran(_)) => {
                             lock(&refused).remove(&key);
                             tracing::info!(replica = %id, "the engine accepts the probe's credentials again");
                         }
                         _ => {}
                     }
-                    observer.probe(addr, outcome);
-                    router.record_probe(key, outcome);
+                    observer.probe(addr, end.as_str());
+                    router.record_probe(key, end.outcome());
                 }
                 lock(&running).remove(&key);
             });
+        }
+    }
+}
+
+/// Resolves once a real request on `key` has succeeded after `since`.
+async fn answered(router: &Router, key: ReplicaKey, since: Instant) {
+    loop {
+        tokio::time::sleep(ANSWER_POLL).await;
+        if router.served_since(key, since) {
+            return;
         }
     }
 }
@@ -248,6 +459,49 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_probe_takes_only_an_idle_slot_that_holds_no_conversation() {
+        let slot = |id: u64, busy: bool, task: Option<(u64, u64)>| {
+            let mut v = json!({"id": id, "n_ctx": 2048, "is_processing": busy});
+            if let Some((seed, tokens)) = task {
+                v["id_task"] = json!(7);
+                v["n_prompt_tokens"] = json!(tokens);
+                v["params"] = json!({"seed": seed});
+            }
+            v
+        };
+        let conversation = Some((4_294_967_295, 524));
+        let probe = Some((PROBE_SEED, 31));
+        // Both slots hold a paused conversation: not sent.
+        assert_eq!(
+            free_slot(&[slot(0, false, conversation), slot(1, false, conversation)]),
+            None
+        );
+        // One is busy, the other holds a conversation: not sent.
+        assert_eq!(
+            free_slot(&[slot(0, true, None), slot(1, false, conversation)]),
+            None
+        );
+        // An empty slot (never used, or cleared) is free.
+        assert_eq!(
+            free_slot(&[slot(0, false, conversation), slot(1, false, None)]),
+            Some(1)
+        );
+        assert_eq!(
+            free_slot(&[slot(0, false, Some((1, 0))), slot(1, false, conversation)]),
+            Some(0)
+        );
+        // The previous probe's slot first, and never while it runs.
+        assert_eq!(
+            free_slot(&[slot(0, false, None), slot(1, false, probe)]),
+            Some(1)
+        );
+        assert_eq!(
+            free_slot(&[slot(0, true, probe), slot(1, false, conversation)]),
+            None
+        );
+    }
 
     #[test]
     fn a_generated_token_passes_wherever_it_went() {

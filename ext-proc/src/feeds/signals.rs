@@ -35,6 +35,19 @@ const FAMILIES: [(&str, &str, &[&str], &str); 3] = [
     ),
 ];
 
+/// Counters that move with every step of work an engine does, prompt or
+/// generation: llama.cpp counts `llama_decode` calls (its token counters
+/// move only when a request ends), vLLM the tokens of each engine step
+/// (its per-step histogram's sum) and the tokens generated, SGLang the
+/// tokens generated. Their sum stands still only when the engine does.
+const PROGRESS: [&str; 5] = [
+    "llamacpp:n_decode_total",
+    "vllm:iteration_tokens_total_sum",
+    "vllm:generation_tokens_total",
+    "sglang:generation_tokens_total",
+    "sglang:prompt_tokens_total",
+];
+
 /// Reads waiting, running and KV utilisation from a Prometheus text page
 /// (samples with several label sets are summed; KV utilisation averaged).
 /// `None` when the page has neither family's queue metrics.
@@ -56,6 +69,10 @@ pub fn parse(text: &str, at: Instant) -> Option<EngineSignals> {
             started_at: samples(text, "process_start_time_seconds").next(),
             kv_capacity_tokens: kv_capacity(text),
             cache_block_tokens: cache_block(text),
+            progress_total: PROGRESS
+                .iter()
+                .filter_map(|name| sum(text, name))
+                .reduce(|a, b| a + b),
         });
     }
     None
@@ -230,6 +247,18 @@ mod tests {
         assert_eq!(s.cache_block_tokens, Some(128.0));
         assert_eq!(s.prompt_tokens_total, Some(502.0));
         assert_eq!(s.started_at, Some(1.79621973694e9));
+        assert_eq!(s.progress_total, None);
+        // vLLM's work counters: the per-step token histogram and the
+        // generated tokens, summed.
+        let working = format!(
+            "{page}vllm:iteration_tokens_total_sum{{engine=\"0\",model_name=\"m\"}} 700.0\n\
+             vllm:iteration_tokens_total_count{{engine=\"0\",model_name=\"m\"}} 9.0\n\
+             vllm:generation_tokens_total{{engine=\"0\",model_name=\"m\"}} 20.0\n"
+        );
+        assert_eq!(
+            parse(&working, Instant::now()).unwrap().progress_total,
+            Some(720.0)
+        );
         // Two engines behind one server: two caches.
         let two = format!("{page}{}", info(1, 32));
         let s = parse(&two, Instant::now()).unwrap();
@@ -261,6 +290,12 @@ mod tests {
         let s = parse(page, Instant::now()).unwrap();
         assert_eq!((s.waiting, s.running, s.kv_usage), (3.0, 2.0, None));
         assert_eq!(s.prompt_tokens_total, Some(900.0));
+        assert_eq!(s.progress_total, None, "no work counter on this page");
+        let decoding = format!("{page}llamacpp:n_decode_total 41\n");
+        assert_eq!(
+            parse(&decoding, Instant::now()).unwrap().progress_total,
+            Some(41.0)
+        );
         let with_kv = format!("{page}llamacpp:kv_cache_usage_ratio 0.75\n");
         assert_eq!(
             parse(&with_kv, Instant::now()).unwrap().kv_usage,

@@ -21,7 +21,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::observe::series::{DecisionOutcome, Series, SessionResult};
-use hearth_router::health::{HealthState, Outcome};
+use hearth_router::health::HealthState;
 use hearth_router::Router;
 use hearth_router::{AffinityBasis, ReplicaSnapshot, Snapshot};
 
@@ -143,19 +143,13 @@ impl ProbeMetrics {
         };
         reg.register(
             "hearth_probes",
-            "Active probes by engine address and result (success; unauthorized, the engine refused the sidecar's credentials; or the failure: timeout, connect_failure, server_error, empty_answer, probe_models)",
+            "Active probes by engine address and result (success; unauthorized, the engine refused the sidecar's credentials; the failure: timeout, connect_failure, server_error, empty_answer, probe_models; or not run: withheld_busy, real requests came first; withheld_no_free_slot, every slot of a slot engine held a conversation or ran; answered, a real request succeeded while it was pending)",
             m.probes.clone(),
         );
         m
     }
 
-    pub fn record(&self, engine: std::net::SocketAddr, outcome: Outcome) {
-        let result = match outcome {
-            Outcome::Success => "success",
-            Outcome::Neutral => "neutral",
-            Outcome::Unauthorized(_) => "unauthorized",
-            Outcome::Failure(f) => f.as_str(),
-        };
+    pub fn record(&self, engine: std::net::SocketAddr, result: &'static str) {
         self.probes
             .get_or_create(&ProbeLabels {
                 engine: engine.to_string(),

@@ -23,7 +23,6 @@ use std::time::Duration;
 
 use prometheus_client::registry::Registry;
 
-use hearth_router::health::Outcome;
 use hearth_router::{AffinityBasis, Decision, RequestInfo, RouteError, Router, Served};
 
 use crate::observe::epp::EppMetrics;
@@ -246,8 +245,9 @@ impl Observer {
     }
 
     /// An active probe's outcome on the engine at `addr`.
-    pub fn probe(&self, addr: SocketAddr, outcome: Outcome) {
-        self.probes.record(addr, outcome);
+    /// One probe's end, by its `result` label.
+    pub fn probe(&self, addr: SocketAddr, result: &'static str) {
+        self.probes.record(addr, result);
     }
 
     /// Samples each replica's in-flight count and load into the history.
