@@ -89,7 +89,10 @@ async fn answers_a_client_makes_empty_fence_no_real_engine() {
         );
     }
     // The suspicion they raised is settled by the sidecar's own probes,
-    // which pass: give them a few seconds.
+    // which pass: give them a few seconds. Where both slots of an engine
+    // hold the attack's paused conversations, no probe may take one: the
+    // probe is withheld (counted) and the replica stays suspect, serving,
+    // until a real success clears it.
     let start = Instant::now();
     loop {
         let s = fleet.state().await.unwrap();
@@ -97,7 +100,16 @@ async fn answers_a_client_makes_empty_fence_no_real_engine() {
             serving_unfenced(&s),
             "a client's answers fenced a replica: {s:?}"
         );
-        let settled = s.replicas.iter().all(|r| r.health.suspect.is_none());
+        let (_, metrics) = fleet.admin_get("/metrics").await.unwrap();
+        let withheld = |addr: &str| {
+            let series =
+                format!(r#"hearth_probes_total{{engine="{addr}",result="withheld_no_free_slot"}}"#);
+            hearth_e2e::metric_sample(&metrics, &series).unwrap_or(0.0) > 0.0
+        };
+        let settled = s
+            .replicas
+            .iter()
+            .all(|r| r.health.suspect.is_none() || withheld(&r.address));
         if settled && start.elapsed() > Duration::from_secs(3) {
             break;
         }
