@@ -38,7 +38,7 @@ pub enum Metric {
 
 impl Metric {
     /// Every counter, in id order.
-    pub const ALL: [Metric; 15] = [
+    pub const ALL: [Metric; 16] = [
         Metric::Hashed,
         Metric::HashedBytes,
         Metric::HashMicros,
@@ -48,6 +48,7 @@ impl Metric {
         Metric::Skipped(SkipCause::Fingerprint(SkipReason::NoModel)),
         Metric::Skipped(SkipCause::Fingerprint(SkipReason::NoPrompt)),
         Metric::Skipped(SkipCause::Fingerprint(SkipReason::BadField)),
+        Metric::Skipped(SkipCause::Fingerprint(SkipReason::TooComplex)),
         Metric::Skipped(SkipCause::NotPost),
         Metric::Skipped(SkipCause::Path),
         Metric::Skipped(SkipCause::NoBody),
@@ -69,6 +70,9 @@ impl Metric {
                 SkipCause::Fingerprint(SkipReason::NoModel) => "hearth_filter.skipped.no_model",
                 SkipCause::Fingerprint(SkipReason::NoPrompt) => "hearth_filter.skipped.no_prompt",
                 SkipCause::Fingerprint(SkipReason::BadField) => "hearth_filter.skipped.bad_field",
+                SkipCause::Fingerprint(SkipReason::TooComplex) => {
+                    "hearth_filter.skipped.too_complex"
+                }
                 SkipCause::NotPost => "hearth_filter.skipped.not_post",
                 SkipCause::Path => "hearth_filter.skipped.path",
                 SkipCause::NoBody => "hearth_filter.skipped.no_body",

@@ -1,8 +1,14 @@
 //! Canonicalise + hash of chat bodies (8 KB, 220 KB, 1.1 MiB), natively: the
 //! same code the wasm filter and the body-mode sidecar run. Also the
-//! `x-hearth-fp` header codec for a full fingerprint.
+//! `x-hearth-fp` header codec for a full fingerprint, and (group `shapes`)
+//! the fingerprint of every body shape of `tests/shapes` at 1 MiB, whose
+//! bytes per second compare with `shapes/plain_chat`'s.
 //!
 //! Run: `cargo bench -p hearth-wire --bench fingerprint -- --warm-up-time 1 --measurement-time 3`
+//! (`-- shapes/` for the shapes alone).
+
+#[path = "../tests/shapes/mod.rs"]
+mod shapes;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use hearth_wire::{canonical_prompt, chain_hashes, fingerprint, header, Endpoint, Params};
@@ -118,5 +124,20 @@ fn bench_header(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_fingerprint, bench_header);
+fn bench_shapes(c: &mut Criterion) {
+    let params = Params::default();
+    let mut g = c.benchmark_group("shapes");
+    // The slowest shapes take milliseconds a run; ten samples keep the
+    // whole group within a few minutes.
+    g.sample_size(10);
+    for s in shapes::all(1 << 20) {
+        g.throughput(Throughput::Bytes(s.body.len() as u64));
+        g.bench_with_input(BenchmarkId::from_parameter(s.name), &s, |b, s| {
+            b.iter(|| fingerprint(s.endpoint, black_box(&s.body), &params))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_fingerprint, bench_header, bench_shapes);
 criterion_main!(benches);

@@ -1,18 +1,16 @@
 //! Request body → canonical prompt bytes (format in the crate docs).
 //!
-//! The body is parsed once with serde_json into borrowed, "lenient" types:
-//! a prompt-bearing field of the wrong JSON type does not fail the parse, it
-//! parses as `Bad` so the caller can tell `BadField` from `NotJson`. Big
-//! strings (message content) are borrowed from the body unless they contain
-//! escapes. Only the small JSON-valued fields (tools, tool_calls, non-text
-//! parts, input items) become `serde_json::Value`.
+//! Read in place ([`crate::json`]): one scan validates the body and notes
+//! where the fields it reads are (a repeated key: its last value); the
+//! records are then written from there, message by message and part by
+//! part, straight into a [`Sink`] (the hash chain, for a fingerprint), so
+//! no part of the body is copied or built into a tree and the working set
+//! is the same for a million tiny items as for one long string. A
+//! prompt-bearing field of the wrong JSON type is `BadField`, not
+//! `NotJson`.
 
-use crate::{json, CacheUse, Endpoint, SkipReason};
-use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
-use serde::Deserialize;
-use serde_json::Value;
-use std::borrow::Cow;
-use std::fmt;
+use crate::json::{Json, Res, Scratch, Sink};
+use crate::{CacheUse, Endpoint, SkipReason};
 
 const TAG_MESSAGE: u8 = b'm';
 const TAG_CONTENT: u8 = b'c';
@@ -37,535 +35,355 @@ const RECORD_END: u8 = 0xFF;
 ///
 /// Never panics; every failure is a [`SkipReason`].
 pub fn canonical_prompt(endpoint: Endpoint, body: &[u8]) -> Result<(String, Vec<u8>), SkipReason> {
-    canonical_request(endpoint, body).map(|r| (r.model, r.canonical))
-}
-
-/// What [`canonical_request`] reads of a body.
-pub(crate) struct CanonicalRequest {
-    pub(crate) model: String,
-    pub(crate) canonical: Vec<u8>,
-    /// The request's output cap, when it has one.
-    pub(crate) max_output_tokens: Option<u64>,
-    pub(crate) cache: CacheUse,
-    /// The `cache_salt` (partitioned requests only).
-    pub(crate) cache_salt: Option<String>,
-}
-
-/// [`canonical_prompt`], plus the request's output cap and cache use.
-pub(crate) fn canonical_request(
-    endpoint: Endpoint,
-    body: &[u8],
-) -> Result<CanonicalRequest, SkipReason> {
-    let mut de = serde_json::Deserializer::from_slice(body);
-    let top = TopSeed(endpoint)
-        .deserialize(&mut de)
-        .map_err(|_| SkipReason::NotJson)?;
-    de.end().map_err(|_| SkipReason::NotJson)?;
-    let Top::Object(mut fields) = top else {
-        return Err(SkipReason::NotObject);
-    };
-    let model = match fields.model.take() {
-        Some(Lenient::Val(m)) if !m.is_empty() => m.into_owned(),
-        _ => return Err(SkipReason::NoModel),
-    };
+    let request = Request::read(endpoint, body)?;
     let mut out = Vec::with_capacity(body.len());
-    match endpoint {
-        Endpoint::ChatCompletions => write_chat(&mut out, &fields)?,
-        Endpoint::Completions => write_completions(&mut out, &fields)?,
-        Endpoint::Responses => write_responses(&mut out, &fields)?,
-    }
+    request.write(&mut Scratch::default(), &mut out)?;
     if out.is_empty() {
         return Err(SkipReason::NoPrompt);
     }
-    // A salt partitions the cache; turning the cache off or pinning a slot
-    // bypasses it (the stronger of the two when both are asked).
-    let cache_salt = match fields.cache_salt.take() {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s),
-        Some(other) => {
-            let mut v = Vec::new();
-            json::write_value(&mut v, &other);
-            Some(String::from_utf8_lossy(&v).into_owned())
-        }
-    };
-    let cache = if fields.cache_prompt == Some(false) || fields.pinned_slot {
-        CacheUse::Bypassed
-    } else if cache_salt.is_some() {
-        CacheUse::Partitioned
-    } else {
-        CacheUse::Shared
-    };
-    Ok(CanonicalRequest {
-        model,
-        canonical: out,
-        max_output_tokens: fields.max_output_tokens,
-        cache,
-        cache_salt: cache_salt.filter(|_| cache == CacheUse::Partitioned),
-    })
+    Ok((request.model, out))
 }
 
-// ---------------------------------------------------------------------------
-// Writing records
-
-fn record(out: &mut Vec<u8>, tag: u8, payload: &[u8]) {
-    out.push(tag);
-    out.extend_from_slice(payload);
-    out.push(RECORD_END);
+/// What one scan of a body finds: the fields the canonical form and the
+/// fingerprint read, by where their values are.
+pub(crate) struct Request<'a> {
+    json: Json<'a>,
+    endpoint: Endpoint,
+    fields: Fields,
+    pub(crate) model: String,
+    /// The request's output cap, when it has one.
+    pub(crate) max_output_tokens: Option<u64>,
+    pub(crate) cache: CacheUse,
 }
 
-/// A record whose payload is canonical JSON, written in place.
-fn json_record(out: &mut Vec<u8>, tag: u8, write: impl FnOnce(&mut Vec<u8>)) {
-    out.push(tag);
-    write(out);
-    out.push(RECORD_END);
-}
-
-fn value_record(out: &mut Vec<u8>, tag: u8, v: &Option<Value>) {
-    if let Some(v) = v.as_ref().filter(|v| !v.is_null()) {
-        json_record(out, tag, |o| json::write_value(o, v));
-    }
-}
-
-fn str_record(
-    out: &mut Vec<u8>,
-    tag: u8,
-    s: &Option<Lenient<Cow<'_, str>>>,
-) -> Result<(), SkipReason> {
-    match s {
-        None | Some(Lenient::Null) => Ok(()),
-        Some(Lenient::Val(s)) => {
-            record(out, tag, s.as_bytes());
-            Ok(())
-        }
-        Some(Lenient::Bad) => Err(SkipReason::BadField),
-    }
-}
-
-fn write_chat(out: &mut Vec<u8>, f: &Fields<'_>) -> Result<(), SkipReason> {
-    let messages: &[Lenient<Message<'_>>] = match &f.messages {
-        None | Some(Lenient::Null) => &[],
-        Some(Lenient::Val(m)) => m,
-        Some(Lenient::Bad) => return Err(SkipReason::BadField),
-    };
-    let lead = messages
-        .iter()
-        .take_while(|m| match m {
-            Lenient::Val(m) => m.is_system(),
-            _ => false,
-        })
-        .count();
-    let (system, rest) = messages.split_at(lead.min(messages.len()));
-    for m in system {
-        write_message(out, m)?;
-    }
-    value_record(out, TAG_TOOLS, &f.tools);
-    value_record(out, TAG_TOOL_CHOICE, &f.tool_choice);
-    value_record(out, TAG_RESPONSE_FORMAT, &f.response_format);
-    for m in rest {
-        write_message(out, m)?;
-    }
-    Ok(())
-}
-
-fn write_message(out: &mut Vec<u8>, m: &Lenient<Message<'_>>) -> Result<(), SkipReason> {
-    let Lenient::Val(m) = m else {
-        return Err(SkipReason::BadField);
-    };
-    match &m.role {
-        Some(Lenient::Val(role)) => record(out, TAG_MESSAGE, role.as_bytes()),
-        _ => return Err(SkipReason::BadField),
-    }
-    match &m.content {
-        None | Some(Lenient::Null) => {}
-        Some(Lenient::Val(StrOrArray::Str(s))) => record(out, TAG_CONTENT, s.as_bytes()),
-        Some(Lenient::Val(StrOrArray::Array(parts))) => {
-            for part in parts {
-                write_part(out, part)?;
-            }
-        }
-        Some(Lenient::Bad) => return Err(SkipReason::BadField),
-    }
-    value_record(out, TAG_TOOL_CALLS, &m.tool_calls);
-    str_record(out, TAG_TOOL_CALL_ID, &m.tool_call_id)?;
-    str_record(out, TAG_NAME, &m.name)?;
-    Ok(())
-}
-
-fn write_part(out: &mut Vec<u8>, part: &Value) -> Result<(), SkipReason> {
-    let Value::Object(map) = part else {
-        return Err(SkipReason::BadField);
-    };
-    if let (Some(Value::String(t)), Some(Value::String(text))) = (map.get("type"), map.get("text"))
-    {
-        if t == "text" {
-            record(out, TAG_CONTENT, text.as_bytes());
-            return Ok(());
-        }
-    }
-    json_record(out, TAG_PART, |o| json::write_value(o, part));
-    Ok(())
-}
-
-fn write_completions(out: &mut Vec<u8>, f: &Fields<'_>) -> Result<(), SkipReason> {
-    match &f.prompt {
-        None | Some(Lenient::Null) => Ok(()),
-        Some(Lenient::Val(StrOrArray::Str(s))) => {
-            record(out, TAG_PROMPT, s.as_bytes());
-            Ok(())
-        }
-        Some(Lenient::Val(StrOrArray::Array(items))) => {
-            if items.iter().all(Value::is_string) {
-                for item in items {
-                    record(
-                        out,
-                        TAG_PROMPT,
-                        item.as_str().unwrap_or_default().as_bytes(),
-                    );
-                }
-                Ok(())
-            } else if items.iter().all(|v| v.is_number() || v.is_array()) {
-                json_record(out, TAG_PROMPT_JSON, |o| {
-                    o.push(b'[');
-                    for (i, item) in items.iter().enumerate() {
-                        if i > 0 {
-                            o.push(b',');
-                        }
-                        json::write_value(o, item);
-                    }
-                    o.push(b']');
-                });
-                Ok(())
-            } else {
-                Err(SkipReason::BadField)
-            }
-        }
-        Some(Lenient::Bad) => Err(SkipReason::BadField),
-    }
-}
-
-fn write_responses(out: &mut Vec<u8>, f: &Fields<'_>) -> Result<(), SkipReason> {
-    str_record(out, TAG_INSTRUCTIONS, &f.instructions)?;
-    value_record(out, TAG_TOOLS, &f.tools);
-    match &f.input {
-        None | Some(Lenient::Null) => Ok(()),
-        Some(Lenient::Val(StrOrArray::Str(s))) => {
-            record(out, TAG_INPUT, s.as_bytes());
-            Ok(())
-        }
-        Some(Lenient::Val(StrOrArray::Array(items))) => {
-            for item in items {
-                json_record(out, TAG_INPUT_ITEM, |o| json::write_value(o, item));
-            }
-            Ok(())
-        }
-        Some(Lenient::Bad) => Err(SkipReason::BadField),
-    }
-}
-
-// ---------------------------------------------------------------------------
-// Lenient parsing
-
-/// A field that parsed as JSON but may have the wrong type.
-enum Lenient<T> {
-    Null,
-    Val(T),
-    Bad,
-}
-
-enum StrOrArray<'a> {
-    Str(Cow<'a, str>),
-    Array(Vec<Value>),
-}
-
+/// Where each field's (last) value starts.
 #[derive(Default)]
-struct Fields<'a> {
-    model: Option<Lenient<Cow<'a, str>>>,
-    messages: Option<Lenient<Vec<Lenient<Message<'a>>>>>,
-    tools: Option<Value>,
-    tool_choice: Option<Value>,
-    response_format: Option<Value>,
-    prompt: Option<Lenient<StrOrArray<'a>>>,
-    instructions: Option<Lenient<Cow<'a, str>>>,
-    input: Option<Lenient<StrOrArray<'a>>>,
-    /// The request's output cap (`max_tokens`, `max_completion_tokens` or
-    /// `max_output_tokens`), when it is a plain integer. Not part of the
+struct Fields {
+    model: Option<usize>,
+    messages: Option<usize>,
+    tools: Option<usize>,
+    tool_choice: Option<usize>,
+    response_format: Option<usize>,
+    prompt: Option<usize>,
+    instructions: Option<usize>,
+    input: Option<usize>,
+    /// `cache_salt` (vLLM, SGLang).
+    cache_salt: Option<usize>,
+    /// `max_tokens`, `max_completion_tokens` or `max_output_tokens` (by
+    /// endpoint), the last given as a plain integer. Not part of the
     /// canonical bytes.
     max_output_tokens: Option<u64>,
-    /// `cache_salt` (vLLM, SGLang).
-    cache_salt: Option<Value>,
-    /// `cache_prompt` (llama.cpp), when a boolean.
+    /// `cache_prompt` (llama.cpp), when its last value is a boolean.
     cache_prompt: Option<bool>,
     /// `id_slot` or `slot_id` (llama.cpp) names a slot (a non-negative
     /// integer; -1 lets the engine choose).
     pinned_slot: bool,
 }
 
-#[derive(Default)]
-struct Message<'a> {
-    role: Option<Lenient<Cow<'a, str>>>,
-    content: Option<Lenient<StrOrArray<'a>>>,
-    tool_calls: Option<Value>,
-    tool_call_id: Option<Lenient<Cow<'a, str>>>,
-    name: Option<Lenient<Cow<'a, str>>>,
-}
-
-impl Message<'_> {
-    fn is_system(&self) -> bool {
-        matches!(&self.role, Some(Lenient::Val(r)) if r == "system" || r == "developer")
-    }
-}
-
-enum Top<'a> {
-    Object(Box<Fields<'a>>),
-    NotObject,
-}
-
-/// Visitor methods for JSON types a lenient field does not accept: the value
-/// is consumed and reported as `$bad`; `null` is reported as `$null`.
-macro_rules! lenient_scalars {
-    ($null:expr, $bad:expr) => {
-        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-            Ok($bad)
+impl<'a> Request<'a> {
+    /// Validates `body` and finds its fields; the model is required.
+    pub(crate) fn read(endpoint: Endpoint, body: &'a [u8]) -> Res<Request<'a>> {
+        let json = Json::new(body)?;
+        let start = json.ws(0);
+        if json.at(start) != b'{' {
+            json.document()?;
+            return Err(SkipReason::NotObject);
         }
-        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-            Ok($bad)
-        }
-        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-            Ok($bad)
-        }
-        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-            Ok($bad)
-        }
-        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-            Ok($null)
-        }
-        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
-            Ok($null)
-        }
-    };
-}
-
-macro_rules! lenient_str {
-    ($bad:expr) => {
-        fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-            Ok($bad)
-        }
-    };
-}
-
-macro_rules! lenient_seq {
-    ($bad:expr) => {
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-            while seq.next_element::<IgnoredAny>()?.is_some() {}
-            Ok($bad)
-        }
-    };
-}
-
-macro_rules! lenient_map {
-    ($bad:expr) => {
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-            Ok($bad)
-        }
-    };
-}
-
-/// A string borrowed from the body when it has no escapes.
-struct CowStr<'a>(Cow<'a, str>);
-
-impl<'de> Deserialize<'de> for CowStr<'de> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = CowStr<'de>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E: de::Error>(self, s: &'de str) -> Result<Self::Value, E> {
-                Ok(CowStr(Cow::Borrowed(s)))
-            }
-            fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
-                Ok(CowStr(Cow::Owned(s.to_owned())))
-            }
-            fn visit_string<E: de::Error>(self, s: String) -> Result<Self::Value, E> {
-                Ok(CowStr(Cow::Owned(s)))
-            }
-        }
-        d.deserialize_str(V)
-    }
-}
-
-impl<'de> Deserialize<'de> for Lenient<Cow<'de, str>> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Lenient<Cow<'de, str>>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("any JSON value")
-            }
-            fn visit_borrowed_str<E: de::Error>(self, s: &'de str) -> Result<Self::Value, E> {
-                Ok(Lenient::Val(Cow::Borrowed(s)))
-            }
-            fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
-                Ok(Lenient::Val(Cow::Owned(s.to_owned())))
-            }
-            fn visit_string<E: de::Error>(self, s: String) -> Result<Self::Value, E> {
-                Ok(Lenient::Val(Cow::Owned(s)))
-            }
-            lenient_scalars!(Lenient::Null, Lenient::Bad);
-            lenient_seq!(Lenient::Bad);
-            lenient_map!(Lenient::Bad);
-        }
-        d.deserialize_any(V)
-    }
-}
-
-impl<'de> Deserialize<'de> for Lenient<StrOrArray<'de>> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Lenient<StrOrArray<'de>>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("any JSON value")
-            }
-            fn visit_borrowed_str<E: de::Error>(self, s: &'de str) -> Result<Self::Value, E> {
-                Ok(Lenient::Val(StrOrArray::Str(Cow::Borrowed(s))))
-            }
-            fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
-                Ok(Lenient::Val(StrOrArray::Str(Cow::Owned(s.to_owned()))))
-            }
-            fn visit_string<E: de::Error>(self, s: String) -> Result<Self::Value, E> {
-                Ok(Lenient::Val(StrOrArray::Str(Cow::Owned(s))))
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-                let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
-                while let Some(v) = seq.next_element::<Value>()? {
-                    items.push(v);
-                }
-                Ok(Lenient::Val(StrOrArray::Array(items)))
-            }
-            lenient_scalars!(Lenient::Null, Lenient::Bad);
-            lenient_map!(Lenient::Bad);
-        }
-        d.deserialize_any(V)
-    }
-}
-
-impl<'de> Deserialize<'de> for Lenient<Vec<Lenient<Message<'de>>>> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Lenient<Vec<Lenient<Message<'de>>>>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("any JSON value")
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-                let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1024));
-                while let Some(m) = seq.next_element::<Lenient<Message<'de>>>()? {
-                    items.push(m);
-                }
-                Ok(Lenient::Val(items))
-            }
-            lenient_scalars!(Lenient::Null, Lenient::Bad);
-            lenient_str!(Lenient::Bad);
-            lenient_map!(Lenient::Bad);
-        }
-        d.deserialize_any(V)
-    }
-}
-
-impl<'de> Deserialize<'de> for Lenient<Message<'de>> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Lenient<Message<'de>>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("any JSON value")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-                let mut m = Message::default();
-                while let Some(CowStr(key)) = map.next_key::<CowStr<'de>>()? {
-                    match key.as_ref() {
-                        "role" => m.role = Some(map.next_value()?),
-                        "content" => m.content = Some(map.next_value()?),
-                        "tool_calls" => m.tool_calls = Some(map.next_value()?),
-                        "tool_call_id" => m.tool_call_id = Some(map.next_value()?),
-                        "name" => m.name = Some(map.next_value()?),
-                        _ => {
-                            map.next_value::<IgnoredAny>()?;
-                        }
-                    }
-                }
-                Ok(Lenient::Val(m))
-            }
-            // A null message is as wrong as a number.
-            lenient_scalars!(Lenient::Bad, Lenient::Bad);
-            lenient_str!(Lenient::Bad);
-            lenient_seq!(Lenient::Bad);
-        }
-        d.deserialize_any(V)
-    }
-}
-
-/// Parses the top-level object, keeping only the fields `endpoint` reads.
-struct TopSeed(Endpoint);
-
-impl<'de> DeserializeSeed<'de> for TopSeed {
-    type Value = Top<'de>;
-
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for TopSeed {
-    type Value = Top<'de>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("any JSON value")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        use Endpoint::*;
-        let e = self.0;
         let mut f = Fields::default();
-        while let Some(CowStr(key)) = map.next_key::<CowStr<'de>>()? {
-            match (key.as_ref(), e) {
-                ("model", _) => f.model = Some(map.next_value()?),
-                ("messages", ChatCompletions) => f.messages = Some(map.next_value()?),
-                ("tools", ChatCompletions | Responses) => f.tools = Some(map.next_value()?),
-                ("tool_choice", ChatCompletions) => f.tool_choice = Some(map.next_value()?),
-                ("response_format", ChatCompletions) => f.response_format = Some(map.next_value()?),
-                ("prompt", Completions) => f.prompt = Some(map.next_value()?),
-                ("instructions", Responses) => f.instructions = Some(map.next_value()?),
-                ("input", Responses) => f.input = Some(map.next_value()?),
-                ("max_tokens", ChatCompletions | Completions)
-                | ("max_completion_tokens", ChatCompletions)
-                | ("max_output_tokens", Responses) => {
-                    let v: Value = map.next_value()?;
-                    f.max_output_tokens = v.as_u64().or(f.max_output_tokens);
+        let end = json.members(start, 0, |k, v| {
+            use Endpoint::*;
+            let key = json.short_string(k);
+            match (key.as_deref(), endpoint) {
+                (Some("model"), _) => f.model = Some(v),
+                (Some("messages"), ChatCompletions) => f.messages = Some(v),
+                (Some("tools"), ChatCompletions | Responses) => f.tools = Some(v),
+                (Some("tool_choice"), ChatCompletions) => f.tool_choice = Some(v),
+                (Some("response_format"), ChatCompletions) => f.response_format = Some(v),
+                (Some("prompt"), Completions) => f.prompt = Some(v),
+                (Some("instructions"), Responses) => f.instructions = Some(v),
+                (Some("input"), Responses) => f.input = Some(v),
+                (Some("max_tokens"), ChatCompletions | Completions)
+                | (Some("max_completion_tokens"), ChatCompletions)
+                | (Some("max_output_tokens"), Responses) => {
+                    f.max_output_tokens = json.as_u64(v).or(f.max_output_tokens);
                 }
-                ("cache_salt", _) => f.cache_salt = Some(map.next_value()?),
-                ("cache_prompt", _) => {
-                    let v: Value = map.next_value()?;
-                    f.cache_prompt = v.as_bool();
+                (Some("cache_salt"), _) => f.cache_salt = Some(v),
+                (Some("cache_prompt"), _) => {
+                    f.cache_prompt = match json.at(v) {
+                        b't' => Some(true),
+                        b'f' => Some(false),
+                        _ => None,
+                    };
                 }
-                ("id_slot" | "slot_id", _) => {
-                    let v: Value = map.next_value()?;
-                    f.pinned_slot |= v.as_u64().is_some();
-                }
-                _ => {
-                    map.next_value::<IgnoredAny>()?;
-                }
+                (Some("id_slot" | "slot_id"), _) => f.pinned_slot |= json.as_u64(v).is_some(),
+                _ => {}
             }
+            json.skip(v, 1)
+        })?;
+        if json.ws(end) != body.len() {
+            return Err(SkipReason::NotJson);
         }
-        Ok(Top::Object(Box::new(f)))
+        let model = match f.model {
+            Some(v) if json.at(v) == b'"' => {
+                let mut m = String::new();
+                json.decode(v, |piece| m.push_str(piece))?;
+                m
+            }
+            _ => String::new(),
+        };
+        if model.is_empty() {
+            return Err(SkipReason::NoModel);
+        }
+        // A salt partitions the cache; turning the cache off or pinning a
+        // slot bypasses it (the stronger of the two when both are asked).
+        let salted = f.cache_salt.is_some_and(|v| json.at(v) != b'n');
+        let cache = if f.cache_prompt == Some(false) || f.pinned_slot {
+            CacheUse::Bypassed
+        } else if salted {
+            CacheUse::Partitioned
+        } else {
+            CacheUse::Shared
+        };
+        Ok(Request {
+            json,
+            endpoint,
+            max_output_tokens: f.max_output_tokens,
+            fields: f,
+            model,
+            cache,
+        })
     }
 
-    lenient_scalars!(Top::NotObject, Top::NotObject);
-    lenient_str!(Top::NotObject);
-    lenient_seq!(Top::NotObject);
+    /// Writes the `cache_salt` of a partitioned request: a string's text,
+    /// any other value's canonical JSON.
+    pub(crate) fn write_salt(&self, scratch: &mut Scratch, out: &mut impl Sink) -> Res<()> {
+        match self.fields.cache_salt {
+            Some(v) if self.cache == CacheUse::Partitioned => {
+                if self.json.at(v) == b'"' {
+                    self.json.decode(v, |piece| out.put(piece.as_bytes()))?;
+                } else {
+                    self.json.canonical(v, scratch, out)?;
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Writes the canonical prompt's records.
+    pub(crate) fn write(&self, scratch: &mut Scratch, out: &mut impl Sink) -> Res<()> {
+        let w = Records {
+            json: self.json,
+            scratch,
+            out,
+        };
+        match self.endpoint {
+            Endpoint::ChatCompletions => w.chat(&self.fields),
+            Endpoint::Completions => w.completions(&self.fields),
+            Endpoint::Responses => w.responses(&self.fields),
+        }
+    }
+}
+
+/// The fields of one chat message that reach the canonical form.
+#[derive(Default)]
+struct Message {
+    role: Option<usize>,
+    content: Option<usize>,
+    tool_calls: Option<usize>,
+    tool_call_id: Option<usize>,
+    name: Option<usize>,
+    end: usize,
+}
+
+impl Message {
+    fn read(json: &Json<'_>, at: usize) -> Res<Message> {
+        if json.at(at) != b'{' {
+            return Err(SkipReason::BadField);
+        }
+        let mut m = Message::default();
+        m.end = json.members(at, 0, |k, v| {
+            match json.short_string(k).as_deref() {
+                Some("role") => m.role = Some(v),
+                Some("content") => m.content = Some(v),
+                Some("tool_calls") => m.tool_calls = Some(v),
+                Some("tool_call_id") => m.tool_call_id = Some(v),
+                Some("name") => m.name = Some(v),
+                _ => {}
+            }
+            json.skip(v, 0)
+        })?;
+        Ok(m)
+    }
+
+    fn is_system(&self, json: &Json<'_>) -> bool {
+        self.role.is_some_and(|r| {
+            json.at(r) == b'"' && (json.string_is(r, "system") || json.string_is(r, "developer"))
+        })
+    }
+}
+
+/// Writes records into a sink.
+struct Records<'j, 's, S> {
+    json: Json<'j>,
+    scratch: &'s mut Scratch,
+    out: &'s mut S,
+}
+
+impl<S: Sink> Records<'_, '_, S> {
+    /// A record of the string at `at`'s text; returns where the string ends.
+    fn text(&mut self, tag: u8, at: usize) -> Res<usize> {
+        self.out.put(&[tag]);
+        let out = &mut *self.out;
+        let end = self.json.decode(at, |piece| out.put(piece.as_bytes()))?;
+        self.out.put(&[RECORD_END]);
+        Ok(end)
+    }
+
+    /// A record of the value at `at`'s canonical JSON; returns where the
+    /// value ends.
+    fn value(&mut self, tag: u8, at: usize) -> Res<usize> {
+        self.out.put(&[tag]);
+        let end = self.json.canonical(at, self.scratch, self.out)?;
+        self.out.put(&[RECORD_END]);
+        Ok(end)
+    }
+
+    /// A JSON-valued field: a record unless absent or null.
+    fn optional_value(&mut self, tag: u8, at: Option<usize>) -> Res<()> {
+        match at {
+            Some(v) if self.json.at(v) != b'n' => self.value(tag, v).map(drop),
+            _ => Ok(()),
+        }
+    }
+
+    /// A string field: a record unless absent or null; any other type is
+    /// `BadField`.
+    fn optional_text(&mut self, tag: u8, at: Option<usize>) -> Res<()> {
+        match at.map(|v| (v, self.json.at(v))) {
+            None | Some((_, b'n')) => Ok(()),
+            Some((v, b'"')) => self.text(tag, v).map(drop),
+            Some(_) => Err(SkipReason::BadField),
+        }
+    }
+
+    fn chat(mut self, f: &Fields) -> Res<()> {
+        let json = self.json;
+        let messages = match f.messages.map(|v| (v, json.at(v))) {
+            None | Some((_, b'n')) => None,
+            Some((v, b'[')) => Some(v),
+            Some(_) => return Err(SkipReason::BadField),
+        };
+        // The leading system messages, then tools, then the rest.
+        let mut lead = true;
+        if let Some(list) = messages {
+            json.items(list, 0, |at| {
+                let m = Message::read(&json, at)?;
+                if lead && !m.is_system(&json) {
+                    lead = false;
+                    self.chat_tools(f)?;
+                }
+                self.message(&m)?;
+                Ok(m.end)
+            })?;
+        }
+        if lead {
+            self.chat_tools(f)?;
+        }
+        Ok(())
+    }
+
+    fn chat_tools(&mut self, f: &Fields) -> Res<()> {
+        self.optional_value(TAG_TOOLS, f.tools)?;
+        self.optional_value(TAG_TOOL_CHOICE, f.tool_choice)?;
+        self.optional_value(TAG_RESPONSE_FORMAT, f.response_format)
+    }
+
+    fn message(&mut self, m: &Message) -> Res<()> {
+        let json = self.json;
+        match m.role {
+            Some(r) if json.at(r) == b'"' => drop(self.text(TAG_MESSAGE, r)?),
+            _ => return Err(SkipReason::BadField),
+        }
+        match m.content.map(|c| (c, json.at(c))) {
+            None | Some((_, b'n')) => {}
+            Some((c, b'"')) => drop(self.text(TAG_CONTENT, c)?),
+            Some((c, b'[')) => {
+                json.items(c, 0, |part| self.part(part))?;
+            }
+            Some(_) => return Err(SkipReason::BadField),
+        }
+        self.optional_value(TAG_TOOL_CALLS, m.tool_calls)?;
+        self.optional_text(TAG_TOOL_CALL_ID, m.tool_call_id)?;
+        self.optional_text(TAG_NAME, m.name)
+    }
+
+    /// One content part: `{"type": "text", "text": <string>}` as its text,
+    /// any other object as its canonical JSON. Returns where it ends.
+    fn part(&mut self, at: usize) -> Res<usize> {
+        let json = self.json;
+        if json.at(at) != b'{' {
+            return Err(SkipReason::BadField);
+        }
+        let (mut kind, mut text) = (None, None);
+        let end = json.members(at, 0, |k, v| {
+            match json.short_string(k).as_deref() {
+                Some("type") => kind = Some(v),
+                Some("text") => text = Some(v),
+                _ => {}
+            }
+            json.skip(v, 0)
+        })?;
+        let is_text = kind.is_some_and(|t| json.at(t) == b'"' && json.string_is(t, "text"));
+        match text {
+            Some(t) if is_text && json.at(t) == b'"' => drop(self.text(TAG_CONTENT, t)?),
+            _ => drop(self.value(TAG_PART, at)?),
+        }
+        Ok(end)
+    }
+
+    fn completions(mut self, f: &Fields) -> Res<()> {
+        let json = self.json;
+        match f.prompt.map(|p| (p, json.at(p))) {
+            None | Some((_, b'n')) => Ok(()),
+            Some((p, b'"')) => self.text(TAG_PROMPT, p).map(drop),
+            Some((p, b'[')) => {
+                // Strings: one record each; numbers and arrays (token ids):
+                // one record of the whole array; anything else is wrong.
+                let (mut strings, mut ids) = (true, true);
+                json.items(p, 0, |item| {
+                    let c = json.at(item);
+                    strings &= c == b'"';
+                    ids &= c == b'[' || c == b'-' || c.is_ascii_digit();
+                    json.skip(item, 0)
+                })?;
+                if strings {
+                    json.items(p, 0, |item| self.text(TAG_PROMPT, item))?;
+                    Ok(())
+                } else if ids {
+                    self.value(TAG_PROMPT_JSON, p).map(drop)
+                } else {
+                    Err(SkipReason::BadField)
+                }
+            }
+            Some(_) => Err(SkipReason::BadField),
+        }
+    }
+
+    fn responses(mut self, f: &Fields) -> Res<()> {
+        let json = self.json;
+        self.optional_text(TAG_INSTRUCTIONS, f.instructions)?;
+        self.optional_value(TAG_TOOLS, f.tools)?;
+        match f.input.map(|i| (i, json.at(i))) {
+            None | Some((_, b'n')) => Ok(()),
+            Some((i, b'"')) => self.text(TAG_INPUT, i).map(drop),
+            Some((i, b'[')) => {
+                json.items(i, 0, |item| self.value(TAG_INPUT_ITEM, item))?;
+                Ok(())
+            }
+            Some(_) => Err(SkipReason::BadField),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -731,6 +549,56 @@ mod tests {
         let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
         assert_eq!(
             chat(&format!(r#"{{"model":"m","tools":{deep}}}"#)),
+            Err(SkipReason::NotJson)
+        );
+    }
+
+    #[test]
+    fn a_value_of_too_many_keys_is_too_complex_and_an_array_counts_its_items_apart() {
+        let keys = |n: usize| {
+            (0..n)
+                .map(|i| format!(r#""k{i}":0"#))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let tool = |n: usize| format!(r#"{{"type":"function","parameters":{{{}}}}}"#, keys(n));
+        let body = |tools: &str| {
+            format!(
+                r#"{{"model":"m","tools":[{tools}],"messages":[{{"role":"user","content":"hi"}}]}}"#
+            )
+        };
+        let chat = |b: String| canon(Endpoint::ChatCompletions, &b);
+        assert_eq!(
+            chat(body(&tool(crate::json::MAX_KEYS))),
+            Err(SkipReason::TooComplex)
+        );
+        // The same keys over two tools: each is sorted on its own.
+        let half = tool(crate::json::MAX_KEYS / 2);
+        let two = chat(body(&format!("{half},{half}"))).unwrap();
+        assert!(two.len() > 2 * crate::json::MAX_KEYS * 4);
+        // A part or an input item is its own value too.
+        let part = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":[{}]}}]}}"#,
+            tool(crate::json::MAX_KEYS)
+        );
+        assert_eq!(chat(part), Err(SkipReason::TooComplex));
+    }
+
+    #[test]
+    fn numbers_are_the_nearest_f64_as_written() {
+        // 6e25 is not 6 x (the f64 nearest 1e25); 0.1 is written 0.1.
+        let c = canon(
+            Endpoint::ChatCompletions,
+            r#"{"model":"m","tools":[6e25,0.1,1e-7,-0.0,2.50],"messages":[{"role":"user","content":"x"}]}"#,
+        )
+        .unwrap();
+        let want = rec(b'T', "[60000000000000000000000000,0.1,0.0000001,-0,2.5]");
+        assert!(c.starts_with(&want), "{}", String::from_utf8_lossy(&c));
+        assert_eq!(
+            canon(
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","tools":[1e309],"messages":[{"role":"user","content":"x"}]}"#
+            ),
             Err(SkipReason::NotJson)
         );
     }

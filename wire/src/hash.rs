@@ -1,5 +1,6 @@
 //! FNV-1a 64 and the block hash chain.
 
+use crate::json::Sink;
 use crate::{Params, MAX_BLOCK_SIZE, MAX_HASHES, MIN_BLOCK_SIZE};
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
@@ -34,7 +35,30 @@ pub(crate) fn effective_block_size(params: &Params) -> usize {
 
 /// The chain seed for `model`.
 pub(crate) fn seed(model: &str) -> u64 {
-    fnv_update(fnv1a64(SEED_DOMAIN), model.as_bytes())
+    Seed::new(model).finish()
+}
+
+/// The chain seed, fed in pieces: the domain and the model, then (for a
+/// partitioned request) `\0cache_salt\0` and the salt.
+pub(crate) struct Seed(u64);
+
+impl Seed {
+    pub(crate) fn new(model: &str) -> Seed {
+        Seed(fnv_update(fnv1a64(SEED_DOMAIN), model.as_bytes()))
+    }
+
+    pub(crate) fn finish(self) -> u64 {
+        self.0
+    }
+}
+
+impl Sink for Seed {
+    fn put(&mut self, bytes: &[u8]) {
+        self.0 = fnv_update(self.0, bytes);
+    }
+
+    /// Never called: the seed takes every byte.
+    fn count(&mut self, _: usize) {}
 }
 
 /// Chained block hashes of the first `max_prefix_bytes` of `canonical`.
@@ -42,19 +66,85 @@ pub(crate) fn seed(model: &str) -> u64 {
 /// `h_i = fnv1a(h_{i-1}.to_le_bytes() ++ block_i)`, `h_{-1} = fnv1a(b"hearth-fp/v2\0" ++ model)`.
 /// A trailing partial block gets a hash; an empty input gives no hashes.
 pub fn chain_hashes(model: &str, canonical: &[u8], params: &Params) -> Vec<u64> {
-    let block = effective_block_size(params);
-    let bound = params
-        .max_prefix_bytes
-        .min(block.saturating_mul(MAX_HASHES))
-        .min(canonical.len());
-    let prefix = canonical.get(..bound).unwrap_or(canonical);
-    let mut out = Vec::with_capacity(prefix.len().div_ceil(block));
-    let mut h = seed(model);
-    for chunk in prefix.chunks(block) {
-        h = fnv_update(fnv_update(FNV_OFFSET, &h.to_le_bytes()), chunk);
-        out.push(h);
+    let mut chain = Chain::new(seed(model), params, canonical.len());
+    chain.put(canonical);
+    chain.finish()
+}
+
+/// The hash chain as a [`Sink`]: canonical bytes are hashed as they come,
+/// block by block, and only counted past the prefix bound, so the
+/// canonical prompt is never held.
+pub(crate) struct Chain {
+    block: usize,
+    /// Bytes still hashed before the bound.
+    room: usize,
+    /// Every byte given, hashed or not.
+    len: u64,
+    /// The running hash of the current block, and how much of it is in.
+    state: u64,
+    filled: usize,
+    hashes: Vec<u64>,
+}
+
+impl Chain {
+    /// A chain from `seed`; `expected` (the body's size) sizes the hash list.
+    pub(crate) fn new(seed: u64, params: &Params, expected: usize) -> Chain {
+        let block = effective_block_size(params);
+        let bound = params
+            .max_prefix_bytes
+            .min(block.saturating_mul(MAX_HASHES));
+        Chain {
+            block,
+            room: bound,
+            len: 0,
+            state: fnv_update(FNV_OFFSET, &seed.to_le_bytes()),
+            filled: 0,
+            hashes: Vec::with_capacity(bound.min(expected).div_ceil(block)),
+        }
     }
-    out
+
+    /// Every byte given so far.
+    pub(crate) fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// The hashes, the trailing partial block's included.
+    pub(crate) fn finish(mut self) -> Vec<u64> {
+        if self.filled > 0 {
+            self.hashes.push(self.state);
+        }
+        self.hashes
+    }
+}
+
+impl Sink for Chain {
+    #[inline]
+    fn put(&mut self, bytes: &[u8]) {
+        self.len += bytes.len() as u64;
+        let take = bytes.len().min(self.room);
+        self.room -= take;
+        let mut rest = bytes.get(..take).unwrap_or_default();
+        while !rest.is_empty() {
+            let k = rest.len().min(self.block - self.filled);
+            let (now, later) = rest.split_at(k);
+            self.state = fnv_update(self.state, now);
+            self.filled += k;
+            if self.filled == self.block {
+                self.hashes.push(self.state);
+                self.state = fnv_update(FNV_OFFSET, &self.state.to_le_bytes());
+                self.filled = 0;
+            }
+            rest = later;
+        }
+    }
+
+    fn keeps(&self) -> bool {
+        self.room > 0
+    }
+
+    fn count(&mut self, n: usize) {
+        self.len += n as u64;
+    }
 }
 
 #[cfg(test)]

@@ -1,62 +1,499 @@
-//! Canonical JSON: compact, keys sorted by bytes, one escaping of strings.
+//! JSON read in place: validation, string decoding and canonical JSON,
+//! straight from the body's bytes.
 //!
-//! Written by hand instead of `serde_json::to_writer` so the bytes do not
-//! depend on serde_json features another crate may switch on (e.g.
-//! `preserve_order` or `arbitrary_precision`).
+//! Nothing here builds a tree, so what a body costs follows its bytes, not
+//! its shape: a scan validates a value with no memory but its nesting, and
+//! canonical JSON is written from the body itself. The one thing a scan
+//! cannot do is sort an object's keys; for that, [`Scratch`] holds the key
+//! offsets of the value being written (4 bytes a key, 8 more per object of
+//! several members), at most [`MAX_KEYS`] of them.
+//!
+//! Canonical JSON is written as `json.rs` always has (the crate docs): no
+//! whitespace, keys sorted by their bytes with the last of a repeated key
+//! kept, one escaping of strings, integers as given and every other number
+//! as the nearest f64 written by Rust's `Display`. It is hand-written so the
+//! bytes do not depend on serde_json's features.
 
-use serde_json::{Number, Value};
-use std::io::Write as _;
+use crate::SkipReason;
+use std::cmp::Ordering;
 
-pub(crate) fn write_value(out: &mut Vec<u8>, v: &Value) {
-    match v {
-        Value::Null => out.extend_from_slice(b"null"),
-        Value::Bool(true) => out.extend_from_slice(b"true"),
-        Value::Bool(false) => out.extend_from_slice(b"false"),
-        Value::Number(n) => write_number(out, n),
-        Value::String(s) => write_string(out, s),
-        Value::Array(items) => {
-            out.push(b'[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_value(out, item);
-            }
-            out.push(b']');
+/// Deepest nesting of arrays and objects (serde_json's limit: the same
+/// bodies parse).
+pub(crate) const MAX_DEPTH: usize = 127;
+
+/// Most object keys one value written as canonical JSON may hold (a tool,
+/// a content part, an input item: the items of an array count apart).
+/// Past it the body is skipped as [`SkipReason::TooComplex`]: routed on
+/// load.
+pub(crate) const MAX_KEYS: usize = 1 << 16;
+
+pub(crate) type Res<T> = Result<T, SkipReason>;
+const BAD: SkipReason = SkipReason::NotJson;
+
+/// Where canonical bytes go.
+pub(crate) trait Sink {
+    /// The next canonical bytes.
+    fn put(&mut self, bytes: &[u8]);
+    /// Whether the sink still keeps what it is given. Once it only counts,
+    /// [`Sink::count`] may stand for bytes that were never written out.
+    fn keeps(&self) -> bool {
+        true
+    }
+    /// `n` next canonical bytes, not written out (only once `keeps()` is
+    /// false).
+    fn count(&mut self, n: usize);
+}
+
+impl Sink for Vec<u8> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+
+    /// Never called: a `Vec` keeps everything.
+    fn count(&mut self, _: usize) {}
+}
+
+/// A body known to be UTF-8, read by byte offsets. Offsets past the end
+/// read as NUL, which JSON never allows where a value or a token is
+/// expected, so running off the end is always an error, never a panic.
+#[derive(Clone, Copy)]
+pub(crate) struct Json<'a> {
+    s: &'a str,
+}
+
+impl<'a> Json<'a> {
+    /// `body` as JSON text: UTF-8 throughout (RFC 8259), and small enough
+    /// for 32-bit offsets.
+    pub(crate) fn new(body: &'a [u8]) -> Res<Self> {
+        if u32::try_from(body.len()).is_err() {
+            return Err(SkipReason::TooComplex);
         }
-        Value::Object(map) => {
-            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-            out.push(b'{');
-            for (i, (k, val)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_string(out, k);
-                out.push(b':');
-                write_value(out, val);
-            }
-            out.push(b'}');
+        let s = std::str::from_utf8(body).map_err(|_| BAD)?;
+        Ok(Json { s })
+    }
+
+    #[inline]
+    pub(crate) fn at(&self, i: usize) -> u8 {
+        self.s.as_bytes().get(i).copied().unwrap_or(0)
+    }
+
+    fn text(&self, from: usize, to: usize) -> &'a str {
+        self.s.get(from..to).unwrap_or_default()
+    }
+
+    #[inline]
+    pub(crate) fn ws(&self, mut i: usize) -> usize {
+        while matches!(self.at(i), b' ' | b'\t' | b'\n' | b'\r') {
+            i += 1;
         }
+        i
+    }
+
+    /// Validates the whole body (one value, whitespace around it) and
+    /// returns where the value starts.
+    pub(crate) fn document(&self) -> Res<usize> {
+        let start = self.ws(0);
+        let end = self.skip(start, 0)?;
+        if self.ws(end) != self.s.len() {
+            return Err(BAD);
+        }
+        Ok(start)
+    }
+
+    /// Validates the value at `i` (at its first byte) inside `depth`
+    /// arrays and objects; returns where it ends.
+    pub(crate) fn skip(&self, i: usize, depth: usize) -> Res<usize> {
+        match self.at(i) {
+            b'"' => self.string_end(i),
+            b'{' => self.members(i, depth, |_, v| self.skip(v, depth + 1)),
+            b'[' => self.items(i, depth, |v| self.skip(v, depth + 1)),
+            b't' => self.literal(i, "true"),
+            b'f' => self.literal(i, "false"),
+            b'n' => self.literal(i, "null"),
+            b'-' | b'0'..=b'9' => self.number_end(i),
+            _ => Err(BAD),
+        }
+    }
+
+    fn literal(&self, i: usize, lit: &str) -> Res<usize> {
+        if self.s.as_bytes().get(i..i + lit.len()) == Some(lit.as_bytes()) {
+            Ok(i + lit.len())
+        } else {
+            Err(BAD)
+        }
+    }
+
+    /// Calls `f(key, value)` for each member of the object at `i`: the key
+    /// at its opening quote, the value at its first byte; `f` returns where
+    /// the value ends. Returns where the object ends.
+    pub(crate) fn members(
+        &self,
+        i: usize,
+        depth: usize,
+        mut f: impl FnMut(usize, usize) -> Res<usize>,
+    ) -> Res<usize> {
+        if depth >= MAX_DEPTH || self.at(i) != b'{' {
+            return Err(BAD);
+        }
+        let mut j = self.ws(i + 1);
+        if self.at(j) == b'}' {
+            return Ok(j + 1);
+        }
+        loop {
+            if self.at(j) != b'"' {
+                return Err(BAD);
+            }
+            let key = j;
+            j = self.ws(self.string_end(j)?);
+            if self.at(j) != b':' {
+                return Err(BAD);
+            }
+            j = self.ws(f(key, self.ws(j + 1))?);
+            match self.at(j) {
+                b',' => j = self.ws(j + 1),
+                b'}' => return Ok(j + 1),
+                _ => return Err(BAD),
+            }
+        }
+    }
+
+    /// Calls `f(value)` for each item of the array at `i`; `f` returns where
+    /// the item ends. Returns where the array ends.
+    pub(crate) fn items(
+        &self,
+        i: usize,
+        depth: usize,
+        mut f: impl FnMut(usize) -> Res<usize>,
+    ) -> Res<usize> {
+        if depth >= MAX_DEPTH || self.at(i) != b'[' {
+            return Err(BAD);
+        }
+        let mut j = self.ws(i + 1);
+        if self.at(j) == b']' {
+            return Ok(j + 1);
+        }
+        loop {
+            j = self.ws(f(j)?);
+            match self.at(j) {
+                b',' => j = self.ws(j + 1),
+                b']' => return Ok(j + 1),
+                _ => return Err(BAD),
+            }
+        }
+    }
+
+    /// Where the value of the member whose key opens at `key` begins.
+    fn value_of(&self, key: usize) -> Res<usize> {
+        let j = self.ws(self.string_end(key)?);
+        if self.at(j) != b':' {
+            return Err(BAD);
+        }
+        Ok(self.ws(j + 1))
+    }
+
+    // -- strings --------------------------------------------------------
+
+    /// The end of the string opening at `i`, validated.
+    pub(crate) fn string_end(&self, i: usize) -> Res<usize> {
+        self.decode(i, |_| {})
+    }
+
+    /// Decodes the string opening at `i`, giving its text to `f` in pieces;
+    /// returns where the string ends.
+    pub(crate) fn decode(&self, i: usize, mut f: impl FnMut(&str)) -> Res<usize> {
+        if self.at(i) != b'"' {
+            return Err(BAD);
+        }
+        let bytes = self.s.as_bytes();
+        let mut j = i + 1;
+        loop {
+            let run = bytes
+                .get(j..)
+                .unwrap_or_default()
+                .iter()
+                .position(|&c| c == b'"' || c == b'\\' || c < 0x20)
+                .ok_or(BAD)?;
+            if run > 0 {
+                f(self.text(j, j + run));
+            }
+            j += run;
+            match self.at(j) {
+                b'"' => return Ok(j + 1),
+                b'\\' => {
+                    let (c, end) = self.escape(j)?;
+                    f(c.encode_utf8(&mut [0; 4]));
+                    j = end;
+                }
+                _ => return Err(BAD),
+            }
+        }
+    }
+
+    /// The escape at `j` (its backslash): the character and where it ends.
+    /// A `\u` surrogate must come in a pair.
+    fn escape(&self, j: usize) -> Res<(char, usize)> {
+        let c = match self.at(j + 1) {
+            b'"' => '"',
+            b'\\' => '\\',
+            b'/' => '/',
+            b'b' => '\u{8}',
+            b'f' => '\u{c}',
+            b'n' => '\n',
+            b'r' => '\r',
+            b't' => '\t',
+            b'u' => {
+                let hi = self.hex4(j + 2)?;
+                return match hi {
+                    0xD800..=0xDBFF => {
+                        if self.at(j + 6) != b'\\' || self.at(j + 7) != b'u' {
+                            return Err(BAD);
+                        }
+                        let lo = self.hex4(j + 8)?;
+                        if !(0xDC00..=0xDFFF).contains(&lo) {
+                            return Err(BAD);
+                        }
+                        let c = 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
+                        Ok((char::from_u32(c).ok_or(BAD)?, j + 12))
+                    }
+                    _ => Ok((char::from_u32(hi).ok_or(BAD)?, j + 6)),
+                };
+            }
+            _ => return Err(BAD),
+        };
+        Ok((c, j + 2))
+    }
+
+    fn hex4(&self, i: usize) -> Res<u32> {
+        let mut v = 0;
+        for k in i..i + 4 {
+            let d = char::from(self.at(k)).to_digit(16).ok_or(BAD)?;
+            v = v * 16 + d;
+        }
+        Ok(v)
+    }
+
+    /// The decoded bytes of the (valid) string opening at `i`.
+    fn decoded(&self, i: usize) -> Decoded<'a> {
+        Decoded {
+            json: *self,
+            i: i + 1,
+            buf: [0; 4],
+            at: 0,
+            len: 0,
+        }
+    }
+
+    /// The (valid) string opening at `i`, decoded, when it is short enough
+    /// to be one of the field names the canonical form reads.
+    pub(crate) fn short_string(&self, i: usize) -> Option<Short> {
+        let mut s = Short {
+            buf: [0; SHORT],
+            len: 0,
+        };
+        for b in self.decoded(i) {
+            *s.buf.get_mut(s.len)? = b;
+            s.len += 1;
+        }
+        Some(s)
+    }
+
+    /// Whether the (valid) string opening at `i` decodes to `lit`.
+    pub(crate) fn string_is(&self, i: usize, lit: &str) -> bool {
+        self.decoded(i).eq(lit.bytes())
+    }
+
+    fn cmp_strings(&self, a: usize, b: usize) -> Ordering {
+        self.decoded(a).cmp(self.decoded(b))
+    }
+
+    // -- numbers --------------------------------------------------------
+
+    /// The end of the number starting at `i` (JSON's grammar; any size).
+    fn number_end(&self, i: usize) -> Res<usize> {
+        let mut j = i;
+        if self.at(j) == b'-' {
+            j += 1;
+        }
+        match self.at(j) {
+            b'0' => j += 1,
+            b'1'..=b'9' => j = self.digits(j),
+            _ => return Err(BAD),
+        }
+        if self.at(j) == b'.' {
+            let k = self.digits(j + 1);
+            if k == j + 1 {
+                return Err(BAD);
+            }
+            j = k;
+        }
+        if matches!(self.at(j), b'e' | b'E') {
+            j += 1;
+            if matches!(self.at(j), b'+' | b'-') {
+                j += 1;
+            }
+            let k = self.digits(j);
+            if k == j {
+                return Err(BAD);
+            }
+            j = k;
+        }
+        Ok(j)
+    }
+
+    fn digits(&self, mut j: usize) -> usize {
+        while self.at(j).is_ascii_digit() {
+            j += 1;
+        }
+        j
+    }
+
+    /// The number at `i` as an unsigned integer, when it is written as one
+    /// (as serde_json's `as_u64` reads it).
+    pub(crate) fn as_u64(&self, i: usize) -> Option<u64> {
+        let end = self.number_end(i).ok()?;
+        self.text(i, end).parse().ok()
+    }
+
+    // -- canonical JSON -------------------------------------------------
+
+    /// Writes the canonical JSON of the value at `i` (validated) to `out`;
+    /// returns where the value ends. `scratch` is reused between values.
+    pub(crate) fn canonical(
+        &self,
+        i: usize,
+        scratch: &mut Scratch,
+        out: &mut impl Sink,
+    ) -> Res<usize> {
+        if self.at(i) == b'[' {
+            // An array's items are sorted apart, so each is indexed on its
+            // own: a tool list costs what its largest tool does.
+            out.put(b"[");
+            let mut first = true;
+            let end = self.items(i, 0, |v| {
+                if !first {
+                    out.put(b",");
+                }
+                first = false;
+                self.canonical(v, scratch, out)
+            })?;
+            out.put(b"]");
+            return Ok(end);
+        }
+        scratch.index(self, i)?;
+        self.write(i, scratch, out)
+    }
+
+    fn write(&self, i: usize, ix: &Scratch, out: &mut impl Sink) -> Res<usize> {
+        match self.at(i) {
+            b'"' => self.write_string(i, out),
+            b'{' => {
+                let Some(keys) = ix.keys_of(i) else {
+                    // No member or one: as it comes.
+                    out.put(b"{");
+                    let end = self.members(i, 0, |k, v| {
+                        self.write_string(k, out)?;
+                        out.put(b":");
+                        self.write(v, ix, out)
+                    })?;
+                    out.put(b"}");
+                    return Ok(end);
+                };
+                // The last member in the body is always kept, and the object
+                // closes after its value.
+                let last = keys.iter().copied().max().unwrap_or(0);
+                let mut end = None;
+                out.put(b"{");
+                for (n, &k) in keys.iter().enumerate() {
+                    if n > 0 {
+                        out.put(b",");
+                    }
+                    let k = k as usize;
+                    self.write_string(k, out)?;
+                    out.put(b":");
+                    let e = self.write(self.value_of(k)?, ix, out)?;
+                    if k == last as usize {
+                        end = Some(e);
+                    }
+                }
+                out.put(b"}");
+                let close = self.ws(end.ok_or(BAD)?);
+                if self.at(close) != b'}' {
+                    return Err(BAD);
+                }
+                Ok(close + 1)
+            }
+            b'[' => {
+                out.put(b"[");
+                let mut first = true;
+                let end = self.items(i, 0, |v| {
+                    if !first {
+                        out.put(b",");
+                    }
+                    first = false;
+                    self.write(v, ix, out)
+                })?;
+                out.put(b"]");
+                Ok(end)
+            }
+            b't' => {
+                out.put(b"true");
+                self.literal(i, "true")
+            }
+            b'f' => {
+                out.put(b"false");
+                self.literal(i, "false")
+            }
+            b'n' => {
+                out.put(b"null");
+                self.literal(i, "null")
+            }
+            _ => self.write_number(i, out),
+        }
+    }
+
+    fn write_string(&self, i: usize, out: &mut impl Sink) -> Res<usize> {
+        out.put(b"\"");
+        let end = self.decode(i, |piece| escape_into(out, piece))?;
+        out.put(b"\"");
+        Ok(end)
+    }
+
+    fn write_number(&self, i: usize, out: &mut impl Sink) -> Res<usize> {
+        let end = self.number_end(i)?;
+        let tok = self.text(i, end);
+        let integer = !tok.contains(['.', 'e', 'E']);
+        // An integer in range is its own canonical form (JSON has no
+        // leading zeros; "-0" is written as serde_json's -0.0 would be).
+        if integer && (tok.parse::<u64>().is_ok() || tok.parse::<i64>().is_ok()) {
+            out.put(tok.as_bytes());
+            return Ok(end);
+        }
+        let d = Decimal::of(tok).ok_or(BAD)?;
+        if d.is_exact_f64() {
+            if out.keeps() {
+                d.write(out);
+            } else {
+                out.count(d.display_len());
+            }
+            return Ok(end);
+        }
+        let f: f64 = tok.parse().map_err(|_| BAD)?;
+        if !f.is_finite() {
+            return Err(BAD);
+        }
+        if out.keeps() {
+            out.put(format!("{f}").as_bytes());
+        } else {
+            let shortest = Decimal::of(&format!("{f:e}")).ok_or(BAD)?;
+            out.count(shortest.display_len());
+        }
+        Ok(end)
     }
 }
 
-fn write_number(out: &mut Vec<u8>, n: &Number) {
-    // Writing into a Vec cannot fail.
-    let _ = if let Some(i) = n.as_i64() {
-        write!(out, "{i}")
-    } else if let Some(u) = n.as_u64() {
-        write!(out, "{u}")
-    } else {
-        // JSON has no NaN or infinity; a number too large for f64 parses as
-        // infinity only under arbitrary_precision, written here as Rust does.
-        write!(out, "{}", n.as_f64().unwrap_or(0.0))
-    };
-}
-
-pub(crate) fn write_string(out: &mut Vec<u8>, s: &str) {
-    out.push(b'"');
-    let bytes = s.as_bytes();
+/// Writes `text` as the inside of a canonical JSON string.
+fn escape_into(out: &mut impl Sink, text: &str) {
+    let bytes = text.as_bytes();
     let mut start = 0;
     for (i, &b) in bytes.iter().enumerate() {
         let esc: &[u8] = match b {
@@ -70,36 +507,309 @@ pub(crate) fn write_string(out: &mut Vec<u8>, s: &str) {
             0x00..=0x1f => b"",
             _ => continue,
         };
-        out.extend_from_slice(bytes.get(start..i).unwrap_or_default());
+        out.put(bytes.get(start..i).unwrap_or_default());
         if esc.is_empty() {
             const HEX: &[u8; 16] = b"0123456789abcdef";
-            out.extend_from_slice(b"\\u00");
-            out.push(HEX[usize::from(b >> 4)]);
-            out.push(HEX[usize::from(b & 0xf)]);
+            out.put(b"\\u00");
+            out.put(&[HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xf)]]);
         } else {
-            out.extend_from_slice(esc);
+            out.put(esc);
         }
         start = i + 1;
     }
-    out.extend_from_slice(bytes.get(start..).unwrap_or_default());
-    out.push(b'"');
+    out.put(bytes.get(start..).unwrap_or_default());
+}
+
+const SHORT: usize = 24;
+
+/// A short decoded string, on the stack.
+pub(crate) struct Short {
+    buf: [u8; SHORT],
+    len: usize,
+}
+
+impl std::ops::Deref for Short {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        // Whole characters only: a longer string gives no `Short`.
+        std::str::from_utf8(self.buf.get(..self.len).unwrap_or_default()).unwrap_or_default()
+    }
+}
+
+/// The bytes of a valid string, decoded, one at a time.
+struct Decoded<'a> {
+    json: Json<'a>,
+    i: usize,
+    buf: [u8; 4],
+    at: usize,
+    len: usize,
+}
+
+impl Iterator for Decoded<'_> {
+    type Item = u8;
+
+    fn next(&mut self) -> Option<u8> {
+        if self.at < self.len {
+            self.at += 1;
+            return self.buf.get(self.at - 1).copied();
+        }
+        match self.json.at(self.i) {
+            b'"' | 0 => None,
+            b'\\' => {
+                let (c, end) = self.json.escape(self.i).ok()?;
+                self.len = c.encode_utf8(&mut self.buf).len();
+                self.at = 1;
+                self.i = end;
+                self.buf.first().copied()
+            }
+            c => {
+                self.i += 1;
+                Some(c)
+            }
+        }
+    }
+}
+
+/// The sorted keys of the objects of several members of one value.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    /// Keys of the objects still open while indexing.
+    open: Vec<u32>,
+    /// Per object of several members, in order of where it starts: its
+    /// offset and where its group begins in `groups`.
+    objects: Vec<(u32, u32)>,
+    /// Per such object, a count and then its member keys, sorted, a
+    /// repeated key's last member only.
+    groups: Vec<u32>,
+    /// Keys seen in the value being indexed.
+    seen: usize,
+}
+
+impl Scratch {
+    fn index(&mut self, json: &Json<'_>, i: usize) -> Res<()> {
+        self.open.clear();
+        self.objects.clear();
+        self.groups.clear();
+        self.seen = 0;
+        self.walk(json, i)?;
+        // Objects close innermost first; lookups go by where they start.
+        self.objects.sort_unstable_by_key(|o| o.0);
+        Ok(())
+    }
+
+    fn walk(&mut self, json: &Json<'_>, i: usize) -> Res<usize> {
+        match json.at(i) {
+            b'{' => {
+                let mark = self.open.len();
+                let end = json.members(i, 0, |k, v| {
+                    self.seen += 1;
+                    if self.seen > MAX_KEYS {
+                        return Err(SkipReason::TooComplex);
+                    }
+                    self.open.push(k as u32);
+                    self.walk(json, v)
+                })?;
+                let keys = self.open.get_mut(mark..).unwrap_or_default();
+                if keys.len() >= 2 {
+                    // By key, then by position: the last of equal keys wins.
+                    keys.sort_unstable_by(|&a, &b| {
+                        json.cmp_strings(a as usize, b as usize).then(a.cmp(&b))
+                    });
+                    let start = self.groups.len();
+                    self.groups.push(0);
+                    for n in 0..keys.len() {
+                        let k = keys.get(n).copied().unwrap_or(0);
+                        let next = keys.get(n + 1).copied();
+                        let repeated = next.is_some_and(|next| {
+                            json.cmp_strings(k as usize, next as usize) == Ordering::Equal
+                        });
+                        if !repeated {
+                            self.groups.push(k);
+                        }
+                    }
+                    let count = (self.groups.len() - start - 1) as u32;
+                    if let Some(c) = self.groups.get_mut(start) {
+                        *c = count;
+                    }
+                    self.objects.push((i as u32, start as u32));
+                }
+                self.open.truncate(mark);
+                Ok(end)
+            }
+            b'[' => json.items(i, 0, |v| self.walk(json, v)),
+            _ => json.skip(i, 0),
+        }
+    }
+
+    /// The sorted keys of the object at `i`, when it has several members.
+    fn keys_of(&self, i: usize) -> Option<&[u32]> {
+        let at = self
+            .objects
+            .binary_search_by_key(&(i as u32), |o| o.0)
+            .ok()?;
+        let start = self.objects.get(at)?.1 as usize;
+        let count = *self.groups.get(start)? as usize;
+        self.groups.get(start + 1..start + 1 + count)
+    }
+}
+
+/// A number as sign, significant digits and a power of ten: `digits` ×
+/// 10^`exp`, without leading or trailing zeros (none at all for zero).
+struct Decimal {
+    negative: bool,
+    /// ASCII digits; the first `len` are used.
+    digits: [u8; 17],
+    len: usize,
+    /// How many significant digits the text had (may exceed `len`: only
+    /// the first 17 are kept, enough to tell "exact" from "not").
+    significant: usize,
+    exp: i64,
+}
+
+impl Decimal {
+    /// Reads JSON number text (or Rust's `{:e}`, which has the same shape).
+    fn of(text: &str) -> Option<Decimal> {
+        let (negative, rest) = match text.strip_prefix('-') {
+            Some(r) => (true, r),
+            None => (false, text),
+        };
+        let (mantissa, exp) = match rest.find(['e', 'E']) {
+            Some(at) => {
+                let e = rest.get(at + 1..)?;
+                let e = e.strip_prefix('+').unwrap_or(e);
+                // A huge exponent saturates: the number is then no f64 or
+                // zero, which the slow path tells.
+                let e = e.parse::<i64>().unwrap_or(if e.starts_with('-') {
+                    i64::MIN / 4
+                } else {
+                    i64::MAX / 4
+                });
+                (rest.get(..at)?, e)
+            }
+            None => (rest, 0),
+        };
+        let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+        let mut d = Decimal {
+            negative,
+            digits: [0; 17],
+            len: 0,
+            significant: 0,
+            exp: exp.saturating_sub(frac.len() as i64),
+        };
+        let mut zeros = 0usize;
+        for c in int.bytes().chain(frac.bytes()) {
+            let v = c.wrapping_sub(b'0');
+            if v > 9 {
+                return None;
+            }
+            if v == 0 {
+                if d.significant > 0 {
+                    zeros += 1;
+                }
+                continue;
+            }
+            // Zeros between significant digits are digits too.
+            for _ in 0..zeros {
+                d.push(0);
+            }
+            zeros = 0;
+            d.push(v);
+        }
+        // Trailing zeros move into the exponent.
+        d.exp = d.exp.saturating_add(zeros as i64);
+        Some(d)
+    }
+
+    fn push(&mut self, v: u8) {
+        if let Some(slot) = self.digits.get_mut(self.len) {
+            *slot = b'0' + v;
+            self.len += 1;
+        }
+        self.significant += 1;
+    }
+
+    /// Whether the nearest f64 has exactly these digits as its shortest
+    /// form: at most 15 significant digits (any such decimal survives the
+    /// trip through f64) well inside the normal range.
+    fn is_exact_f64(&self) -> bool {
+        self.significant == 0
+            || (self.significant <= 15 && {
+                let magnitude = self.exp.saturating_add(self.len as i64);
+                (-300..=300).contains(&magnitude)
+            })
+    }
+
+    /// The length of [`Decimal::write`]'s output.
+    fn display_len(&self) -> usize {
+        let sign = usize::from(self.negative);
+        if self.len == 0 {
+            return sign + 1;
+        }
+        let n = self.len as i64;
+        let len = if self.exp >= 0 {
+            n + self.exp
+        } else if n + self.exp > 0 {
+            n + 1
+        } else {
+            2 - (n + self.exp) + n
+        };
+        sign + len as usize
+    }
+
+    /// Writes the number as Rust's `Display` writes an f64 of these digits:
+    /// positional, no exponent, no trailing `.0`.
+    fn write(&self, out: &mut impl Sink) {
+        if self.negative {
+            out.put(b"-");
+        }
+        let digits = self.digits.get(..self.len).unwrap_or_default();
+        if digits.is_empty() {
+            out.put(b"0");
+            return;
+        }
+        let n = digits.len() as i64;
+        if self.exp >= 0 {
+            out.put(digits);
+            put_zeros(out, self.exp as usize);
+        } else if n + self.exp > 0 {
+            let point = (n + self.exp) as usize;
+            out.put(digits.get(..point).unwrap_or_default());
+            out.put(b".");
+            out.put(digits.get(point..).unwrap_or_default());
+        } else {
+            out.put(b"0.");
+            put_zeros(out, (-(n + self.exp)) as usize);
+            out.put(digits);
+        }
+    }
+}
+
+fn put_zeros(out: &mut impl Sink, mut n: usize) {
+    const ZEROS: [u8; 64] = [b'0'; 64];
+    while n > 0 {
+        let k = n.min(ZEROS.len());
+        out.put(ZEROS.get(..k).unwrap_or_default());
+        n -= k;
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn canon(s: &str) -> String {
-        let v: Value = serde_json::from_str(s).unwrap();
+    fn canon(s: &str) -> Result<String, SkipReason> {
+        let json = Json::new(s.as_bytes())?;
+        let start = json.document()?;
         let mut out = Vec::new();
-        write_value(&mut out, &v);
-        String::from_utf8(out).unwrap()
+        json.canonical(start, &mut Scratch::default(), &mut out)?;
+        Ok(String::from_utf8(out).unwrap())
     }
 
     #[test]
     fn sorts_keys_and_compacts() {
         assert_eq!(
-            canon(r#" { "b" : [1, 2.5, true, null], "a": {"d": "x", "c": -3} } "#),
+            canon(r#" { "b" : [1, 2.5, true, null], "a": {"d": "x", "c": -3} } "#).unwrap(),
             r#"{"a":{"c":-3,"d":"x"},"b":[1,2.5,true,null]}"#
         );
     }
@@ -107,7 +817,7 @@ mod tests {
     #[test]
     fn escapes() {
         assert_eq!(
-            canon(r#""q\"b\\s\/\n\t\r\b\f\u0001\u00e9\u001F""#),
+            canon(r#""q\"b\\s\/\n\t\r\b\f\u0001\u00e9\u001F""#).unwrap(),
             "\"q\\\"b\\\\s/\\n\\t\\r\\b\\f\\u0001\u{e9}\\u001f\""
         );
     }
@@ -115,13 +825,78 @@ mod tests {
     #[test]
     fn numbers() {
         assert_eq!(
-            canon("[1.0, 1e2, -0.5, 18446744073709551615, -9223372036854775808]"),
-            "[1,100,-0.5,18446744073709551615,-9223372036854775808]"
+            canon("[1.0, 1e2, -0.5, 18446744073709551615, -9223372036854775808, -0, 0.0, -0.0, 1.5e-7, 12.50, 1e21, 18446744073709551616, 0.1e1]").unwrap(),
+            "[1,100,-0.5,18446744073709551615,-9223372036854775808,-0,0,-0,0.00000015,12.5,1000000000000000000000,18446744073709552000,1]"
         );
+        // Past 15 digits or the range, the nearest f64 decides.
+        assert_eq!(
+            canon("[0.1000000000000000055511151231257827, 1.7976931348623157e308, 5e-324]")
+                .unwrap()
+                .len(),
+            format!("[0.1,{},{}]", 1.7976931348623157e308f64, 5e-324f64).len()
+        );
+        assert_eq!(canon("1e400"), Err(SkipReason::NotJson));
     }
 
     #[test]
     fn duplicate_key_last_wins() {
-        assert_eq!(canon(r#"{"a":1,"a":2}"#), r#"{"a":2}"#);
+        assert_eq!(canon(r#"{"a":1,"a":2}"#).unwrap(), r#"{"a":2}"#);
+        assert_eq!(
+            canon(r#"{"b":[{"x":1,"x":{"y":2,"y":3}}],"a":0,"b":4}"#).unwrap(),
+            r#"{"a":0,"b":4}"#
+        );
+        assert_eq!(
+            canon(r#"{"a":{"z":1,"y":2},"\u0061":{"q":1,"p":2}}"#).unwrap(),
+            r#"{"a":{"p":2,"q":1}}"#
+        );
+    }
+
+    #[test]
+    fn the_same_documents_are_json_as_for_serde_json() {
+        let deep = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n));
+        for s in [
+            deep(126),
+            deep(127),
+            deep(128),
+            r#"{"a":1,}"#.into(),
+            "[1,]".into(),
+            "01".into(),
+            "1.".into(),
+            "-".into(),
+            "1e".into(),
+            r#""\ud800""#.into(),
+            r#""\ud83d\ude00""#.into(),
+            r#""\x""#.into(),
+            "\"tab\there\"".into(),
+            " {} ".into(),
+            "{} {}".into(),
+            "nul".into(),
+            "".into(),
+            r#"{"a" 1}"#.into(),
+        ] {
+            let ours = Json::new(s.as_bytes()).and_then(|j| j.document()).is_ok();
+            let theirs = serde_json::from_str::<serde_json::Value>(&s).is_ok();
+            assert_eq!(ours, theirs, "{s:.60}");
+        }
+    }
+
+    #[test]
+    fn decimal_lengths_match_what_is_written() {
+        for x in [
+            1.5e-7,
+            123.456,
+            1e300,
+            4.9e-300,
+            0.1,
+            1e15,
+            123456789012345.0,
+            -2.5,
+        ] {
+            let d = Decimal::of(&format!("{x:e}")).unwrap();
+            let mut out = Vec::new();
+            d.write(&mut out);
+            assert_eq!(String::from_utf8(out).unwrap(), format!("{x}"));
+            assert_eq!(d.display_len(), format!("{x}").len(), "{x}");
+        }
     }
 }

@@ -102,6 +102,8 @@
 //! `x-hearth-fp: v2.<block_size>.<base64url, no padding, of the hashes as
 //! little-endian u64s>`, see [`header`].
 
+#![forbid(unsafe_code)]
+
 mod canonical;
 mod hash;
 pub mod header;
@@ -288,7 +290,9 @@ impl Fingerprint {
 /// Why a body has no fingerprint. The request is then routed on load alone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SkipReason {
-    /// Not valid JSON (including nesting deeper than serde_json's limit).
+    /// Not valid JSON: RFC 8259, UTF-8 throughout, at most 127 nested
+    /// arrays and objects (serde_json's limit), numbers inside the
+    /// canonical form within f64's range.
     NotJson,
     /// Valid JSON, but not an object.
     NotObject,
@@ -298,16 +302,21 @@ pub enum SkipReason {
     NoPrompt,
     /// A prompt-bearing field has the wrong JSON type.
     BadField,
+    /// Valid, but past a bound of the parser's: more than 65,536 object
+    /// keys in one value hashed as JSON (one tool, content part or input
+    /// item; an array's items count apart), or a body of 4 GiB or more.
+    TooComplex,
 }
 
 impl SkipReason {
     /// All reasons, in a fixed order.
-    pub const ALL: [SkipReason; 5] = [
+    pub const ALL: [SkipReason; 6] = [
         SkipReason::NotJson,
         SkipReason::NotObject,
         SkipReason::NoModel,
         SkipReason::NoPrompt,
         SkipReason::BadField,
+        SkipReason::TooComplex,
     ];
 
     /// snake_case name, used as a metric suffix and in the golden vectors.
@@ -318,6 +327,7 @@ impl SkipReason {
             SkipReason::NoModel => "no_model",
             SkipReason::NoPrompt => "no_prompt",
             SkipReason::BadField => "bad_field",
+            SkipReason::TooComplex => "too_complex",
         }
     }
 
@@ -342,20 +352,24 @@ pub fn fingerprint(
     body: &[u8],
     params: &Params,
 ) -> Result<Fingerprint, SkipReason> {
-    let request = canonical::canonical_request(endpoint, body)?;
-    let hashes = match &request.cache_salt {
-        Some(salt) => {
-            let seed = format!("{}\0cache_salt\0{salt}", request.model);
-            chain_hashes(&seed, &request.canonical, params)
-        }
-        None => chain_hashes(&request.model, &request.canonical, params),
-    };
+    let request = canonical::Request::read(endpoint, body)?;
+    let mut scratch = json::Scratch::default();
+    let mut seed = hash::Seed::new(&request.model);
+    if request.cache == CacheUse::Partitioned {
+        json::Sink::put(&mut seed, b"\0cache_salt\0");
+        request.write_salt(&mut scratch, &mut seed)?;
+    }
+    let mut chain = hash::Chain::new(seed.finish(), params, body.len());
+    request.write(&mut scratch, &mut chain)?;
+    if chain.len() == 0 {
+        return Err(SkipReason::NoPrompt);
+    }
     Ok(Fingerprint {
-        model: request.model,
-        prompt_bytes: request.canonical.len() as u64,
+        prompt_bytes: chain.len(),
         block_size: hash::effective_block_size(params) as u32,
-        hashes,
+        hashes: chain.finish(),
         max_output_tokens: request.max_output_tokens,
         cache: request.cache,
+        model: request.model,
     })
 }
