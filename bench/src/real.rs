@@ -850,7 +850,7 @@ fn redacted(args: impl IntoIterator<Item = String>) -> String {
 }
 
 /// One policy's run: its gateway up, the workload through it, gateway down.
-async fn run_policy(
+pub async fn run_policy(
     args: &RealArgs,
     policy: Policy,
     model: &str,

@@ -427,3 +427,148 @@ async fn engines_that_need_a_key_keep_serving_through_idle_periods() {
     assert_eq!(hearth_e2e::metric_sample(&m, &refused), None, "{m}");
     assert!(!m.contains("engine-key"));
 }
+
+/// What one engine's `/slots` showed while it was watched: how many times
+/// a slot took a probe (its task carries the probe's seed), and how many
+/// of those it took from a conversation (the slot's task before was a
+/// client's).
+#[derive(Debug, Default)]
+struct SlotWatch {
+    probes: usize,
+    probes_over_conversations: Vec<String>,
+    samples: usize,
+}
+
+/// Polls `GET /slots` of the engine at `addr` every 25 ms until `stop`.
+async fn watch_slots(
+    addr: std::net::SocketAddr,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> SlotWatch {
+    use hearth_ext_proc::feeds::probe::PROBE_SEED;
+    let http = reqwest::Client::new();
+    let mut last: std::collections::HashMap<u64, (u64, bool)> = Default::default();
+    let mut w = SlotWatch::default();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let slots: Option<Vec<Value>> = match http
+            .get(format!("http://{addr}/slots"))
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+        {
+            Ok(r) => r.json().await.ok(),
+            Err(_) => None,
+        };
+        for s in slots.unwrap_or_default() {
+            let (Some(id), Some(task)) = (s["id"].as_u64(), s["id_task"].as_u64()) else {
+                continue;
+            };
+            let probe = s["params"]["seed"].as_u64() == Some(PROBE_SEED);
+            if let Some(&(before, was_probe)) = last.get(&id) {
+                if before != task && probe {
+                    w.probes += 1;
+                    if !was_probe {
+                        w.probes_over_conversations.push(format!(
+                            "slot {id}: task {before} (a client's), then probe {task}"
+                        ));
+                    }
+                }
+            } else if probe {
+                w.probes += 1;
+            }
+            last.insert(id, (task, probe));
+        }
+        w.samples += 1;
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    w
+}
+
+/// The case of a regression once seen at the defaults: four conversations
+/// of six turns start at once on two fresh engines while the sidecar's
+/// start-up probes are due. A probe that waited behind the first turns
+/// took the slot of a paused conversation, whose next turn then read its
+/// whole prompt again. Now no probe goes behind real work or into a slot
+/// that holds a conversation (the engines' own `/slots` are watched all
+/// through the run), and Hearth reads at least as much of the later turns
+/// from cache as a session-key ring hash on the same engines, in the same
+/// test (a ring hash never moves a conversation and sends no probes).
+#[tokio::test]
+async fn at_the_defaults_no_probe_takes_a_conversations_slot_and_hearth_caches_as_well_as_a_session_hash(
+) {
+    use hearth_bench::real::{run_policy, Policy, RealArgs};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let engines = futures::future::try_join_all((0..2).map(|i| {
+        LlamaServer::start(LlamaConfig {
+            alias: format!("llama-{i}"),
+            ..engine_config()
+        })
+    }))
+    .await
+    .unwrap();
+    let args = RealArgs {
+        engines: engines.iter().map(|e| e.addr).collect(),
+        api_key: None,
+        model: Some(MODEL.into()),
+        conversations: 4,
+        turns: 6,
+        // A shared harness of about 270 words, each conversation's own
+        // notes, 100-word user turns, 8-token answers: prompts of 750 to
+        // 1,600 tokens, two to four blocks of the default 2 KiB.
+        shared_bytes: 1600,
+        system_bytes: 800,
+        user_bytes: 600,
+        think_ms: 500,
+        max_tokens: 8,
+        policies: vec![Policy::Hearth, Policy::RingHash],
+        timeout: 240,
+        seed: 1,
+        salt: Some(0x5107),
+        sidecar: Default::default(),
+        json: None,
+    };
+    // Hearth first, on engines that hold nothing: its start-up probes find
+    // empty slots and are due as the first turns arrive.
+    let stop = Arc::new(AtomicBool::new(false));
+    let watchers: Vec<_> = engines
+        .iter()
+        .map(|e| tokio::spawn(watch_slots(e.addr, Arc::clone(&stop))))
+        .collect();
+    let hearth = run_policy(&args, Policy::Hearth, MODEL, 0x5107)
+        .await
+        .unwrap()
+        .summary;
+    stop.store(true, Ordering::Relaxed);
+    let mut watched = Vec::new();
+    for w in watchers {
+        watched.push(w.await.unwrap());
+    }
+    let ring = run_policy(&args, Policy::RingHash, MODEL, 0x5107)
+        .await
+        .unwrap()
+        .summary;
+    eprintln!(
+        "{}",
+        hearth_bench::real::table(&[hearth.clone(), ring.clone()])
+    );
+    eprintln!(
+        "slots watched: {watched:?}; hearth's probes during its run: {:?}; wall time hearth / ring_hash: {:.2}",
+        hearth.probes,
+        hearth.wall_s / ring.wall_s
+    );
+    for (row, name) in [(&hearth, "hearth"), (&ring, "ring_hash")] {
+        assert_eq!(row.ok, 24, "{name}: not every turn answered: {row:?}");
+    }
+    for (i, w) in watched.iter().enumerate() {
+        assert!(w.samples > 10, "engine {i}'s /slots was hardly read: {w:?}");
+        assert!(
+            w.probes_over_conversations.is_empty(),
+            "engine {i}: a probe took a conversation's slot: {w:?}"
+        );
+    }
+    let (h, r) = (hearth.cached_later.unwrap(), ring.cached_later.unwrap());
+    assert!(
+        h >= r - 0.01,
+        "later turns from cache: hearth {h:.3}, ring_hash {r:.3}"
+    );
+}

@@ -619,3 +619,29 @@ fn a_continuing_decision_names_its_previous_turn_its_conversation_and_where_it_w
     short.prompt_bytes = 100;
     assert_eq!(router.decide(&short).unwrap().tip(), None);
 }
+
+#[test]
+fn a_short_conversation_stays_where_it_read_its_partial_last_block_beside_another_request() {
+    let router = fleet("127.0.0.1:1001,127.0.0.1:1002", |_| {});
+    let turn = |hashes: &[u64], bytes: u64| RequestInfo {
+        prompt_bytes: bytes,
+        ..req(hashes)
+    };
+    // Turn 1: one full block and 1,800 bytes of a second, which turn 2
+    // fills with other text (its hash changes).
+    let first = router.decide(&turn(&[1, 2], 2048 + 1800)).unwrap();
+    let home = first.primary();
+    drop(first);
+    // Another request runs on the same replica (it follows the same prompt,
+    // then has 16 KiB of its own: a quarter of a load unit more).
+    let busy = router
+        .decide(&turn(&[1, 2, 5, 6, 7, 8, 9, 10, 11, 12], 2048 * 10))
+        .unwrap();
+    assert_eq!(busy.primary(), home);
+    // Turn 2 shares one named block with home, and home holds the 1,800
+    // bytes after it too: that outweighs one running request.
+    let second = router.decide(&turn(&[1, 3, 4], 2 * 2048 + 500)).unwrap();
+    assert!(second.continues());
+    assert_eq!(second.overlap, 1);
+    assert_eq!(second.primary(), home, "{:?}", second.candidates);
+}

@@ -86,7 +86,23 @@ pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Inst
         .collect();
     let params = p.score.for_request(warm.continued.is_some());
     let overlaps: Vec<u32> = candidates.iter().map(|c| c.overlap).collect();
-    let credits = credits(params.basis, params.cap, &overlaps);
+    let mut credits = credits(params.basis, params.cap, &overlaps);
+    // The replica that read the previous turn holds all of its prompt, the
+    // partial last block no hash names too: that share of a block is its
+    // credit as well (a short conversation's affinity is mostly there).
+    if let Some(c) = &warm.continued {
+        for (n, &i) in warm.candidates.iter().enumerate() {
+            let read_it = fleet.replicas[i].key() == c.from && overlaps[n] as usize >= c.depth;
+            if read_it {
+                let named = c.depth as u64 * p.block_size as u64;
+                let tail = c
+                    .prompt_bytes
+                    .saturating_sub(named)
+                    .min(p.block_size as u64);
+                credits[n] += tail as f64 / p.block_size.max(1) as f64;
+            }
+        }
+    }
     let scores = scores(params.alpha, &credits, &candidates);
     Scored {
         candidates,
