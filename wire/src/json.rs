@@ -364,6 +364,10 @@ impl<'a> Json<'a> {
         scratch: &mut Scratch,
         out: &mut impl Sink,
     ) -> Res<usize> {
+        if !matches!(self.at(i), b'{' | b'[') {
+            // Nothing to sort.
+            return self.write(i, scratch, out);
+        }
         if self.at(i) == b'[' {
             // An array's items are sorted apart, so each is indexed on its
             // own: a tool list costs what its largest tool does.
@@ -461,10 +465,12 @@ impl<'a> Json<'a> {
     fn write_number(&self, i: usize, out: &mut impl Sink) -> Res<usize> {
         let end = self.number_end(i)?;
         let tok = self.text(i, end);
-        let integer = !tok.contains(['.', 'e', 'E']);
+        let integer = !tok.bytes().any(|c| matches!(c, b'.' | b'e' | b'E'));
         // An integer in range is its own canonical form (JSON has no
-        // leading zeros; "-0" is written as serde_json's -0.0 would be).
-        if integer && (tok.parse::<u64>().is_ok() || tok.parse::<i64>().is_ok()) {
+        // leading zeros; "-0" is written as serde_json's -0.0 would be):
+        // 19 digits always fit a u64, a minus and 18 an i64.
+        let short = tok.len() <= 19;
+        if integer && (short || tok.parse::<u64>().is_ok() || tok.parse::<i64>().is_ok()) {
             out.put(tok.as_bytes());
             return Ok(end);
         }
@@ -731,12 +737,13 @@ impl Decimal {
 
     /// Whether the nearest f64 has exactly these digits as its shortest
     /// form: at most 15 significant digits (any such decimal survives the
-    /// trip through f64) well inside the normal range.
+    /// trip through f64) inside the normal range (the value lies in
+    /// [10^(m-1), 10^m) for magnitude m: from 1e-307 to below 1e308).
     fn is_exact_f64(&self) -> bool {
         self.significant == 0
             || (self.significant <= 15 && {
                 let magnitude = self.exp.saturating_add(self.len as i64);
-                (-300..=300).contains(&magnitude)
+                (-306..=308).contains(&magnitude)
             })
     }
 
@@ -877,6 +884,31 @@ mod tests {
             let ours = Json::new(s.as_bytes()).and_then(|j| j.document()).is_ok();
             let theirs = serde_json::from_str::<serde_json::Value>(&s).is_ok();
             assert_eq!(ours, theirs, "{s:.60}");
+        }
+    }
+
+    #[test]
+    fn a_short_decimal_is_written_as_its_nearest_f64_is() {
+        // The fast path's premise: up to 15 significant digits in the
+        // normal range, the digits are the nearest f64's shortest form.
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..200_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let digits = 1 + (x % 15) as u32;
+            let mantissa = (x >> 8) % 10u64.pow(digits);
+            let exp = ((x >> 40) % 620) as i64 - 320;
+            let text = format!("{mantissa}e{exp}");
+            let d = Decimal::of(&text).unwrap();
+            if !d.is_exact_f64() {
+                continue;
+            }
+            let f: f64 = text.parse().unwrap();
+            let mut out = Vec::new();
+            d.write(&mut out);
+            assert_eq!(String::from_utf8(out).unwrap(), format!("{f}"), "{text}");
+            assert_eq!(d.display_len(), format!("{f}").len(), "{text}");
         }
     }
 
