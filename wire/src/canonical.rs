@@ -75,9 +75,24 @@ struct Fields {
     max_output_tokens: Option<u64>,
     /// `cache_prompt` (llama.cpp), when its last value is a boolean.
     cache_prompt: Option<bool>,
-    /// `id_slot` or `slot_id` (llama.cpp) names a slot (a non-negative
-    /// integer; -1 lets the engine choose).
+    /// `id_slot` or `slot_id` (llama.cpp) names a slot (any number that
+    /// is not -1 once cut to an integer, or a boolean, as llama.cpp reads
+    /// it; -1 lets the engine choose).
     pinned_slot: bool,
+    /// A field that makes the engine read the prompt without its cache, or
+    /// as other tokens than the canonical bytes name.
+    perturbed: bool,
+}
+
+/// Whether llama.cpp reads the value at `v` as a slot other than -1: its
+/// JSON library turns numbers (cut toward zero) and booleans into the
+/// integer; anything else falls back to -1.
+fn names_a_slot(json: &Json<'_>, v: usize) -> bool {
+    match json.at(v) {
+        b't' | b'f' => true,
+        b'-' | b'0'..=b'9' => json.as_f64(v).is_some_and(|x| x.trunc() != -1.0),
+        _ => false,
+    }
 }
 
 impl<'a> Request<'a> {
@@ -115,7 +130,21 @@ impl<'a> Request<'a> {
                         _ => None,
                     };
                 }
-                (Some("id_slot" | "slot_id"), _) => f.pinned_slot |= json.as_u64(v).is_some(),
+                (Some("id_slot" | "slot_id"), _) => f.pinned_slot |= names_a_slot(&json, v),
+                // vLLM and SGLang: the prompt is read without the cache
+                // (prompt log-probabilities), cut (truncation), or made
+                // into other tokens than its text says (a request's own
+                // template, special tokens, processor settings).
+                (Some("prompt_logprobs" | "truncate_prompt_tokens" | "chat_template"), _)
+                | (Some("mm_processor_kwargs"), _) => {
+                    f.perturbed |= json.at(v) != b'n';
+                }
+                (Some("add_special_tokens"), _) => {
+                    // Chat templates add their own (default false there);
+                    // completions add them by default.
+                    let default = if endpoint == Completions { b't' } else { b'f' };
+                    f.perturbed |= !matches!(json.at(v), b'n') && json.at(v) != default;
+                }
                 _ => {}
             }
             json.skip(v, 1)
@@ -137,7 +166,7 @@ impl<'a> Request<'a> {
         // A salt partitions the cache; turning the cache off or pinning a
         // slot bypasses it (the stronger of the two when both are asked).
         let salted = f.cache_salt.is_some_and(|v| json.at(v) != b'n');
-        let cache = if f.cache_prompt == Some(false) || f.pinned_slot {
+        let cache = if f.cache_prompt == Some(false) || f.pinned_slot || f.perturbed {
             CacheUse::Bypassed
         } else if salted {
             CacheUse::Partitioned
@@ -663,6 +692,18 @@ mod tests {
             r#"{"model":"m","cache_prompt":false,"messages":[{"role":"user","content":"hi"}]}"#,
             r#"{"model":"m","id_slot":1,"messages":[{"role":"user","content":"hi"}]}"#,
             r#"{"model":"m","slot_id":0,"cache_salt":"x","messages":[{"role":"user","content":"hi"}]}"#,
+            // Spelled as llama.cpp still reads them as a slot.
+            r#"{"model":"m","id_slot":1.0,"messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","id_slot":true,"messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","id_slot":false,"messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","id_slot":-0.5,"messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","id_slot":1e1,"messages":[{"role":"user","content":"hi"}]}"#,
+            // vLLM / SGLang: read without the cache, cut, or other tokens.
+            r#"{"model":"m","prompt_logprobs":0,"messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","truncate_prompt_tokens":100,"messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","chat_template":"{{ messages }}","messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","add_special_tokens":true,"messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","mm_processor_kwargs":{},"messages":[{"role":"user","content":"hi"}]}"#,
         ] {
             let f = fp(body);
             assert_eq!(f.cache, CacheUse::Bypassed, "{body}");
@@ -672,6 +713,13 @@ mod tests {
             r#"{"model":"m","cache_prompt":true,"messages":[{"role":"user","content":"hi"}]}"#,
             r#"{"model":"m","id_slot":-1,"messages":[{"role":"user","content":"hi"}]}"#,
             r#"{"model":"m","cache_salt":null,"messages":[{"role":"user","content":"hi"}]}"#,
+            // What llama.cpp and vLLM read as their defaults.
+            r#"{"model":"m","id_slot":-1.5,"messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","id_slot":"1","messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","id_slot":null,"messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","cache_prompt":0,"messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","prompt_logprobs":null,"messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","add_special_tokens":false,"messages":[{"role":"user","content":"hi"}]}"#,
         ] {
             assert_eq!(fp(body).cache, CacheUse::Shared, "{body}");
             assert_eq!(fp(body).hashes, plain.hashes, "{body}");

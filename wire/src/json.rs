@@ -354,6 +354,15 @@ impl<'a> Json<'a> {
         self.text(i, end).parse().ok()
     }
 
+    /// The number at `i` as the nearest f64 (None past f64's range).
+    pub(crate) fn as_f64(&self, i: usize) -> Option<f64> {
+        let end = self.number_end(i).ok()?;
+        self.text(i, end)
+            .parse()
+            .ok()
+            .filter(|x: &f64| x.is_finite())
+    }
+
     // -- canonical JSON -------------------------------------------------
 
     /// Writes the canonical JSON of the value at `i` (validated) to `out`;

@@ -72,8 +72,16 @@
 //! cache at all. `cache_salt` (vLLM, SGLang: only requests with the same
 //! salt share cached blocks) makes the request *partitioned*;
 //! `"cache_prompt": false` (llama.cpp: the prompt is read afresh) or
-//! `id_slot` / `slot_id` with a slot number (llama.cpp: the request takes
-//! that slot, whatever it holds) make it *bypassed* ([`CacheUse`]).
+//! `id_slot` / `slot_id` naming a slot (llama.cpp: the request takes
+//! that slot, whatever it holds; any number that is not -1 once cut to an
+//! integer, or a boolean, as llama.cpp's JSON library reads it) make it
+//! *bypassed* ([`CacheUse`]), and so do the fields with which vLLM or
+//! SGLang read the prompt without the cache or as other tokens than its
+//! text: `prompt_logprobs`, `truncate_prompt_tokens`, `chat_template`,
+//! `mm_processor_kwargs` (any value but null) and `add_special_tokens`
+//! other than the endpoint's default (false for chat, true for
+//! completions). `"cache_prompt": 0` is not a boolean, and llama.cpp then
+//! keeps its default (cache on).
 //! The model comes from the `model` field (a non-empty string).
 //!
 //! **Canonical JSON**: compact (no whitespace); object keys sorted by their
