@@ -372,3 +372,138 @@ async fn a_flood_of_large_bodies_stays_within_the_held_budget_and_others_are_ser
     // gRPC buffers: a loose check, the gauge above is the exact one.
     assert!(grew < BUDGET + (64 << 20), "RSS grew {grew} bytes");
 }
+
+/// Bodies of the shapes that once cost the parser many times their size
+/// (a tree node per tiny item), at 12 MiB each, eight at once: what the
+/// picker holds is the held bytes and little more, whatever the shape.
+/// (Before the parser read bodies in place, one 15 MiB body of tiny items
+/// grew the picker by ~500 MiB; `wire/tests/shape_cost.rs` measures each
+/// shape's parse alone.)
+#[tokio::test]
+async fn worst_shaped_bodies_cost_the_picker_what_their_bytes_do() {
+    const BUDGET: u64 = 64 << 20;
+    const SIZE: usize = 12 << 20;
+    let fleet = Fleet::start(FleetOptions {
+        sidecar_flags: vec![format!("--picker-held-bytes={BUDGET}")],
+        // Not a model the replicas serve: the sidecar reads each body
+        // whole, fingerprints it and refuses it (404) itself, so no engine
+        // (in this process too) parses it.
+        model_tag: true,
+        ..gie()
+    })
+    .await
+    .unwrap();
+    let url = format!("{}/v1/chat/completions", fleet.envoy.url());
+    let repeat = |item: &str| {
+        let n = SIZE / (item.len() + 1);
+        let mut s = String::with_capacity(SIZE + 64);
+        for i in 0..n {
+            if i > 0 {
+                s.push(',');
+            }
+            s.push_str(item);
+        }
+        s
+    };
+    let with_tools = |tools: String| {
+        format!(
+            r#"{{"model":"not-served-here","tools":[{tools}],"messages":[{{"role":"user","content":"hi"}}]}}"#
+        )
+    };
+    let chain = format!("{}0{}", r#"{"b":"#.repeat(60), r#","a":1}"#.repeat(60));
+    let shapes: Vec<(&str, String)> = vec![
+        ("tiny_tools", with_tools(repeat("0"))),
+        ("huge_numbers", with_tools(repeat("1e300"))),
+        ("deep_unsorted_objects", with_tools(repeat(&chain))),
+        (
+            "short_messages",
+            format!(
+                r#"{{"model":"not-served-here","messages":[{}]}}"#,
+                repeat(r#"{"role":"user","content":"hi"}"#)
+            ),
+        ),
+        (
+            "empty_parts",
+            format!(
+                r#"{{"model":"not-served-here","messages":[{{"role":"user","content":[{}]}}]}}"#,
+                repeat("{}")
+            ),
+        ),
+    ];
+    // Shared by the sends without copies.
+    let shapes: Vec<(&str, bytes::Bytes)> = shapes
+        .into_iter()
+        .map(|(name, body)| (name, bytes::Bytes::from(body)))
+        .collect();
+    let baseline = rss_bytes();
+    let sends: Vec<_> = (0..8)
+        .map(|i| {
+            let (name, body) = shapes[i % shapes.len()].clone();
+            let (client, url) = (fleet.client.clone(), url.clone());
+            tokio::spawn(async move {
+                let status = client
+                    .post(url)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await
+                    .map(|r| r.status().as_u16());
+                (name, status)
+            })
+        })
+        .collect();
+    let sampling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let sampling = std::sync::Arc::clone(&sampling);
+        tokio::spawn(async move {
+            let mut max = 0u64;
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                max = max.max(rss_bytes());
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            max
+        })
+    };
+    let mut statuses = Vec::new();
+    for s in sends {
+        statuses.push(s.await.unwrap());
+    }
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    let rss_max = sampler.await.unwrap();
+    let grew = rss_max.saturating_sub(baseline);
+    let (_, text) = fleet.admin_get("/metrics").await.unwrap();
+    let peak = hearth_e2e::metric_sample(&text, "hearth_picker_held_bytes_peak").unwrap();
+    eprintln!(
+        "shapes: {statuses:?}; held peak {:.1} MiB of {} MiB; RSS {:.0} MiB -> max {:.0} MiB (+{:.0} MiB)",
+        peak / 1048576.0,
+        BUDGET >> 20,
+        baseline as f64 / 1048576.0,
+        rss_max as f64 / 1048576.0,
+        grew as f64 / 1048576.0
+    );
+    // Every body was read and refused for its model (or, past the budget,
+    // refused before it was whole), and the picker is still serving.
+    assert!(
+        statuses
+            .iter()
+            .all(|(_, s)| matches!(s, Ok(404 | 429) | Err(_))),
+        "{statuses:?}"
+    );
+    assert!(
+        statuses.iter().any(|(_, s)| matches!(s, Ok(404))),
+        "{statuses:?}"
+    );
+    let mut conv = Conversation::new(MODEL, "after the shapes", false, 77);
+    let t = fleet
+        .post_json("/v1/chat/completions", &conv.next_turn(2000, false))
+        .await
+        .unwrap();
+    assert_eq!(t.status, 200, "{:?}", t.body);
+    // The target: the held budget and half as much again, plus 64 MiB (the
+    // test's own client and Envoy's buffers share this process's RSS).
+    assert!(
+        grew < BUDGET + BUDGET / 2 + (64 << 20),
+        "RSS grew {} MiB",
+        grew >> 20
+    );
+}
