@@ -294,14 +294,20 @@ impl ReplicaHealth {
         self.last_served
     }
 
-    /// A real request's outcome. A connection failure is a strike; any
-    /// other failure makes the replica suspect (a timeout only when it
-    /// served no real request within `busy_grace`).
+    /// A real request's outcome. A success clears suspicion and strikes;
+    /// a fenced replica stays fenced (only the sidecar's own probe, once
+    /// the backoff has run out, re-admits one: a success is what an
+    /// outcome report says, and a report can be forged where reports need
+    /// no token). A connection failure is a strike; any other failure
+    /// makes the replica suspect (a timeout only when it served no real
+    /// request within `busy_grace`).
     pub fn record_request(&mut self, outcome: Outcome, p: &HealthParams, now: Instant) {
         match outcome {
             Outcome::Success => {
                 self.last_served = Some(now);
-                self.succeed();
+                if self.state != HealthState::Fenced {
+                    self.succeed();
+                }
             }
             Outcome::Failure(Failure::Timeout) if self.busy(p, now) => {}
             Outcome::Failure(f) if f.is_own_observation() => self.fail(f, p, now),
@@ -1014,6 +1020,30 @@ mod tests {
         );
         assert_eq!(judge(Ending::TimedOut), Outcome::Failure(Failure::Timeout));
         assert_eq!(judge(Ending::Unanswered), Outcome::Neutral);
+    }
+
+    #[test]
+    fn a_reported_success_never_readmits_a_fenced_replica_only_its_probe_does() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut h = ReplicaHealth::default();
+        for k in 0..p().eject_after {
+            h.record_probe(
+                Outcome::Failure(Failure::ConnectFailure),
+                &p(),
+                t0 + s(u64::from(k)),
+                0,
+            );
+        }
+        assert_eq!(h.state(), HealthState::Fenced);
+        // Successes as an outcome report says them, before and after the
+        // backoff: still fenced.
+        for at in [t0 + s(5), t0 + s(3600)] {
+            h.record_request(Outcome::Success, &p(), at);
+            assert_eq!(h.state(), HealthState::Fenced);
+        }
+        h.record_probe(Outcome::Success, &p(), t0 + s(3600), 0);
+        assert!(h.is_serving());
     }
 
     #[test]

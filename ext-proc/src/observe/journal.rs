@@ -266,9 +266,20 @@ struct RotatingFile {
     out: Option<BufWriter<File>>,
 }
 
+/// The journal file for appending, created readable by its owner only
+/// (its lines name requests, models and replicas). An existing file keeps
+/// its mode: the operator chose it.
+fn append_to(path: &Path) -> std::io::Result<File> {
+    let mut o = OpenOptions::new();
+    o.create(true).append(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
+    o.open(path)
+}
+
 impl RotatingFile {
     fn open(path: &Path, max_bytes: u64) -> std::io::Result<RotatingFile> {
-        let f = OpenOptions::new().create(true).append(true).open(path)?;
+        let f = append_to(path)?;
         let size = f.metadata()?.len();
         Ok(RotatingFile {
             path: path.to_path_buf(),
@@ -290,10 +301,7 @@ impl RotatingFile {
             Write::flush(&mut out)?;
         }
         std::fs::rename(&self.path, self.previous())?;
-        let f = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.path)?;
+        let f = append_to(&self.path)?;
         self.size = 0;
         self.out = Some(BufWriter::new(f));
         Ok(())
@@ -446,6 +454,12 @@ mod tests {
         };
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 4, "{text}");
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o600, "the journal is its owner's alone");
+        }
         let decisions: Vec<DecisionRecord> = lines[..3]
             .iter()
             .map(|l| serde_json::from_str(l).unwrap())
