@@ -9,15 +9,33 @@ use hearth_wire::outcome::Answer;
 /// unreadable), `details` Envoy's `response.code_details`, `answer` what a
 /// scan of a 200 answer's body showed.
 pub fn ending(status: u16, details: &str, answer: Option<Answer>) -> Ending {
-    // Envoy could not connect, or the connection was reset before any
-    // response byte: the engine's connection, not anything a request
-    // asked for.
+    // Envoy could not connect, or the engine's side closed or reset the
+    // connection before any response byte: the engine's connection, not
+    // anything a request asked for. Resets of Envoy's own making (its
+    // circuit breakers' `overflow`, a `local_reset`) say nothing about the
+    // engine; a stream cut after the response started was reachable (its
+    // answer is judged as it came).
     let d = details;
-    if d.contains("connection_failure")
-        || d.contains("connection_termination")
-        || d.contains("remote_reset")
-        || d.contains("upstream_reset_before_response_started")
-    {
+    if let Some(reason) = d.strip_prefix("upstream_reset_before_response_started") {
+        let engine_side = [
+            "connection_failure",
+            "connection_termination",
+            "remote_reset",
+        ]
+        .iter()
+        .any(|r| reason.contains(r));
+        return if engine_side {
+            Ending::ConnectionFailed
+        } else if reason.contains("protocol_error") {
+            Ending::Answered { status, answer }
+        } else {
+            Ending::Unanswered
+        };
+    }
+    if d.contains("upstream_reset_after_response_started") {
+        return Ending::Answered { status, answer };
+    }
+    if d.contains("connection_failure") {
         return Ending::ConnectionFailed;
     }
     if d.contains("timeout") {
@@ -58,6 +76,34 @@ mod tests {
                 None
             ),
             Ending::ConnectionFailed
+        );
+        assert_eq!(
+            ending(
+                503,
+                "upstream_reset_before_response_started{connection_termination}",
+                None
+            ),
+            Ending::ConnectionFailed
+        );
+        // Envoy's own circuit breaker, Envoy's own reset: not the engine.
+        for own in [
+            "upstream_reset_before_response_started{overflow}",
+            "upstream_reset_before_response_started{local_reset}",
+        ] {
+            assert_eq!(ending(503, own, None), Ending::Unanswered, "{own}");
+        }
+        // Cut after the response started: the engine was reachable; the
+        // incomplete answer is judged as such.
+        assert_eq!(
+            ending(
+                200,
+                "upstream_reset_after_response_started{remote_reset}",
+                None
+            ),
+            Ending::Answered {
+                status: 200,
+                answer: None
+            }
         );
         assert_eq!(ending(504, "response_timeout", None), Ending::TimedOut);
         assert_eq!(
