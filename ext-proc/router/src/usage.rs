@@ -75,6 +75,10 @@ pub const RESTART_CONVERSATIONS: usize = 3;
 
 /// How close together those misses must come.
 pub const RESTART_WINDOW: Duration = Duration::from_secs(60);
+/// The deepest a missed block is looked for in the index (nodes walked
+/// under the fleet's lock, per miss): a block deeper than this counts as
+/// deep, which only ever withholds a restart.
+pub const MAX_DEPTH_WALK: usize = 1 << 16;
 
 /// The share of its capacity a replica's warmth index keeps, at least,
 /// over a minute of shrinking.
@@ -369,10 +373,17 @@ impl UsageTally {
         // under a quarter of what the index holds): the engine lost a
         // recent conversation, which no cache size explains. Deeper: its
         // cache is smaller than the index.
+        // The walk that tells runs under the fleet's lock, so it stops at
+        // MAX_DEPTH_WALK blocks: a block at least that deep is deep.
         let held = warmth.len().min(warmth.capacity());
-        let depth = pr.stamp.filter(|_| missed).map(|s| warmth.newer_than(s));
+        let walked = pr
+            .stamp
+            .filter(|_| missed)
+            .map(|s| warmth.newer_than_up_to(s, MAX_DEPTH_WALK));
         let shallow = missed
-            && depth.is_none_or(|d| (d as u64).saturating_sub(predicted_blocks) * 4 < held as u64);
+            && walked.is_none_or(|d| {
+                d < MAX_DEPTH_WALK && (d as u64).saturating_sub(predicted_blocks) * 4 < held as u64
+            });
         if let Some(conversation) = pr.conversation {
             if shallow {
                 if self.missed.is_empty() {
@@ -399,7 +410,14 @@ impl UsageTally {
             warmth.clear();
             warmth.set_capacity(self.capacity_before_streak);
             Some(Correction::Restart)
-        } else if let Some(depth) = depth.filter(|_| missed && !shallow) {
+        } else if let Some(walked) = walked.filter(|_| missed && !shallow) {
+            // Past the walk, how deep is unknown: no shrink below what the
+            // index holds.
+            let depth = if walked >= MAX_DEPTH_WALK {
+                held
+            } else {
+                walked
+            };
             // The engine lost a block that sat `depth` blocks deep in the
             // index: its cache held fewer than that, then. An engine's room
             // for paused conversations comes and goes with what it runs,

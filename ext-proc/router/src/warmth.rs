@@ -341,8 +341,9 @@ impl LruBlocks {
         self.newer_than_up_to(stamp, usize::MAX)
     }
 
-    /// [`LruBlocks::newer_than`], counting no further than `limit`.
-    fn newer_than_up_to(&self, stamp: u32, limit: usize) -> usize {
+    /// [`LruBlocks::newer_than`], counting (and walking) no further than
+    /// `limit`.
+    pub fn newer_than_up_to(&self, stamp: u32, limit: usize) -> usize {
         let mut n = 0;
         let mut at = self.head;
         while at != NIL && n < limit {
@@ -481,6 +482,8 @@ mod tests {
         let s1 = lru.stamp(1).unwrap();
         // Block 3 was touched first (prompts go last to first).
         assert_eq!(lru.newer_than(s3), 2);
+        assert_eq!(lru.newer_than_up_to(s3, 3), 2);
+        assert_eq!(lru.newer_than_up_to(s3, 1), 1);
         assert_eq!(lru.newer_than(s1), 0);
         lru.record_prompt(&[10, 11]);
         assert_eq!(lru.newer_than(s3), 4);
