@@ -159,6 +159,12 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_DISCOVERY_DP_RANKS", default_value_t = 1)]
     pub discovery_dp_ranks: u32,
 
+    /// Reach the discovered engines over HTTPS (verified with
+    /// `HEARTH_ENGINE_CA_FILE`, else the system roots), as `https://`
+    /// entries of a list are; off: plain HTTP.
+    #[arg(long, env = "HEARTH_DISCOVERY_TLS", default_value_t = false, action = clap::ArgAction::Set)]
+    pub discovery_tls: bool,
+
     /// A kubeconfig file for reaching the API from outside a cluster
     /// (default: in-cluster service account, else `KUBECONFIG`, else
     /// `~/.kube/config`).
@@ -600,11 +606,12 @@ fn discovery_problems(s: &Settings) -> Vec<String> {
                 || s.discovery_namespace.is_some()
                 || s.kubeconfig.is_some()
                 || s.discovery_dp_ranks != 1
+                || s.discovery_tls
             {
                 problems.push(
                     "HEARTH_INFERENCE_POOL, HEARTH_DISCOVERY_SELECTOR, HEARTH_DISCOVERY_PORT, \
-                     HEARTH_DISCOVERY_NAMESPACE, HEARTH_DISCOVERY_DP_RANKS and HEARTH_KUBECONFIG \
-                     need HEARTH_DISCOVERY"
+                     HEARTH_DISCOVERY_NAMESPACE, HEARTH_DISCOVERY_DP_RANKS, HEARTH_DISCOVERY_TLS \
+                     and HEARTH_KUBECONFIG need HEARTH_DISCOVERY"
                         .into(),
                 );
             }
@@ -953,6 +960,12 @@ impl Settings {
     pub fn engine_key_exposure(&self) -> Option<String> {
         if self.engine_api_key.is_none() && self.engine_api_key_file.is_none() {
             return None;
+        }
+        if self.discovery.is_some() && !self.discovery_tls {
+            return Some(format!(
+                "{setting} is sent in clear over plain HTTP with every probe and metrics scrape                  to every pod discovery finds (any pod the selector or pool matches, on the pod                  network): anyone on that path, or any pod given those labels, can read it.                  Serve the engines over TLS and set HEARTH_DISCOVERY_TLS=true                  (HEARTH_ENGINE_CA_FILE for a private CA)",
+                setting = self.engine_key_setting(),
+            ));
         }
         let exposed: Vec<String> = self
             .upstreams
@@ -1646,6 +1659,26 @@ mod tests {
             .engine_key_exposure()
             .unwrap()
             .starts_with("HEARTH_ENGINE_API_KEY_FILE"));
+        // Discovered engines are pod addresses: in clear unless reached
+        // over TLS.
+        let pods = [
+            "--discovery",
+            "pods",
+            "--discovery-selector",
+            "app=engine",
+            "--discovery-port",
+            "8000",
+            "--engine-api-key",
+            "k",
+        ];
+        let w = settings(&pods).engine_key_exposure().unwrap();
+        assert!(w.contains("every pod discovery finds") && w.contains("HEARTH_DISCOVERY_TLS=true"));
+        let tls: Vec<&str> = pods
+            .iter()
+            .copied()
+            .chain(["--discovery-tls", "true"])
+            .collect();
+        assert_eq!(settings(&tls).engine_key_exposure(), None);
     }
 
     #[test]

@@ -172,7 +172,10 @@ pub async fn connect(settings: &Settings) -> Result<Option<Discovered>, String> 
     Ok(Some(Discovered {
         client,
         target,
-        dp_ranks: settings.discovery_dp_ranks.max(1),
+        served: Served {
+            dp_ranks: settings.discovery_dp_ranks.max(1),
+            tls: settings.discovery_tls,
+        },
     }))
 }
 
@@ -180,8 +183,17 @@ pub async fn connect(settings: &Settings) -> Result<Option<Discovered>, String> 
 pub struct Discovered {
     pub client: Client,
     pub target: Target,
+    pub served: Served,
+}
+
+/// How every discovered pod and port serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Served {
     /// Data-parallel ranks behind each pod and port.
     pub dp_ranks: u32,
+    /// Reached over HTTPS (`HEARTH_DISCOVERY_TLS`), verified as a listed
+    /// `https://` engine is.
+    pub tls: bool,
 }
 
 async fn from_kubeconfig(path: &Path) -> Result<kube::Config, String> {
@@ -231,7 +243,7 @@ pub fn replicas(
     pods: &[Arc<Pod>],
     selector: &BTreeMap<String, String>,
     ports: &[u16],
-    dp_ranks: u32,
+    served: Served,
 ) -> Vec<Found> {
     let mut found: Vec<(String, u16, Found)> = Vec::new();
     if selector.is_empty() {
@@ -255,9 +267,9 @@ pub fn replicas(
                         id: Some(id),
                         models: Vec::new(),
                         long: false,
-                        dp_ranks,
+                        dp_ranks: served.dp_ranks,
                         short_output: false,
-                        tls: false,
+                        tls: served.tls,
                     },
                     pod_uid: pod.metadata.uid.clone().unwrap_or_default(),
                 },
@@ -530,7 +542,7 @@ pub async fn run(router: Arc<Router>, discovered: Discovered) {
     let Discovered {
         client,
         target,
-        dp_ranks,
+        served,
     } = discovered;
     let mut applier = Applier::new(Arc::clone(&router), target.describe());
     match target {
@@ -549,7 +561,7 @@ pub async fn run(router: Arc<Router>, discovered: Discovered) {
             while let Some(event) = next_change(&mut stream, &mut states, &recheck, &router).await {
                 let Change::Pods(event) = event else { continue };
                 if states[1].note("pods", &*event) {
-                    applier.apply(replicas(&pods.state(), &selector, &[port], dp_ranks), None);
+                    applier.apply(replicas(&pods.state(), &selector, &[port], served), None);
                 }
                 router.note_source_connection(lost(&states));
             }
@@ -587,8 +599,9 @@ pub async fn run(router: Arc<Router>, discovered: Discovered) {
                         .into_iter()
                         .find(|p| p.metadata.name.as_deref() == Some(name.as_str()));
                     match pool_shape(pool.as_deref()) {
-                        Ok((selector, ports)) => applier
-                            .apply(replicas(&pods.state(), &selector, &ports, dp_ranks), None),
+                        Ok((selector, ports)) => {
+                            applier.apply(replicas(&pods.state(), &selector, &ports, served), None)
+                        }
                         Err(why) => applier.apply(Vec::new(), Some(why)),
                     }
                 }
@@ -601,6 +614,13 @@ pub async fn run(router: Arc<Router>, discovered: Discovered) {
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{PodCondition, PodStatus};
+
+    fn plain(dp_ranks: u32) -> Served {
+        Served {
+            dp_ranks,
+            tls: false,
+        }
+    }
 
     fn pod(name: &str, uid: &str, ip: Option<&str>, ready: bool, app: &str) -> Arc<Pod> {
         Arc::new(Pod {
@@ -711,7 +731,7 @@ mod tests {
             pod("e", "5", None, true, "engine"),
             pod("f", "6", Some("10.0.0.6"), true, "other"),
         ];
-        let found = replicas(&pods, &selector, &[8000], 1);
+        let found = replicas(&pods, &selector, &[8000], plain(1));
         let listed: Vec<(String, String)> = found
             .iter()
             .map(|f| (f.spec.id.clone().unwrap(), f.spec.addr.to_string()))
@@ -724,14 +744,24 @@ mod tests {
             ]
         );
         // Two ports: a replica per pod and port, ids tell them apart.
-        let found = replicas(&pods, &selector, &[8000, 8001], 1);
+        let found = replicas(&pods, &selector, &[8000, 8001], plain(1));
         assert_eq!(found.len(), 4);
         assert_eq!(found[1].spec.id.as_deref(), Some("a:8001"));
         // Data-parallel ranks: each discovered replica carries them.
-        let found = replicas(&pods, &selector, &[8000], 4);
+        let tls = Served {
+            dp_ranks: 1,
+            tls: true,
+        };
+        assert!(replicas(&pods, &selector, &[8000], tls)
+            .iter()
+            .all(|f| f.spec.tls));
+        assert!(replicas(&pods, &selector, &[8000], plain(1))
+            .iter()
+            .all(|f| !f.spec.tls));
+        let found = replicas(&pods, &selector, &[8000], plain(4));
         assert!(found.iter().all(|f| f.spec.dp_ranks == 4));
         // An empty selector selects nothing (never the whole namespace).
-        assert!(replicas(&pods, &BTreeMap::new(), &[8000], 1).is_empty());
+        assert!(replicas(&pods, &BTreeMap::new(), &[8000], plain(1)).is_empty());
     }
 
     #[test]
@@ -760,7 +790,7 @@ mod tests {
                 &[pod("a", "1", Some("10.0.0.1"), true, "engine")],
                 &selector,
                 &[80],
-                1,
+                plain(1),
             ),
             None,
         );
@@ -772,7 +802,7 @@ mod tests {
                 &[pod("a", "1", Some("10.0.0.1"), true, "engine")],
                 &selector,
                 &[80],
-                1,
+                plain(1),
             ),
             None,
         );
@@ -783,7 +813,7 @@ mod tests {
                 &[pod("b", "2", Some("10.0.0.1"), true, "engine")],
                 &selector,
                 &[80],
-                1,
+                plain(1),
             ),
             None,
         );
