@@ -82,7 +82,13 @@ impl PeerKind {
         if let Some(p) = std::env::var_os(self.env()).filter(|p| !p.is_empty()) {
             let p = PathBuf::from(p);
             if !p.is_file() {
-                bail!("{}={} is not a file", self.env(), p.display());
+                bail!(
+                    "{}={} is not a file (unset it to use the one scripts/setup-peers links at \
+                     {INSTALL_RELATIVE}/{})",
+                    self.env(),
+                    p.display(),
+                    self.program()
+                );
             }
             return Ok(p);
         }
