@@ -17,6 +17,8 @@
 //! - [`soak`]: the `hearth-bench soak` subcommand (faults under load).
 //! - [`live`]: a scenario through the real Envoy, filter and sidecar,
 //!   beside the same cell simulated.
+//! - [`peers`]: the peer routers as released (smg, vllm-router),
+//!   started in front of given engines.
 //! - [`real`]: plain Envoy (ring_hash, least_request) and Hearth side by
 //!   side in front of real OpenAI-compatible engines.
 //! - [`workload`] (seeded clients), [`scenario`] (presets), [`policies`]
@@ -30,6 +32,7 @@ pub mod gateway;
 pub mod live;
 pub mod llama;
 pub mod overhead;
+pub mod peers;
 pub mod policies;
 pub mod pool;
 pub mod process;

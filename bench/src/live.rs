@@ -8,22 +8,39 @@
 //! ([`crate::engine::scheduled`]), time-scaled, so what differs between
 //! the two columns is the real path itself: HTTP, Envoy and the filter,
 //! the sidecar process, and timers at the scaled rate.
+//!
+//! With `--policies`, each policy in turn gets fresh engines of the same
+//! configuration and the same seeded conversations, byte for byte: Hearth
+//! (Envoy, filter, sidecar), plain Envoy (`least_request`, `ring_hash` on
+//! the session), and the peer routers as released ([`crate::peers`]:
+//! smg and vllm-router `cache_aware`, their default policy, at their
+//! defaults; vllm-router `consistent_hash` on the session, which its
+//! README gives for multi-turn chat). Which engine served a turn comes
+//! from the engine's own `x-engine-id`, which every front passes through
+//! (a router's own naming is checked against it), and the load from the
+//! engines' own queues, so each is measured the same way. A peer that is
+//! not installed is skipped, and the run says why. The order is reversed
+//! on even seeds, then the simulator runs the same cell for each policy's
+//! simulated counterpart (the cache-aware peers' is the labelled
+//! emulation, `sglang_cache_aware_emulated`).
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use clap::Args;
+use clap::{Args, ValueEnum};
 use futures::StreamExt;
+use serde::Serialize;
 use serde_json::Value;
 
-use crate::engine::EngineConfig;
+use crate::engine::{self, EngineConfig, EngineHandle};
+use crate::peers::{Peer, PeerConfig, PeerKind, Served};
 use crate::policies::PolicyKind;
 use crate::report::{self, RequestRecord, RunResult};
 use crate::scenario::Scenario;
 use crate::sim::{self, RunSpec};
-use crate::stack::Stack;
+use crate::stack::{Front, Stack};
 use crate::workload::{Client, Generator};
 
 const MODEL: &str = "hearth-sim";
@@ -56,8 +73,137 @@ pub struct LiveArgs {
     pub sidecar: crate::settings::SidecarSettings,
 }
 
+/// `hearth-bench live`'s command line: a cell ([`LiveArgs`]) and the
+/// policies run through it.
+#[derive(Debug, Clone, Args)]
+pub struct LiveCli {
+    #[command(flatten)]
+    pub cell: LiveArgs,
+    /// Policies run live, one after the other (reversed on even seeds),
+    /// each on fresh engines; then each one's simulated counterpart.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [LivePolicy::Hearth])]
+    pub policies: Vec<LivePolicy>,
+    /// How long a peer router may take to start and list every engine.
+    #[arg(long, default_value_t = 60)]
+    pub peer_deadline_s: u64,
+}
+
+/// A routing configuration `hearth-bench live` runs for real.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum, Serialize)]
+pub enum LivePolicy {
+    /// Envoy + filter-wasm + the `hearth-ext-proc` process (the
+    /// scenario's settings and `--set`).
+    #[value(name = "hearth")]
+    #[serde(rename = "hearth")]
+    Hearth,
+    /// Plain Envoy, `LEAST_REQUEST`.
+    #[value(name = "least_request")]
+    #[serde(rename = "least_request")]
+    LeastRequest,
+    /// Plain Envoy, `RING_HASH` on the session (`x-session-id`).
+    #[value(name = "ring_hash")]
+    #[serde(rename = "ring_hash")]
+    RingHash,
+    /// smg (SGLang's model gateway) `--policy cache_aware`, its default
+    /// policy, at its defaults.
+    #[value(name = "smg_cache_aware", alias = "smg")]
+    #[serde(rename = "smg_cache_aware")]
+    SmgCacheAware,
+    /// vllm-router `--policy cache_aware`, its default policy, at its
+    /// defaults.
+    #[value(name = "vllm_router_cache_aware", alias = "vllm-router")]
+    #[serde(rename = "vllm_router_cache_aware")]
+    VllmRouterCacheAware,
+    /// vllm-router `--policy consistent_hash` on the session header
+    /// (`X-Session-ID`), the policy its README gives for multi-turn chat.
+    #[value(name = "vllm_router_consistent_hash")]
+    #[serde(rename = "vllm_router_consistent_hash")]
+    VllmRouterConsistentHash,
+}
+
+impl LivePolicy {
+    pub fn name(self) -> &'static str {
+        match self {
+            LivePolicy::Hearth => "hearth",
+            LivePolicy::LeastRequest => "least_request",
+            LivePolicy::RingHash => "ring_hash",
+            LivePolicy::SmgCacheAware => "smg_cache_aware",
+            LivePolicy::VllmRouterCacheAware => "vllm_router_cache_aware",
+            LivePolicy::VllmRouterConsistentHash => "vllm_router_consistent_hash",
+        }
+    }
+
+    /// The peer router behind this policy, if it is one.
+    pub fn peer(self) -> Option<PeerConfig> {
+        match self {
+            LivePolicy::SmgCacheAware => Some(PeerConfig::new(PeerKind::Smg, "cache_aware")),
+            LivePolicy::VllmRouterCacheAware => {
+                Some(PeerConfig::new(PeerKind::VllmRouter, "cache_aware"))
+            }
+            LivePolicy::VllmRouterConsistentHash => {
+                Some(PeerConfig::new(PeerKind::VllmRouter, "consistent_hash"))
+            }
+            LivePolicy::Hearth | LivePolicy::LeastRequest | LivePolicy::RingHash => None,
+        }
+    }
+
+    /// The simulator's policy for the same routing: the cache-aware
+    /// peers' is the labelled emulation of SGLang's cache-aware router,
+    /// which both descend from; a hash on the session is `ring_hash`.
+    pub fn simulated(self) -> PolicyKind {
+        match self {
+            LivePolicy::Hearth => PolicyKind::HearthRelative,
+            LivePolicy::LeastRequest => PolicyKind::LeastRequest,
+            LivePolicy::RingHash | LivePolicy::VllmRouterConsistentHash => PolicyKind::RingHash,
+            LivePolicy::SmgCacheAware | LivePolicy::VllmRouterCacheAware => {
+                PolicyKind::SglangCacheAwareEmulated
+            }
+        }
+    }
+}
+
+/// `policies` split into those that can run and those skipped, each
+/// with the reason: a peer router that `find` does not find (not
+/// installed, e.g. `HEARTH_SETUP_PEERS=0`) is skipped, not fatal.
+pub fn runnable(
+    policies: &[LivePolicy],
+    find: impl Fn(PeerKind) -> anyhow::Result<PathBuf>,
+) -> (Vec<LivePolicy>, Vec<(LivePolicy, String)>) {
+    let mut run = Vec::new();
+    let mut skipped = Vec::new();
+    for &p in policies {
+        match p.peer().map(|c| find(c.kind)) {
+            Some(Err(e)) => skipped.push((p, format!("{e:#}"))),
+            _ => run.push(p),
+        }
+    }
+    (run, skipped)
+}
+
+/// `policies` in the order a seed runs them: as given on odd seeds,
+/// reversed on even ones, so over two seeds every policy runs as often
+/// early as late (the machine's own drift falls on all of them).
+pub fn order_for_seed(policies: &[LivePolicy], seed: u64) -> Vec<LivePolicy> {
+    let mut order = policies.to_vec();
+    if seed.is_multiple_of(2) {
+        order.reverse();
+    }
+    order
+}
+
 struct Shared {
     records: Vec<RequestRecord>,
+    /// Measured answers whose router named the engine it chose, and how
+    /// many of those named the engine that says it served.
+    router_named: u64,
+    router_agreed: u64,
+}
+
+/// The engines a run's answers can name: addresses and ids, by index.
+#[derive(Clone)]
+struct Names {
+    addrs: Vec<std::net::SocketAddr>,
+    ids: Vec<String>,
 }
 
 /// One turn through the gateway; fills a record (times in engine seconds).
@@ -65,21 +211,24 @@ async fn send(
     client: &reqwest::Client,
     url: &str,
     body: &[u8],
+    session: u64,
+    names: &Names,
     scale: f64,
-) -> (Option<usize>, f64, f64, u32, u32, bool) {
+) -> (Served, f64, f64, u32, u32, bool) {
     let mut v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     v["stream"] = Value::Bool(true);
     let started = Instant::now();
-    let resp = match client.post(url).json(&v).send().await {
+    let resp = match client
+        .post(url)
+        .header(crate::real::SESSION_HEADER, session.to_string())
+        .json(&v)
+        .send()
+        .await
+    {
         Ok(r) if r.status().is_success() => r,
-        _ => return (None, 0.0, 0.0, 0, 0, true),
+        _ => return (Served::default(), 0.0, 0.0, 0, 0, true),
     };
-    let replica = resp
-        .headers()
-        .get("x-hearth-upstream")
-        .and_then(|h| h.to_str().ok())
-        .and_then(|id| id.strip_prefix("engine-"))
-        .and_then(|n| n.parse().ok());
+    let replica = Served::from_headers(resp.headers(), &names.addrs, &names.ids);
     let mut ttft = None;
     let mut text = Vec::new();
     let mut chunks = resp.bytes_stream();
@@ -114,15 +263,22 @@ async fn send(
     )
 }
 
-async fn agent(
-    mut c: Client,
-    url: String,
+/// A run's clock: the time scale, its start, warm-up and end.
+#[derive(Clone, Copy)]
+struct Clock {
     scale: f64,
     start: Instant,
     warmup: Duration,
     until: Instant,
-    shared: Arc<Mutex<Shared>>,
-) {
+}
+
+async fn agent(mut c: Client, url: String, names: Names, clock: Clock, shared: Arc<Mutex<Shared>>) {
+    let Clock {
+        scale,
+        start,
+        warmup,
+        until,
+    } = clock;
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(120))
         .build()
@@ -131,8 +287,10 @@ async fn agent(
     while Instant::now() < until {
         let turn = c.next_turn();
         let sent = Instant::now();
-        let (replica, ttft_s, e2e_s, prompt, cached, failed) =
-            send(&http, &url, &turn.body, scale).await;
+        let (served, ttft_s, e2e_s, prompt, cached, failed) =
+            send(&http, &url, &turn.body, turn.session, &names, scale).await;
+        // The engine's own word, for every policy alike.
+        let replica = served.engine;
         let stayed = match (turn.first_of_session, last, replica) {
             (false, Some((session, prev)), Some(r)) if session == turn.session => Some(prev == r),
             _ => None,
@@ -157,18 +315,23 @@ async fn agent(
                 failed,
                 predicted_cached_tokens: None,
             };
-            shared
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .records
-                .push(record);
+            let mut shared = shared.lock().unwrap_or_else(|p| p.into_inner());
+            shared.records.push(record);
+            if let Some(named) = served.router {
+                shared.router_named += 1;
+                shared.router_agreed += u64::from(Some(named) == served.engine);
+            }
         }
         let think = Duration::from_secs_f64(c.think_seconds() / scale);
         tokio::time::sleep(think.min(until.saturating_duration_since(Instant::now()))).await;
     }
 }
 
-pub async fn run(args: LiveArgs) -> anyhow::Result<()> {
+pub async fn run(cli: LiveCli) -> anyhow::Result<()> {
+    if cli.policies != [LivePolicy::Hearth] {
+        return run_policies(&cli).await;
+    }
+    let args = cli.cell;
     let rows = measure(&args).await?;
     println!("{}", report::table(&rows));
     let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
@@ -189,8 +352,10 @@ pub async fn run(args: LiveArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs the cell live, then simulated; returns the simulated row first.
-pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
+/// The cell `args` describes: its scenario (with the command line's
+/// replicas and settings, and windows from the wall-clock seconds), the
+/// whole run and its warm-up in wall-clock time.
+fn cell(args: &LiveArgs) -> anyhow::Result<(Scenario, Duration, Duration)> {
     anyhow::ensure!(
         args.time_scale > 0.0 && args.time_scale.is_finite(),
         "--time-scale must be > 0"
@@ -202,31 +367,39 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
         sc.replicas = r;
     }
     sc.hearth.set(args.sidecar.set.iter().cloned())?;
-    let scale = args.time_scale;
     let wall = Duration::from_secs(args.seconds);
     let warmup = wall / 5;
-    sc.warmup_s = warmup.as_secs_f64() * scale;
-    sc.duration_s = (wall - warmup).as_secs_f64() * scale;
-    println!(
-        "hearth-bench live --scenario {} --agents {} --replicas {} --seconds {} --time-scale {} --seed {}{}",
+    sc.warmup_s = warmup.as_secs_f64() * args.time_scale;
+    sc.duration_s = (wall - warmup).as_secs_f64() * args.time_scale;
+    Ok((sc, wall, warmup))
+}
+
+/// `hearth-bench live ...` as run (settings shown, credentials hidden).
+fn command(args: &LiveArgs, sc: &Scenario, policies: Option<&[LivePolicy]>) -> String {
+    format!(
+        "hearth-bench live --scenario {} --agents {} --replicas {} --seconds {} --time-scale {} --seed {}{}{}",
         sc.name,
         args.agents,
         sc.replicas,
         args.seconds,
-        scale,
+        args.time_scale,
         args.seed,
         args.sidecar
             .set
             .iter()
             .map(|kv| format!(" --set {}", crate::settings::shown_setting(kv)))
-            .collect::<String>()
-    );
+            .collect::<String>(),
+        policies.map_or(String::new(), |ps| format!(
+            " --policies {}",
+            ps.iter().map(|p| p.name()).collect::<Vec<_>>().join(",")
+        )),
+    )
+}
 
-    // Engines running the simulator's own scheduler and cost model
-    // (time-scaled), and the sidecar with the settings the simulator
-    // gives its Router (the scenario's and the command line's), then what
-    // the simulated router lacks: probes and engine scrapes.
-    let configs = (0..sc.replicas)
+/// Engines running the simulator's own scheduler and cost model
+/// (time-scaled), one per replica of the scenario.
+fn engine_configs(sc: &Scenario, scale: f64) -> Vec<EngineConfig> {
+    (0..sc.replicas)
         .map(|i| EngineConfig {
             id: format!("engine-{i}"),
             model: MODEL.into(),
@@ -236,76 +409,228 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
             scheduler: Some(sc.engine.cost.clone()),
             ..EngineConfig::default()
         })
-        .collect();
-    let stack = Stack::simulated(configs)
-        .settings(sc.hearth.settings().iter().cloned())
-        .settings([
-            ("HEARTH_PROBE_INTERVAL_SECONDS", "0"),
-            ("HEARTH_ENGINE_METRICS_SECONDS", "0"),
-        ])
-        .envoy_deadline(Duration::from_secs(30))
-        .start()
-        .await?;
-    let envoy = &stack.envoy;
-    let url = format!("{}/v1/chat/completions", envoy.url());
+        .collect()
+}
 
-    let salt = args.seed ^ 0x11FE;
-    let generator = Generator::new(sc.workload.clone(), MODEL, args.seed, salt);
+/// The workload's salt for a seed (every policy of a run gets the same
+/// conversations; each runs on fresh engines).
+fn salt_for(seed: u64) -> u64 {
+    seed ^ 0x11FE
+}
+
+/// What [`drive`] measured.
+struct Driven {
+    records: Vec<RequestRecord>,
+    /// Per engine, time-averaged requests in flight (running or waiting).
+    mean_inflight: Vec<f64>,
+    /// Measured answers whose router named its engine, and how many of
+    /// those agreed with the engine's own header.
+    router_named: u64,
+    router_agreed: u64,
+}
+
+/// The scenario's agents through `url` for the wall-clock `wall` (the
+/// first `warmup` not measured), and the engines' time-averaged requests
+/// in flight over the measured window, read from the engines themselves.
+async fn drive(
+    url: &str,
+    engines: &[EngineHandle],
+    sc: &Scenario,
+    args: &LiveArgs,
+    wall: Duration,
+    warmup: Duration,
+) -> Driven {
+    let scale = args.time_scale;
+    let names = Names {
+        addrs: engines.iter().map(|e| e.addr).collect(),
+        ids: engines
+            .iter()
+            .map(|e| e.engine.config().id.clone())
+            .collect(),
+    };
+    let generator = Generator::new(sc.workload.clone(), MODEL, args.seed, salt_for(args.seed));
     let start = Instant::now();
     let until = start + wall;
     let shared = Arc::new(Mutex::new(Shared {
         records: Vec::new(),
+        router_named: 0,
+        router_agreed: 0,
     }));
     let tasks: Vec<_> = (0..args.agents as u64)
         .map(|i| {
             tokio::spawn(agent(
                 generator.client(i),
-                url.clone(),
-                scale,
-                start,
-                warmup,
-                until,
+                url.to_string(),
+                names.clone(),
+                Clock {
+                    scale,
+                    start,
+                    warmup,
+                    until,
+                },
                 Arc::clone(&shared),
             ))
         })
         .collect();
-    // Time-averaged in-flight per replica, from the sidecar's books.
-    let mut sums = vec![0.0; sc.replicas];
+    let mut sums = vec![0.0; engines.len()];
     let mut samples = 0u32;
     while Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(250)).await;
         if Instant::now().duration_since(start) < warmup {
             continue;
         }
-        if let Ok(state) = stack.state_json().await {
-            for (i, r) in state["replicas"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .enumerate()
-            {
-                if let Some(s) = sums.get_mut(i) {
-                    *s += r["in_flight"].as_f64().unwrap_or(0.0);
-                }
-            }
-            samples += 1;
+        for (s, e) in sums.iter_mut().zip(engines) {
+            *s += e.engine.in_flight() as f64;
         }
+        samples += 1;
     }
     for t in tasks {
         let _ = tokio::time::timeout(Duration::from_secs(30), t).await;
     }
-    let records = std::mem::take(&mut shared.lock().unwrap_or_else(|p| p.into_inner()).records);
-    let live = RunResult {
-        policy: PolicyKind::HearthRelative,
-        agents: args.agents,
-        replicas: sc.replicas,
-        duration_s: sc.duration_s,
-        records,
+    let mut shared = shared.lock().unwrap_or_else(|p| p.into_inner());
+    Driven {
+        records: std::mem::take(&mut shared.records),
         mean_inflight: sums.iter().map(|s| s / f64::from(samples.max(1))).collect(),
-        long_unfinished: 0,
-        corrections: None,
+        router_named: shared.router_named,
+        router_agreed: shared.router_agreed,
+    }
+}
+
+/// What one policy's live run left: its result and, for a peer router,
+/// its command line and log.
+pub struct LiveRun {
+    pub policy: LivePolicy,
+    pub result: RunResult,
+    /// Measured answers whose router named the engine it chose (smg's
+    /// header, the sidecar's), and how many agreed with the engine's.
+    pub router_named: u64,
+    pub router_agreed: u64,
+    pub peer_command: Option<String>,
+    pub peer_log: Option<String>,
+}
+
+/// What serves the agents during one policy's run.
+enum Serving {
+    /// Envoy (with or without Hearth) and its engines.
+    Stack(Box<Stack>),
+    /// A peer router and the engines it was started in front of.
+    Peer(Vec<EngineHandle>, Box<Peer>),
+}
+
+/// One policy live on fresh engines.
+async fn run_one(
+    policy: LivePolicy,
+    sc: &Scenario,
+    args: &LiveArgs,
+    wall: Duration,
+    warmup: Duration,
+    peer_deadline: Duration,
+) -> anyhow::Result<LiveRun> {
+    let configs = engine_configs(sc, args.time_scale);
+    let front = match policy {
+        // The sidecar with the settings the simulator gives its Router
+        // (the scenario's and the command line's), then what the
+        // simulated router lacks: probes and engine scrapes.
+        LivePolicy::Hearth => Serving::Stack(Box::new(
+            Stack::simulated(configs)
+                .settings(sc.hearth.settings().iter().cloned())
+                .settings([
+                    ("HEARTH_PROBE_INTERVAL_SECONDS", "0"),
+                    ("HEARTH_ENGINE_METRICS_SECONDS", "0"),
+                ])
+                .envoy_deadline(Duration::from_secs(30))
+                .start()
+                .await?,
+        )),
+        LivePolicy::LeastRequest => Serving::Stack(Box::new(
+            Stack::simulated(configs)
+                .front(Front::Plain)
+                .envoy_deadline(Duration::from_secs(30))
+                .start()
+                .await?,
+        )),
+        LivePolicy::RingHash => Serving::Stack(Box::new(
+            Stack::simulated(configs)
+                .front(Front::Plain)
+                .edit_envoy(|yaml| crate::real::ring_hash(&yaml))
+                .envoy_deadline(Duration::from_secs(30))
+                .start()
+                .await?,
+        )),
+        _ => {
+            let config = policy.peer().context("a peer policy names its router")?;
+            // Found before any engine starts: a missing install fails at once.
+            config.kind.find()?;
+            let mut engines = Vec::new();
+            for c in configs {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+                engines.push(engine::spawn(c, listener).await?);
+            }
+            let addrs: Vec<_> = engines.iter().map(|e| e.addr).collect();
+            let peer = Peer::start(&config, &addrs, peer_deadline).await?;
+            Serving::Peer(engines, Box::new(peer))
+        }
     };
-    stack.shutdown().await;
+    let (url, engines, peer_command) = match &front {
+        Serving::Stack(stack) => (stack.url(), &stack.engines, None),
+        Serving::Peer(engines, peer) => (peer.url(), engines, Some(peer.command.clone())),
+    };
+    let driven = drive(
+        &format!("{url}/v1/chat/completions"),
+        engines,
+        sc,
+        args,
+        wall,
+        warmup,
+    )
+    .await;
+    let peer_log = match front {
+        Serving::Stack(stack) => {
+            stack.shutdown().await;
+            None
+        }
+        Serving::Peer(handles, peer) => {
+            let log = peer.log();
+            drop(peer);
+            for e in handles {
+                e.shutdown().await;
+            }
+            Some(log)
+        }
+    };
+    Ok(LiveRun {
+        policy,
+        result: RunResult {
+            policy: policy.simulated(),
+            agents: args.agents,
+            replicas: sc.replicas,
+            duration_s: sc.duration_s,
+            records: driven.records,
+            mean_inflight: driven.mean_inflight,
+            long_unfinished: 0,
+            corrections: None,
+        },
+        router_named: driven.router_named,
+        router_agreed: driven.router_agreed,
+        peer_command,
+        peer_log,
+    })
+}
+
+/// Runs the cell live, then simulated; returns the simulated row first.
+pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
+    let (sc, wall, warmup) = cell(args)?;
+    println!("{}", command(args, &sc, None));
+    let live = run_one(
+        LivePolicy::Hearth,
+        &sc,
+        args,
+        wall,
+        warmup,
+        Duration::from_secs(60),
+    )
+    .await?
+    .result;
 
     // The same cell in the simulator.
     let spec = RunSpec {
@@ -313,7 +638,7 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
         policy: PolicyKind::HearthRelative,
         agents: args.agents,
         seed: args.seed,
-        salt,
+        salt: salt_for(args.seed),
     };
     let simulated = tokio::task::spawn_blocking(move || sim::run(&spec)).await?;
     let mut rows = vec![simulated.row(&sc.name, "sim"), live.row(&sc.name, "live")];
@@ -321,4 +646,336 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
         r.policy = format!("{} [{}]", r.policy, r.driver);
     }
     Ok(rows)
+}
+
+/// What [`measure_policies`] measured.
+pub struct Measured {
+    /// The live rows in the order given, then the simulated ones.
+    pub rows: Vec<report::Row>,
+    /// Each live run, in the order given.
+    pub runs: Vec<LiveRun>,
+    /// The order the live runs went in.
+    pub order: Vec<LivePolicy>,
+    /// Policies not run, and why (a peer router not installed).
+    pub skipped: Vec<(LivePolicy, String)>,
+}
+
+/// Every runnable policy of `cli` live (in the seed's order), each on
+/// fresh engines, then each distinct simulated counterpart.
+pub async fn measure_policies(cli: &LiveCli) -> anyhow::Result<Measured> {
+    let args = &cli.cell;
+    let (sc, wall, warmup) = cell(args)?;
+    anyhow::ensure!(!cli.policies.is_empty(), "--policies is empty");
+    println!("{}", command(args, &sc, Some(&cli.policies)));
+    let (policies, skipped) = runnable(&cli.policies, PeerKind::find);
+    for (p, why) in &skipped {
+        println!("# skipped {}: {why}", p.name());
+    }
+    anyhow::ensure!(!policies.is_empty(), "no policy of --policies can run");
+    let order = order_for_seed(&policies, args.seed);
+    println!(
+        "# order (seed {}): {}",
+        args.seed,
+        order
+            .iter()
+            .map(|p| p.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let mut runs = Vec::new();
+    for &policy in &order {
+        eprintln!("hearth-bench live: running {}", policy.name());
+        let run = run_one(
+            policy,
+            &sc,
+            args,
+            wall,
+            warmup,
+            Duration::from_secs(cli.peer_deadline_s),
+        )
+        .await
+        .with_context(|| format!("policy {}", policy.name()))?;
+        if let Some(command) = &run.peer_command {
+            println!("# {}: {command}", policy.name());
+        }
+        runs.push(run);
+    }
+    runs.sort_by_key(|r| policies.iter().position(|p| *p == r.policy));
+    let mut rows: Vec<report::Row> = runs
+        .iter()
+        .map(|r| {
+            let mut row = r.result.row(&sc.name, "live");
+            row.policy = format!("{} [live]", r.policy.name());
+            row
+        })
+        .collect();
+    let mut simulated: Vec<PolicyKind> = Vec::new();
+    for p in &policies {
+        if !simulated.contains(&p.simulated()) {
+            simulated.push(p.simulated());
+        }
+    }
+    for kind in simulated {
+        let spec = RunSpec {
+            scenario: sc.clone(),
+            policy: kind,
+            agents: args.agents,
+            seed: args.seed,
+            salt: salt_for(args.seed),
+        };
+        let result = tokio::task::spawn_blocking(move || sim::run(&spec)).await?;
+        let mut row = result.row(&sc.name, "sim");
+        row.policy = format!("{} [sim]", row.policy);
+        rows.push(row);
+    }
+    Ok(Measured {
+        rows,
+        runs,
+        order,
+        skipped,
+    })
+}
+
+/// How a run's router named the engines it chose, checked against the
+/// engines' own word (which the stays are counted from).
+fn naming(run: &LiveRun) -> String {
+    let measured = run.result.records.len();
+    if run.router_named == 0 {
+        format!(
+            "{}: the router named no engine in {measured} measured answers; stays from x-engine-id",
+            run.policy.name()
+        )
+    } else {
+        format!(
+            "{}: the router named its engine in {} of {measured} measured answers, the same as x-engine-id in {}",
+            run.policy.name(),
+            run.router_named,
+            run.router_agreed
+        )
+    }
+}
+
+/// `rows` as the Markdown table docs/benchmarks.md quotes (TTFT with
+/// its p90, which the plain table leaves out).
+pub fn markdown(rows: &[report::Row]) -> String {
+    let mut out = String::from(
+        "| policy | turns/min | out tok/s | cached | stay | TTFT p50 / p90 / p99 (s) | in-flight max/mean | failed |\n\
+         | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "| {} | {:.1} | {:.0} | {:.1}% | {} | {:.2} / {:.2} / {:.2} | {:.2} | {} |\n",
+            r.policy,
+            r.turns_per_min,
+            r.output_tok_s,
+            r.cached_fraction * 100.0,
+            r.stay_rate
+                .map_or("-".into(), |s| format!("{:.1}%", s * 100.0)),
+            r.ttft_p50_s,
+            r.ttft_p90_s,
+            r.ttft_p99_s,
+            r.load_max_over_mean,
+            r.failures
+        ));
+    }
+    out
+}
+
+async fn run_policies(cli: &LiveCli) -> anyhow::Result<()> {
+    let m = measure_policies(cli).await?;
+    println!("{}", report::table(&m.rows));
+    println!("{}", markdown(&m.rows));
+    for r in &m.rows {
+        println!(
+            "{}: per-replica turns {}",
+            r.policy,
+            r.replica_split
+                .iter()
+                .map(|s| format!("{:.0}", s * r.turns as f64))
+                .collect::<Vec<_>>()
+                .join(" / ")
+        );
+    }
+    for run in &m.runs {
+        println!("{}", naming(run));
+    }
+    if let Some(path) = &cli.cell.json {
+        let (sc, _, _) = cell(&cli.cell)?;
+        let doc = serde_json::json!({
+            "command": command(&cli.cell, &sc, Some(&cli.policies)),
+            "argv": std::env::args().collect::<Vec<_>>().join(" "),
+            "order": m.order,
+            "skipped": m
+                .skipped
+                .iter()
+                .map(|(p, why)| (p.name(), why.clone()))
+                .collect::<std::collections::BTreeMap<_, _>>(),
+            "peers": m
+                .runs
+                .iter()
+                .filter_map(|r| Some((r.policy.name(), r.peer_command.clone()?)))
+                .collect::<std::collections::BTreeMap<_, _>>(),
+            "router_naming": m.runs.iter().map(naming).collect::<Vec<_>>(),
+            "scenario": sc,
+            "rows": m.rows,
+        });
+        std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
+        println!("wrote {}", path.display());
+        for r in &m.runs {
+            if let Some(log) = &r.peer_log {
+                let to = path.with_extension(format!("{}.log", r.policy.name()));
+                std::fs::write(&to, log)?;
+                println!("wrote {}", to.display());
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        cli: LiveCli,
+    }
+
+    fn parse(args: &[&str]) -> Result<LiveCli, clap::Error> {
+        Cmd::try_parse_from(std::iter::once("live").chain(args.iter().copied())).map(|c| c.cli)
+    }
+
+    #[test]
+    fn even_seeds_run_the_policies_backwards() {
+        let ps = [
+            LivePolicy::Hearth,
+            LivePolicy::LeastRequest,
+            LivePolicy::SmgCacheAware,
+        ];
+        assert_eq!(order_for_seed(&ps, 1), ps);
+        assert_eq!(
+            order_for_seed(&ps, 2),
+            [
+                LivePolicy::SmgCacheAware,
+                LivePolicy::LeastRequest,
+                LivePolicy::Hearth
+            ]
+        );
+    }
+
+    #[test]
+    fn each_policy_has_its_simulated_counterpart() {
+        assert_eq!(LivePolicy::Hearth.simulated(), PolicyKind::HearthRelative);
+        assert_eq!(
+            LivePolicy::LeastRequest.simulated(),
+            PolicyKind::LeastRequest
+        );
+        for p in [LivePolicy::SmgCacheAware, LivePolicy::VllmRouterCacheAware] {
+            assert_eq!(p.simulated(), PolicyKind::SglangCacheAwareEmulated);
+            assert_eq!(p.peer().unwrap().policy, "cache_aware");
+        }
+        let ch = LivePolicy::VllmRouterConsistentHash;
+        assert_eq!(ch.simulated(), PolicyKind::RingHash);
+        assert_eq!(ch.peer().unwrap().kind, PeerKind::VllmRouter);
+        assert_eq!(ch.peer().unwrap().policy, "consistent_hash");
+        assert!(LivePolicy::RingHash.peer().is_none());
+    }
+
+    #[test]
+    fn the_command_line_names_the_peers_and_their_short_names() {
+        let cli = parse(&[
+            "--policies",
+            "hearth,least_request,smg,vllm-router,vllm_router_consistent_hash",
+        ])
+        .unwrap();
+        assert_eq!(
+            cli.policies,
+            [
+                LivePolicy::Hearth,
+                LivePolicy::LeastRequest,
+                LivePolicy::SmgCacheAware,
+                LivePolicy::VllmRouterCacheAware,
+                LivePolicy::VllmRouterConsistentHash
+            ]
+        );
+        assert!(parse(&["--policies", "sglang"]).is_err());
+        let default = parse(&[]).unwrap();
+        assert_eq!(default.policies, [LivePolicy::Hearth]);
+    }
+
+    #[test]
+    fn a_peer_that_is_not_installed_is_skipped_with_the_reason() {
+        let ps = [
+            LivePolicy::Hearth,
+            LivePolicy::SmgCacheAware,
+            LivePolicy::VllmRouterCacheAware,
+            LivePolicy::LeastRequest,
+        ];
+        let (run, skipped) = runnable(&ps, |kind| match kind {
+            PeerKind::Smg => anyhow::bail!(kind.not_installed()),
+            PeerKind::VllmRouter => Ok(PathBuf::from("/x/vllm-router")),
+        });
+        assert_eq!(
+            run,
+            [
+                LivePolicy::Hearth,
+                LivePolicy::VllmRouterCacheAware,
+                LivePolicy::LeastRequest
+            ]
+        );
+        assert_eq!(skipped.len(), 1);
+        assert_eq!(skipped[0].0, LivePolicy::SmgCacheAware);
+        assert!(
+            skipped[0].1.contains("run scripts/setup-peers"),
+            "{}",
+            skipped[0].1
+        );
+    }
+
+    #[test]
+    fn the_markdown_row_has_the_ttft_percentiles_and_the_stay_rate() {
+        let record = |replica, ttft_s, stayed| RequestRecord {
+            replica,
+            sent_s: 1.0,
+            ttft_s,
+            e2e_s: ttft_s + 1.0,
+            prompt_tokens: 1000,
+            cached_tokens: 900,
+            ideal_cached_tokens: 900,
+            output_tokens: 10,
+            stayed,
+            restart: false,
+            long: false,
+            failed: false,
+            predicted_cached_tokens: None,
+        };
+        let run = RunResult {
+            policy: PolicyKind::LeastRequest,
+            agents: 2,
+            replicas: 2,
+            duration_s: 60.0,
+            records: vec![
+                record(0, 0.5, None),
+                record(1, 1.5, Some(false)),
+                record(1, 2.5, Some(true)),
+            ],
+            mean_inflight: vec![1.0, 3.0],
+            long_unfinished: 0,
+            corrections: None,
+        };
+        let mut row = run.row("cell", "live");
+        row.policy = "least_request [live]".into();
+        let md = markdown(&[row]);
+        let lines: Vec<&str> = md.lines().collect();
+        assert_eq!(lines.len(), 3, "{md}");
+        assert!(lines[0].starts_with("| policy | turns/min |"), "{md}");
+        // 3 turns in 60 s, 90% cached, one stay of two, max/mean 3/2.
+        assert!(
+            lines[2].starts_with("| least_request [live] | 3.0 | 0 | 90.0% | 50.0% | "),
+            "{md}"
+        );
+        assert!(lines[2].ends_with(" | 1.50 | 0 |"), "{md}");
+    }
 }

@@ -30,8 +30,10 @@ enum Command {
     /// nothing leaks.
     Soak(hearth_bench::soak::SoakArgs),
     /// A scenario's workload through the real Envoy, filter, sidecar and
-    /// HTTP engines (time-scaled), beside the same cell in the simulator.
-    Live(hearth_bench::live::LiveArgs),
+    /// HTTP engines (time-scaled), beside the same cell in the simulator;
+    /// with `--policies`, plain Envoy and the peer routers (smg,
+    /// vllm-router) too, each on fresh engines.
+    Live(hearth_bench::live::LiveCli),
     /// Plain Envoy ring_hash and least_request, then Hearth, in front of
     /// real OpenAI-compatible engines given by address: the same seeded
     /// multi-turn workload through each, cache hits from the engines.

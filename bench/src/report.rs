@@ -235,14 +235,21 @@ fn opt(v: Option<f64>, scale: f64, digits: usize) -> String {
 
 /// The table printed on stdout.
 pub fn table(rows: &[Row]) -> String {
+    // Wide enough for the longest policy name (the live peers' run long).
+    let w = rows
+        .iter()
+        .map(|r| r.policy.len())
+        .max()
+        .unwrap_or(0)
+        .max(28);
     let mut out = format!(
-        "{:<28} {:>6} {:>4} {:>9} {:>8} {:>7} {:>7} {:>7} {:>9} {:>6} {:>6} {:>7} {:>7} {:>7} {:>7} {:>6} {:>5}\n",
+        "{:<w$} {:>6} {:>4} {:>9} {:>8} {:>7} {:>7} {:>7} {:>9} {:>6} {:>6} {:>7} {:>7} {:>7} {:>7} {:>6} {:>5}\n",
         "policy", "agents", "reps", "turns/min", "out tok/s", "cached%", "vs orc%", "ideal%",
         "fresh t/s", "stay%", "cont%", "ttft50", "ttft99", "e2e50", "e2e99", "ld max", "fail"
     );
     for r in rows {
         out.push_str(&format!(
-            "{:<28} {:>6} {:>4} {:>9.1} {:>8.0} {:>7.1} {:>7} {:>7.1} {:>9.0} {:>6} {:>6} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>6.2} {:>5}\n",
+            "{:<w$} {:>6} {:>4} {:>9.1} {:>8.0} {:>7.1} {:>7} {:>7.1} {:>9.0} {:>6} {:>6} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>6.2} {:>5}\n",
             r.policy,
             r.agents,
             r.replicas,

@@ -30,3 +30,66 @@ async fn a_short_live_cell_runs_beside_its_simulation() {
         "engines reported no cache hits: {live:?}"
     );
 }
+
+/// The peer routers as released (`scripts/setup-peers`) in one short run
+/// beside plain Envoy: every policy finishes turns without a failure, the
+/// stays come from the engines, and smg's own header names the engine
+/// that says it served. Without the peers installed, the run skips them
+/// and says why (under `CI=true` that fails instead).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_peer_routers_run_beside_envoy_on_the_same_engines() {
+    use hearth_bench::live::{measure_policies, LiveCli, LivePolicy};
+    let cli = LiveCli {
+        cell: LiveArgs {
+            scenario: "cache-never-fills".into(),
+            agents: 4,
+            replicas: Some(2),
+            seconds: 12,
+            time_scale: 20.0,
+            seed: 3,
+            json: None,
+            sidecar: Default::default(),
+        },
+        policies: vec![
+            LivePolicy::LeastRequest,
+            LivePolicy::SmgCacheAware,
+            LivePolicy::VllmRouterConsistentHash,
+        ],
+        peer_deadline_s: 60,
+    };
+    let m = measure_policies(&cli)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    for (policy, why) in &m.skipped {
+        assert!(why.contains("scripts/setup-peers"), "{why}");
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "{} not installed under CI: {why}",
+            policy.name()
+        );
+        eprintln!("skipping {}: {why}", policy.name());
+    }
+    // seed 3 is odd: the order given.
+    assert_eq!(m.order.len() + m.skipped.len(), 3);
+    for run in &m.runs {
+        let row = run.result.row("cell", "live");
+        assert!(row.turns > 0, "{}: no turn finished", run.policy.name());
+        assert_eq!(row.failures, 0, "{}: {row:?}", run.policy.name());
+        assert!(
+            row.stay_rate.is_some(),
+            "{}: no stay counted",
+            run.policy.name()
+        );
+        match run.policy {
+            LivePolicy::SmgCacheAware => {
+                assert!(run.router_named > 0, "smg named no engine");
+                assert_eq!(
+                    run.router_named, run.router_agreed,
+                    "smg's header disagrees"
+                );
+                assert!(run.peer_command.as_deref().unwrap_or("").contains("launch"));
+            }
+            _ => assert_eq!(run.router_named, 0, "{}", run.policy.name()),
+        }
+    }
+}
