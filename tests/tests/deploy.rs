@@ -1067,6 +1067,86 @@ fn no_shipped_config_opens_a_control_port_without_the_token() {
             path.display()
         );
     }
+    // Every mesh manifest that carries the wasm filter backs it up: client
+    // routing headers dropped before it (it fails open), Hearth's own
+    // request headers dropped after the outcome filter, before the
+    // engines; and ext_proc's allow-list is exactly the routing headers.
+    let mut meshes = 0;
+    for (path, doc) in &docs {
+        let mut filters = Vec::new();
+        http_filters_in(doc, &mut filters);
+        let names: Vec<&str> = filters.iter().map(|(n, _)| n.as_str()).collect();
+        if !names.contains(&"hearth.filter_wasm") {
+            continue;
+        }
+        meshes += 1;
+        let removals = |name: &str| {
+            filters
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, r)| r.clone())
+                .unwrap_or_else(|| panic!("{}: no {name} in {names:?}", path.display()))
+        };
+        let at = |name: &str| names.iter().position(|n| *n == name).unwrap();
+        assert_eq!(
+            names,
+            [
+                "hearth.drop_client_headers",
+                "hearth.filter_wasm",
+                "envoy.filters.http.ext_proc",
+                "hearth.filter_wasm_outcome",
+                "hearth.drop_hearth_headers"
+            ],
+            "{}",
+            path.display()
+        );
+        assert!(at("hearth.drop_client_headers") < at("hearth.filter_wasm"));
+        let mut client: Vec<String> = hearth_ext_proc::envoy::render::HEARTH_HEADERS
+            .iter()
+            .map(|h| h.to_string())
+            .collect();
+        client.extend([
+            hearth_wire::names::DESTINATION.to_string(),
+            hearth_wire::names::SUBSET_KEY.to_string(),
+        ]);
+        assert_eq!(
+            removals("hearth.drop_client_headers"),
+            client,
+            "{}",
+            path.display()
+        );
+        // The sidecar removes x-hearth-fp itself; the rest go here.
+        let own: Vec<String> = hearth_ext_proc::envoy::render::HEARTH_HEADERS
+            .iter()
+            .filter(|h| **h != hearth_wire::header::FP)
+            .map(|h| h.to_string())
+            .collect();
+        assert_eq!(
+            removals("hearth.drop_hearth_headers"),
+            own,
+            "{}",
+            path.display()
+        );
+        let text = serde_json::to_string(doc).unwrap();
+        for allowed in [
+            r#"{"exact":":method"}"#,
+            r#"{"exact":":path"}"#,
+            r#"{"prefix":"x-hearth-"}"#,
+            r#"{"exact":"x-gateway-destination-endpoint-subset"}"#,
+        ] {
+            assert!(
+                text.contains(allowed),
+                "{}: allow-list lacks {allowed}",
+                path.display()
+            );
+        }
+        assert!(
+            !text.contains(r#"{"exact":"authorization"}"#),
+            "{}",
+            path.display()
+        );
+    }
+    assert_eq!(meshes, 2, "the Istio and Envoy Gateway manifests");
     for name in ["gateway.yaml", "gateway-body.yaml", "gateway-gie.yaml"] {
         let yaml = std::fs::read_to_string(root().join("envoy").join(name)).unwrap();
         let v: Value = serde_norway::from_str(&yaml).unwrap();
@@ -1089,5 +1169,41 @@ fn no_shipped_config_opens_a_control_port_without_the_token() {
                 assert!(CONTROL_PORTS.contains(&(sa["port_value"].as_u64().unwrap() as u16)));
             }
         }
+    }
+}
+
+/// Every HTTP filter a manifest adds (a mapping with a `name` and a
+/// `typed_config`), in document order, with its header_mutation removals.
+fn http_filters_in(v: &Value, out: &mut Vec<(String, Vec<String>)>) {
+    match v {
+        Value::Object(map) => {
+            if let (Some(Value::String(name)), Some(config)) =
+                (map.get("name"), map.get("typed_config"))
+            {
+                if config["@type"]
+                    .as_str()
+                    .is_some_and(|t| t.contains("envoy.extensions.filters.http."))
+                {
+                    let removals = config["mutations"]["request_mutations"]
+                        .as_array()
+                        .map(|m| {
+                            m.iter()
+                                .filter_map(|r| r["remove"].as_str().map(String::from))
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    out.push((name.clone(), removals));
+                }
+            }
+            for x in map.values() {
+                http_filters_in(x, out);
+            }
+        }
+        Value::Array(items) => {
+            for x in items {
+                http_filters_in(x, out);
+            }
+        }
+        _ => {}
     }
 }

@@ -151,6 +151,7 @@ async fn a_foreign_gateway_with_the_snippets_keeps_conversations_on_their_replic
         filters,
         [
             "envoy.filters.http.header_mutation",
+            "hearth.drop_client_headers",
             "hearth.filter_wasm",
             "envoy.filters.http.ext_proc",
             "hearth.filter_wasm_outcome",

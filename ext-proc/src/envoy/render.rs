@@ -554,7 +554,10 @@ pub fn render_body(g: &Gateway) -> String {
             continue;
         }
         if line.starts_with("          - name: ") {
-            skipping = line.contains("hearth.filter_wasm");
+            // The wasm filters and their backstop go; body mode drops
+            // client-sent routing headers itself, before ext_proc.
+            skipping =
+                line.contains("hearth.filter_wasm") || line.contains("hearth.drop_client_headers");
             if line.ends_with("envoy.filters.http.ext_proc") {
                 out.push_str(&strip_reserved(
                     "          # Body mode has no wasm filter to drop client-sent routing headers:
@@ -672,6 +675,37 @@ mod body_mode_tests {
         assert!(yaml.contains("envoy.filters.http.router"));
         let strip = yaml.find("header_mutation.v3").unwrap();
         assert!(strip < yaml.find("ext_proc.v3.ExternalProcessor").unwrap());
+        assert_eq!(yaml.matches("header_mutation.v3").count(), 1, "{yaml}");
+    }
+
+    /// The removals of a header_mutation filter, in order.
+    fn removals(yaml: &str) -> Vec<&str> {
+        yaml.lines()
+            .filter_map(|l| l.trim().strip_prefix("- remove: "))
+            .collect()
+    }
+
+    #[test]
+    fn filter_mode_backs_the_wasm_filter_up_with_the_same_removals_as_body_mode() {
+        use clap::Parser;
+        let cli = crate::config::Cli::try_parse_from([
+            "hearth-ext-proc",
+            "--upstreams=127.0.0.1:8001",
+            "envoy-config",
+        ])
+        .unwrap();
+        let Some(crate::config::Command::EnvoyConfig(args)) = &cli.command else {
+            panic!("envoy-config did not parse")
+        };
+        let g = args.gateway(&cli.settings);
+        let filter = render(&g);
+        let backstop = filter.find("hearth.drop_client_headers").unwrap();
+        // Before the wasm filter, so a failed VM lets nothing through.
+        assert!(backstop < filter.find("name: hearth.filter_wasm").unwrap());
+        let body = render_body(&g);
+        assert!(!body.contains("hearth.drop_client_headers"));
+        assert_eq!(removals(&filter), removals(&body));
+        assert_eq!(removals(&body), removals(&strip_reserved("", &[])));
     }
 }
 
