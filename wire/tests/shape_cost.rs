@@ -1,8 +1,9 @@
 //! What a fingerprint costs in memory, by the shape of the body: the peak of
 //! live heap bytes while `fingerprint()` runs, over the body's size, for
-//! every shape of `tests/shapes` at about 4 MiB. A counting allocator wraps
-//! the system one; the single test runs the shapes one after another, so no
-//! other test's allocations are counted.
+//! every shape of `tests/shapes` at about 4 MiB, and of random fragments
+//! repeated wherever the canonical form reads them. A counting allocator
+//! wraps the system one; the tests take turns, so no other test's
+//! allocations are counted.
 //!
 //! The bound: nothing of the body is copied or built into a tree, so what
 //! a parse holds is the hash list, the key index of the one JSON value
@@ -14,7 +15,8 @@
 
 mod shapes;
 
-use hearth_wire::{fingerprint, Params};
+use hearth_wire::{fingerprint, Endpoint, Params};
+use proptest::prelude::*;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
@@ -69,6 +71,7 @@ const MAX_RATIO: f64 = 0.25;
 
 #[test]
 fn a_fingerprint_costs_a_small_multiple_of_the_body_whatever_its_shape() {
+    let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let params = Params::default();
     let mut over = Vec::new();
     eprintln!(
@@ -98,4 +101,57 @@ fn a_fingerprint_costs_a_small_multiple_of_the_body_whatever_its_shape() {
         }
     }
     assert!(over.is_empty(), "over {MAX_RATIO}x the body: {over:?}");
+}
+
+/// One test at a time: the counting allocator counts every thread.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// A random small JSON value: what a hostile body repeats.
+fn fragment() -> impl Strategy<Value = String> {
+    let leaf = prop_oneof![
+        Just("0".to_string()),
+        Just("null".to_string()),
+        Just("true".to_string()),
+        (0u32..1000, -320i32..320).prop_map(|(m, e)| format!("{m}e{e}")),
+        (0u64..u64::MAX).prop_map(|n| n.to_string()),
+        "[a-z\\\\\"]{0,6}"
+            .prop_map(|s| format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))),
+    ];
+    leaf.prop_recursive(6, 24, 4, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(|v| format!("[{}]", v.join(","))),
+            prop::collection::vec(("[a-c]{0,2}", inner), 0..4).prop_map(|v| {
+                let members: Vec<String> =
+                    v.into_iter().map(|(k, x)| format!("\"{k}\":{x}")).collect();
+                format!("{{{}}}", members.join(","))
+            }),
+        ]
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Whatever is repeated wherever the canonical form reads it, the
+    /// parse holds a small part of the body.
+    #[test]
+    fn any_repeated_fragment_costs_a_small_part_of_the_body(item in fragment(), place in 0usize..6) {
+        let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        let n = (256 << 10) / (item.len() + 1);
+        let items = vec![item.as_str(); n].join(",");
+        let (endpoint, body) = match place {
+            0 => (Endpoint::ChatCompletions, format!(r#"{{"model":"m","messages":[{items}]}}"#)),
+            1 => (Endpoint::ChatCompletions, format!(r#"{{"model":"m","messages":[{{"role":"user","content":[{items}]}}]}}"#)),
+            2 => (Endpoint::ChatCompletions, format!(r#"{{"model":"m","tools":[{items}],"messages":[{{"role":"user","content":"x"}}]}}"#)),
+            3 => (Endpoint::ChatCompletions, format!(r#"{{"model":"m","messages":[{{"role":"assistant","tool_calls":[{items}]}}]}}"#)),
+            4 => (Endpoint::Responses, format!(r#"{{"model":"m","input":[{items}]}}"#)),
+            _ => (Endpoint::Completions, format!(r#"{{"model":"m","prompt":[{items}]}}"#)),
+        };
+        let base = LIVE.load(Relaxed);
+        PEAK.store(base, Relaxed);
+        let got = fingerprint(endpoint, body.as_bytes(), &Params::default());
+        let peak = PEAK.load(Relaxed) - base;
+        drop(got);
+        prop_assert!(peak < (64 << 10) + body.len() / 4, "{peak} bytes for a {} byte body of {item:.80}", body.len());
+    }
 }
