@@ -174,6 +174,24 @@ async fn the_outcome_filter_reports_with_the_token() {
             fleet.envoy.log()
         );
     }
+    // The empty answers fence through the sidecar's probes too (the fault
+    // empties them as well), so what shows the token works is Envoy's own
+    // count of the outcome cluster's answers: reports taken (204), none
+    // refused (401).
+    let taken = fleet
+        .envoy
+        .stat("cluster.hearth_sidecar_admin.upstream_rq_204")
+        .await
+        .unwrap()
+        .unwrap_or(0);
+    let refused = fleet
+        .envoy
+        .stat("cluster.hearth_sidecar_admin.upstream_rq_401")
+        .await
+        .unwrap()
+        .unwrap_or(0);
+    assert!(taken >= 1, "no outcome report was taken: {taken} x 204");
+    assert_eq!(refused, 0, "outcome reports refused for their token");
     fleet.assert_wasm_healthy();
 }
 

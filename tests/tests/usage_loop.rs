@@ -52,14 +52,15 @@ async fn usage_loop(shape: FleetOptions) {
     })
     .await
     .unwrap();
-    // Two conversations of three turns, interleaved, every request with
-    // the same client-chosen id.
+    // Two conversations of three turns, each round's two turns in flight
+    // at once, every request with the same client-chosen id: a ledger
+    // keyed by that id would pair an answer with the other's decision.
     let mut a = Conversation::new(MODEL, &filler(61, 8192), false, 6100);
     let mut b = Conversation::new(MODEL, &filler(62, 8192), false, 6200);
     let mut served_cached = 0;
     for _ in 0..3 {
-        served_cached += turn(&fleet, &mut a).await;
-        served_cached += turn(&fleet, &mut b).await;
+        let (x, y) = tokio::join!(turn(&fleet, &mut a), turn(&fleet, &mut b));
+        served_cached += x + y;
     }
     // Reports travel after the answers: wait for all six.
     let start = Instant::now();
