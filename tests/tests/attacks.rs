@@ -162,22 +162,57 @@ async fn turns_that_bypass_the_engines_cache_leave_its_warmth_alone() {
     let before = fleet.state().await.unwrap();
     let at = |s: &Snapshot| s.replicas.iter().find(|r| r.id == home).cloned().unwrap();
     // Three other conversations with the same harness, each a turn, then
-    // two continuing turns that tell the engine not to use its cache (or
-    // take a slot of their choosing): the engine serves them cold.
+    // continuing turns that tell the engine not to use its cache, to take
+    // a slot of their choosing, or to read other tokens than their text, in
+    // every spelling an engine reads so: llama.cpp serves the first ones
+    // cold, and ignores vLLM's (which Hearth must not trust either). They
+    // carry no fingerprint and go where load sends them: some to the
+    // victim's engine (counted, and required below).
+    let spellings: [(&str, serde_json::Value); 8] = [
+        ("cache_prompt", false.into()),
+        ("id_slot", 0.into()),
+        ("id_slot", 1.0.into()),
+        ("id_slot", true.into()),
+        ("prompt_logprobs", 1.into()),
+        ("truncate_prompt_tokens", 4000.into()),
+        ("add_special_tokens", true.into()),
+        ("mm_processor_kwargs", serde_json::json!({})),
+    ];
+    let mut at_home = 0;
     for seed in 2..5u64 {
         let mut conv = Conversation::new(MODEL, &system(seed), false, 8000 + seed);
-        for turn in 0..3 {
+        for turn in 0..4 {
             let mut body = conv.next_turn(120, false);
             body["max_tokens"] = 4.into();
-            match turn {
-                0 => {}
-                1 => body["cache_prompt"] = false.into(),
-                _ => body["id_slot"] = 0.into(),
+            let spelled = (turn > 0).then(|| &spellings[(seed as usize * 3 + turn) % 8]);
+            if let Some((field, value)) = spelled {
+                body[*field] = value.clone();
             }
             let t = fleet.chat(&body).await;
+            assert_eq!(t.status, 200, "{:?}", t.body);
+            if spelled.is_some() && t.upstream.as_deref() == Some(home.as_str()) {
+                at_home += 1;
+            }
             conv.push_assistant(&reply_text(&t.body));
         }
     }
+    // Load decides where they go: until one has reached the victim's
+    // engine, more of them (a bounded number).
+    let mut extra = Conversation::new(MODEL, &system(5), false, 8005);
+    let mut sent = 9;
+    while at_home == 0 && sent < 24 {
+        let mut body = extra.next_turn(120, false);
+        body["max_tokens"] = 4.into();
+        let (field, value) = &spellings[sent % 8];
+        body[*field] = value.clone();
+        let t = fleet.chat(&body).await;
+        assert_eq!(t.status, 200, "{:?}", t.body);
+        at_home += usize::from(t.upstream.as_deref() == Some(home.as_str()));
+        extra.push_assistant(&reply_text(&t.body));
+        sent += 1;
+    }
+    eprintln!("{at_home} of {sent} bypassing turns reached the victim's engine {home}");
+    assert!(at_home > 0, "no bypassing turn reached the victim's engine");
     let after = fleet.settle(Duration::from_secs(30)).await.unwrap();
     let (b, a) = (at(&before), at(&after));
     assert_eq!(a.usage.restarts_total, b.usage.restarts_total, "{after:?}");
