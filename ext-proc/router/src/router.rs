@@ -332,6 +332,9 @@ impl Router {
         let fleet = &mut *guard;
         let replica = fleet.replicas.get(answered).filter(|r| !r.retired)?;
         let prediction = prediction.filter(|p| p.replica == answered && p.key == replica.key());
+        let engine_tells_restarts = self
+            .fresh_engine(&fleet.state[answered], now)
+            .is_some_and(|e| e.prompt_tokens_total.is_some() || e.started_at.is_some());
         let s = &mut fleet.state[answered];
         let (predicted_tokens, correction) = s.usage.record(
             &mut s.warmth,
@@ -339,6 +342,7 @@ impl Router {
             &self.params,
             prediction,
             usage,
+            engine_tells_restarts,
             now,
         );
         if correction == Some(Correction::Restart) {

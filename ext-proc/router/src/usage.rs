@@ -313,6 +313,7 @@ impl UsageTally {
     /// (with `usage_feedback` on). Returns the predicted cached tokens and
     /// the correction; on [`Correction::Restart`] the warmth is cleared
     /// here and the caller drops the replica's resident conversations.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn record(
         &mut self,
         warmth: &mut LruBlocks,
@@ -320,6 +321,7 @@ impl UsageTally {
         p: &RouterParams,
         prediction: Option<&Prediction>,
         usage: Usage,
+        engine_tells_restarts: bool,
         now: Instant,
     ) -> (Option<u64>, Option<Correction>) {
         self.reports += 1;
@@ -401,7 +403,12 @@ impl UsageTally {
         if !p.usage_feedback {
             return (Some(predicted), None);
         }
-        let correction = if shallow && self.missed.len() >= RESTART_CONVERSATIONS {
+        // Misses stand for a restart only where the engine cannot say so
+        // itself: one client can open the conversations that miss, and
+        // an engine whose metrics show its start time or its prompt
+        // counter is read for its restarts directly (`Router::set_engine_signals`).
+        let by_misses = !engine_tells_restarts;
+        let correction = if by_misses && shallow && self.missed.len() >= RESTART_CONVERSATIONS {
             // Several conversations lost what the engine read last: a
             // restart (or its cache was reset). The capacity stays what it
             // was.
@@ -516,7 +523,7 @@ mod tests {
         };
         let p = RouterParams::default();
         tally
-            .record(warmth, 100_000, &p, Some(&prediction), usage, now)
+            .record(warmth, 100_000, &p, Some(&prediction), usage, false, now)
             .1
     }
 

@@ -136,6 +136,30 @@ fn recent_conversations_lost_three_times_in_a_row_are_a_restart() {
 }
 
 #[test]
+fn misses_are_no_restart_on_an_engine_whose_metrics_tell_its_restarts() {
+    // The same three losses as above, on an engine whose metrics show its
+    // start time and prompt counter, both unchanged: one client could have
+    // opened those conversations, and the engine says it did not restart.
+    let r = fleet_of("127.0.0.1:1", |_| {});
+    r.set_engine_signals(
+        "127.0.0.1:1".parse().unwrap(),
+        engine(None, 5_000.0, 1_000.0),
+    );
+    let convs = placed(&r, 12, 100);
+    let mut corrections = Vec::new();
+    for (k, c) in convs.iter().rev().take(3).enumerate() {
+        let mut c = c.clone();
+        c.push(900_000 + k as u64);
+        let d = r.decide(&req(&c)).unwrap();
+        corrections.push(d.record_usage(usage(c.len(), 0)).unwrap().correction);
+    }
+    assert_eq!(corrections, [None, None, None]);
+    let s = replica(&r, 0);
+    assert_eq!(s.usage.restarts_total, 0);
+    assert!(s.warmth_blocks > 0);
+}
+
+#[test]
 fn a_recent_loss_between_ordinary_turns_is_no_restart() {
     let r = fleet_of("127.0.0.1:1", |_| {});
     let convs = placed(&r, 12, 100);
