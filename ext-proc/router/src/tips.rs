@@ -11,7 +11,11 @@
 //! restart evidence and the journal all read this one answer, carried by
 //! the [`crate::Decision`].
 //!
-//! Tips are bounded (least recently used forgotten first). When in doubt a
+//! Tips are bounded (least recently used forgotten first), in two parts: a
+//! quarter of the room for first turns' tips, the rest for the tips of
+//! turns that continued a conversation. A flood of new prompts (a client
+//! that sends a hundred thousand one-block requests) churns only the first
+//! part, and never the conversations that came back. When in doubt a
 //! turn counts as new: one whose previous turn was forgotten, or evicted
 //! from every warmth index.
 
@@ -51,15 +55,20 @@ struct Turn {
 
 /// Recent prompts' tips, fleet-wide, each with the replica its turn went to.
 pub(crate) struct Tips {
-    recency: LruBlocks,
+    /// Tips of first turns (prompts that continue none).
+    first: LruBlocks,
+    /// Tips of turns that continued a conversation.
+    later: LruBlocks,
     /// (Keyed by the warmth index's seeded hasher: tips are block hashes.)
     went: BlockMap<Turn>,
 }
 
 impl Tips {
     pub(crate) fn new(capacity: usize) -> Tips {
+        let first = (capacity / 4).max(1);
         Tips {
-            recency: LruBlocks::new(capacity),
+            first: LruBlocks::new(first),
+            later: LruBlocks::new(capacity.saturating_sub(first).max(1)),
             went: BlockMap::default(),
         }
     }
@@ -97,8 +106,18 @@ impl Tips {
         prompt_bytes: u64,
         previous: Option<&Continuation>,
     ) {
-        if let Some(old) = self.recency.touch_evicting(tip) {
-            self.went.remove(&old);
+        // A tip stays in the part it is in; a continuing turn's goes to
+        // the conversations' part.
+        let Tips { first, later, .. } = self;
+        let (part, other) = if previous.is_some() || later.contains(tip) {
+            (later, &*first)
+        } else {
+            (first, &*later)
+        };
+        if let Some(old) = part.touch_evicting(tip) {
+            if !other.contains(old) {
+                self.went.remove(&old);
+            }
         }
         self.went.insert(
             tip,
@@ -164,12 +183,33 @@ mod tests {
 
     #[test]
     fn tips_are_bounded_and_the_oldest_is_forgotten_first() {
-        let mut tips = Tips::new(4);
+        let mut tips = Tips::new(16);
         for t in 0..10 {
             tips.record(t, key(1), 2048, None);
         }
+        // First turns have a quarter of the room.
         assert_eq!(tips.len(), 4);
         assert!(!tips.contains(5));
         assert!(tips.contains(6) && tips.contains(9));
+    }
+
+    #[test]
+    fn a_flood_of_new_prompts_never_flushes_the_conversations_that_came_back() {
+        let mut tips = Tips::new(400);
+        // Fifty conversations of two turns.
+        for c in 0..50u64 {
+            tips.record(c * 10, key(1), 2048, None);
+            let turn1 = tips.continued(&[c * 10]).unwrap();
+            tips.record(c * 10 + 1, key(1), 4096, Some(&turn1));
+        }
+        // A hundred thousand one-block prompts, none continuing.
+        for t in 0..100_000u64 {
+            tips.record(1_000_000 + t, key(2), 2048, None);
+        }
+        for c in 0..50u64 {
+            let next = tips.continued(&[c * 10, c * 10 + 1]).unwrap();
+            assert_eq!((next.tip, next.conversation), (c * 10 + 1, c * 10));
+        }
+        assert!(tips.len() <= 400);
     }
 }
