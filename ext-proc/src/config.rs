@@ -858,6 +858,30 @@ impl Settings {
             .transpose()
     }
 
+    /// The warning for peer credentials that may cross the network in
+    /// clear: `nats://` (not `tls://`) to a server off loopback, with a
+    /// user, a token or credentials in the URL. The client still upgrades
+    /// when the server requires TLS (as the shipped one does); `tls://`
+    /// insists on it. `None` when no such entry.
+    pub fn peers_credentials_exposure(&self) -> Option<String> {
+        let url = self.peers_url.as_deref()?;
+        let set = self.peers_user.is_some() || self.peers_token.is_some();
+        let exposed: Vec<String> = url
+            .split(',')
+            .map(str::trim)
+            .filter(|one| one.starts_with("nats://"))
+            .flat_map(url_hosts)
+            .filter(|(host, own)| (set || *own) && !is_loopback_host(host))
+            .map(|(host, _)| host)
+            .collect();
+        let first = exposed.first()?;
+        Some(format!(
+            "HEARTH_PEERS_URL reaches {first} with nats://: the bus credentials cross the \
+             network in clear unless that server requires TLS. Write tls://{first}:PORT to \
+             insist on TLS (HEARTH_PEERS_CA_FILE for a private CA)"
+        ))
+    }
+
     /// What keeps the peer bus from starting: an unreadable or short key
     /// file or CA file, and, unless `HEARTH_PEERS_INSECURE`, a bus without
     /// a key or a server off loopback without credentials.
@@ -1614,6 +1638,25 @@ mod tests {
             "{problems:?}"
         );
         assert!(format!("{:?}", s.peers_token).contains("redacted"));
+    }
+
+    #[test]
+    fn peer_credentials_over_plain_nats_beyond_loopback_are_warned_about() {
+        let settings = |args: &[&str]| parse(args).unwrap().settings;
+        let base = ["--upstreams", "127.0.0.1:8000", "--peers-url"];
+        let with = |url: &str, more: &[&'static str]| {
+            let mut a: Vec<&str> = base.to_vec();
+            a.push(url);
+            a.extend(more);
+            settings(&a).peers_credentials_exposure()
+        };
+        let w = with("nats://10.0.0.5:4222", &["--peers-token", "t"]).unwrap();
+        assert!(w.contains("10.0.0.5") && w.contains("tls://"), "{w}");
+        assert!(with("nats://u:p@10.0.0.5:4222", &[]).is_some());
+        // TLS, loopback, or nothing to expose: no warning.
+        assert_eq!(with("tls://10.0.0.5:4222", &["--peers-token", "t"]), None);
+        assert_eq!(with("nats://127.0.0.1:4222", &["--peers-token", "t"]), None);
+        assert_eq!(with("nats://10.0.0.5:4222", &[]), None);
     }
 
     #[test]

@@ -160,7 +160,13 @@ impl Sidecar {
             tracing::info!(warm, "peer bus: started");
             spawn_until(&stop, bus.run());
         }
-        if let Some(warning) = settings.engine_key_exposure() {
+        for warning in [
+            settings.engine_key_exposure(),
+            settings.peers_credentials_exposure(),
+        ]
+        .into_iter()
+        .flatten()
+        {
             tracing::warn!("{warning}");
         }
         let engines = feeds::engines::EngineClient::new(
