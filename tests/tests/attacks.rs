@@ -233,3 +233,94 @@ async fn turns_that_bypass_the_engines_cache_leave_its_warmth_alone() {
     assert!(serving_unfenced(&after), "{after:?}");
     fleet.assert_wasm_healthy();
 }
+
+/// A client that holds every slot (long streamed generations that ignore
+/// the end-of-sequence token), then queues ordinary requests behind them,
+/// gets nothing fenced. The first-byte deadline is made short here, so the
+/// queued requests miss it and make their replicas suspect, as a longer
+/// flood does at the defaults; no probe goes behind the queued work, and
+/// the engines' own counters show them generating, so nothing is struck.
+/// Every request is answered once slots free up, and the next client is
+/// routed.
+#[tokio::test]
+async fn a_client_holding_every_slot_fences_nothing_and_every_queued_request_is_answered() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let flags = [
+        "--block-size=256",
+        "--first-byte-timeout-seconds=2",
+        "--prefill-bytes-per-second=0",
+        "--probe-timeout-seconds=2",
+        "--probe-interval-seconds=1",
+        "--probe-retry-seconds=0.5",
+        "--suspect-probe-seconds=0.5",
+        "--engine-metrics-seconds=0.5",
+        "--stall-seconds=3",
+    ];
+    let lf = LlamaFleet::start(2, &engine_config(), &flags)
+        .await
+        .unwrap();
+    let fleet = &lf.fleet;
+    let long = |i: u64| {
+        json!({
+            "model": MODEL, "stream": true, "max_tokens": 300, "ignore_eos": true,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": format!("Tell the long story of lighthouse {i}.")}],
+        })
+    };
+    let short = |i: u64| {
+        json!({
+            "model": MODEL, "max_tokens": 8,
+            "messages": [{"role": "user", "content": format!("Say hello to visitor {i}.")}],
+        })
+    };
+    let done = AtomicBool::new(false);
+    let work = async {
+        let longs = futures::future::join_all(
+            (0..4).map(|i| async move { fleet.post_json("/v1/chat/completions", &long(i)).await }),
+        );
+        let shorts =
+            async {
+                tokio::time::sleep(Duration::from_millis(800)).await;
+                futures::future::join_all((0..4).map(|i| async move {
+                    fleet.post_json("/v1/chat/completions", &short(i)).await
+                }))
+                .await
+            };
+        let out = tokio::join!(longs, shorts);
+        done.store(true, Ordering::Relaxed);
+        out
+    };
+    let watch = async {
+        let (mut fenced, mut suspected) = (Vec::new(), 0usize);
+        while !done.load(Ordering::Relaxed) {
+            if let Ok(s) = fleet.state().await {
+                for r in &s.replicas {
+                    if r.health.state == HealthState::Fenced {
+                        fenced.push(r.id.clone());
+                    }
+                    suspected += usize::from(r.health.suspect.is_some());
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        (fenced, suspected)
+    };
+    let ((longs, shorts), (fenced, suspected)) = tokio::join!(work, watch);
+    eprintln!(
+        "replicas seen suspect in {suspected} samples, fenced in {}",
+        fenced.len()
+    );
+    for (what, turns) in [("long", longs), ("ordinary", shorts)] {
+        for t in turns {
+            let t = t.unwrap_or_else(|e| panic!("a {what} request got no answer: {e}"));
+            assert_eq!(t.status, 200, "a {what} request: {:?}", t.body);
+        }
+    }
+    assert!(fenced.is_empty(), "fenced while generating: {fenced:?}");
+    let s = fleet.state().await.unwrap();
+    assert!(serving_unfenced(&s), "{s:?}");
+    let mut next = Conversation::new(MODEL, "after the flood", false, 9100);
+    let t = fleet.chat(&next.next_turn(120, false)).await;
+    assert!(t.upstream.is_some());
+    fleet.assert_wasm_healthy();
+}
