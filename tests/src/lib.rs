@@ -467,6 +467,63 @@ pub fn two_slot_llama() -> LlamaConfig {
     }
 }
 
+/// Resident memory of the process `pid`, from /proc (0 when unreadable).
+pub fn rss_of(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Chat bodies for `model` of about `size` bytes, one per shape that once
+/// cost the parser many times its size (a tree node per tiny item): tiny
+/// messages (no readable prompt), tiny tools, huge numbers, deep unsorted
+/// objects, short messages, empty parts.
+pub fn worst_shapes(size: usize, model: &str) -> Vec<(&'static str, String)> {
+    let repeat = |item: &str| {
+        let n = size / (item.len() + 1);
+        let mut s = String::with_capacity(size + 64);
+        for i in 0..n {
+            if i > 0 {
+                s.push(',');
+            }
+            s.push_str(item);
+        }
+        s
+    };
+    let tools = |t: String| {
+        format!(
+            r#"{{"model":"{model}","tools":[{t}],"messages":[{{"role":"user","content":"hi"}}]}}"#
+        )
+    };
+    let chain = format!("{}0{}", r#"{"b":"#.repeat(60), r#","a":1}"#.repeat(60));
+    vec![
+        (
+            "tiny_messages",
+            format!(r#"{{"model":"{model}","messages":[{}]}}"#, repeat("0")),
+        ),
+        ("tiny_tools", tools(repeat("0"))),
+        ("huge_numbers", tools(repeat("1e300"))),
+        ("deep_unsorted_objects", tools(repeat(&chain))),
+        (
+            "short_messages",
+            format!(
+                r#"{{"model":"{model}","messages":[{}]}}"#,
+                repeat(r#"{"role":"user","content":"hi"}"#)
+            ),
+        ),
+        (
+            "empty_parts",
+            format!(
+                r#"{{"model":"{model}","messages":[{{"role":"user","content":[{}]}}]}}"#,
+                repeat("{}")
+            ),
+        ),
+    ]
+}
+
 /// Real engines behind the gateway: one llama.cpp `llama-server` per
 /// replica (the binary and model `scripts/setup` installs), each with its
 /// replica id as its model alias, so every answer's `model` names the

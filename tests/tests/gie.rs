@@ -218,14 +218,9 @@ async fn the_pool_follows_a_reloaded_replica_list() {
     assert_eq!(fleet.engine_stats()[gone].requests_total, gone_served);
 }
 
-/// The sidecar's resident memory, from /proc (it runs in this process).
+/// The sidecar's resident memory (it runs in this process).
 fn rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
+    hearth_e2e::rss_of(std::process::id())
 }
 
 #[tokio::test]
@@ -394,42 +389,12 @@ async fn worst_shaped_bodies_cost_the_picker_what_their_bytes_do() {
     .await
     .unwrap();
     let url = format!("{}/v1/chat/completions", fleet.envoy.url());
-    let repeat = |item: &str| {
-        let n = SIZE / (item.len() + 1);
-        let mut s = String::with_capacity(SIZE + 64);
-        for i in 0..n {
-            if i > 0 {
-                s.push(',');
-            }
-            s.push_str(item);
-        }
-        s
-    };
-    let with_tools = |tools: String| {
-        format!(
-            r#"{{"model":"not-served-here","tools":[{tools}],"messages":[{{"role":"user","content":"hi"}}]}}"#
-        )
-    };
-    let chain = format!("{}0{}", r#"{"b":"#.repeat(60), r#","a":1}"#.repeat(60));
-    let shapes: Vec<(&str, String)> = vec![
-        ("tiny_tools", with_tools(repeat("0"))),
-        ("huge_numbers", with_tools(repeat("1e300"))),
-        ("deep_unsorted_objects", with_tools(repeat(&chain))),
-        (
-            "short_messages",
-            format!(
-                r#"{{"model":"not-served-here","messages":[{}]}}"#,
-                repeat(r#"{"role":"user","content":"hi"}"#)
-            ),
-        ),
-        (
-            "empty_parts",
-            format!(
-                r#"{{"model":"not-served-here","messages":[{{"role":"user","content":[{}]}}]}}"#,
-                repeat("{}")
-            ),
-        ),
-    ];
+    // Every shape with a readable prompt (one without has no model to
+    // refuse and would go to an engine, in this process).
+    let shapes: Vec<(&str, String)> = hearth_e2e::worst_shapes(SIZE, "not-served-here")
+        .into_iter()
+        .filter(|(name, _)| *name != "tiny_messages")
+        .collect();
     // Shared by the sends without copies.
     let shapes: Vec<(&str, bytes::Bytes)> = shapes
         .into_iter()

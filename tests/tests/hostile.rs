@@ -144,16 +144,6 @@ async fn every_hostile_request_gets_a_sane_answer_and_nothing_breaks() {
     assert!(next.cached_tokens() > 0);
 }
 
-/// Resident memory of the process `pid`, from /proc.
-fn rss_of(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
-}
-
 /// Bodies of the shapes that once cost the wasm filter many times their
 /// size (its memory never shrinks: one 7 MiB body of tiny items kept
 /// Envoy 635 MB larger), at 7 MiB each, ten of them through the standard
@@ -171,42 +161,10 @@ async fn worst_shaped_bodies_cost_the_filter_a_small_multiple_of_their_size() {
     .await
     .unwrap();
     let pid = fleet.envoy.pid().expect("Envoy's pid");
-    let repeat = |item: &str| {
-        let n = SIZE / (item.len() + 1);
-        let mut s = String::with_capacity(SIZE + 64);
-        for i in 0..n {
-            if i > 0 {
-                s.push(',');
-            }
-            s.push_str(item);
-        }
-        s
-    };
-    let tools = |t: String| {
-        format!(
-            r#"{{"model":"not-served-here","tools":[{t}],"messages":[{{"role":"user","content":"hi"}}]}}"#
-        )
-    };
-    let chain = format!("{}0{}", r#"{"b":"#.repeat(60), r#","a":1}"#.repeat(60));
-    let shapes = [
-        (
-            "tiny_messages",
-            format!(
-                r#"{{"model":"not-served-here","messages":[{}]}}"#,
-                repeat("0")
-            ),
-        ),
-        ("tiny_tools", tools(repeat("0"))),
-        ("huge_numbers", tools(repeat("1e300"))),
-        ("deep_unsorted_objects", tools(repeat(&chain))),
-        (
-            "empty_parts",
-            format!(
-                r#"{{"model":"not-served-here","messages":[{{"role":"user","content":[{}]}}]}}"#,
-                repeat("{}")
-            ),
-        ),
-    ];
+    let shapes: Vec<(&str, String)> = hearth_e2e::worst_shapes(SIZE, "not-served-here")
+        .into_iter()
+        .filter(|(name, _)| *name != "short_messages")
+        .collect();
     // One ordinary request first, so both workers' VMs exist.
     let mut conv = Conversation::new(MODEL, "before the shapes", false, 78);
     let t = fleet
@@ -214,7 +172,7 @@ async fn worst_shaped_bodies_cost_the_filter_a_small_multiple_of_their_size() {
         .await
         .unwrap();
     assert_eq!(t.status, 200, "{:?}", t.body);
-    let baseline = rss_of(pid);
+    let baseline = hearth_e2e::rss_of(pid);
     let mut statuses = Vec::new();
     for round in 0..2 {
         for (name, body) in &shapes {
@@ -229,7 +187,7 @@ async fn worst_shaped_bodies_cost_the_filter_a_small_multiple_of_their_size() {
             statuses.push((round, *name, t.status));
         }
     }
-    let after = rss_of(pid);
+    let after = hearth_e2e::rss_of(pid);
     let grew = after.saturating_sub(baseline);
     eprintln!(
         "filter: {statuses:?}; Envoy RSS {:.0} MiB -> {:.0} MiB (+{:.0} MiB) after ten {} MiB bodies",

@@ -3,9 +3,10 @@
 
 use hearth_bench::live::{measure, LiveArgs};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_short_live_cell_runs_beside_its_simulation() {
-    let args = LiveArgs {
+/// The cell every test here runs: two simulated replicas, four agents,
+/// twelve simulated seconds at twenty times the speed.
+fn short_cell() -> LiveArgs {
+    LiveArgs {
         scenario: "cache-never-fills".into(),
         agents: 4,
         replicas: Some(2),
@@ -14,7 +15,12 @@ async fn a_short_live_cell_runs_beside_its_simulation() {
         seed: 3,
         json: None,
         sidecar: Default::default(),
-    };
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_live_cell_runs_beside_its_simulation() {
+    let args = short_cell();
     // Needs target/<profile>/hearth-ext-proc: scripts/test builds it first.
     let rows = measure(&args).await.unwrap_or_else(|e| panic!("{e:#}"));
     assert_eq!(rows.len(), 2);
@@ -40,16 +46,7 @@ async fn a_short_live_cell_runs_beside_its_simulation() {
 async fn the_peer_routers_run_beside_envoy_on_the_same_engines() {
     use hearth_bench::live::{measure_policies, LiveCli, LivePolicy};
     let cli = LiveCli {
-        cell: LiveArgs {
-            scenario: "cache-never-fills".into(),
-            agents: 4,
-            replicas: Some(2),
-            seconds: 12,
-            time_scale: 20.0,
-            seed: 3,
-            json: None,
-            sidecar: Default::default(),
-        },
+        cell: short_cell(),
         policies: vec![
             LivePolicy::LeastRequest,
             LivePolicy::SmgCacheAware,

@@ -380,17 +380,7 @@ impl<'a> Json<'a> {
         if self.at(i) == b'[' {
             // An array's items are sorted apart, so each is indexed on its
             // own: a tool list costs what its largest tool does.
-            out.put(b"[");
-            let mut first = true;
-            let end = self.items(i, 0, |v| {
-                if !first {
-                    out.put(b",");
-                }
-                first = false;
-                self.canonical(v, scratch, out)
-            })?;
-            out.put(b"]");
-            return Ok(end);
+            return self.write_items(i, out, |v, out| self.canonical(v, scratch, out));
         }
         scratch.index(self, i)?;
         self.write(i, scratch, out)
@@ -435,19 +425,7 @@ impl<'a> Json<'a> {
                 }
                 Ok(close + 1)
             }
-            b'[' => {
-                out.put(b"[");
-                let mut first = true;
-                let end = self.items(i, 0, |v| {
-                    if !first {
-                        out.put(b",");
-                    }
-                    first = false;
-                    self.write(v, ix, out)
-                })?;
-                out.put(b"]");
-                Ok(end)
-            }
+            b'[' => self.write_items(i, out, |v, out| self.write(v, ix, out)),
             b't' => {
                 out.put(b"true");
                 self.literal(i, "true")
@@ -462,6 +440,26 @@ impl<'a> Json<'a> {
             }
             _ => self.write_number(i, out),
         }
+    }
+
+    /// Writes the array at `i` as `[`, each item by `item`, `]`.
+    fn write_items<S: Sink>(
+        &self,
+        i: usize,
+        out: &mut S,
+        mut item: impl FnMut(usize, &mut S) -> Res<usize>,
+    ) -> Res<usize> {
+        out.put(b"[");
+        let mut first = true;
+        let end = self.items(i, 0, |v| {
+            if !first {
+                out.put(b",");
+            }
+            first = false;
+            item(v, out)
+        })?;
+        out.put(b"]");
+        Ok(end)
     }
 
     fn write_string(&self, i: usize, out: &mut impl Sink) -> Res<usize> {

@@ -107,6 +107,24 @@ fn a_miss_shrinks_the_index_toward_the_engine_and_drops_its_oldest_blocks() {
     assert_eq!(r.decide(&req(&oldest)).unwrap().overlap, 58);
 }
 
+/// The three latest of `convs` come back (latest first) and the engine
+/// serves none of their prompt from cache: the corrections, in order.
+fn lose_latest_three(r: &Arc<Router>, convs: &[Vec<u64>]) -> Vec<Option<Correction>> {
+    convs
+        .iter()
+        .rev()
+        .take(3)
+        .enumerate()
+        .map(|(k, c)| {
+            let mut c = c.clone();
+            c.push(900_000 + k as u64);
+            let d = r.decide(&req(&c)).unwrap();
+            assert!(d.continues());
+            d.record_usage(usage(c.len(), 0)).unwrap().correction
+        })
+        .collect()
+}
+
 #[test]
 fn recent_conversations_lost_three_times_in_a_row_are_a_restart() {
     let r = fleet_of("127.0.0.1:1", |_| {});
@@ -114,15 +132,10 @@ fn recent_conversations_lost_three_times_in_a_row_are_a_restart() {
     // The engine restarted: the three latest conversations come back
     // (latest first) and find nothing; each lost what the index took in
     // last, which no cache size explains, so none shrinks the index.
-    let mut corrections = Vec::new();
-    for (k, c) in convs.iter().rev().take(3).enumerate() {
-        let mut c = c.clone();
-        c.push(900_000 + k as u64);
-        let d = r.decide(&req(&c)).unwrap();
-        assert!(d.continues());
-        corrections.push(d.record_usage(usage(c.len(), 0)).unwrap().correction);
-    }
-    assert_eq!(corrections, [None, None, Some(Correction::Restart)]);
+    assert_eq!(
+        lose_latest_three(&r, &convs),
+        [None, None, Some(Correction::Restart)]
+    );
     let s = replica(&r, 0);
     assert_eq!((s.warmth_blocks, s.resident_conversations), (0, 0));
     assert_eq!(s.warmth_capacity, RouterParams::default().warmth_blocks);
@@ -146,14 +159,7 @@ fn misses_are_no_restart_on_an_engine_whose_metrics_tell_its_restarts() {
         engine(None, 5_000.0, 1_000.0),
     );
     let convs = placed(&r, 12, 100);
-    let mut corrections = Vec::new();
-    for (k, c) in convs.iter().rev().take(3).enumerate() {
-        let mut c = c.clone();
-        c.push(900_000 + k as u64);
-        let d = r.decide(&req(&c)).unwrap();
-        corrections.push(d.record_usage(usage(c.len(), 0)).unwrap().correction);
-    }
-    assert_eq!(corrections, [None, None, None]);
+    assert_eq!(lose_latest_three(&r, &convs), [None, None, None]);
     let s = replica(&r, 0);
     assert_eq!(s.usage.restarts_total, 0);
     assert!(s.warmth_blocks > 0);
