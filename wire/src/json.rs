@@ -193,9 +193,23 @@ impl<'a> Json<'a> {
 
     // -- strings --------------------------------------------------------
 
-    /// The end of the string opening at `i`, validated.
+    /// The end of the string opening at `i`, validated as [`Json::decode`]
+    /// validates it, without decoding.
     pub(crate) fn string_end(&self, i: usize) -> Res<usize> {
-        self.decode(i, |_| {})
+        if self.at(i) != b'"' {
+            return Err(BAD);
+        }
+        let bytes = self.s.as_bytes();
+        let mut j = i + 1;
+        loop {
+            j += plain_run(bytes.get(j..).unwrap_or_default()).ok_or(BAD)?;
+            match (self.at(j), self.at(j + 1)) {
+                (b'"', _) => return Ok(j + 1),
+                (b'\\', b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => j += 2,
+                (b'\\', b'u') => j = self.escape(j)?.1,
+                _ => return Err(BAD),
+            }
+        }
     }
 
     /// Decodes the string opening at `i`, giving its text to `f` in pieces;
@@ -207,12 +221,7 @@ impl<'a> Json<'a> {
         let bytes = self.s.as_bytes();
         let mut j = i + 1;
         loop {
-            let run = bytes
-                .get(j..)
-                .unwrap_or_default()
-                .iter()
-                .position(|&c| c == b'"' || c == b'\\' || c < 0x20)
-                .ok_or(BAD)?;
+            let run = plain_run(bytes.get(j..).unwrap_or_default()).ok_or(BAD)?;
             if run > 0 {
                 f(self.text(j, j + run));
             }
@@ -502,6 +511,36 @@ impl<'a> Json<'a> {
         }
         Ok(end)
     }
+}
+
+/// Where the first byte that ends a string's plain run is in `bytes` (a
+/// quote, a backslash or a control character), eight bytes at a time.
+#[inline]
+fn plain_run(bytes: &[u8]) -> Option<usize> {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    // The high bit of each byte of `v` below `n` (n <= 128), and of each
+    // zero byte: exact for the lowest such byte, which is all we read.
+    let below = |v: u64, n: u8| v.wrapping_sub(ONES * u64::from(n)) & !v & HIGH;
+    let mut chunks = bytes.chunks_exact(8);
+    let mut at = 0;
+    for c in &mut chunks {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(c);
+        let v = u64::from_le_bytes(w);
+        let hit = below(v ^ (ONES * u64::from(b'"')), 1)
+            | below(v ^ (ONES * u64::from(b'\\')), 1)
+            | below(v, 0x20);
+        if hit != 0 {
+            return Some(at + (hit.trailing_zeros() / 8) as usize);
+        }
+        at += 8;
+    }
+    chunks
+        .remainder()
+        .iter()
+        .position(|&c| c == b'"' || c == b'\\' || c < 0x20)
+        .map(|k| at + k)
 }
 
 /// Writes `text` as the inside of a canonical JSON string.
@@ -818,6 +857,23 @@ mod tests {
         let mut out = Vec::new();
         json.canonical(start, &mut Scratch::default(), &mut out)?;
         Ok(String::from_utf8(out).unwrap())
+    }
+
+    #[test]
+    fn a_plain_run_ends_at_the_first_quote_backslash_or_control_byte() {
+        let text: Vec<u8> = (0..=255u8)
+            .chain(b"abcdefghijklmnop".iter().copied())
+            .collect();
+        for start in 0..text.len() {
+            for len in 0..40.min(text.len() - start) {
+                let s = &text[start..start + len];
+                let want = s.iter().position(|&c| c == b'"' || c == b'\\' || c < 0x20);
+                assert_eq!(plain_run(s), want, "{s:?}");
+            }
+        }
+        let long = [b"x".repeat(1000), b"\\".to_vec()].concat();
+        assert_eq!(plain_run(&long), Some(1000));
+        assert_eq!(plain_run(&"éx".as_bytes().repeat(100)), None);
     }
 
     #[test]
