@@ -19,12 +19,14 @@
 //! fairness_id, priority}`; Hearth does not rewrite models (the target is
 //! the model asked for) and has no fairness or priority classes (both
 //! empty). A model name comes from the client, so at most
-//! [`MAX_MODEL_LABELS`] distinct names get a series; later ones count as
-//! `other`.
+//! [`MAX_MODEL_LABELS`] distinct names have a series at once; past them a
+//! new name counts as `other`, unless a name has gone unused for
+//! [`MODEL_LABEL_IDLE`]: its series are dropped and the new name takes
+//! its place (names a client made up do not keep the labels for good).
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -36,6 +38,17 @@ use hearth_router::RouteError;
 
 /// Distinct model names given their own series.
 pub const MAX_MODEL_LABELS: usize = 1_000;
+
+/// A model name unused this long gives up its series to a new name.
+pub const MODEL_LABEL_IDLE: Duration = Duration::from_secs(600);
+
+/// Every `error_code` a request series can carry.
+const ERROR_CODES: [&str; 4] = [
+    "BadRequest",
+    "ServiceUnavailable",
+    "InferencePoolResourceExhausted",
+    "ModelServerError",
+];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -69,7 +82,8 @@ pub struct EppMetrics {
     scheduler: Histogram,
     input_tokens: Histograms,
     cached_tokens: Histograms,
-    models: Mutex<HashSet<String>>,
+    /// The names with their own series, and when each was last used.
+    models: Mutex<HashMap<String, Instant>>,
 }
 
 impl EppMetrics {
@@ -113,23 +127,54 @@ impl EppMetrics {
 
     /// The label set of a request for `model` (bounded, see the module).
     fn labels(&self, model: Option<&str>) -> RequestLabels {
+        self.labels_at(model, Instant::now())
+    }
+
+    fn labels_at(&self, model: Option<&str>, now: Instant) -> RequestLabels {
         let name = match model {
             None => String::new(),
             Some(m) => {
                 let mut seen = self.models.lock().unwrap_or_else(|p| p.into_inner());
-                if seen.contains(m) || seen.len() < MAX_MODEL_LABELS && seen.insert(m.to_string()) {
+                if let Some(at) = seen.get_mut(m) {
+                    *at = now;
+                    m.to_string()
+                } else if seen.len() < MAX_MODEL_LABELS || self.free_idle(&mut seen, now) {
+                    seen.insert(m.to_string(), now);
                     m.to_string()
                 } else {
                     "other".to_string()
                 }
             }
         };
-        RequestLabels {
-            target_model_name: name.clone(),
-            model_name: name,
-            fairness_id: String::new(),
-            priority: String::new(),
+        request_labels(name)
+    }
+
+    /// Drops the series of the name unused longest, if it has been idle
+    /// for [`MODEL_LABEL_IDLE`]; says whether it did.
+    fn free_idle(&self, seen: &mut HashMap<String, Instant>, now: Instant) -> bool {
+        let idle = seen
+            .iter()
+            .filter(|(_, &at)| now.saturating_duration_since(at) >= MODEL_LABEL_IDLE)
+            .min_by_key(|(_, &at)| at)
+            .map(|(name, _)| name.clone());
+        let Some(name) = idle else {
+            return false;
+        };
+        seen.remove(&name);
+        let labels = request_labels(name);
+        self.requests.remove(&labels);
+        self.input_tokens.remove(&labels);
+        self.cached_tokens.remove(&labels);
+        for error_code in ERROR_CODES {
+            self.errors.remove(&ErrorLabels {
+                model_name: labels.model_name.clone(),
+                target_model_name: labels.target_model_name.clone(),
+                fairness_id: String::new(),
+                priority: String::new(),
+                error_code,
+            });
         }
+        true
     }
 
     fn error(&self, labels: RequestLabels, error_code: &'static str) {
@@ -171,6 +216,16 @@ impl EppMetrics {
     }
 }
 
+/// The label set of a request for the model labelled `name`.
+fn request_labels(name: String) -> RequestLabels {
+    RequestLabels {
+        target_model_name: name.clone(),
+        model_name: name,
+        fairness_id: String::new(),
+        priority: String::new(),
+    }
+}
+
 /// The `error_code` of a refusal.
 fn error_code(e: &RouteError) -> &'static str {
     match e {
@@ -201,5 +256,51 @@ mod tests {
         assert_eq!(series, MAX_MODEL_LABELS + 1, "each seen name and `other`");
         assert!(text.contains(r#"llm_d_epp_request_total{model_name="other",target_model_name="other",fairness_id="",priority=""} 50"#));
         assert!(text.contains(r#"llm_d_epp_request_total{model_name="m0",target_model_name="m0",fairness_id="",priority=""} 2"#));
+    }
+
+    #[test]
+    fn names_left_idle_give_their_series_to_new_ones() {
+        let mut reg = Registry::default();
+        let m = EppMetrics::register(&mut reg);
+        let t0 = Instant::now();
+        // A client's made-up names fill every label; the real model is
+        // one of them and stays in use.
+        for i in 0..MAX_MODEL_LABELS {
+            let l = m.labels_at(Some(&format!("made-up-{i}")), t0);
+            m.requests.get_or_create(&l).inc();
+        }
+        let later = t0 + MODEL_LABEL_IDLE;
+        m.labels_at(Some("made-up-7"), later - Duration::from_secs(1));
+        // Within the idle time a new model counts as other; after it, it
+        // takes the place of the name unused longest.
+        assert_eq!(
+            m.labels_at(Some("new-model"), t0 + Duration::from_secs(60))
+                .model_name,
+            "other"
+        );
+        let l = m.labels_at(Some("new-model"), later);
+        assert_eq!(l.model_name, "new-model");
+        m.requests.get_or_create(&l).inc();
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+        let series = text
+            .lines()
+            .filter(|l| l.starts_with("llm_d_epp_request_total{"))
+            .count();
+        assert_eq!(series, MAX_MODEL_LABELS, "{text}");
+        assert!(text.contains(r#"model_name="new-model""#));
+        assert!(
+            text.contains(r#"model_name="made-up-7""#),
+            "the name in use keeps its series"
+        );
+        let made_up = text
+            .lines()
+            .filter(|l| l.starts_with(r#"llm_d_epp_request_total{model_name="made-up-"#))
+            .count();
+        assert_eq!(
+            made_up,
+            MAX_MODEL_LABELS - 1,
+            "one idle name gave its series up"
+        );
     }
 }
