@@ -987,7 +987,11 @@ impl Settings {
         }
         if self.discovery.is_some() && !self.discovery_tls {
             return Some(format!(
-                "{setting} is sent in clear over plain HTTP with every probe and metrics scrape                  to every pod discovery finds (any pod the selector or pool matches, on the pod                  network): anyone on that path, or any pod given those labels, can read it.                  Serve the engines over TLS and set HEARTH_DISCOVERY_TLS=true                  (HEARTH_ENGINE_CA_FILE for a private CA)",
+                "{setting} is sent in clear over plain HTTP with every probe and metrics scrape \
+                 to every pod discovery finds (any pod the selector or pool matches, on the pod \
+                 network): anyone on that path, or any pod given those labels, can read it. \
+                 Serve the engines over TLS and set HEARTH_DISCOVERY_TLS=true \
+                 (HEARTH_ENGINE_CA_FILE for a private CA)",
                 setting = self.engine_key_setting(),
             ));
         }
@@ -1716,6 +1720,7 @@ mod tests {
         ];
         let w = settings(&pods).engine_key_exposure().unwrap();
         assert!(w.contains("every pod discovery finds") && w.contains("HEARTH_DISCOVERY_TLS=true"));
+        assert!(!w.contains("  "), "one space between words: {w}");
         let tls: Vec<&str> = pods
             .iter()
             .copied()
