@@ -239,6 +239,18 @@ fn error_code(e: &RouteError) -> &'static str {
 mod tests {
     use super::*;
 
+    /// The registry's text, and how many `llm_d_epp_request_total` series
+    /// it holds.
+    fn request_series(reg: &Registry) -> (String, usize) {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, reg).unwrap();
+        let series = text
+            .lines()
+            .filter(|l| l.starts_with("llm_d_epp_request_total{"))
+            .count();
+        (text, series)
+    }
+
     #[test]
     fn model_labels_are_bounded() {
         let mut reg = Registry::default();
@@ -247,12 +259,7 @@ mod tests {
             m.decided(Some(&format!("m{i}")), Ok(()), Duration::ZERO);
         }
         m.decided(Some("m0"), Ok(()), Duration::ZERO);
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
-        let series = text
-            .lines()
-            .filter(|l| l.starts_with("llm_d_epp_request_total{"))
-            .count();
+        let (text, series) = request_series(&reg);
         assert_eq!(series, MAX_MODEL_LABELS + 1, "each seen name and `other`");
         assert!(text.contains(r#"llm_d_epp_request_total{model_name="other",target_model_name="other",fairness_id="",priority=""} 50"#));
         assert!(text.contains(r#"llm_d_epp_request_total{model_name="m0",target_model_name="m0",fairness_id="",priority=""} 2"#));
@@ -281,12 +288,7 @@ mod tests {
         let l = m.labels_at(Some("new-model"), later);
         assert_eq!(l.model_name, "new-model");
         m.requests.get_or_create(&l).inc();
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
-        let series = text
-            .lines()
-            .filter(|l| l.starts_with("llm_d_epp_request_total{"))
-            .count();
+        let (text, series) = request_series(&reg);
         assert_eq!(series, MAX_MODEL_LABELS, "{text}");
         assert!(text.contains(r#"model_name="new-model""#));
         assert!(
