@@ -6,7 +6,9 @@
 //! away loses no request, and coming back brings the sidecars back in
 //! step; a sidecar that joins late is warm before its first decision.
 //! The bus is closed: a forged (another key), replayed or unsigned message
-//! changes nothing, a starting sidecar takes only a snapshot whose MAC
+//! changes nothing, a key holder can neither speak under a sidecar's id
+//! (its sequence far ahead would have silenced it) nor send a whole state
+//! nobody asked for, a starting sidecar takes only a snapshot whose MAC
 //! checks, and over NATS with TLS and a user (the shipped configuration)
 //! the sidecars share as before while one without credentials is refused.
 
@@ -22,7 +24,7 @@ use hearth_e2e::{
     filler, metric_sample, reply_text, Conversation, Fleet, FleetOptions, Home, Turn, MODEL,
 };
 use hearth_ext_proc::envoy::render::{render, Gateway};
-use hearth_ext_proc::feeds::peer_guard::{open, seal, FleetKey};
+use hearth_ext_proc::feeds::peer_guard::{open, seal, FleetKey, Identity};
 use hearth_ext_proc::Sidecar;
 use hearth_router::{Failure, HealthState, Outcome, RequestInfo, Snapshot};
 use hearth_wire::peer::{decode, encode, split_seal, Body, Envelope, Health, Load, Update, Warmth};
@@ -97,10 +99,15 @@ fn now_seq() -> u64 {
         .as_micros() as u64
 }
 
-/// `e` as it goes on `subject`, sealed with `key` (None: unsigned).
-fn sealed(key: Option<&[u8]>, subject: &str, e: &Envelope) -> Vec<u8> {
+/// `e` as `me` sends it on `subject` (its sender is `me`'s id), sealed
+/// with `key` (None: no MAC).
+fn sealed(key: Option<&[u8]>, me: &Identity, subject: &str, e: &Envelope) -> Vec<u8> {
     let key = key.map(FleetKey::from_bytes);
-    seal(key.as_ref(), subject, encode(e))
+    let e = Envelope {
+        sender: me.sender(),
+        ..e.clone()
+    };
+    seal(key.as_ref(), me, subject, encode(&e))
 }
 
 /// `admin`'s count of peer messages dropped for `reason`.
@@ -339,10 +346,16 @@ async fn turns_alternating_between_sidecars_stay_warm_and_a_fencing_is_shared() 
     let mut other_list = foreign.clone();
     other_list.fleet = "e2e".into();
     let fleet_key = FleetKey::from_bytes(KEY);
+    let me = Identity::generate();
     for payload in [
-        seal(Some(&fleet_key), subject, b"not a peer message".to_vec()),
-        sealed(Some(KEY), subject, &foreign),
-        sealed(Some(KEY), subject, &other_list),
+        seal(
+            Some(&fleet_key),
+            &me,
+            subject,
+            b"not a peer message".to_vec(),
+        ),
+        sealed(Some(KEY), &me, subject, &foreign),
+        sealed(Some(KEY), &me, subject, &other_list),
     ] {
         client.publish(subject, payload.into()).await.unwrap();
     }
@@ -493,10 +506,12 @@ async fn forged_replayed_and_unsigned_peer_messages_are_dropped_counted_and_chan
     let captured = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
             let m = updates.next().await.unwrap();
-            let Some((message, _)) = split_seal(&m.payload) else {
+            let Some(sealed) = split_seal(&m.payload) else {
                 continue;
             };
-            let Ok(e) = decode(message) else { continue };
+            let Ok(e) = decode(sealed.message) else {
+                continue;
+            };
             if let Body::Update(u) = &e.body {
                 if u.load.iter().any(|l| l.in_flight == 1) {
                     return m.payload;
@@ -522,15 +537,19 @@ async fn forged_replayed_and_unsigned_peer_messages_are_dropped_counted_and_chan
     let list = list_digest(&before);
     let forged = hostile_update(&fleet, list);
     let other_key: &[u8] = b"not the fleet's key, though 32 bytes long";
-    client.publish(subject, captured).await.unwrap();
+    let forger = Identity::generate();
+    client.publish(subject, captured.clone()).await.unwrap();
     client
-        .publish(subject, sealed(Some(other_key), subject, &forged).into())
+        .publish(
+            subject,
+            sealed(Some(other_key), &forger, subject, &forged).into(),
+        )
         .await
         .unwrap();
     let mut unsigned = forged.clone();
     unsigned.seq += 1;
     client
-        .publish(subject, sealed(None, subject, &unsigned).into())
+        .publish(subject, sealed(None, &forger, subject, &unsigned).into())
         .await
         .unwrap();
     client.flush().await.unwrap();
@@ -552,6 +571,72 @@ async fn forged_replayed_and_unsigned_peer_messages_are_dropped_counted_and_chan
             }
         }
     }
+    // A key holder speaking as A: A's own id, a sequence 59 s ahead (which
+    // would refuse A's own messages for a minute), the fleet's MAC and the
+    // holder's own signature. Dropped: an id is its key's.
+    let a_sender = decode(split_seal(&captured).unwrap().message)
+        .unwrap()
+        .sender;
+    let as_a = Envelope {
+        sender: a_sender,
+        seq: now_seq() + 59_000_000,
+        ..forged.clone()
+    };
+    client
+        .publish(
+            subject,
+            seal(
+                Some(&FleetKey::from_bytes(KEY)),
+                &forger,
+                subject,
+                encode(&as_a),
+            )
+            .into(),
+        )
+        .await
+        .unwrap();
+    // And a whole state nobody asked for, from the holder as itself.
+    let Body::Update(fencing) = forged.body.clone() else {
+        unreachable!()
+    };
+    let unasked = Envelope {
+        seq: now_seq(),
+        body: Body::Snapshot {
+            part: 0,
+            parts: 1,
+            update: fencing,
+        },
+        ..forged.clone()
+    };
+    client
+        .publish(
+            subject,
+            sealed(Some(KEY), &forger, subject, &unasked).into(),
+        )
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    wait_dropped(
+        b_admin,
+        &[("forged_sender", 1.0), ("unasked_snapshot", 1.0)],
+    )
+    .await;
+    // A is heard as before: its next request in flight reaches B.
+    let held = router.decide(&RequestInfo::default()).unwrap();
+    let busy = held.primary();
+    wait_for(b_admin, "B still hears A after the forgery", |s| {
+        s.replicas[busy].peer_in_flight == 1
+    })
+    .await;
+    drop(held);
+    wait_for(b_admin, "B sees it released", |s| {
+        s.replicas.iter().all(|r| r.peer_in_flight == 0)
+    })
+    .await;
+    for r in &state(b_admin).await.replicas {
+        assert_ne!(r.health.state, HealthState::Fenced, "{}", r.id);
+    }
+
     // Signed with the fleet's key, the same update is read (it names a
     // sender that is no sidecar, but it checks): the drops above were the
     // MAC's doing.
@@ -566,7 +651,10 @@ async fn forged_replayed_and_unsigned_peer_messages_are_dropped_counted_and_chan
         ..Update::default()
     });
     client
-        .publish(subject, sealed(Some(KEY), subject, &genuine).into())
+        .publish(
+            subject,
+            sealed(Some(KEY), &forger, subject, &genuine).into(),
+        )
         .await
         .unwrap();
     // (Place 0 is the first replica by address, whichever that is.)
@@ -606,6 +694,7 @@ async fn hellos_are_rate_limited_and_a_starting_sidecar_takes_only_a_snapshot_wh
     let mut answers = client.subscribe("_INBOX.e2e.>").await.unwrap();
     client.flush().await.unwrap();
     let seq = now_seq();
+    let tester = Identity::generate();
     for i in 0..10u64 {
         let hello = Envelope {
             fleet: "e2e".into(),
@@ -616,7 +705,7 @@ async fn hellos_are_rate_limited_and_a_starting_sidecar_takes_only_a_snapshot_wh
                 reply: format!("_INBOX.e2e.{i}"),
             },
         };
-        let payload = sealed(Some(KEY), "hearth.e2e.hello", &hello);
+        let payload = sealed(Some(KEY), &tester, "hearth.e2e.hello", &hello);
         client
             .publish("hearth.e2e.hello", payload.into())
             .await
@@ -631,8 +720,8 @@ async fn hellos_are_rate_limited_and_a_starting_sidecar_takes_only_a_snapshot_wh
     while let Ok(Some(m)) = tokio::time::timeout_at(until.into(), answers.next()).await {
         asked.insert(m.subject.to_string());
         let fleet_key = FleetKey::from_bytes(KEY);
-        let message = open(Some(&fleet_key), &m.subject, &m.payload).expect("A's answer checks");
-        if let Body::Snapshot { update, .. } = decode(message).unwrap().body {
+        let opened = open(Some(&fleet_key), &m.subject, &m.payload).expect("A's answer checks");
+        if let Body::Snapshot { update, .. } = decode(opened.message).unwrap().body {
             if m.subject.as_str() == "_INBOX.e2e.0" {
                 parts.push(update);
             }
@@ -655,8 +744,8 @@ async fn hellos_are_rate_limited_and_a_starting_sidecar_takes_only_a_snapshot_wh
     let forged = hostile_update(&fleet, list_digest(&a));
     let forger = tokio::spawn(async move {
         let m = hellos.next().await.unwrap();
-        let (message, _) = split_seal(&m.payload).unwrap();
-        let Body::Hello { reply } = decode(message).unwrap().body else {
+        let hello = split_seal(&m.payload).unwrap();
+        let Body::Hello { reply } = decode(hello.message).unwrap().body else {
             panic!("not a hello");
         };
         let Body::Update(update) = forged.body.clone() else {
@@ -672,9 +761,10 @@ async fn hellos_are_rate_limited_and_a_starting_sidecar_takes_only_a_snapshot_wh
             ..forged.clone()
         };
         let other_key: &[u8] = b"not the fleet's key, though 32 bytes long";
+        let (forger, holder) = (Identity::generate(), Identity::generate());
         let mut payloads = vec![
-            sealed(Some(other_key), &reply, &snapshot),
-            sealed(None, &reply, &snapshot),
+            sealed(Some(other_key), &forger, &reply, &snapshot),
+            sealed(None, &forger, &reply, &snapshot),
         ];
         let n = parts.len() as u32;
         for (i, update) in parts.into_iter().enumerate() {
@@ -688,7 +778,7 @@ async fn hellos_are_rate_limited_and_a_starting_sidecar_takes_only_a_snapshot_wh
                 },
                 ..forged.clone()
             };
-            payloads.push(sealed(Some(KEY), &reply, &genuine));
+            payloads.push(sealed(Some(KEY), &holder, &reply, &genuine));
         }
         for payload in payloads {
             client.publish(reply.clone(), payload.into()).await.unwrap();

@@ -7,7 +7,9 @@
 //! [`PEER_FORMAT`]. [`decode`] refuses a message whole when anything in it is
 //! off (too long, cut short, another format, bad magic or kind, bad UTF-8,
 //! a flag that is neither 0 nor 1, a load that is not a finite number,
-//! bytes after the end): a receiver counts it and drops it. It never panics
+//! an update's warmth record of more than [`MAX_RECORD_HASHES`] hashes or
+//! of a tip without hashes, bytes after the end): a receiver counts it and
+//! drops it. It never panics
 //! and checks every declared count against the bytes left *before*
 //! allocating, so no input makes it allocate more than a small multiple of
 //! the input's own size.
@@ -73,23 +75,35 @@
 //!
 //! # On the bus: the seal
 //!
-//! On NATS every message is followed by [`MAC_BYTES`] bytes, its MAC:
-//! HMAC-SHA256 keyed with the fleet's key (`HEARTH_PEERS_KEY_FILE`) over
-//! the subject the message is published on and the whole message:
+//! On NATS every message is followed by its seal, [`SEAL_BYTES`] bytes:
+//! the sender's public key, its signature and the fleet's MAC.
 //!
 //! ```text
-//! mac = HMAC-SHA256(key, u32 len(subject), subject, message)
+//! sealed    = message, key [u8; 32], signature [u8; 64], mac [u8; 32]
+//! signature = Ed25519(sender's private key, u32 len(subject), subject, message)
+//! mac       = HMAC-SHA256(fleet key, u32 len(subject), subject, message,
+//!                         key, signature)
 //! ```
 //!
-//! The MAC covers every byte of the envelope (magic, format, fleet, list,
-//! sender, seq, kind, body) and binds the message to its subject, so a
-//! snapshot part sent to one sidecar's inbox cannot be replayed to
-//! another's. A sender without a key (`HEARTH_PEERS_INSECURE=true`) writes
-//! 32 zero bytes; a receiver with a key verifies the MAC (in constant time)
-//! before it decodes anything and drops a message whose MAC does not
-//! check. [`decode`] reads the message without its MAC: the sidecar
-//! computes and checks the MAC (`ext-proc/src/feeds/peer_guard.rs`), so
-//! this crate carries no cryptography and builds for wasm32-wasip1.
+//! - **The MAC** (keyed with the fleet's key, `HEARTH_PEERS_KEY_FILE`)
+//!   admits the fleet's members: it covers every byte before it and binds
+//!   the message to the subject it is published on, so a snapshot part
+//!   sent to one sidecar's inbox cannot be replayed to another's. A
+//!   sender without a fleet key (`HEARTH_PEERS_INSECURE=true`) writes 32
+//!   zero bytes; a receiver with a key verifies the MAC (in constant
+//!   time) before anything else and drops a message whose MAC does not
+//!   check.
+//! - **The signature** binds the message to its sender: each sidecar
+//!   makes an Ed25519 key pair when it starts, and its `sender` id is
+//!   [`sender_id`] of its public key (the first 8 bytes of the key's
+//!   SHA-256, little-endian). A receiver accepts a message only when its
+//!   `sender` is the id of the key in the seal and the signature checks,
+//!   so a member of the fleet can speak only as itself: it cannot send
+//!   under another sidecar's id (to spend its sequence numbers, say).
+//!
+//! [`decode`] reads the message without its seal: the sidecar computes
+//! and checks the seal (`ext-proc/src/feeds/peer_guard.rs`), so this
+//! crate carries no cryptography and builds for wasm32-wasip1.
 
 use thiserror::Error;
 
@@ -100,17 +114,60 @@ pub const PEER_FORMAT: u8 = 2;
 /// payload is 1 MiB), without its MAC.
 pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
 
-/// Bytes of the MAC that follows every message on the bus (HMAC-SHA256;
-/// see the module doc's "On the bus: the seal").
+/// Bytes of the sender's public key in the seal (Ed25519).
+pub const KEY_BYTES: usize = 32;
+
+/// Bytes of the sender's signature in the seal (Ed25519).
+pub const SIGNATURE_BYTES: usize = 64;
+
+/// Bytes of the fleet's MAC at the end of the seal (HMAC-SHA256).
 pub const MAC_BYTES: usize = 32;
 
-/// A sealed message (one as it travels on the bus) split into the message
-/// and its MAC; None when it is shorter than a MAC.
-pub fn split_seal(sealed: &[u8]) -> Option<(&[u8], &[u8; MAC_BYTES])> {
-    let at = sealed.len().checked_sub(MAC_BYTES)?;
-    let (message, mac) = sealed.split_at(at);
-    Some((message, mac.try_into().ok()?))
+/// Bytes of the seal that follows every message on the bus: key,
+/// signature, MAC (see the module doc's "On the bus: the seal").
+pub const SEAL_BYTES: usize = KEY_BYTES + SIGNATURE_BYTES + MAC_BYTES;
+
+/// A sealed message, as it travels on the bus, in its four pieces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sealed<'a> {
+    pub message: &'a [u8],
+    pub key: &'a [u8; KEY_BYTES],
+    pub signature: &'a [u8; SIGNATURE_BYTES],
+    pub mac: &'a [u8; MAC_BYTES],
+    /// What the MAC covers after the subject: the message, the key and
+    /// the signature.
+    pub maced: &'a [u8],
 }
+
+/// A sealed message split into its pieces; None when it is shorter than
+/// a seal.
+pub fn split_seal(sealed: &[u8]) -> Option<Sealed<'_>> {
+    let at = sealed.len().checked_sub(SEAL_BYTES)?;
+    let (message, seal) = sealed.split_at(at);
+    let (key, rest) = seal.split_at(KEY_BYTES);
+    let (signature, mac) = rest.split_at(SIGNATURE_BYTES);
+    Some(Sealed {
+        message,
+        key: key.try_into().ok()?,
+        signature: signature.try_into().ok()?,
+        mac: mac.try_into().ok()?,
+        maced: &sealed[..sealed.len() - MAC_BYTES],
+    })
+}
+
+/// A sender's id on the bus: the first 8 bytes (little-endian) of the
+/// SHA-256 of its public key, computed by the caller (`sha256`), which
+/// keeps this crate free of cryptography.
+pub fn sender_id(sha256_of_key: &[u8; 32]) -> u64 {
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&sha256_of_key[..8]);
+    u64::from_le_bytes(first)
+}
+
+/// The most hashes one warmth record of an update carries: the most a
+/// fingerprint has ([`crate::MAX_HASHES`]). A record of more is refused
+/// (snapshot records, whole indexes, are not bounded so).
+pub const MAX_RECORD_HASHES: usize = crate::MAX_HASHES;
 
 /// The smallest `max_bytes` that [`Update::split`] honours: an update that
 /// holds one warmth record of one hash with its tip (every load or health
@@ -145,7 +202,8 @@ pub struct Envelope {
     /// [`list_digest`]); replica indices in the body are positions in that
     /// list's canonical order.
     pub list: u64,
-    /// The sending sidecar's random id (chosen at start).
+    /// The sending sidecar's id: [`sender_id`] of the public key it made
+    /// at start (the seal proves the message is that key's).
     pub sender: u64,
     /// Grows with every message of the sender: its clock in microseconds
     /// since the Unix epoch, or the previous `seq` plus one (see the
@@ -231,7 +289,8 @@ pub enum PeerError {
     Format(u8),
     /// Anything else: bad magic, unknown kind, bad UTF-8, a flag that is
     /// neither 0 nor 1, a load that is not finite, a snapshot part not below
-    /// its parts, bytes after the body.
+    /// its parts, an update's record of more than [`MAX_RECORD_HASHES`]
+    /// hashes or of a tip alone, bytes after the body.
     #[error("malformed peer message: {0}")]
     Malformed(&'static str),
 }
@@ -621,7 +680,26 @@ impl<'a> Reader<'a> {
 
     fn body(&mut self) -> Result<Body, PeerError> {
         match self.u8()? {
-            KIND_UPDATE => Ok(Body::Update(self.update()?)),
+            KIND_UPDATE => {
+                let update = self.update()?;
+                // An update's records are prompts some decision routed:
+                // no more hashes than a fingerprint has, and a tip only
+                // beside hashes (a tip alone names a resident
+                // conversation, which only a snapshot lists).
+                for w in &update.warmth {
+                    if w.hashes.len() > MAX_RECORD_HASHES {
+                        return Err(PeerError::Malformed(
+                            "an update's warmth record holds more hashes than a fingerprint",
+                        ));
+                    }
+                    if w.hashes.is_empty() && w.tip.is_some() {
+                        return Err(PeerError::Malformed(
+                            "an update's warmth record has a tip and no hashes",
+                        ));
+                    }
+                }
+                Ok(Body::Update(update))
+            }
             KIND_HELLO => Ok(Body::Hello {
                 reply: self.str8()?,
             }),

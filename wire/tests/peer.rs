@@ -4,8 +4,9 @@
 //! size limit.
 
 use hearth_wire::peer::{
-    decode, encode, list_digest, split_seal, Body, Envelope, Health, Load, PeerError, Update,
-    Warmth, MAC_BYTES, MAX_MESSAGE_BYTES, MIN_SPLIT_BYTES, PEER_FORMAT,
+    decode, encode, list_digest, sender_id, split_seal, Body, Envelope, Health, Load, PeerError,
+    Update, Warmth, KEY_BYTES, MAC_BYTES, MAX_MESSAGE_BYTES, MAX_RECORD_HASHES, MIN_SPLIT_BYTES,
+    PEER_FORMAT, SEAL_BYTES, SIGNATURE_BYTES,
 };
 use proptest::prelude::*;
 
@@ -221,19 +222,24 @@ fn oversized_input_is_refused_before_reading_it() {
         Err(PeerError::Oversized(MAX_MESSAGE_BYTES + 1))
     );
     // A valid message of exactly the limit is read; one byte more is not.
-    // Fleet "prod-e" (6 bytes): header 37, counts 12, record 7, so the
-    // hashes take the remaining multiple of 8.
+    // A snapshot part (an update's record holds at most a fingerprint's
+    // hashes) of fleet "prod-e" (6 bytes): header 37, part and parts 8,
+    // counts 12, record 7, so the hashes take the remaining multiple of 8.
     let fleet = "prod-e";
-    let fixed = header_len(fleet) + 12 + 7;
+    let fixed = header_len(fleet) + 8 + 12 + 7;
     assert_eq!((MAX_MESSAGE_BYTES - fixed) % 8, 0);
-    let mut e = envelope(Body::Update(Update {
-        warmth: vec![Warmth {
-            replica: 9,
-            hashes: (0..(MAX_MESSAGE_BYTES - fixed) as u64 / 8).collect(),
-            tip: None,
-        }],
-        ..Update::default()
-    }));
+    let mut e = envelope(Body::Snapshot {
+        part: 0,
+        parts: 1,
+        update: Update {
+            warmth: vec![Warmth {
+                replica: 9,
+                hashes: (0..(MAX_MESSAGE_BYTES - fixed) as u64 / 8).collect(),
+                tip: None,
+            }],
+            ..Update::default()
+        },
+    });
     e.fleet = fleet.into();
     let mut bytes = encode(&e);
     assert_eq!(bytes.len(), MAX_MESSAGE_BYTES);
@@ -255,20 +261,71 @@ fn another_format_is_refused() {
 }
 
 #[test]
-fn a_sealed_message_splits_into_the_message_and_its_last_32_bytes() {
+fn a_sealed_message_splits_into_the_message_its_key_its_signature_and_its_mac() {
     let message = encode(&envelope(Body::Hello { reply: "r".into() }));
     let mut sealed = message.clone();
+    sealed.extend_from_slice(&[5; KEY_BYTES]);
+    sealed.extend_from_slice(&[6; SIGNATURE_BYTES]);
     sealed.extend_from_slice(&[7; MAC_BYTES]);
-    let (m, mac) = split_seal(&sealed).unwrap();
-    assert_eq!((m, mac), (&message[..], &[7; MAC_BYTES]));
-    assert!(decode(m).is_ok());
-    // Without the split, the MAC is bytes after the body.
+    assert_eq!(SEAL_BYTES, 128);
+    let s = split_seal(&sealed).unwrap();
+    assert_eq!(s.message, &message[..]);
+    assert_eq!(s.key, &[5; KEY_BYTES]);
+    assert_eq!(s.signature, &[6; SIGNATURE_BYTES]);
+    assert_eq!(s.mac, &[7; MAC_BYTES]);
+    assert_eq!(s.maced, &sealed[..sealed.len() - MAC_BYTES]);
+    assert!(decode(s.message).is_ok());
+    // Without the split, the seal is bytes after the body.
     assert!(decode(&sealed).is_err());
-    assert_eq!(
-        split_seal(&[0; MAC_BYTES]),
-        Some((&[][..], &[0; MAC_BYTES]))
-    );
-    assert_eq!(split_seal(&[0; MAC_BYTES - 1]), None);
+    let empty = split_seal(&[0; SEAL_BYTES]).unwrap();
+    assert_eq!(empty.message, &[] as &[u8]);
+    assert_eq!(split_seal(&[0; SEAL_BYTES - 1]), None);
+}
+
+#[test]
+fn a_senders_id_is_the_first_eight_bytes_of_its_keys_digest() {
+    let mut digest = [0u8; 32];
+    digest[..8].copy_from_slice(&[1, 2, 3, 4, 5, 6, 7, 8]);
+    digest[8..].fill(0xff);
+    assert_eq!(sender_id(&digest), 0x0807_0605_0403_0201);
+}
+
+#[test]
+fn an_updates_records_hold_no_more_than_a_fingerprint_and_no_tip_alone() {
+    let record = |hashes: usize, tip: Option<u64>| Warmth {
+        replica: 0,
+        hashes: (0..hashes as u64).collect(),
+        tip,
+    };
+    let update = |w: Warmth| {
+        encode(&envelope(Body::Update(Update {
+            warmth: vec![w],
+            ..Update::default()
+        })))
+    };
+    assert!(decode(&update(record(MAX_RECORD_HASHES, Some(1)))).is_ok());
+    assert!(matches!(
+        decode(&update(record(MAX_RECORD_HASHES + 1, None))),
+        Err(PeerError::Malformed(_))
+    ));
+    assert!(matches!(
+        decode(&update(record(0, Some(9)))),
+        Err(PeerError::Malformed(_))
+    ));
+    assert!(decode(&update(record(0, None))).is_ok());
+    // A snapshot's records are whole indexes and resident tips.
+    let snapshot = |w: Warmth| {
+        encode(&envelope(Body::Snapshot {
+            part: 0,
+            parts: 1,
+            update: Update {
+                warmth: vec![w],
+                ..Update::default()
+            },
+        }))
+    };
+    assert!(decode(&snapshot(record(MAX_RECORD_HASHES + 1, None))).is_ok());
+    assert!(decode(&snapshot(record(0, Some(9)))).is_ok());
 }
 
 #[test]
@@ -469,8 +526,9 @@ fn arb_warmth(max_hashes: usize) -> impl Strategy<Value = Warmth> {
     )
         .prop_map(|(replica, hashes, tip)| Warmth {
             replica,
+            // A tip alone is a snapshot's (an update refuses it).
+            tip: tip.filter(|_| !hashes.is_empty()),
             hashes,
-            tip,
         })
 }
 

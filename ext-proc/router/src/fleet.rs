@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::health::ReplicaHealth;
-use crate::peers::{canonical, Peers};
+use crate::peers::{canonical, Peers, PEER_MAX_IN_FLIGHT, PEER_MAX_LOAD};
 use crate::replica::{ReloadSummary, Replica};
 use crate::usage::UsageTally;
 use crate::warmth::LruBlocks;
@@ -58,6 +58,11 @@ impl EngineSignals {
     }
 }
 
+/// Conversations resident on one replica, at most: more than an engine
+/// keeps (the least recent are forgotten first), so neither a flood of
+/// first turns nor a peer's records grow the set without bound.
+pub const MAX_RESIDENTS: usize = 65_536;
+
 /// Conversations whose latest turn went to one replica: each by its tip
 /// (the prompt's last full block), with when that turn was routed. They
 /// expire in the order they came, so keeping the set to the resident
@@ -74,6 +79,15 @@ impl Residents {
     pub(crate) fn insert(&mut self, tip: u64, now: Instant) {
         self.at.insert(tip, now);
         self.order.push_back((now, tip));
+        // At most MAX_RESIDENTS: the least recent go first.
+        while self.at.len() > MAX_RESIDENTS {
+            let Some((at, old)) = self.order.pop_front() else {
+                break;
+            };
+            if self.at.get(&old) == Some(&at) {
+                self.at.remove(&old);
+            }
+        }
         // Stale entries (conversations that moved on) beyond twice the
         // live ones: rebuild the order from the live set, so memory stays
         // proportional to the conversations held (amortized O(log n)).
@@ -290,12 +304,18 @@ impl Fleet {
             for &(slot, in_flight, load) in &l.per_slot {
                 if let Some(s) = self.state.get_mut(slot) {
                     // Bounded per peer (PeerLoad::bounded) and in number
-                    // of peers (MAX_PEERS): the sums stay small, and
+                    // of peers (MAX_PEERS): the sums stay finite, and
                     // saturate whatever comes.
                     s.peer_in_flight = s.peer_in_flight.saturating_add(in_flight);
                     s.peer_load += load;
                 }
             }
+        }
+        // All peers together claim no more than one may: a member of the
+        // fleet that makes up ids gains nothing by it.
+        for s in &mut self.state {
+            s.peer_in_flight = s.peer_in_flight.min(PEER_MAX_IN_FLIGHT);
+            s.peer_load = s.peer_load.min(PEER_MAX_LOAD);
         }
     }
 

@@ -3,11 +3,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use hearth_router::fleet::MAX_RESIDENTS;
 use hearth_router::peers::{MAX_PEERS, PEER_MAX_IN_FLIGHT, PEER_MAX_LOAD};
 use hearth_router::{
     Failure, HealthState, Outcome, PeerRefusal, RequestInfo, Router, RouterParams, UpstreamSpec,
 };
-use hearth_wire::peer::{Load, Update};
+use hearth_wire::peer::{Load, Update, Warmth};
 
 const LIST: &str = "127.0.0.1:1,127.0.0.1:2";
 
@@ -209,9 +210,11 @@ fn absurd_peer_figures_are_bounded_overflow_nothing_and_steer_nothing() {
     }
     let s = a.snapshot();
     for r in &s.replicas {
-        // Ten peers, each capped; only f32::MAX counts (twice), capped too.
-        assert_eq!(r.peer_in_flight, 10 * PEER_MAX_IN_FLIGHT);
-        assert_eq!(r.peer_load, 2.0 * PEER_MAX_LOAD);
+        // Ten peers, each capped (only f32::MAX counts as a load), and
+        // all together no more than one may claim: ids made up by one
+        // member of the fleet multiply nothing.
+        assert_eq!(r.peer_in_flight, PEER_MAX_IN_FLIGHT);
+        assert_eq!(r.peer_load, PEER_MAX_LOAD);
     }
     // Equal on both replicas: the conversation's next turn stays home.
     let mut next = conv.clone();
@@ -259,4 +262,24 @@ fn a_peers_figures_for_one_replica_are_its_last_and_peers_kept_are_bounded() {
     }
     assert_eq!(b.peers_snapshot().unwrap().live, MAX_PEERS);
     assert_eq!(b.snapshot().replicas[0].peer_in_flight, MAX_PEERS as u32);
+}
+
+#[test]
+fn a_peers_resident_conversations_are_bounded_per_replica() {
+    let a = sidecar(LIST, |_| {});
+    // A whole state listing more resident tips than any engine holds.
+    let update = Update {
+        warmth: (0..(MAX_RESIDENTS as u64 + 5_000))
+            .map(|tip| Warmth {
+                replica: 0,
+                hashes: Vec::new(),
+                tip: Some(1_000_000 + tip),
+            })
+            .collect(),
+        ..Update::default()
+    };
+    a.apply_update(1, a.list_digest(), &update, true).unwrap();
+    let s = a.snapshot();
+    assert_eq!(s.replicas[0].resident_conversations, MAX_RESIDENTS);
+    assert_eq!(s.replicas[1].resident_conversations, 0);
 }

@@ -3,8 +3,12 @@
 //! seal"):
 //!
 //! - [`FleetKey`]: the MAC, HMAC-SHA256 with the fleet's key over the
-//!   subject and the whole message, verified in constant time before
-//!   anything is decoded;
+//!   subject, the message and its signature, verified in constant time
+//!   before anything else;
+//! - [`Identity`]: each sidecar's own Ed25519 key pair, made at start;
+//!   its public key names it on the bus (its sender id is the key's
+//!   digest) and signs every message, so a member of the fleet cannot
+//!   speak under another's id;
 //! - [`SeqClock`] and [`Replays`]: a sender's sequence numbers follow its
 //!   clock and must grow, so a replayed message is refused, and one older
 //!   than [`MAX_SKEW`] is refused even from a sender no longer remembered;
@@ -17,8 +21,10 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use hearth_wire::peer::{split_seal, MAC_BYTES};
-use ring::hmac;
+use hearth_wire::peer::{sender_id, split_seal, KEY_BYTES, MAC_BYTES, SIGNATURE_BYTES};
+use ring::rand::SystemRandom;
+use ring::signature::{self, Ed25519KeyPair, KeyPair};
+use ring::{digest, hmac};
 
 use crate::config::PeerKey;
 
@@ -40,6 +46,8 @@ pub enum SealError {
     Unsigned,
     /// Its MAC does not check: another key, or changed bytes.
     BadMac,
+    /// Its signature does not check with the key in its seal.
+    BadSignature,
 }
 
 impl SealError {
@@ -49,6 +57,7 @@ impl SealError {
             SealError::Short => "malformed",
             SealError::Unsigned => "unsigned",
             SealError::BadMac => "bad_mac",
+            SealError::BadSignature => "bad_signature",
         }
     }
 }
@@ -62,55 +71,122 @@ impl FleetKey {
         FleetKey(hmac::Key::new(hmac::HMAC_SHA256, key))
     }
 
-    /// The MAC of `message` published on `subject`.
-    pub fn mac(&self, subject: &str, message: &[u8]) -> [u8; MAC_BYTES] {
+    /// The MAC of the bytes before it (`maced`: message, key, signature)
+    /// published on `subject`.
+    pub fn mac(&self, subject: &str, maced: &[u8]) -> [u8; MAC_BYTES] {
         let mut ctx = hmac::Context::with_key(&self.0);
         ctx.update(&(subject.len() as u32).to_le_bytes());
         ctx.update(subject.as_bytes());
-        ctx.update(message);
+        ctx.update(maced);
         let mut out = [0u8; MAC_BYTES];
         out.copy_from_slice(ctx.sign().as_ref());
         out
     }
 
-    fn verify(&self, subject: &str, message: &[u8], mac: &[u8; MAC_BYTES]) -> bool {
-        let mut input = Vec::with_capacity(4 + subject.len() + message.len());
+    fn verify(&self, subject: &str, maced: &[u8], mac: &[u8; MAC_BYTES]) -> bool {
+        let mut input = Vec::with_capacity(4 + subject.len() + maced.len());
         input.extend_from_slice(&(subject.len() as u32).to_le_bytes());
         input.extend_from_slice(subject.as_bytes());
-        input.extend_from_slice(message);
+        input.extend_from_slice(maced);
         // Constant time (ring compares the tags so).
         hmac::verify(&self.0, &input, mac).is_ok()
     }
 }
 
-/// `message` as it goes on `subject`: followed by its MAC, or by zeros
-/// without a key.
-pub fn seal(key: Option<&FleetKey>, subject: &str, mut message: Vec<u8>) -> Vec<u8> {
+/// This sidecar on the bus: an Ed25519 key pair made when it starts (so
+/// a restarted sidecar is a new peer), and the sender id its public key
+/// gives ([`hearth_wire::peer::sender_id`]).
+pub struct Identity {
+    pair: Ed25519KeyPair,
+    id: u64,
+}
+
+impl std::fmt::Debug for Identity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Identity({:016x})", self.id)
+    }
+}
+
+impl Identity {
+    /// A new key pair from the system's random source.
+    pub fn generate() -> Identity {
+        let rng = SystemRandom::new();
+        let pkcs8 = Ed25519KeyPair::generate_pkcs8(&rng).expect("the system's random source");
+        let pair = Ed25519KeyPair::from_pkcs8(pkcs8.as_ref()).expect("a key ring just made");
+        let id = id_of(pair.public_key().as_ref());
+        Identity { pair, id }
+    }
+
+    /// The id this sidecar's messages carry as their sender.
+    pub fn sender(&self) -> u64 {
+        self.id
+    }
+}
+
+/// The sender id of a public key.
+fn id_of(public_key: &[u8]) -> u64 {
+    let d = digest::digest(&digest::SHA256, public_key);
+    let mut bytes = [0u8; 32];
+    bytes.copy_from_slice(d.as_ref());
+    sender_id(&bytes)
+}
+
+/// What the sender signs: the subject (length first) and the message.
+fn signed(subject: &str, message: &[u8]) -> Vec<u8> {
+    let mut input = Vec::with_capacity(4 + subject.len() + message.len());
+    input.extend_from_slice(&(subject.len() as u32).to_le_bytes());
+    input.extend_from_slice(subject.as_bytes());
+    input.extend_from_slice(message);
+    input
+}
+
+/// `message` as `me` publishes it on `subject`: followed by its public
+/// key, its signature and the fleet's MAC (zeros without a fleet key).
+pub fn seal(key: Option<&FleetKey>, me: &Identity, subject: &str, mut message: Vec<u8>) -> Vec<u8> {
+    let signature = me.pair.sign(&signed(subject, &message));
+    message.extend_from_slice(me.pair.public_key().as_ref());
+    message.extend_from_slice(signature.as_ref());
     let mac = key.map_or([0; MAC_BYTES], |k| k.mac(subject, &message));
     message.extend_from_slice(&mac);
     message
 }
 
+/// A message whose seal checked, and the sender its key names: the
+/// caller refuses it unless its envelope names the same sender.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Opened<'a> {
+    pub message: &'a [u8],
+    pub sender: u64,
+}
+
 /// The message inside a sealed one received on `subject`, when its MAC
-/// checks. Without a key, the MAC is not read (an open bus,
-/// `HEARTH_PEERS_INSECURE`).
+/// checks (the MAC is not read without a fleet key: an open bus,
+/// `HEARTH_PEERS_INSECURE`) and then its signature.
 pub fn open<'a>(
     key: Option<&FleetKey>,
     subject: &str,
     sealed: &'a [u8],
-) -> Result<&'a [u8], SealError> {
-    let (message, mac) = split_seal(sealed).ok_or(SealError::Short)?;
-    let Some(key) = key else {
-        return Ok(message);
-    };
-    if mac == &[0; MAC_BYTES] {
-        return Err(SealError::Unsigned);
+) -> Result<Opened<'a>, SealError> {
+    let s = split_seal(sealed).ok_or(SealError::Short)?;
+    if let Some(key) = key {
+        if s.mac == &[0; MAC_BYTES] {
+            return Err(SealError::Unsigned);
+        }
+        if !key.verify(subject, s.maced, s.mac) {
+            return Err(SealError::BadMac);
+        }
     }
-    if key.verify(subject, message, mac) {
-        Ok(message)
-    } else {
-        Err(SealError::BadMac)
-    }
+    debug_assert_eq!(
+        (s.key.len(), s.signature.len()),
+        (KEY_BYTES, SIGNATURE_BYTES)
+    );
+    signature::UnparsedPublicKey::new(&signature::ED25519, s.key)
+        .verify(&signed(subject, s.message), s.signature)
+        .map_err(|_| SealError::BadSignature)?;
+    Ok(Opened {
+        message: s.message,
+        sender: id_of(s.key),
+    })
 }
 
 /// How far a message's sequence (its sender's clock) may be from the
@@ -256,9 +332,97 @@ impl HelloLimit {
     }
 }
 
+/// How long snapshot parts are taken after the hello they follow (this
+/// sidecar's own, or a peer's it answered).
+pub const SNAPSHOT_WINDOW: Duration = Duration::from_secs(30);
+
+/// Senders whose answered hellos are remembered at most.
+const MAX_ANSWERED: usize = 256;
+
+/// Which snapshots (whole states, applied without the bounds an update
+/// has) this sidecar takes: parts on its own inbox within
+/// [`SNAPSHOT_WINDOW`] of its own hello (its peers' answers), and parts on
+/// the fleet's subject from a peer within [`SNAPSHOT_WINDOW`] of that
+/// peer's hello this sidecar answered (a peer back on the bus says hello,
+/// then sends what it learned while away). Any other snapshot is dropped
+/// and counted, so a member of the fleet can send whole states only at
+/// the rate hellos are answered ([`HelloLimit`]).
+#[derive(Debug, Default)]
+pub struct Snapshots {
+    asked: Option<Instant>,
+    answered: HashMap<u64, Instant>,
+}
+
+impl Snapshots {
+    /// This sidecar sent its hello at `now`.
+    pub fn asked(&mut self, now: Instant) {
+        self.asked = Some(now);
+    }
+
+    /// This sidecar answered `sender`'s hello at `now`.
+    pub fn answered(&mut self, sender: u64, now: Instant) {
+        self.answered
+            .retain(|_, &mut at| now.saturating_duration_since(at) < SNAPSHOT_WINDOW);
+        if self.answered.len() < MAX_ANSWERED || self.answered.contains_key(&sender) {
+            self.answered.insert(sender, now);
+        }
+    }
+
+    /// True when a snapshot part from `sender`, received on this
+    /// sidecar's inbox (`direct`) or on the fleet's subject, is taken now.
+    pub fn allow(&self, sender: u64, direct: bool, now: Instant) -> bool {
+        let within = |at: Instant| now.saturating_duration_since(at) < SNAPSHOT_WINDOW;
+        if direct {
+            self.asked.is_some_and(within)
+        } else {
+            self.answered.get(&sender).copied().is_some_and(within)
+        }
+    }
+}
+
+/// Warmth hashes all peers' updates may add, per second (a token bucket
+/// of one second's worth): 16 MiB of hashes a second, far more than a
+/// fleet's decisions record, so it binds only a flood. Records beyond it
+/// are dropped and counted (`warmth_limited`).
+pub const PEER_WARMTH_PER_SECOND: f64 = 2_097_152.0;
+
+/// The bucket [`PEER_WARMTH_PER_SECOND`] fills.
+#[derive(Debug)]
+pub struct WarmthBudget {
+    tokens: f64,
+    at: Option<Instant>,
+}
+
+impl Default for WarmthBudget {
+    fn default() -> Self {
+        WarmthBudget {
+            tokens: PEER_WARMTH_PER_SECOND,
+            at: None,
+        }
+    }
+}
+
+impl WarmthBudget {
+    /// True (and spent) when `hashes` more fit the budget at `now`.
+    pub fn spend(&mut self, hashes: usize, now: Instant) -> bool {
+        if let Some(at) = self.at {
+            let refill = now.saturating_duration_since(at).as_secs_f64() * PEER_WARMTH_PER_SECOND;
+            self.tokens = (self.tokens + refill).min(PEER_WARMTH_PER_SECOND);
+        }
+        self.at = Some(now);
+        let n = hashes as f64;
+        if n > self.tokens {
+            return false;
+        }
+        self.tokens -= n;
+        true
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hearth_wire::peer::SEAL_BYTES;
 
     fn hex(bytes: &[u8]) -> String {
         bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -280,12 +444,14 @@ mod tests {
     fn a_message_opens_only_with_its_key_its_bytes_and_its_subject() {
         let key = FleetKey::from_bytes(&[1; 32]);
         let other = FleetKey::from_bytes(&[2; 32]);
-        let sealed = seal(Some(&key), "hearth.f.updates", b"message".to_vec());
-        assert_eq!(sealed.len(), 7 + MAC_BYTES);
-        assert_eq!(
-            open(Some(&key), "hearth.f.updates", &sealed),
-            Ok(&b"message"[..])
-        );
+        let me = Identity::generate();
+        let sealed = seal(Some(&key), &me, "hearth.f.updates", b"message".to_vec());
+        assert_eq!(sealed.len(), 7 + SEAL_BYTES);
+        let opened = Opened {
+            message: &b"message"[..],
+            sender: me.sender(),
+        };
+        assert_eq!(open(Some(&key), "hearth.f.updates", &sealed), Ok(opened));
         assert_eq!(
             open(Some(&other), "hearth.f.updates", &sealed),
             Err(SealError::BadMac)
@@ -304,15 +470,50 @@ mod tests {
                 "byte {i}"
             );
         }
-        let unsigned = seal(None, "hearth.f.updates", b"message".to_vec());
+        let unsigned = seal(None, &me, "hearth.f.updates", b"message".to_vec());
         assert_eq!(
             open(Some(&key), "hearth.f.updates", &unsigned),
             Err(SealError::Unsigned)
         );
-        assert_eq!(open(Some(&key), "s", &[0; 31]), Err(SealError::Short));
-        // Without a key (an open bus), the MAC is not read.
-        assert_eq!(open(None, "s", &sealed), Ok(&b"message"[..]));
+        assert_eq!(
+            open(Some(&key), "s", &[0; SEAL_BYTES - 1]),
+            Err(SealError::Short)
+        );
+        // Without a fleet key (an open bus), the MAC is not read, the
+        // signature still is.
+        assert_eq!(open(None, "hearth.f.updates", &sealed), Ok(opened));
+        assert_eq!(
+            open(None, "_INBOX.x", &sealed),
+            Err(SealError::BadSignature)
+        );
         assert_eq!(format!("{key:?}"), "<redacted>");
+    }
+
+    #[test]
+    fn a_fleet_member_cannot_speak_under_another_members_id() {
+        let key = FleetKey::from_bytes(&[1; 32]);
+        let (real, forger) = (Identity::generate(), Identity::generate());
+        assert_ne!(real.sender(), forger.sender());
+        // The forger holds the fleet key: its message opens, as its own.
+        let forged = seal(Some(&key), &forger, "s", b"as the real one".to_vec());
+        assert_eq!(
+            open(Some(&key), "s", &forged).unwrap().sender,
+            forger.sender()
+        );
+        // Another's key and the forger's signature: refused.
+        let mut swapped = forged.clone();
+        let at = forged.len() - SEAL_BYTES;
+        let real_sealed = seal(Some(&key), &real, "s", b"as the real one".to_vec());
+        swapped[at..at + KEY_BYTES].copy_from_slice(&real_sealed[at..at + KEY_BYTES]);
+        let body = swapped.len() - MAC_BYTES;
+        let mac = key.mac("s", &swapped[..body]);
+        swapped[body..].copy_from_slice(&mac);
+        assert_eq!(
+            open(Some(&key), "s", &swapped),
+            Err(SealError::BadSignature)
+        );
+        // The id is the key's digest: the same key, the same id.
+        assert_eq!(id_of(&real_sealed[at..at + KEY_BYTES]), real.sender());
     }
 
     const SECOND: u64 = 1_000_000;
@@ -362,6 +563,46 @@ mod tests {
         assert!(r.len() <= MAX_SENDERS);
         // Sender 1 was forgotten, but its message is stale by now.
         assert_eq!(r.check(1, false, early, later), Err(SeqError::Stale));
+    }
+
+    #[test]
+    fn snapshots_are_taken_only_after_a_hello_and_only_for_a_while() {
+        let t0 = Instant::now();
+        let mut s = Snapshots::default();
+        // Nothing asked, nothing answered: no snapshot, on either subject.
+        assert!(!s.allow(7, true, t0));
+        assert!(!s.allow(7, false, t0));
+        // After this sidecar's hello: its inbox takes parts, from anyone.
+        s.asked(t0);
+        assert!(s.allow(7, true, t0 + Duration::from_secs(1)));
+        assert!(!s.allow(7, false, t0 + Duration::from_secs(1)));
+        assert!(!s.allow(7, true, t0 + SNAPSHOT_WINDOW));
+        // After answering 7's hello: 7's parts on the fleet's subject.
+        let t1 = t0 + Duration::from_secs(100);
+        s.answered(7, t1);
+        assert!(s.allow(7, false, t1 + Duration::from_secs(2)));
+        assert!(!s.allow(8, false, t1 + Duration::from_secs(2)));
+        assert!(!s.allow(7, false, t1 + SNAPSHOT_WINDOW));
+        // Remembered senders are bounded.
+        for sender in 0..10_000 {
+            s.answered(1_000 + sender, t1);
+        }
+        assert!(s.answered.len() <= MAX_ANSWERED);
+    }
+
+    #[test]
+    fn peers_warmth_is_bounded_per_second_and_refills() {
+        let t0 = Instant::now();
+        let mut b = WarmthBudget::default();
+        let second = PEER_WARMTH_PER_SECOND as usize;
+        assert!(b.spend(second - 10, t0));
+        assert!(b.spend(10, t0));
+        assert!(!b.spend(1, t0), "spent");
+        assert!(!b.spend(second, t0 + Duration::from_millis(500)));
+        assert!(b.spend(second / 2, t0 + Duration::from_millis(500)));
+        // A whole second refills it, no more.
+        assert!(!b.spend(second + 1, t0 + Duration::from_secs(10)));
+        assert!(b.spend(second, t0 + Duration::from_secs(10)));
     }
 
     #[test]

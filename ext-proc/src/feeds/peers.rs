@@ -15,12 +15,17 @@
 //!   with its whole state in parts (`Snapshot`).
 //!
 //! Messages are [`hearth_wire::peer`] envelopes sealed with the fleet's
-//! key ([`peer_guard`]): a message whose MAC does not check (another key,
-//! none, changed bytes), whose sequence does not grow or is far from this
+//! key and signed by their sender's own key ([`peer_guard`]): a message
+//! whose MAC does not check (another key, none, changed bytes), whose
+//! signature does not check or whose sender id is not its key's (a member
+//! speaking as another), whose sequence does not grow or is far from this
 //! sidecar's clock (a replay), that does not decode, names another fleet
 //! or another replica list, or is too large is dropped and counted
-//! (`hearth_peer_messages_dropped_total{reason}`), never applied; a hello
-//! beyond the answer rate is dropped the same way. While the bus is down
+//! (`hearth_peer_messages_dropped_total{reason}`), never applied; so are a
+//! hello beyond the answer rate, a snapshot nobody asked for
+//! ([`peer_guard::Snapshots`]), and warmth records beyond what all peers
+//! may add a second ([`peer_guard::PEER_WARMTH_PER_SECOND`]; the update's
+//! load and health figures still count). While the bus is down
 //! the sidecar routes on its own state; `/state` shows
 //! `peers.connected: false`, `/health` says `degraded`, and when the bus
 //! returns the sidecar sends its whole state and asks for the peers'.
@@ -34,10 +39,12 @@ use async_nats::{Client, ConnectOptions, Event};
 use bytes::Bytes;
 use futures::StreamExt;
 use hearth_router::Router;
-use hearth_wire::peer::{self, Body, Envelope, PeerError, Update, MAC_BYTES, MAX_MESSAGE_BYTES};
+use hearth_wire::peer::{self, Body, Envelope, PeerError, Update, MAX_MESSAGE_BYTES, SEAL_BYTES};
 use tokio::sync::mpsc;
 
-use super::peer_guard::{self, FleetKey, HelloLimit, Replays, SeqClock};
+use super::peer_guard::{
+    self, FleetKey, HelloLimit, Identity, Replays, SeqClock, Snapshots, WarmthBudget,
+};
 use crate::config::{PeerKey, Secret, Settings};
 use crate::observe::metrics::PeerMetrics;
 
@@ -97,11 +104,13 @@ pub struct PeerBus {
     settings: PeerSettings,
     metrics: Arc<PeerMetrics>,
     client: Client,
-    sender: u64,
+    me: Identity,
     key: Option<FleetKey>,
     seq: SeqClock,
     replays: Replays,
     hellos: HelloLimit,
+    snapshots: Snapshots,
+    warmth_budget: WarmthBudget,
     inbox: String,
     messages: futures::stream::BoxStream<'static, async_nats::Message>,
     events: mpsc::UnboundedReceiver<Event>,
@@ -178,11 +187,13 @@ impl PeerBus {
             settings,
             metrics,
             client,
-            sender: random_id(),
+            me: Identity::generate(),
             key,
             seq: SeqClock::default(),
             replays: Replays::default(),
             hellos: HelloLimit::default(),
+            snapshots: Snapshots::default(),
+            warmth_budget: WarmthBudget::default(),
             inbox,
             messages: futures::stream::select(updates, answers).boxed(),
             events,
@@ -248,13 +259,17 @@ impl PeerBus {
                     return;
                 }
                 self.metrics.resync();
-                let whole = self.router.state_update();
-                self.publish_update(&self.settings.updates(), whole, true)
-                    .await;
+                // The hello first: a peer takes a whole state on the
+                // fleet's subject only from a sidecar whose hello it
+                // answered.
                 let hello = Body::Hello {
                     reply: self.inbox.clone(),
                 };
+                self.snapshots.asked(Instant::now());
                 self.publish(&self.settings.hello(), hello).await;
+                let whole = self.router.state_update();
+                self.publish_update(&self.settings.updates(), whole, true)
+                    .await;
             }
             Event::Disconnected | Event::Closed => {
                 if self.connected {
@@ -319,11 +334,16 @@ impl PeerBus {
         let envelope = Envelope {
             fleet: self.settings.fleet.clone(),
             list: self.router.list_digest(),
-            sender: self.sender,
+            sender: self.me.sender(),
             seq: self.seq.next(unix_micros()),
             body,
         };
-        let bytes = peer_guard::seal(self.key.as_ref(), subject, peer::encode(&envelope));
+        let bytes = peer_guard::seal(
+            self.key.as_ref(),
+            &self.me,
+            subject,
+            peer::encode(&envelope),
+        );
         match self
             .client
             .publish(subject.to_string(), Bytes::from(bytes))
@@ -348,20 +368,20 @@ impl PeerBus {
 
     /// Applies one message from the bus, received on `subject`; true when
     /// it completed a peer's whole state. Nothing of it is read before its
-    /// MAC checks.
+    /// MAC and its signature check.
     async fn on_message(&mut self, subject: &str, payload: &[u8]) -> bool {
-        if payload.len() > MAX_MESSAGE_BYTES + MAC_BYTES {
+        if payload.len() > MAX_MESSAGE_BYTES + SEAL_BYTES {
             self.metrics.dropped("oversized");
             return false;
         }
-        let message = match peer_guard::open(self.key.as_ref(), subject, payload) {
+        let opened = match peer_guard::open(self.key.as_ref(), subject, payload) {
             Ok(m) => m,
             Err(e) => {
                 self.metrics.dropped(e.reason());
                 return false;
             }
         };
-        let envelope = match peer::decode(message) {
+        let envelope = match peer::decode(opened.message) {
             Ok(e) => e,
             Err(e) => {
                 self.metrics.dropped(match e {
@@ -376,10 +396,23 @@ impl PeerBus {
             self.metrics.dropped("foreign_fleet");
             return false;
         }
-        if envelope.sender == self.sender {
+        if envelope.sender == self.me.sender() {
+            return false;
+        }
+        // A member of the fleet speaks only as itself: the id it names is
+        // its own key's.
+        if envelope.sender != opened.sender {
+            self.metrics.dropped("forged_sender");
             return false;
         }
         let direct = subject == self.inbox;
+        let now = Instant::now();
+        if matches!(envelope.body, Body::Snapshot { .. })
+            && !self.snapshots.allow(envelope.sender, direct, now)
+        {
+            self.metrics.dropped("unasked_snapshot");
+            return false;
+        }
         if let Err(e) = self
             .replays
             .check(envelope.sender, direct, envelope.seq, unix_micros())
@@ -389,7 +422,16 @@ impl PeerBus {
         }
         self.metrics.received();
         let (update, whole, last) = match envelope.body {
-            Body::Update(u) => (u, false, false),
+            Body::Update(mut u) => {
+                let hashes = u.warmth.iter().map(|w| w.hashes.len()).sum();
+                if !self.warmth_budget.spend(hashes, now) {
+                    // Beyond what all peers may add a second: the
+                    // records go, the load and health figures count.
+                    self.metrics.dropped("warmth_limited");
+                    u.warmth.clear();
+                }
+                (u, false, false)
+            }
             Body::Snapshot {
                 part,
                 parts,
@@ -397,7 +439,8 @@ impl PeerBus {
             } => (update, true, part + 1 == parts),
             Body::Hello { reply } => {
                 // Each answer is the whole state: a few per second at most.
-                if self.hellos.allow(&reply, Instant::now()) {
+                if self.hellos.allow(&reply, now) {
+                    self.snapshots.answered(envelope.sender, now);
                     let whole = self.router.state_update();
                     self.publish_update(&reply, whole, true).await;
                 } else {
@@ -431,19 +474,4 @@ fn unix_micros() -> u64 {
     SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-}
-
-/// A sidecar's id on the bus: random per start, so a restarted sidecar is
-/// a new peer (its old load figures expire; its sequence, following the
-/// clock, still grows past what it sent before).
-fn random_id() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.write_u32(std::process::id());
-    h.finish()
 }
