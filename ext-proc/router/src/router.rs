@@ -13,8 +13,7 @@ use crate::params::RouterParams;
 use crate::replica::{targets, ProbeTarget, ReloadSummary, Replica, ReplicaKey, UpstreamSpec};
 use crate::tips::Tips;
 use crate::usage::{
-    blocks_for_tokens, engine_blocks, Correction, Prediction, Served, Usage,
-    DEFAULT_BYTES_PER_TOKEN,
+    blocks_for_tokens, engine_blocks, Prediction, Served, Usage, DEFAULT_BYTES_PER_TOKEN,
 };
 
 /// Called with the replica list's new version after a reload changed it.
@@ -332,9 +331,6 @@ impl Router {
         let fleet = &mut *guard;
         let replica = fleet.replicas.get(answered).filter(|r| !r.retired)?;
         let prediction = prediction.filter(|p| p.replica == answered && p.key == replica.key());
-        let engine_tells_restarts = self
-            .fresh_engine(&fleet.state[answered], now)
-            .is_some_and(|e| e.prompt_tokens_total.is_some() || e.started_at.is_some());
         let s = &mut fleet.state[answered];
         let (predicted_tokens, correction) = s.usage.record(
             &mut s.warmth,
@@ -342,12 +338,8 @@ impl Router {
             &self.params,
             prediction,
             usage,
-            engine_tells_restarts,
             now,
         );
-        if correction == Some(Correction::Restart) {
-            s.forget_cache();
-        }
         // The engine's size of this prompt, for the next turn's prediction.
         if let Some((tip, key)) = prediction.and_then(|p| p.tip.zip(Some(p.key))) {
             lock(&self.tips).note_tokens(tip, key, usage.prompt_tokens);

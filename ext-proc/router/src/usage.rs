@@ -30,17 +30,29 @@
 //!     paused conversations comes and goes with what it runs), never
 //!     below [`MIN_WARMTH_BLOCKS`], dropping the least recent blocks;
 //!   - *shallow*: the engine lost a recent conversation, which no cache
-//!     size explains. Shallow misses of [`RESTART_CONVERSATIONS`]
-//!     different conversations within [`RESTART_WINDOW`], with no
-//!     continuing turn served from cache in between, are a restart (or a
-//!     reset cache): the replica's warmth and resident conversations are
-//!     dropped, its capacity kept. One client repeating one conversation
-//!     cannot make a restart; the engine's own evidence (a new start time,
-//!     a falling prompt-token counter) needs no such quorum.
+//!     size explains: counted (`recent_losses_total`), and nothing more.
+//!     A restart, or a reset cache, is read only from the engine's own
+//!     evidence (a new start time, a falling prompt-token counter:
+//!     [`crate::Router::set_engine_signals`]), never from misses: one
+//!     client can open any number of conversations and make their turns
+//!     miss (a spelling the engine reads and the fingerprint does not, such
+//!     as the order of a tool's keys). On an engine that shows neither,
+//!     each conversation's next turn re-reads its prompt where it lands
+//!     and the index holds it whole again; only what never comes back
+//!     stays listed until the index's LRU drops it.
+//!
+//! Whether a turn missed is judged in its own units: its prompt's canonical
+//! bytes over the engine's token count for it, so no other client's
+//! prompts (whose bytes per token can be anything) move the judgment. The
+//! replica's moving average of that ratio only converts held bytes into a
+//! predicted token count.
 //!
 //! Shrinking is bounded in time too: within a minute a replica's index
 //! shrinks to no less than [`SHRINK_FLOOR_PER_MINUTE`] of the blocks it
-//! held at the minute's start (no burst of misses empties it at once). Answers to requests that partition or
+//! held at the minute's start (no burst of misses empties it at once), and
+//! honest turns undo a shrink faster than misses make it: each turn served
+//! beyond a full index's prediction grows it by a quarter, where a miss
+//! takes at most a tenth. Answers to requests that partition or
 //! bypass the engine's cache (`cache_salt`, `cache_prompt: false`, a
 //! pinned slot) are counted but never compared ([`Prediction::compare`]),
 //! and a report is matched with its decision by the sidecar's own ticket,
@@ -68,16 +80,9 @@ use crate::warmth::LruBlocks;
 /// The smallest warmth capacity a replica's corrections shrink to.
 pub const MIN_WARMTH_BLOCKS: usize = 64;
 
-/// Different conversations whose continuing turns lost recent blocks,
-/// within [`RESTART_WINDOW`] and with no hit in between, before the
-/// replica counts as restarted.
-pub const RESTART_CONVERSATIONS: usize = 3;
-
-/// How close together those misses must come.
-pub const RESTART_WINDOW: Duration = Duration::from_secs(60);
 /// The deepest a missed block is looked for in the index (nodes walked
 /// under the fleet's lock, per miss): a block deeper than this counts as
-/// deep, which only ever withholds a restart.
+/// deep, and its depth as what the index holds (no shrink).
 pub const MAX_DEPTH_WALK: usize = 1 << 16;
 
 /// The share of its capacity a replica's warmth index keeps, at least,
@@ -177,9 +182,6 @@ pub enum Correction {
     Shrunk(usize),
     /// Served more than a full index predicted: the capacity grew to this.
     Grew(usize),
-    /// Served nothing where much was predicted, for
-    /// [`RESTART_CONVERSATIONS`] conversations in a row: warmth dropped.
-    Restart,
 }
 
 /// Each replica's running account of its answers' usage.
@@ -207,14 +209,14 @@ pub(crate) struct UsageTally {
     pub(crate) shrinks: u64,
     pub(crate) growths: u64,
     pub(crate) restarts: u64,
+    /// Continuing turns that lost what the index took in last (shallow
+    /// misses): a restart's trace on an engine that does not tell its
+    /// restarts, or a client's spelling; only counted.
+    pub(crate) recent_losses: u64,
     /// What the engine's reported KV capacity holds of prompts, as the
     /// answers showed it, over what it holds in warmth blocks (see
     /// [`UsageTally::engine_room`]).
     pub(crate) room_scale: Option<f64>,
-    /// Conversations whose continuing turns lost recent blocks since the
-    /// last hit (each once, with when), and the capacity before the first.
-    missed: Vec<(u64, Instant)>,
-    capacity_before_streak: usize,
     /// The current shrink window's start, and the blocks held then.
     shrink_window: Option<(Instant, usize)>,
 }
@@ -243,10 +245,15 @@ pub struct UsageSnapshot {
     /// block it says it has, as its answers showed (1 until they say
     /// otherwise; `None` for an engine that reports no capacity).
     pub engine_room_scale: Option<f64>,
-    /// Warmth corrections: capacity shrunk, capacity grown, restarts seen.
+    /// Warmth corrections: capacity shrunk, capacity grown, restarts the
+    /// engine's metrics showed.
     pub shrinks_total: u64,
     pub growths_total: u64,
     pub restarts_total: u64,
+    /// Continuing turns that lost what the index took in last (counted,
+    /// never acted on).
+    #[serde(default)]
+    pub recent_losses_total: u64,
 }
 
 impl UsageTally {
@@ -266,6 +273,7 @@ impl UsageTally {
             shrinks_total: self.shrinks,
             growths_total: self.growths,
             restarts_total: self.restarts,
+            recent_losses_total: self.recent_losses,
         }
     }
 }
@@ -311,9 +319,7 @@ impl UsageTally {
     /// Counts an answer's usage and, with the decision's prediction (the
     /// predicted replica answered), compares the two and corrects `warmth`
     /// (with `usage_feedback` on). Returns the predicted cached tokens and
-    /// the correction; on [`Correction::Restart`] the warmth is cleared
-    /// here and the caller drops the replica's resident conversations.
-    #[allow(clippy::too_many_arguments)]
+    /// the correction.
     pub(crate) fn record(
         &mut self,
         warmth: &mut LruBlocks,
@@ -321,7 +327,6 @@ impl UsageTally {
         p: &RouterParams,
         prediction: Option<&Prediction>,
         usage: Usage,
-        engine_tells_restarts: bool,
         now: Instant,
     ) -> (Option<u64>, Option<Correction>) {
         self.reports += 1;
@@ -330,8 +335,10 @@ impl UsageTally {
         let Some(pr) = prediction.filter(|p| p.compare) else {
             return (None, None);
         };
-        if pr.prompt_bytes > 0 && usage.prompt_tokens > 0 {
-            let ratio = (pr.prompt_bytes as f64 / usage.prompt_tokens as f64).clamp(0.5, 64.0);
+        // This turn's own bytes per token, where both counts are known.
+        let own_ratio = (pr.prompt_bytes > 0 && usage.prompt_tokens > 0)
+            .then(|| (pr.prompt_bytes as f64 / usage.prompt_tokens as f64).clamp(0.5, 64.0));
+        if let Some(ratio) = own_ratio {
             self.bytes_per_token = Some(match self.bytes_per_token {
                 Some(b) => b + BPT_WEIGHT * (ratio - b),
                 None => ratio,
@@ -362,7 +369,10 @@ impl UsageTally {
         self.compared += 1;
         self.predicted_tokens += predicted;
         self.compared_cached_tokens += usage.cached_tokens;
-        let served_blocks = (usage.cached_tokens as f64 * bpt / block).floor() as u64;
+        // Served blocks in this turn's own bytes per token (what its prompt
+        // is made of, not what other clients' prompts were).
+        let served_blocks =
+            (usage.cached_tokens as f64 * own_ratio.unwrap_or(bpt) / block).floor() as u64;
         let predicted_blocks = u64::from(pr.blocks);
         // A miss: a continuing turn (its prompt was in the engine's cache:
         // it read the previous turn in full) for which the engine lost
@@ -386,38 +396,13 @@ impl UsageTally {
             && walked.is_none_or(|d| {
                 d < MAX_DEPTH_WALK && (d as u64).saturating_sub(predicted_blocks) * 4 < held as u64
             });
-        if let Some(conversation) = pr.conversation {
-            if shallow {
-                if self.missed.is_empty() {
-                    self.capacity_before_streak = warmth.capacity();
-                }
-                self.missed
-                    .retain(|&(_, at)| now.saturating_duration_since(at) < RESTART_WINDOW);
-                if !self.missed.iter().any(|&(c, _)| c == conversation) {
-                    self.missed.push((conversation, now));
-                }
-            } else {
-                self.missed.clear();
-            }
+        if shallow {
+            self.recent_losses += 1;
         }
         if !p.usage_feedback {
             return (Some(predicted), None);
         }
-        // Misses stand for a restart only where the engine cannot say so
-        // itself: one client can open the conversations that miss, and
-        // an engine whose metrics show its start time or its prompt
-        // counter is read for its restarts directly (`Router::set_engine_signals`).
-        let by_misses = !engine_tells_restarts;
-        let correction = if by_misses && shallow && self.missed.len() >= RESTART_CONVERSATIONS {
-            // Several conversations lost what the engine read last: a
-            // restart (or its cache was reset). The capacity stays what it
-            // was.
-            self.missed.clear();
-            self.restarts += 1;
-            warmth.clear();
-            warmth.set_capacity(self.capacity_before_streak);
-            Some(Correction::Restart)
-        } else if let Some(walked) = walked.filter(|_| missed && !shallow) {
+        let correction = if let Some(walked) = walked.filter(|_| missed && !shallow) {
             // Past the walk, how deep is unknown: no shrink below what the
             // index holds.
             let depth = if walked >= MAX_DEPTH_WALK {
@@ -523,7 +508,7 @@ mod tests {
         };
         let p = RouterParams::default();
         tally
-            .record(warmth, 100_000, &p, Some(&prediction), usage, false, now)
+            .record(warmth, 100_000, &p, Some(&prediction), usage, now)
             .1
     }
 

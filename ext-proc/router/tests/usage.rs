@@ -126,43 +126,57 @@ fn lose_latest_three(r: &Arc<Router>, convs: &[Vec<u64>]) -> Vec<Option<Correcti
 }
 
 #[test]
-fn recent_conversations_lost_three_times_in_a_row_are_a_restart() {
+fn recent_conversations_lost_by_many_are_counted_and_drop_no_warmth() {
+    // Twelve conversations come back and find nothing: what an engine
+    // restart would show, and what one client can make with spellings the
+    // engine reads and the fingerprint does not. Misses never drop warmth;
+    // only the engine's own metrics tell a restart (below).
     let r = fleet_of("127.0.0.1:1", |_| {});
-    let convs = placed(&r, 12, 100);
-    // The engine restarted: the three latest conversations come back
-    // (latest first) and find nothing; each lost what the index took in
-    // last, which no cache size explains, so none shrinks the index.
-    assert_eq!(
-        lose_latest_three(&r, &convs),
-        [None, None, Some(Correction::Restart)]
-    );
-    let s = replica(&r, 0);
-    assert_eq!((s.warmth_blocks, s.resident_conversations), (0, 0));
-    assert_eq!(s.warmth_capacity, RouterParams::default().warmth_blocks);
-    assert_eq!(s.usage.restarts_total, 1);
-    // Nothing holds any conversation now: the next turn is a new one.
-    let mut c = convs[0].clone();
-    c.push(900_002);
-    let next = r.decide(&req(&c)).unwrap();
-    assert_eq!(next.overlap, 0);
-    assert!(!next.continues());
-}
-
-#[test]
-fn misses_are_no_restart_on_an_engine_whose_metrics_tell_its_restarts() {
-    // The same three losses as above, on an engine whose metrics show its
-    // start time and prompt counter, both unchanged: one client could have
-    // opened those conversations, and the engine says it did not restart.
-    let r = fleet_of("127.0.0.1:1", |_| {});
-    r.set_engine_signals(
-        "127.0.0.1:1".parse().unwrap(),
-        engine(None, 5_000.0, 1_000.0),
-    );
     let convs = placed(&r, 12, 100);
     assert_eq!(lose_latest_three(&r, &convs), [None, None, None]);
     let s = replica(&r, 0);
     assert_eq!(s.usage.restarts_total, 0);
-    assert!(s.warmth_blocks > 0);
+    assert_eq!(s.usage.recent_losses_total, 3);
+    assert_eq!(s.warmth_capacity, RouterParams::default().warmth_blocks);
+    assert!(s.warmth_blocks >= 1_200, "{s:?}");
+    // Each conversation that missed re-read its prompt there: its next
+    // turn continues.
+    let mut c = convs[11].clone();
+    c.extend([900_000, 900_100]);
+    let next = r.decide(&req(&c)).unwrap();
+    assert!(next.continues());
+    assert_eq!(next.overlap, 101);
+}
+
+#[test]
+fn misses_are_judged_by_the_turns_own_bytes_per_token() {
+    // A client whose prompts are 1 byte a token (against the honest 4)
+    // drags the replica's average down; an honest turn served in full is
+    // still judged in its own units, so no miss and no shrink.
+    let r = fleet_of("127.0.0.1:1", |p| p.warmth_blocks = 10_000);
+    let convs = placed(&r, 4, 100);
+    for k in 0..60u64 {
+        let odd = conversation(500_000 + k * 1_000, 4);
+        let d = r.decide(&req(&odd)).unwrap();
+        d.record_usage(Usage {
+            prompt_tokens: 4 * 2048,
+            cached_tokens: 0,
+        });
+    }
+    let bpt = replica(&r, 0).usage.bytes_per_token.unwrap();
+    assert!(bpt < 1.5, "the average moved: {bpt}");
+    let mut c = convs[0].clone();
+    c.push(900_001);
+    let d = r.decide(&req(&c)).unwrap();
+    assert!(d.continues());
+    let served = d.record_usage(usage(c.len(), 100)).unwrap();
+    assert_eq!(served.correction, None);
+    let s = replica(&r, 0);
+    assert_eq!(
+        (s.usage.shrinks_total, s.usage.recent_losses_total),
+        (0, 0),
+        "{s:?}"
+    );
 }
 
 #[test]
@@ -346,7 +360,7 @@ fn without_feedback_an_engine_restart_is_not_acted_on() {
 #[test]
 fn one_conversation_missing_again_and_again_is_no_restart() {
     // A client replaying one conversation's turns (with whatever makes the
-    // engine serve them cold) reaches no quorum of conversations.
+    // engine serve them cold) changes nothing but the count.
     let r = fleet_of("127.0.0.1:1", |_| {});
     let convs = placed(&r, 12, 100);
     let mut c = convs[11].clone();

@@ -313,8 +313,13 @@ const REPLICA_SERIES: &[Scraped<ReplicaSnapshot>] = &[
     ),
     counter(
         "hearth_replica_restarts",
-        "Engine restarts seen in the answers (continuing turns served nothing from cache, three in a row); the replica's warmth was dropped",
+        "Engine restarts its own metrics showed (a new start time, a falling prompt-token counter); the replica's warmth was dropped",
         |r| r.usage.restarts_total,
+    ),
+    counter(
+        "hearth_replica_recent_losses",
+        "Continuing turns whose engine had lost what it read last (a restart on an engine whose metrics do not show one, or a client's spelling the fingerprint does not read); counted only",
+        |r| r.usage.recent_losses_total,
     ),
 ];
 
@@ -552,7 +557,7 @@ impl PeerMetrics {
         );
         reg.register(
             "hearth_peer_messages_dropped",
-            "Peer messages not applied or not sent, by reason (bad_mac, unsigned, replay, stale, hello_limited, malformed, oversized, unknown_format, foreign_fleet, other_list, unknown_replica, send_failed)",
+            "Peer messages not applied or not sent, by reason (bad_mac, unsigned, bad_signature, forged_sender, replay, stale, hello_limited, unasked_snapshot, warmth_limited, malformed, oversized, unknown_format, foreign_fleet, other_list, unknown_replica, send_failed)",
             m.dropped.clone(),
         );
         reg.register(
