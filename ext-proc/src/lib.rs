@@ -372,7 +372,7 @@ async fn serve(
         guard::AdminListener::new(admin, guards.admin_connections),
         observe::admin::routes(
             Arc::clone(&observer),
-            envoy::report::routes(outcomes),
+            envoy::report::routes(outcomes, guards.token.is_some()),
             guards.token,
         ),
     )

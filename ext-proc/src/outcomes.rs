@@ -90,6 +90,10 @@ pub struct StreamEnd<'a> {
 pub enum ReportRefused {
     /// It names no replica of ours.
     UnknownUpstream,
+    /// It names no decision waiting for its answer (no ticket, one this
+    /// sidecar never issued, or one already closed or expired), and came
+    /// without the control token.
+    UnknownTicket,
 }
 
 /// One end, whoever reported it.
@@ -166,11 +170,21 @@ impl Outcomes {
     }
 
     /// The outcome filter's report on a generation's 200 answer.
-    pub fn reported(&self, report: &Report) -> Result<(), ReportRefused> {
+    /// `authenticated`: the caller showed the control token, so it is the
+    /// gateway, whose report on a decision another sidecar made (or one
+    /// past its wait) still counts as health evidence, its usage as
+    /// unmatched. Without the token, only a report that names a decision
+    /// waiting here by its ticket is taken: whoever can post to the admin
+    /// port where no token is set (a scraper admitted there) changes
+    /// nothing.
+    pub fn reported(&self, report: &Report, authenticated: bool) -> Result<(), ReportRefused> {
         let pending = report
             .request_id
             .as_deref()
             .and_then(|t| self.lock().take(t));
+        if pending.is_none() && !authenticated {
+            return Err(ReportRefused::UnknownTicket);
+        }
         let chosen = pending.as_ref().map(|p| p.prediction.replica);
         let served = self
             .router

@@ -1,6 +1,8 @@
 //! The control surfaces through the real Envoy, with the control token
 //! every fleet of these tests runs with (`FleetOptions::control_token`):
-//! forged outcome reports get 401 and change nothing, while the outcome
+//! forged outcome reports get 401 and change nothing (without a token,
+//! a report that names no waiting decision by its ticket gets 404 and
+//! changes nothing), while the outcome
 //! filter's own reports (which carry the token) still fence a replica
 //! that answers with nothing; `/debug/decisions` shows request ids only
 //! with the token; and a client's `Authorization` reaches the engine but
@@ -137,6 +139,61 @@ async fn forged_outcome_reports_get_401_and_change_nothing() {
     let state = fleet.state().await.unwrap();
     assert_eq!(state.replicas[0].health.suspicions_total, 1, "{state:?}");
     assert_eq!(state.replicas[0].health.state, HealthState::Serving);
+}
+
+#[tokio::test]
+async fn without_a_token_a_report_that_names_no_waiting_decision_changes_nothing() {
+    // Where no control token is set (a loopback sidecar, or a pod the
+    // NetworkPolicy admits to the admin port), a report counts only when it
+    // names a decision waiting here by the sidecar's ticket, which only the
+    // gateway's outcome filter carries.
+    let fleet = Fleet::start(FleetOptions {
+        engines: 2,
+        control_token: false,
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    assert!(fleet.control_token.is_none());
+    let mut c = Conversation::new(MODEL, "reports without a token", false, 11);
+    for _ in 0..2 {
+        let t = fleet.chat(&c.next_turn(3000, false)).await;
+        assert_eq!(t.status, 200);
+        c.push_assistant(&hearth_e2e::reply_text(&t.body));
+    }
+    fleet.settle(Duration::from_secs(10)).await.unwrap();
+    // The outcome filter's own reports name their tickets and are taken:
+    // both answers' usage reached the sidecar, compared with predictions.
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = fleet.state().await.unwrap();
+        let compared: u64 = s.replicas.iter().map(|r| r.usage.compared_total).sum();
+        if compared >= 2 {
+            break;
+        }
+        assert!(Instant::now() < until, "the filter's reports: {s:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let before = observable(&fleet).await;
+    let target = fleet.engines[0].addr;
+    for body in [
+        format!("upstream={target};text=0;done=1"),
+        format!("upstream={target};text=0;done=1;id=0123456789abcdef0123456789abcdef"),
+        format!("upstream={target};text=1;done=1;prompt=9000;cached=0;id=made-up"),
+    ] {
+        for _ in 0..3 {
+            let (code, text) = post_outcome(&fleet, &body, None).await;
+            assert_eq!(code, 404, "{body}: {text}");
+        }
+    }
+    assert_eq!(before, observable(&fleet).await, "a report changed state");
+    let s = fleet.state().await.unwrap();
+    assert!(
+        s.replicas
+            .iter()
+            .all(|r| r.health.suspicions_total == 0 && r.health.state == HealthState::Serving),
+        "{s:?}"
+    );
 }
 
 #[tokio::test]
