@@ -477,6 +477,55 @@ pub fn rss_of(pid: u32) -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
+/// Posts every body (JSON, to `url`) at once, sampling this process's
+/// resident memory every 5 ms until all are answered: each body's shape
+/// and status (or error), the RSS before the sends and the most it
+/// reached. The sidecar of these tests runs in this process.
+pub async fn post_all_sampling_rss(
+    client: &reqwest::Client,
+    url: &str,
+    bodies: Vec<(&'static str, bytes::Bytes)>,
+) -> (Vec<(&'static str, Result<u16, String>)>, u64, u64) {
+    let me = std::process::id();
+    let baseline = rss_of(me);
+    let sends: Vec<_> = bodies
+        .into_iter()
+        .map(|(name, body)| {
+            let (client, url) = (client.clone(), url.to_string());
+            tokio::spawn(async move {
+                let status = client
+                    .post(url)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await
+                    .map(|r| r.status().as_u16())
+                    .map_err(|e| e.to_string());
+                (name, status)
+            })
+        })
+        .collect();
+    let sampling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let sampling = std::sync::Arc::clone(&sampling);
+        tokio::spawn(async move {
+            let mut max = 0u64;
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                max = max.max(rss_of(me));
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            max
+        })
+    };
+    let mut statuses = Vec::new();
+    for s in sends {
+        statuses.push(s.await.expect("a send task"));
+    }
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    let max = sampler.await.expect("the sampler");
+    (statuses, baseline, max.max(baseline))
+}
+
 /// Chat bodies for `model` of about `size` bytes, one per shape that once
 /// cost the parser many times its size (a tree node per tiny item): tiny
 /// messages (no readable prompt), tiny tools, huge numbers, deep unsorted

@@ -77,3 +77,68 @@ async fn a_body_past_the_buffer_limit_gets_an_openai_shaped_413_in_body_mode() {
     let message = error["message"].as_str().unwrap();
     assert!(message.contains(&format!("({limit} bytes)")), "{message}");
 }
+
+/// Bodies of the shapes that once cost the parser many times their size
+/// (a tree node per tiny item; four 4 MiB bodies of tiny items took a
+/// body-mode sidecar to a 590 MB peak), four of 2 MiB at once: the
+/// sidecar holds each body as it came and little more, whatever its shape
+/// (seen: +3-5 MiB), and still serves. (Each must be answered within the
+/// body-mode config's 2 s `message_timeout`, or Envoy fails open and an
+/// engine, in this process, parses it: four 4 MiB bodies of these shapes
+/// at once take longer than that in a debug build on two cores.)
+#[tokio::test]
+async fn worst_shaped_bodies_cost_the_body_mode_sidecar_what_their_bytes_do() {
+    const SIZE: usize = 2 << 20;
+    const SENT: usize = 4;
+    let fleet = Fleet::start(FleetOptions {
+        body_mode: true,
+        engines: 2,
+        // Not a model the replicas serve: the sidecar reads each body
+        // whole, fingerprints it and refuses it (404) itself, so no engine
+        // (in this process too) parses it.
+        model_tag: true,
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let url = format!("{}/v1/chat/completions", fleet.envoy.url());
+    // Every shape with a readable prompt (one without has no model to
+    // refuse and would go to an engine, in this process).
+    let shapes: Vec<(&str, bytes::Bytes)> = hearth_e2e::worst_shapes(SIZE, "not-served-here")
+        .into_iter()
+        .filter(|(name, _)| *name != "tiny_messages")
+        .map(|(name, body)| (name, bytes::Bytes::from(body)))
+        .collect();
+    let bodies = (0..SENT)
+        .map(|i| shapes[i % shapes.len()].clone())
+        .collect();
+    let (statuses, baseline, rss_max) =
+        hearth_e2e::post_all_sampling_rss(&fleet.client, &url, bodies).await;
+    let grew = rss_max.saturating_sub(baseline);
+    eprintln!(
+        "shapes: {statuses:?}; RSS {:.0} MiB -> max {:.0} MiB (+{:.0} MiB for {SENT} x {} MiB)",
+        baseline as f64 / 1048576.0,
+        rss_max as f64 / 1048576.0,
+        grew as f64 / 1048576.0,
+        SIZE >> 20,
+    );
+    // Every body was read, fingerprinted and refused for its model.
+    assert!(
+        statuses.iter().all(|(_, s)| matches!(s, Ok(404))),
+        "{statuses:?}"
+    );
+    let state = fleet.state().await.unwrap();
+    assert!(state.hashed_total >= SENT as u64, "{state:?}");
+    // The sidecar still serves.
+    let mut conv = Conversation::new(MODEL, "after the shapes", false, 78);
+    let t = fleet
+        .post_json("/v1/chat/completions", &conv.next_turn(2000, false))
+        .await
+        .unwrap();
+    assert_eq!(t.status, 200, "{:?}", t.body);
+    // What the bodies weigh, twice (the gRPC frame and the message it
+    // decodes to), plus 64 MiB for the test's own client and buffers,
+    // which share this process's RSS.
+    let bound = 2 * (SENT * SIZE) as u64 + (64 << 20);
+    assert!(grew < bound, "RSS grew {} MiB", grew >> 20);
+}

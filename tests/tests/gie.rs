@@ -400,41 +400,9 @@ async fn worst_shaped_bodies_cost_the_picker_what_their_bytes_do() {
         .into_iter()
         .map(|(name, body)| (name, bytes::Bytes::from(body)))
         .collect();
-    let baseline = rss_bytes();
-    let sends: Vec<_> = (0..8)
-        .map(|i| {
-            let (name, body) = shapes[i % shapes.len()].clone();
-            let (client, url) = (fleet.client.clone(), url.clone());
-            tokio::spawn(async move {
-                let status = client
-                    .post(url)
-                    .header("content-type", "application/json")
-                    .body(body)
-                    .send()
-                    .await
-                    .map(|r| r.status().as_u16());
-                (name, status)
-            })
-        })
-        .collect();
-    let sampling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let sampler = {
-        let sampling = std::sync::Arc::clone(&sampling);
-        tokio::spawn(async move {
-            let mut max = 0u64;
-            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
-                max = max.max(rss_bytes());
-                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-            }
-            max
-        })
-    };
-    let mut statuses = Vec::new();
-    for s in sends {
-        statuses.push(s.await.unwrap());
-    }
-    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
-    let rss_max = sampler.await.unwrap();
+    let bodies = (0..8).map(|i| shapes[i % shapes.len()].clone()).collect();
+    let (statuses, baseline, rss_max) =
+        hearth_e2e::post_all_sampling_rss(&fleet.client, &url, bodies).await;
     let grew = rss_max.saturating_sub(baseline);
     let (_, text) = fleet.admin_get("/metrics").await.unwrap();
     let peak = hearth_e2e::metric_sample(&text, "hearth_picker_held_bytes_peak").unwrap();
