@@ -125,10 +125,12 @@ async fn eds(channel: Channel, auth: Option<&str>) -> Result<(), tonic::Status> 
     Ok(())
 }
 
-async fn health(channel: Channel) -> Result<(), tonic::Status> {
+/// gRPC health of `service` (`""`, `liveness`, `readiness`), without the
+/// token.
+async fn health(channel: Channel, service: &str) -> Result<(), tonic::Status> {
     tonic_health::pb::health_client::HealthClient::new(channel)
         .check(tonic_health::pb::HealthCheckRequest {
-            service: String::new(),
+            service: service.into(),
         })
         .await
         .map(|_| ())
@@ -156,7 +158,11 @@ async fn grpc_calls_without_the_token_are_unauthenticated_and_decide_nothing() {
     }
     assert_eq!(sidecar.router.snapshot().decisions_total, 0);
     // gRPC health stays open (Kubernetes' grpc probe sends no token).
-    health(channel.clone()).await.unwrap();
+    for service in ["", "liveness", "readiness"] {
+        health(channel.clone(), service)
+            .await
+            .unwrap_or_else(|s| panic!("gRPC health of {service:?}: {s:?}"));
+    }
     // The gateway's calls pass, and decide.
     let right = format!("Bearer {TOKEN}");
     ext_proc(channel.clone(), Some(&right)).await.unwrap();
@@ -291,7 +297,7 @@ async fn tls_admits_only_clients_with_a_certificate_from_the_client_ca() {
 
     // The gateway's certificate: a connection, and with the token a call.
     let channel = tls_channel(addr, &dir, Some("fleet")).await.unwrap();
-    health(channel.clone()).await.unwrap();
+    health(channel.clone(), "").await.unwrap();
     ext_proc(channel.clone(), Some(&format!("Bearer {TOKEN}")))
         .await
         .unwrap();
@@ -304,7 +310,7 @@ async fn tls_admits_only_clients_with_a_certificate_from_the_client_ca() {
     for client in [None, Some("stranger")] {
         let refused = match tls_channel(addr, &dir, client).await {
             Err(_) => true,
-            Ok(channel) => health(channel).await.is_err(),
+            Ok(channel) => health(channel, "").await.is_err(),
         };
         assert!(refused, "a client with {client:?} got through");
     }
@@ -314,7 +320,7 @@ async fn tls_admits_only_clients_with_a_certificate_from_the_client_ca() {
         .await
     {
         Err(_) => true,
-        Ok(channel) => health(channel).await.is_err(),
+        Ok(channel) => health(channel, "").await.is_err(),
     };
     assert!(plain, "a plain-text client got through");
     let _ = std::fs::remove_dir_all(dir);
