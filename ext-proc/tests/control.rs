@@ -2,7 +2,8 @@
 //! `HEARTH_CONTROL_TOKEN_FILE`, ext_proc and endpoint discovery calls
 //! without `authorization: Bearer <token>` get UNAUTHENTICATED and make no
 //! decision, gRPC health stays open; with `HEARTH_GRPC_TLS_*`, only a
-//! client with a certificate from the client CA gets a connection.
+//! client with a certificate from the client CA gets a connection; a
+//! client gone silent is pinged, then dropped.
 //! (Certificates are made with the `openssl` command.)
 
 use std::path::{Path, PathBuf};
@@ -352,4 +353,64 @@ async fn unusable_tls_files_stop_the_start() {
     let err = Sidecar::start(&settings).await.err().expect("refused");
     assert!(format!("{err:#}").contains("HEARTH_GRPC_TLS"), "{err:#}");
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// One HTTP/2 frame's type and flags, read whole (payload skipped); `None`
+/// at the end of the connection.
+async fn frame(tcp: &mut tokio::net::TcpStream) -> Option<(u8, u8)> {
+    use tokio::io::AsyncReadExt;
+    let mut head = [0u8; 9];
+    tcp.read_exact(&mut head).await.ok()?;
+    let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+    let mut payload = vec![0u8; len];
+    tcp.read_exact(&mut payload).await.ok()?;
+    Some((head[3], head[4]))
+}
+
+/// On the paused clock: a client that goes silent (a vanished Envoy) gets
+/// an HTTP/2 PING after 30 s and, not answering it, loses the connection
+/// 10 s later (with it, its streams and the load they reserve).
+#[tokio::test(start_paused = true)]
+async fn a_silent_grpc_client_is_pinged_after_30_s_and_dropped_10_s_later() {
+    use tokio::io::AsyncWriteExt;
+    use tokio::time::Instant;
+    const SETTINGS: u8 = 4;
+    const PING: u8 = 6;
+    const ACK: u8 = 1;
+    let sidecar = sidecar(&[]).await;
+    let mut tcp = tokio::net::TcpStream::connect(sidecar.grpc_addr)
+        .await
+        .unwrap();
+    // The client preface and empty SETTINGS, then the ACK of the server's.
+    tcp.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    loop {
+        let (kind, flags) = frame(&mut tcp).await.expect("the server's SETTINGS");
+        if kind == SETTINGS && flags & ACK == 0 {
+            break;
+        }
+    }
+    tcp.write_all(b"\0\0\0\x04\x01\0\0\0\0").await.unwrap();
+    let silent_since = Instant::now();
+    let pinged = loop {
+        match frame(&mut tcp).await {
+            Some((PING, flags)) if flags & ACK == 0 => break Instant::now(),
+            Some(_) => {}
+            None => panic!("closed without a PING"),
+        }
+    };
+    // Never answered: the server closes the connection.
+    while frame(&mut tcp).await.is_some() {}
+    let closed = Instant::now();
+    let (to_ping, to_close) = (pinged - silent_since, closed - pinged);
+    let second = Duration::from_secs(1);
+    assert!(
+        to_ping >= Duration::from_secs(30) && to_ping < Duration::from_secs(30) + second,
+        "pinged after {to_ping:?} of silence"
+    );
+    assert!(
+        to_close >= Duration::from_secs(10) && to_close < Duration::from_secs(10) + second,
+        "closed {to_close:?} after the unanswered PING"
+    );
 }
