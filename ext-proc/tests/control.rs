@@ -2,8 +2,9 @@
 //! `HEARTH_CONTROL_TOKEN_FILE`, ext_proc and endpoint discovery calls
 //! without `authorization: Bearer <token>` get UNAUTHENTICATED and make no
 //! decision, gRPC health stays open; with `HEARTH_GRPC_TLS_*`, only a
-//! client with a certificate from the client CA gets a connection; a
-//! client gone silent is pinged, then dropped.
+//! client with a certificate from the client CA gets a connection; an
+//! ext_proc stream has no deadline, but a client gone silent is pinged,
+//! then dropped.
 //! (Certificates are made with the `openssl` command.)
 
 use std::path::{Path, PathBuf};
@@ -413,4 +414,56 @@ async fn a_silent_grpc_client_is_pinged_after_30_s_and_dropped_10_s_later() {
         to_close >= Duration::from_secs(10) && to_close < Duration::from_secs(10) + second,
         "closed {to_close:?} after the unanswered PING"
     );
+}
+
+/// On the paused clock: an ext_proc stream (an answer streaming for
+/// minutes) is not cut by any deadline, and holds its load until it ends.
+#[tokio::test(start_paused = true)]
+async fn an_ext_proc_stream_has_no_deadline() {
+    let sidecar = sidecar(&[]).await;
+    let channel = Channel::from_shared(format!("http://{}", sidecar.grpc_addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(chat_headers()).await.unwrap();
+    let mut replies = ExternalProcessorClient::new(channel)
+        .process(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(replies.message().await.unwrap().is_some());
+    let in_flight = || {
+        let s = sidecar.router.snapshot();
+        s.replicas.iter().map(|r| r.in_flight).sum::<u32>()
+    };
+    assert_eq!(in_flight(), 1);
+    // Half an hour of an answer: the stream and its load are still there.
+    tokio::time::sleep(Duration::from_secs(30 * 60)).await;
+    assert_eq!(in_flight(), 1);
+    let response_headers = ProcessingRequest {
+        request: Some(processing_request::Request::ResponseHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![HeaderValue {
+                    key: ":status".into(),
+                    raw_value: b"200".to_vec(),
+                    ..Default::default()
+                }],
+            }),
+            end_of_stream: true,
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    tx.send(response_headers).await.unwrap();
+    assert!(replies.message().await.unwrap().is_some());
+    // The answer ends: so does its load.
+    drop(tx);
+    while replies.message().await.unwrap().is_some() {}
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while in_flight() != 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the load stayed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
