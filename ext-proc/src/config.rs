@@ -1488,6 +1488,30 @@ mod tests {
     }
 
     #[test]
+    fn by_default_both_listeners_are_loopback_and_capped() {
+        let s = parse(&["--upstreams", "127.0.0.1:1"]).unwrap().settings;
+        assert_eq!(s.listen, "127.0.0.1:50051".parse().unwrap());
+        assert_eq!(s.admin_listen, "127.0.0.1:9190".parse().unwrap());
+        assert!(s.exposed_listeners(false).is_empty());
+        assert_eq!(s.grpc_max_connections, 1024);
+        assert_eq!(s.admin_max_connections, 256);
+    }
+
+    #[test]
+    fn the_engine_key_is_redacted_wherever_the_settings_are_printed() {
+        let key = "team-key-0123456789";
+        let s = parse(&["--upstreams", "127.0.0.1:1", "--engine-api-key", key])
+            .unwrap()
+            .settings;
+        assert!(s.validate().is_ok());
+        assert_eq!(s.engine_api_key().unwrap().unwrap().expose(), key);
+        for printed in [format!("{s:?}"), format!("{s:#?}")] {
+            assert!(!printed.contains(key), "{printed}");
+            assert!(printed.contains("<redacted>"), "{printed}");
+        }
+    }
+
+    #[test]
     fn validation_reports_every_problem() {
         let cli = parse(&[
             "--upstreams",

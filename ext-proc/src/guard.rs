@@ -423,4 +423,68 @@ mod tests {
         let second = tokio::time::timeout(Duration::from_secs(5), held.next()).await;
         assert!(matches!(second, Ok(Some(Ok(_)))));
     }
+
+    #[tokio::test]
+    async fn admin_connections_past_the_cap_wait_for_a_place() {
+        use axum::serve::Listener;
+        let inner = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = inner.local_addr().unwrap();
+        let mut listener = AdminListener::new(inner, 1);
+        let _a = TcpStream::connect(addr).await.unwrap();
+        let _b = TcpStream::connect(addr).await.unwrap();
+        let (first, _) = listener.accept().await;
+        // The second is not accepted while the first is open ...
+        let second = tokio::time::timeout(Duration::from_millis(200), listener.accept()).await;
+        assert!(second.is_err(), "accepted past the cap");
+        // ... and is once it closes.
+        drop(first);
+        let second = tokio::time::timeout(Duration::from_secs(30), listener.accept()).await;
+        assert!(second.is_ok());
+    }
+
+    /// On the paused clock: a connection that sends a byte every 59 s
+    /// stays open; one silent for 60 s is closed, and gives its place back.
+    #[tokio::test(start_paused = true)]
+    async fn an_admin_connection_silent_for_a_minute_is_closed_and_a_byte_keeps_it() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let places = Arc::new(Semaphore::new(1));
+        let place = Arc::clone(&places).acquire_owned().await.unwrap();
+        let (mut peer, io) = tokio::io::duplex(64);
+        let mut held = Held::new(io, place, Some(ADMIN_IDLE_TIMEOUT));
+        let reader = tokio::spawn(async move {
+            let mut buf = [0u8; 8];
+            let mut got = 0;
+            loop {
+                match held.read(&mut buf).await {
+                    Ok(0) => return (got, None),
+                    Ok(n) => got += n,
+                    Err(e) => return (got, Some((e.kind(), Instant::now()))),
+                }
+            }
+        });
+        for _ in 0..3 {
+            tokio::time::sleep(ADMIN_IDLE_TIMEOUT - Duration::from_secs(1)).await;
+            peer.write_all(b"x").await.unwrap();
+        }
+        let last_byte = Instant::now();
+        let (got, closed) = tokio::time::timeout(10 * ADMIN_IDLE_TIMEOUT, reader)
+            .await
+            .expect("a silent connection left open")
+            .unwrap();
+        assert_eq!(got, 3, "closed before its third byte");
+        let (kind, at) = closed.expect("closed for its silence, not by its peer");
+        assert_eq!(kind, io::ErrorKind::TimedOut);
+        let silent = at - last_byte;
+        assert!(
+            silent >= ADMIN_IDLE_TIMEOUT && silent < ADMIN_IDLE_TIMEOUT + Duration::from_secs(1),
+            "closed after {silent:?} of silence"
+        );
+        assert_eq!(ADMIN_IDLE_TIMEOUT, Duration::from_secs(60));
+        assert_eq!(
+            places.available_permits(),
+            1,
+            "its place was not given back"
+        );
+        drop(peer);
+    }
 }

@@ -347,6 +347,8 @@ mod tests {
 
     #[test]
     fn predictions_age_out_and_are_bounded() {
+        assert_eq!(MAX_WAITING, 65_536);
+        assert_eq!(WAIT_LIMIT, Duration::from_secs(30 * 60));
         let mut w = Waiting::default();
         let t0 = Instant::now();
         w.insert("old", pending(1), t0);

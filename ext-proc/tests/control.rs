@@ -2,7 +2,9 @@
 //! `HEARTH_CONTROL_TOKEN_FILE`, ext_proc and endpoint discovery calls
 //! without `authorization: Bearer <token>` get UNAUTHENTICATED and make no
 //! decision, gRPC health stays open; with `HEARTH_GRPC_TLS_*`, only a
-//! client with a certificate from the client CA gets a connection.
+//! client with a certificate from the client CA gets a connection; an
+//! ext_proc stream has no deadline, but a client gone silent is pinged,
+//! then dropped.
 //! (Certificates are made with the `openssl` command.)
 
 use std::path::{Path, PathBuf};
@@ -125,10 +127,12 @@ async fn eds(channel: Channel, auth: Option<&str>) -> Result<(), tonic::Status> 
     Ok(())
 }
 
-async fn health(channel: Channel) -> Result<(), tonic::Status> {
+/// gRPC health of `service` (`""`, `liveness`, `readiness`), without the
+/// token.
+async fn health(channel: Channel, service: &str) -> Result<(), tonic::Status> {
     tonic_health::pb::health_client::HealthClient::new(channel)
         .check(tonic_health::pb::HealthCheckRequest {
-            service: String::new(),
+            service: service.into(),
         })
         .await
         .map(|_| ())
@@ -156,7 +160,11 @@ async fn grpc_calls_without_the_token_are_unauthenticated_and_decide_nothing() {
     }
     assert_eq!(sidecar.router.snapshot().decisions_total, 0);
     // gRPC health stays open (Kubernetes' grpc probe sends no token).
-    health(channel.clone()).await.unwrap();
+    for service in ["", "liveness", "readiness"] {
+        health(channel.clone(), service)
+            .await
+            .unwrap_or_else(|s| panic!("gRPC health of {service:?}: {s:?}"));
+    }
     // The gateway's calls pass, and decide.
     let right = format!("Bearer {TOKEN}");
     ext_proc(channel.clone(), Some(&right)).await.unwrap();
@@ -291,7 +299,7 @@ async fn tls_admits_only_clients_with_a_certificate_from_the_client_ca() {
 
     // The gateway's certificate: a connection, and with the token a call.
     let channel = tls_channel(addr, &dir, Some("fleet")).await.unwrap();
-    health(channel.clone()).await.unwrap();
+    health(channel.clone(), "").await.unwrap();
     ext_proc(channel.clone(), Some(&format!("Bearer {TOKEN}")))
         .await
         .unwrap();
@@ -304,7 +312,7 @@ async fn tls_admits_only_clients_with_a_certificate_from_the_client_ca() {
     for client in [None, Some("stranger")] {
         let refused = match tls_channel(addr, &dir, client).await {
             Err(_) => true,
-            Ok(channel) => health(channel).await.is_err(),
+            Ok(channel) => health(channel, "").await.is_err(),
         };
         assert!(refused, "a client with {client:?} got through");
     }
@@ -314,7 +322,7 @@ async fn tls_admits_only_clients_with_a_certificate_from_the_client_ca() {
         .await
     {
         Err(_) => true,
-        Ok(channel) => health(channel).await.is_err(),
+        Ok(channel) => health(channel, "").await.is_err(),
     };
     assert!(plain, "a plain-text client got through");
     let _ = std::fs::remove_dir_all(dir);
@@ -346,4 +354,116 @@ async fn unusable_tls_files_stop_the_start() {
     let err = Sidecar::start(&settings).await.err().expect("refused");
     assert!(format!("{err:#}").contains("HEARTH_GRPC_TLS"), "{err:#}");
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// One HTTP/2 frame's type and flags, read whole (payload skipped); `None`
+/// at the end of the connection.
+async fn frame(tcp: &mut tokio::net::TcpStream) -> Option<(u8, u8)> {
+    use tokio::io::AsyncReadExt;
+    let mut head = [0u8; 9];
+    tcp.read_exact(&mut head).await.ok()?;
+    let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+    let mut payload = vec![0u8; len];
+    tcp.read_exact(&mut payload).await.ok()?;
+    Some((head[3], head[4]))
+}
+
+/// On the paused clock: a client that goes silent (a vanished Envoy) gets
+/// an HTTP/2 PING after 30 s and, not answering it, loses the connection
+/// 10 s later (with it, its streams and the load they reserve).
+#[tokio::test(start_paused = true)]
+async fn a_silent_grpc_client_is_pinged_after_30_s_and_dropped_10_s_later() {
+    use tokio::io::AsyncWriteExt;
+    use tokio::time::Instant;
+    const SETTINGS: u8 = 4;
+    const PING: u8 = 6;
+    const ACK: u8 = 1;
+    let sidecar = sidecar(&[]).await;
+    let mut tcp = tokio::net::TcpStream::connect(sidecar.grpc_addr)
+        .await
+        .unwrap();
+    // The client preface and empty SETTINGS, then the ACK of the server's.
+    tcp.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    loop {
+        let (kind, flags) = frame(&mut tcp).await.expect("the server's SETTINGS");
+        if kind == SETTINGS && flags & ACK == 0 {
+            break;
+        }
+    }
+    tcp.write_all(b"\0\0\0\x04\x01\0\0\0\0").await.unwrap();
+    let silent_since = Instant::now();
+    let pinged = loop {
+        match frame(&mut tcp).await {
+            Some((PING, flags)) if flags & ACK == 0 => break Instant::now(),
+            Some(_) => {}
+            None => panic!("closed without a PING"),
+        }
+    };
+    // Never answered: the server closes the connection.
+    while frame(&mut tcp).await.is_some() {}
+    let closed = Instant::now();
+    let (to_ping, to_close) = (pinged - silent_since, closed - pinged);
+    let second = Duration::from_secs(1);
+    assert!(
+        to_ping >= Duration::from_secs(30) && to_ping < Duration::from_secs(30) + second,
+        "pinged after {to_ping:?} of silence"
+    );
+    assert!(
+        to_close >= Duration::from_secs(10) && to_close < Duration::from_secs(10) + second,
+        "closed {to_close:?} after the unanswered PING"
+    );
+}
+
+/// On the paused clock: an ext_proc stream (an answer streaming for
+/// minutes) is not cut by any deadline, and holds its load until it ends.
+#[tokio::test(start_paused = true)]
+async fn an_ext_proc_stream_has_no_deadline() {
+    let sidecar = sidecar(&[]).await;
+    let channel = Channel::from_shared(format!("http://{}", sidecar.grpc_addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(chat_headers()).await.unwrap();
+    let mut replies = ExternalProcessorClient::new(channel)
+        .process(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(replies.message().await.unwrap().is_some());
+    let in_flight = || {
+        let s = sidecar.router.snapshot();
+        s.replicas.iter().map(|r| r.in_flight).sum::<u32>()
+    };
+    assert_eq!(in_flight(), 1);
+    // Half an hour of an answer: the stream and its load are still there.
+    tokio::time::sleep(Duration::from_secs(30 * 60)).await;
+    assert_eq!(in_flight(), 1);
+    let response_headers = ProcessingRequest {
+        request: Some(processing_request::Request::ResponseHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![HeaderValue {
+                    key: ":status".into(),
+                    raw_value: b"200".to_vec(),
+                    ..Default::default()
+                }],
+            }),
+            end_of_stream: true,
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    tx.send(response_headers).await.unwrap();
+    assert!(replies.message().await.unwrap().is_some());
+    // The answer ends: so does its load.
+    drop(tx);
+    while replies.message().await.unwrap().is_some() {}
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while in_flight() != 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the load stayed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }

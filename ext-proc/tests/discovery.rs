@@ -1,7 +1,8 @@
 //! Discovery from the Kubernetes API (`HEARTH_DISCOVERY`), against the
 //! loopback API server of `kubeapi/` (no real cluster here): the sidecar
 //! reads a kubeconfig naming it, lists and watches, and its replica list,
-//! `/state`, `/health` and gRPC health follow the pods.
+//! `/state`, `/health` and gRPC health follow the pods; the kubeconfig's
+//! token never shows in its log, at any level.
 //!
 //! Pod IPs are loopback addresses (127.0.0.x) on a closed port, and the
 //! sidecar's probes and scrapes are off: nothing is dialled.
@@ -473,4 +474,94 @@ fn an_unreadable_kubeconfig_stops_the_sidecar_naming_the_setting() {
         stderr.contains("--discovery") || stderr.contains("HEARTH_DISCOVERY"),
         "{stderr}"
     );
+}
+
+/// Runs the sidecar binary on discovery with `kubeconfig` and `log` until
+/// its standard error shows `until` and the API has seen two more requests
+/// (the list and the watch, or a retry): that standard error.
+async fn log_of_a_run(
+    api: &KubeApi,
+    kubeconfig: &std::path::Path,
+    log: &str,
+    until: &str,
+) -> String {
+    use std::io::Read;
+    let seen = api.requests().len();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_hearth-ext-proc"));
+    for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("HEARTH_")) {
+        cmd.env_remove(k);
+    }
+    let mut child = cmd
+        .envs([
+            ("HEARTH_DISCOVERY", "pods"),
+            ("HEARTH_DISCOVERY_SELECTOR", "app=engine"),
+            ("HEARTH_DISCOVERY_PORT", "8000"),
+            ("HEARTH_KUBECONFIG", kubeconfig.to_str().unwrap()),
+            ("HEARTH_LISTEN", "127.0.0.1:0"),
+            ("HEARTH_ADMIN_LISTEN", "127.0.0.1:0"),
+            ("HEARTH_PROBE_INTERVAL_SECONDS", "0"),
+            ("HEARTH_ENGINE_METRICS_SECONDS", "0"),
+            ("HEARTH_LOG", log),
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let text = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let mut stderr = child.stderr.take().unwrap();
+    let reader = {
+        let text = std::sync::Arc::clone(&text);
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = stderr.read(&mut buf) {
+                text.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !(text.lock().unwrap().contains(until) && api.requests().len() >= seen + 2) {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{log}: no {until:?} and {} requests within 30 s: {}",
+                api.requests().len() - seen,
+                text.lock().unwrap()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    reader.join().unwrap();
+    let text = text.lock().unwrap().clone();
+    text
+}
+
+#[tokio::test]
+async fn the_kubeconfigs_token_never_reaches_the_log() {
+    const TOKEN: &str = "s3cret-kube-token-0123456789";
+    let api = KubeApi::start(NS, Some(TOKEN)).await;
+    api.put_pod(&pod("a", "uid-a", Some("127.0.0.11"), true, "engine"));
+    let dir = scratch("log");
+    let accepted = api.kubeconfig(&dir);
+    let refused = dir.join("refused-kubeconfig");
+    let wrong = "wr0ng-kube-token-0123456789";
+    std::fs::write(
+        &refused,
+        std::fs::read_to_string(&accepted)
+            .unwrap()
+            .replace(TOKEN, wrong),
+    )
+    .unwrap();
+    for log in ["info", "debug", "trace"] {
+        let stderr = log_of_a_run(&api, &accepted, log, "serving").await;
+        assert!(!stderr.contains(TOKEN), "{log}: {stderr}");
+        // Refused by the API: the error is logged, the token is not.
+        let stderr = log_of_a_run(&api, &refused, log, "401").await;
+        assert!(!stderr.contains(wrong), "{log}: {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
 }

@@ -205,8 +205,9 @@ async fn an_answer_with_nothing_generated_fails() {
 }
 
 /// A private CA and a certificate it signed for 127.0.0.1: (CA PEM, TLS
-/// acceptor presenting the certificate).
-fn private_ca() -> (String, tokio_rustls::TlsAcceptor) {
+/// acceptor presenting the certificate, and one presenting a certificate
+/// the same CA signed for another address).
+fn private_ca() -> (String, tokio_rustls::TlsAcceptor, tokio_rustls::TlsAcceptor) {
     use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
     use tokio_rustls::rustls;
     let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
@@ -214,22 +215,25 @@ fn private_ca() -> (String, tokio_rustls::TlsAcceptor) {
     ca.distinguished_name
         .push(DnType::CommonName, "hearth test engines CA");
     let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
-    let key = KeyPair::generate().unwrap();
-    let cert = CertificateParams::new(vec!["127.0.0.1".to_string()])
-        .unwrap()
-        .signed_by(&key, &ca)
-        .unwrap();
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(
-            vec![cert.der().clone()],
-            rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
-        )
-        .unwrap();
-    (ca.pem(), tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+    let acceptor = |name: &str| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(vec![name.to_string()])
+            .unwrap()
+            .signed_by(&key, &ca)
+            .unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![cert.der().clone()],
+                rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+            )
+            .unwrap();
+        tokio_rustls::TlsAcceptor::from(Arc::new(config))
+    };
+    (ca.pem(), acceptor("127.0.0.1"), acceptor("10.0.0.1"))
 }
 
 /// A TLS front for the plain stand-in engine at `plain`: `https://` base.
@@ -264,7 +268,7 @@ async fn probes_and_scrapes_reach_an_https_engine_with_a_private_ca() {
         ..Engine::default()
     })
     .await;
-    let (ca_pem, acceptor) = private_ca();
+    let (ca_pem, acceptor, misnamed) = private_ca();
     let base = behind_tls(&plain, acceptor).await;
 
     // The probe, over TLS, with the key.
@@ -306,6 +310,15 @@ async fn probes_and_scrapes_reach_an_https_engine_with_a_private_ca() {
     let untrusting = EngineClient::new(key(), None).unwrap();
     assert_eq!(
         probe_once(&untrusting, &base, None, None, T).await,
+        Outcome::Failure(Failure::ConnectFailure)
+    );
+    assert_eq!(engine.lock().unwrap().seen.len(), before);
+
+    // Nor is one whose certificate, from the same CA, names another
+    // address than the one the engine is listed at.
+    let elsewhere = behind_tls(&plain, misnamed).await;
+    assert_eq!(
+        probe_once(&client, &elsewhere, None, None, T).await,
         Outcome::Failure(Failure::ConnectFailure)
     );
     assert_eq!(engine.lock().unwrap().seen.len(), before);

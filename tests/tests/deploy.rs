@@ -1025,11 +1025,28 @@ fn no_shipped_config_opens_a_control_port_without_the_token() {
         find(&docs, "Deployment", "hearth-ext-proc")["spec"]["selector"]["matchLabels"]
     );
     for rule in policy["spec"]["ingress"].as_array().unwrap() {
-        for peer in rule["from"].as_array().expect("every rule names its peers") {
+        let peers = rule["from"].as_array().expect("every rule names its peers");
+        for peer in peers {
             assert!(
                 peer["podSelector"]["matchLabels"].is_object(),
                 "a rule admits whole namespaces: {peer}"
             );
+        }
+        // The gRPC port is the gateways' alone; anyone else (the metrics
+        // scraper) reaches the admin port only.
+        let gateways = peers.iter().all(|peer| {
+            let labels = &peer["podSelector"]["matchLabels"];
+            labels["istio"] == "ingressgateway"
+                || labels["gateway.envoyproxy.io/owning-gateway-name"].is_string()
+        });
+        if !gateways {
+            let ports: Vec<&str> = rule["ports"]
+                .as_array()
+                .expect("every rule names its ports")
+                .iter()
+                .filter_map(|p| p["port"].as_str())
+                .collect();
+            assert_eq!(ports, ["admin"], "{rule}");
         }
     }
 

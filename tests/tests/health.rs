@@ -159,25 +159,40 @@ async fn broken_engine_fenced_by_probes(shape: FleetOptions) {
     // empty too, and they fence it.
     let fleet = quick_probed_fleet(3, shape).await;
     fleet.engines[2].engine.set_fault(Fault::Empty);
-    let mut served_by_2 = Vec::new();
-    for s in 0..30u64 {
-        let mut conv = Conversation::new(MODEL, &filler(s + 50, 1024), false, 1000 + s);
-        let t = fleet.chat(&conv.next_turn(500, s % 2 == 1)).await;
+    // New conversations (placed by load, in turn) until one lands on it:
+    // its empty answer is all the evidence there is.
+    let mut seed = 0u64;
+    loop {
+        assert!(
+            seed < 60,
+            "{seed} new conversations and none reached engine-2"
+        );
+        let mut conv = Conversation::new(MODEL, &filler(seed + 50, 1024), false, 1000 + seed);
+        let streamed = seed % 2 == 1;
+        let t = fleet.chat(&conv.next_turn(500, streamed)).await;
+        seed += 1;
         if t.engine.as_deref() == Some("engine-2") {
-            served_by_2.push(s);
-            if s % 2 == 0 {
+            if !streamed {
                 assert_eq!(reply_text(&t.body), "");
             }
+            break;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // Reports and probes travel asynchronously: a few requests may reach
-    // it before its third failed probe; after that, none.
-    assert!(
-        (1..=8).contains(&served_by_2.len()),
-        "engine-2 served requests {served_by_2:?}"
-    );
-    assert!(served_by_2.iter().all(|&s| s < 25), "{served_by_2:?}");
+    // Reports and probes travel asynchronously: wait for the fencing ...
+    wait_for(&fleet, Duration::from_secs(30), "engine-2 fenced", |s| {
+        fenced(s, "engine-2")
+    })
+    .await;
+    // ... after which no request reaches it.
+    for s in 0..12u64 {
+        let mut conv = Conversation::new(MODEL, &filler(s + 150, 1024), false, 1100 + s);
+        let t = fleet.chat(&conv.next_turn(500, s % 2 == 1)).await;
+        assert_ne!(
+            t.engine.as_deref(),
+            Some("engine-2"),
+            "request {s} went to the fenced replica"
+        );
+    }
     let s = fleet.state().await.unwrap();
     let e2 = s.replicas.iter().find(|r| r.id == "engine-2").unwrap();
     assert!(fenced(&s, "engine-2"), "{s:?}");
@@ -312,35 +327,44 @@ async fn a_request_stuck_without_an_answer_counts_as_a_timeout_and_releases_noth
     let mut conv = Conversation::new(MODEL, "sys", false, 1200);
     let body = conv.next_turn(200, false);
     let url = format!("{}/v1/chat/completions", fleet.envoy.url());
-    let pending = fleet
-        .client
-        .post(&url)
-        .json(&body)
-        .timeout(Duration::from_secs(3))
-        .send();
-    let (resp, ()) = tokio::join!(pending, async {
-        // While the request hangs, its load is held.
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let s = fleet.state().await.unwrap();
-        assert_eq!(s.replicas.iter().map(|r| r.in_flight).sum::<u32>(), 1);
-    });
-    assert!(resp.unwrap_err().is_timeout());
-    let s = fleet.settle(Duration::from_secs(10)).await.unwrap();
+    let request = tokio::spawn(fleet.client.post(&url).json(&body).send());
+    let timeout = Some(hearth_router::health::Failure::Timeout);
+    wait_for(
+        &fleet,
+        Duration::from_secs(30),
+        "the missed first byte seen",
+        |s| s.replicas.iter().any(|r| r.health.last_failure == timeout),
+    )
+    .await;
+    // Past its first-byte deadline the request still hangs, unanswered,
+    // and its load is held.
+    let s = fleet.state().await.unwrap();
+    assert!(!request.is_finished(), "the client got an answer");
+    assert_eq!(
+        s.replicas.iter().map(|r| r.in_flight).sum::<u32>(),
+        1,
+        "{s:?}"
+    );
+    // The client gives up: the load goes with it.
+    request.abort();
+    let s = fleet.settle(Duration::from_secs(30)).await.unwrap();
     assert!(s.replicas.iter().all(|r| r.in_flight == 0), "{s:?}");
     let timed_out: Vec<_> = s
         .replicas
         .iter()
-        .filter(|r| r.health.last_failure == Some(hearth_router::health::Failure::Timeout))
+        .filter(|r| r.health.last_failure == timeout)
         .collect();
     assert_eq!(timed_out.len(), 1, "{s:?}");
     // The missed first byte made it suspect; the probe that then timed out
-    // behind the stuck request fenced it.
-    assert_eq!(
-        timed_out[0].health.state,
-        hearth_router::health::HealthState::Fenced,
-        "{s:?}"
-    );
-    let id = &timed_out[0].id;
+    // on the stalled engine fenced it.
+    let id = timed_out[0].id.clone();
+    wait_for(
+        &fleet,
+        Duration::from_secs(30),
+        "the timed-out replica fenced",
+        |s| fenced(s, &id),
+    )
+    .await;
     let addr = fleet.engines[id.trim_start_matches("engine-").parse::<usize>().unwrap()].addr;
     assert!(probes(&fleet, addr, "timeout").await >= 1.0);
     fleet.assert_wasm_healthy();
@@ -392,25 +416,33 @@ async fn real_traffic_is_the_proof_of_health_and_only_idle_replicas_are_probed()
     // engine-2 serves another model, so it gets no traffic: idle.
     let fleet = Fleet::start(FleetOptions {
         engines: 3,
-        sidecar_flags: vec!["--probe-interval-seconds=1.5".into()],
+        sidecar_flags: vec!["--probe-interval-seconds=3".into()],
         upstream_options: vec![(2, ";model=other".into())],
         ..FleetOptions::default()
     })
     .await
     .unwrap();
-    // Six seconds of traffic, a turn every ~100 ms, over four conversations.
+    // Rounds of one turn for each of four conversations, back to back, until
+    // the idle engine has had two interval probes after its start-up one.
+    // A busy engine holds a conversation, so it serves a turn every round,
+    // milliseconds apart: far within the 3 s interval.
     let mut convs: Vec<Conversation> = (0..4u64)
         .map(|s| Conversation::new(MODEL, &filler(s + 70, 2048), false, 1100 + s))
         .collect();
     let start = Instant::now();
-    let mut turns = 0;
-    while start.elapsed() < Duration::from_secs(6) && turns < 200 {
-        let conv = &mut convs[turns % 4];
-        fleet.chat(&conv.next_turn(300, false)).await;
-        turns += 1;
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let (_, m) = fleet.admin_get("/metrics").await.unwrap();
+    let m = loop {
+        for conv in &mut convs {
+            fleet.chat(&conv.next_turn(300, false)).await;
+        }
+        let (_, m) = fleet.admin_get("/metrics").await.unwrap();
+        if probes_total(&m, fleet.engines[2].addr) >= 3.0 {
+            break m;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the idle engine was not probed every interval:\n{m}"
+        );
+    };
     let stats = fleet.engine_stats();
     let mut busy = 0;
     for (i, e) in fleet.engines.iter().enumerate().take(2) {
@@ -424,10 +456,6 @@ async fn real_traffic_is_the_proof_of_health_and_only_idle_replicas_are_probed()
         }
     }
     assert!(busy >= 1, "no engine served: {stats:?}");
-    assert!(
-        probes_total(&m, fleet.engines[2].addr) >= 3.0,
-        "the idle engine was not probed every interval:\n{m}"
-    );
     let s = fleet.state().await.unwrap();
     assert!(s
         .replicas
@@ -462,8 +490,8 @@ async fn engines_that_need_a_key_keep_serving_and_the_sidecar_reports_its_missin
         ("authorization", "Bearer team-key"),
     ];
     let mut conv = Conversation::new(MODEL, &filler(80, 2048), false, 1200);
-    // Traffic, an idle period far longer than the fencing needs (probes
-    // every 0.3 s, three strikes), then traffic again: never a 503.
+    // Traffic, an idle period with more refused probes on every engine than
+    // the fencing needs (three strikes), then traffic again: never a 503.
     for round in 0..2 {
         for _ in 0..5 {
             let body = serde_json::to_vec(&conv.next_turn(300, false)).unwrap();
@@ -474,7 +502,17 @@ async fn engines_that_need_a_key_keep_serving_and_the_sidecar_reports_its_missin
             assert_eq!(t.status, 200, "round {round}: {:?}", t.body);
         }
         if round == 0 {
-            tokio::time::sleep(Duration::from_secs(3)).await;
+            let deadline = Instant::now() + Duration::from_secs(30);
+            for e in &fleet.engines {
+                while probes(&fleet, e.addr, "unauthorized").await < 4.0 {
+                    assert!(
+                        Instant::now() < deadline,
+                        "{}: fewer than four refused probes",
+                        e.addr
+                    );
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
         }
     }
     let s = fleet.state().await.unwrap();
@@ -540,8 +578,22 @@ async fn engines_that_need_a_key_keep_serving_and_the_sidecar_reports_its_missin
     // Its metrics scrapes get through too: the engine's own figures.
     assert!(s.replicas.iter().all(|r| r.engine.is_some()), "{s:?}");
     assert_eq!(probes(&fleet, addr, "unauthorized").await, 0.0);
-    let (_, text) = fleet.admin_get("/state").await.unwrap();
-    assert!(!text.contains("team-key"));
+    for path in ["/state", "/metrics"] {
+        let (_, text) = fleet.admin_get(path).await.unwrap();
+        assert!(!text.contains("team-key"), "{path}: {text}");
+    }
+    // The sidecar's key goes on its own requests only: a client without
+    // one gets the engine's refusal.
+    let body = serde_json::to_vec(&conv.next_turn(300, false)).unwrap();
+    let t = fleet
+        .post(
+            "/v1/chat/completions",
+            body,
+            &[("content-type", "application/json")],
+        )
+        .await
+        .unwrap();
+    assert_eq!(t.status, 401, "{:?}", t.body);
     drop(fleet);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -471,6 +471,51 @@ mod tests {
     }
 
     #[test]
+    fn a_refusal_is_a_counted_json_429_with_retry_after() {
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = PickerMetrics::register(&mut registry);
+        let budget = HeldBudget::new(1, MB, metrics);
+        let _held = budget.hold().unwrap();
+        let over = budget.hold().unwrap_err();
+        assert_eq!(over, OverBudget::Bodies);
+        for over in [over, OverBudget::Bytes] {
+            let Some(processing_response::Response::ImmediateResponse(ir)) =
+                over.refusal().response
+            else {
+                panic!("{over:?}: not an immediate response")
+            };
+            assert_eq!(ir.status.unwrap().code, 429, "{over:?}");
+            let body: serde_json::Value = serde_json::from_slice(&ir.body).unwrap();
+            assert_eq!(body["error"]["code"], "request_bodies_full", "{body}");
+            assert_eq!(body["error"]["type"], "rate_limit_exceeded", "{body}");
+            let set: Vec<(String, Vec<u8>)> = ir
+                .headers
+                .unwrap()
+                .set_headers
+                .into_iter()
+                .map(|h| {
+                    let h = h.header.unwrap();
+                    (h.key, h.raw_value)
+                })
+                .collect();
+            assert!(
+                set.contains(&("retry-after".into(), b"1".to_vec())),
+                "{set:?}"
+            );
+            assert!(
+                set.contains(&("content-type".into(), b"application/json".to_vec())),
+                "{set:?}"
+            );
+        }
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains("hearth_picker_refused_total{reason=\"bodies\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn a_body_grows_only_while_as_much_stays_free_as_it_holds() {
         let metrics = PickerMetrics::default();
         let budget = HeldBudget::new(8, 8 * MB, metrics.clone());

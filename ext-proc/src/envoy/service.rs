@@ -840,6 +840,12 @@ mod tests {
         assert_eq!(info.hashes, [1, 2, 3]);
         assert_eq!(info.prompt_bytes, 5000);
         assert_eq!(info.model.as_deref(), Some("m"));
+        // A model name past the cap is kept cut and marked.
+        let long = "m".repeat(4 * names::MAX_MODEL_BYTES);
+        let info = request_info(&headers(&[(header::MODEL, &long)]), 2048);
+        let kept = info.model.unwrap();
+        assert!(kept.ends_with(names::CUT_MARK), "{kept}");
+        assert_eq!(kept.len(), names::MAX_MODEL_BYTES + names::CUT_MARK.len());
         // Another block size, or garbage, is ignored rather than trusted.
         assert!(request_info(&h, 4096).hashes.is_empty());
         let bad = headers(&[(header::FP, "v2.2048.!!!")]);

@@ -184,3 +184,133 @@ async fn health(State(router): State<Arc<Router>>) -> (StatusCode, Json<serde_js
     };
     (code, Json(serde_json::json!({ "status": fleet })))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::http::{Method, Request};
+    use axum::routing::post;
+    use std::time::Duration;
+    use tower::ServiceExt;
+
+    use crate::observe::journal::Journal;
+    use crate::outcomes::Outcomes;
+
+    const TOKEN: &str = "0123456789abcdef0123456789abcdef";
+
+    /// The admin port as the sidecar serves it (the outcome route merged
+    /// in), with the control token set, in front of one replica.
+    fn admin(writes: Option<HttpRouter>) -> HttpRouter {
+        let upstreams = ["127.0.0.1:1;id=a".parse().unwrap()];
+        let params = hearth_router::RouterParams::default();
+        let router = Router::new(params, &upstreams);
+        let observer = Observer::new(
+            router,
+            params.score.basis,
+            Journal::open(16, None).unwrap(),
+            "hearth",
+        );
+        let writes = writes
+            .unwrap_or_else(|| crate::envoy::report::routes(Outcomes::new(Arc::clone(&observer))));
+        let token = ControlToken::new(&TOKEN.parse().unwrap());
+        routes(observer, writes, Some(Arc::new(token)))
+    }
+
+    async fn send(
+        admin: &HttpRouter,
+        method: Method,
+        path: &str,
+        body: impl Into<Body>,
+        token: bool,
+    ) -> (StatusCode, String) {
+        let mut request = Request::builder().method(method).uri(path);
+        if token {
+            request = request.header(header::AUTHORIZATION, format!("Bearer {TOKEN}"));
+        }
+        let response = admin
+            .clone()
+            .oneshot(request.body(body.into()).unwrap())
+            .await
+            .unwrap();
+        let status = response.status();
+        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        (status, String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    #[tokio::test]
+    async fn every_write_without_the_token_is_a_json_401_and_reads_stay_open() {
+        let admin = admin(None);
+        let report = "upstream=127.0.0.1:1;text=0;done=1";
+        for (method, path) in [
+            (Method::POST, "/outcome"),
+            (Method::PUT, "/outcome"),
+            (Method::POST, "/state"),
+            (Method::DELETE, "/debug/decisions"),
+            (Method::PATCH, "/metrics"),
+            (Method::POST, "/no-such-route"),
+        ] {
+            let (status, text) = send(&admin, method.clone(), path, report, false).await;
+            assert_eq!(status, StatusCode::UNAUTHORIZED, "{method} {path}: {text}");
+            let v: serde_json::Value = serde_json::from_str(&text).expect("a JSON error body");
+            assert_eq!(v["error"]["code"], "control_token_required", "{text}");
+        }
+        // The refused report changed nothing.
+        let snapshot: Snapshot = serde_json::from_str(
+            &send(&admin, Method::GET, "/state", Body::empty(), false)
+                .await
+                .1,
+        )
+        .unwrap();
+        assert_eq!(snapshot.replicas[0].health.suspicions_total, 0);
+        for path in [
+            "/state",
+            "/health",
+            "/metrics",
+            "/debug/series",
+            "/debug/decisions",
+            "/",
+            "/dashboard",
+        ] {
+            let (status, text) = send(&admin, Method::GET, path, Body::empty(), false).await;
+            assert_eq!(status, StatusCode::OK, "GET {path}: {text}");
+        }
+        // The same report with the token is taken.
+        let (status, text) = send(&admin, Method::POST, "/outcome", report, true).await;
+        assert_eq!(status, StatusCode::NO_CONTENT, "{text}");
+    }
+
+    #[tokio::test]
+    async fn a_body_past_4_kib_is_a_413_even_with_the_token() {
+        let admin = admin(None);
+        // Malformed, so a body the limit lets through is a 400.
+        let (status, _) = send(&admin, Method::POST, "/outcome", "x".repeat(4096), true).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        let (status, _) = send(&admin, Method::POST, "/outcome", "x".repeat(4097), true).await;
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(guard::ADMIN_BODY_LIMIT, 4096);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_unanswered_for_10_s_gets_a_408() {
+        let wait = |d: Duration| {
+            move || async move {
+                tokio::time::sleep(d).await;
+                "answered"
+            }
+        };
+        let admin = admin(Some(
+            HttpRouter::new()
+                .route("/late", post(wait(Duration::from_secs(11))))
+                .route("/in-time", post(wait(Duration::from_secs(9)))),
+        ));
+        let (status, text) = send(&admin, Method::POST, "/in-time", "", true).await;
+        assert_eq!((status, text.as_str()), (StatusCode::OK, "answered"));
+        let (status, text) = send(&admin, Method::POST, "/late", "", true).await;
+        assert_eq!(status, StatusCode::REQUEST_TIMEOUT, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).expect("a JSON error body");
+        assert_eq!(v["error"]["code"], "request_timeout");
+    }
+}
