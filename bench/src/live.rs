@@ -133,6 +133,19 @@ impl LivePolicy {
         }
     }
 
+    /// A fixed key per policy (not its place in a list), so a policy run
+    /// alone gets the same prompts' text as in a full run.
+    pub fn key(self) -> u64 {
+        match self {
+            LivePolicy::RingHash => 1,
+            LivePolicy::LeastRequest => 2,
+            LivePolicy::Hearth => 3,
+            LivePolicy::SmgCacheAware => 4,
+            LivePolicy::VllmRouterCacheAware => 5,
+            LivePolicy::VllmRouterConsistentHash => 6,
+        }
+    }
+
     /// The peer router behind this policy, if it is one.
     pub fn peer(self) -> Option<PeerConfig> {
         match self {

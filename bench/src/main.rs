@@ -34,9 +34,12 @@ enum Command {
     /// with `--policies`, plain Envoy and the peer routers (smg,
     /// vllm-router) too, each on fresh engines.
     Live(hearth_bench::live::LiveCli),
-    /// Plain Envoy ring_hash and least_request, then Hearth, in front of
-    /// real OpenAI-compatible engines given by address: the same seeded
-    /// multi-turn workload through each, cache hits from the engines.
+    /// Routing policies (plain Envoy, Hearth, the peer routers smg and
+    /// vllm-router) in front of real OpenAI-compatible engines given by
+    /// address, one after the other: the same seeded workload
+    /// (conversations or shared-prefix) through each, one table, cache
+    /// hits from the engines. `compare` is the same command.
+    #[command(alias = "compare")]
     Real(hearth_bench::real::RealArgs),
     /// Pool several `real --json` runs into one table per policy (TTFT
     /// percentiles over every turn of every run).

@@ -150,6 +150,7 @@ mod tests {
             e2e_s: ttft_s,
             prompt_tokens: Some(100),
             cached_tokens: Some(if turn > 1 { 50 } else { 0 }),
+            output_tokens: Some(8),
             error: None,
         }
     }

@@ -1,20 +1,32 @@
-//! `hearth-bench real`: routing policies side by side in front of real
-//! OpenAI-compatible engines (llama.cpp's `llama-server`, vLLM, SGLang, ...)
-//! given by address.
+//! `hearth-bench real` (also `hearth-bench compare`): routing policies side
+//! by side in front of real OpenAI-compatible engines (llama.cpp's
+//! `llama-server`, vLLM, SGLang, ...) given by address: an operator's own
+//! fleet, or engines started on loopback.
 //!
-//! One run drives the same seeded multi-turn workload through, in turn:
+//! One run drives the same seeded workload through, in turn:
 //!
 //! - **ring_hash**: plain Envoy hashing a per-conversation header
 //!   (`x-session-id`), the affinity a plain mesh offers;
 //! - **least_request**: plain Envoy, no affinity;
 //! - **hearth**: Envoy with filter-wasm, ext_proc and override_host, and the
-//!   `hearth-ext-proc` process at its defaults.
+//!   `hearth-ext-proc` process at its defaults;
+//! - the peer routers as released ([`crate::peers`]): smg `cache_aware`,
+//!   vllm-router `cache_aware` and `consistent_hash` (on `x-session-id`),
+//!   each at its defaults, in front of the same engines.
 //!
-//! Every configuration adds the same response header naming the upstream
-//! Envoy picked (`%UPSTREAM_HOST%`), so which engine served a turn is read
-//! the same way for all three. Cache hits come from the engines' own
-//! answers. Each policy's prompts carry their own salt, so one policy's
-//! turns never warm another's.
+//! The workload is multi-turn conversations (agents re-sending their whole
+//! history) or llm-d's shared-prefix shape (groups of users whose requests
+//! are the group's long system prompt and a fresh question).
+//!
+//! Which engine served a turn: every Envoy configuration adds the same
+//! response header naming the upstream it picked (`%UPSTREAM_HOST%`); smg
+//! names its worker (`x-smg-routed-worker-id`); otherwise the answer's
+//! `model`, where each engine serves a model of its own name (llama.cpp
+//! answers with its alias whatever was asked), else it stays unknown
+//! (vllm-router in front of engines of one model name: its stay rate and
+//! per-engine split are not measured). Cache hits come from the engines'
+//! own answers. Each policy's prompts carry their own salt, so one
+//! policy's turns never warm another's.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -29,10 +41,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::conversation::{cached_and_prompt_tokens, filler, Conversation};
+use crate::peers::{Peer, PeerKind, SMG_WORKER_HEADER};
 use crate::report::percentile;
 use crate::rng::Rng;
 use crate::settings::{parse_setting, shown_setting, SidecarSettings};
-use crate::stack::{Front, Stack};
+use crate::stack::Stack;
 
 /// The response header every configuration adds: the upstream that served.
 pub const UPSTREAM_HEADER: &str = "x-bench-upstream";
@@ -53,7 +66,16 @@ pub struct RealArgs {
     /// `/v1/models` lists).
     #[arg(long)]
     pub model: Option<String>,
-    /// Conversations running at once.
+    /// What the clients send: multi-turn conversations, or llm-d's
+    /// shared-prefix shape (each of `--conversations` users asks
+    /// `--turns` fresh questions of `--user-bytes` after its group's
+    /// `--shared-bytes` system prompt, with no history).
+    #[arg(long, value_enum, default_value_t = Workload::Conversations)]
+    pub workload: Workload,
+    /// Shared-prefix: users per group (groups share a system prompt).
+    #[arg(long, default_value_t = 3)]
+    pub users_per_group: usize,
+    /// Conversations (shared-prefix: users) running at once.
     #[arg(long, default_value_t = 4)]
     pub conversations: usize,
     /// Turns per conversation.
@@ -78,9 +100,14 @@ pub struct RealArgs {
     /// `max_tokens` of every request.
     #[arg(long, default_value_t = 16)]
     pub max_tokens: u32,
-    /// Routing policies, run one after the other in this order.
+    /// Routing policies, run one after the other in this order (reversed
+    /// on even seeds). A peer router that is not installed is skipped,
+    /// with the reason.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Policy::RingHash, Policy::LeastRequest, Policy::Hearth])]
     pub policies: Vec<Policy>,
+    /// How long a peer router may take to start and list every engine.
+    #[arg(long, default_value_t = 60)]
+    pub peer_deadline_s: u64,
     /// Deadline of each request (the whole streamed answer), in seconds.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
@@ -103,41 +130,21 @@ pub struct RealArgs {
     pub json: Option<PathBuf>,
 }
 
-/// A routing configuration of the gateway.
+/// A routing configuration: plain Envoy's (`ring_hash` on the session,
+/// `least_request`), Hearth's, or a peer router as released (smg,
+/// vllm-router), the same set `hearth-bench live` runs.
+pub use crate::live::LivePolicy as Policy;
+
+/// What the clients send.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
-pub enum Policy {
-    /// Plain Envoy, `RING_HASH` on the `x-session-id` header.
-    #[value(name = "ring_hash")]
-    #[serde(rename = "ring_hash")]
-    RingHash,
-    /// Plain Envoy, `LEAST_REQUEST`.
-    #[value(name = "least_request")]
-    #[serde(rename = "least_request")]
-    LeastRequest,
-    /// Envoy + filter-wasm + ext_proc + the sidecar at its defaults.
-    #[value(name = "hearth")]
-    #[serde(rename = "hearth")]
-    Hearth,
-}
-
-impl Policy {
-    pub fn name(self) -> &'static str {
-        match self {
-            Policy::RingHash => "ring_hash",
-            Policy::LeastRequest => "least_request",
-            Policy::Hearth => "hearth",
-        }
-    }
-
-    /// A fixed key per policy (not its place in `--policies`), so a policy
-    /// run alone gets the same text as in a full run.
-    fn key(self) -> u64 {
-        match self {
-            Policy::RingHash => 1,
-            Policy::LeastRequest => 2,
-            Policy::Hearth => 3,
-        }
-    }
+#[serde(rename_all = "kebab-case")]
+pub enum Workload {
+    /// Multi-turn conversations: each turn re-sends the whole history and
+    /// adds a tool result (a coding agent).
+    Conversations,
+    /// llm-d's shared-prefix benchmark shape: groups of users sharing a
+    /// long system prompt, each request that prompt and a fresh question.
+    SharedPrefix,
 }
 
 // ---------------------------------------------------------------------------
@@ -146,6 +153,8 @@ impl Policy {
 /// The workload's shape, independent of the policy.
 #[derive(Clone, Debug, Serialize)]
 pub struct Shape {
+    pub workload: Workload,
+    pub users_per_group: usize,
     pub conversations: usize,
     pub turns: usize,
     pub shared_bytes: usize,
@@ -159,6 +168,8 @@ pub struct Shape {
 impl Shape {
     fn of(args: &RealArgs) -> Shape {
         Shape {
+            workload: args.workload,
+            users_per_group: args.users_per_group.max(1),
             conversations: args.conversations,
             turns: args.turns,
             shared_bytes: args.shared_bytes,
@@ -191,7 +202,8 @@ pub fn policy_salt(seed: u64, run_salt: u64, policy: Policy) -> u64 {
 
 /// The conversations of one policy's run. Start times and pauses depend
 /// on the seed only (every policy gets the same timing); the text also on
-/// `salt`.
+/// `salt`. Shared-prefix: conversation `i` is a user of group
+/// `i / users_per_group`, whose system prompt is the group's alone.
 pub fn plan(shape: &Shape, model: &str, salt: u64) -> Vec<Planned> {
     let shared = format!(
         "Harness {salt:016x}. You are a coding agent; follow the repository's rules.\n{}",
@@ -208,10 +220,19 @@ pub fn plan(shape: &Shape, model: &str, salt: u64) -> Vec<Planned> {
             // Small enough that the conversation's own seed arithmetic
             // (x 7919) cannot overflow.
             let own = Rng::derive(salt, 1 + i as u64).next_u64() >> 24;
-            let system = format!(
-                "{shared}\n\nProject {own}: this conversation's own instructions.\n{}",
-                filler(own ^ 0x5EED, shape.system_bytes)
-            );
+            let system = match shape.workload {
+                Workload::Conversations => format!(
+                    "{shared}\n\nProject {own}: this conversation's own instructions.\n{}",
+                    filler(own ^ 0x5EED, shape.system_bytes)
+                ),
+                Workload::SharedPrefix => {
+                    let group = (i / shape.users_per_group) as u64;
+                    format!(
+                        "Group {group} of {salt:016x}: the application's instructions and documents.\n{}",
+                        filler(Rng::derive(salt, 0x6000 + group).next_u64(), shape.shared_bytes)
+                    )
+                }
+            };
             Planned {
                 index: i,
                 session: format!("conversation-{i}"),
@@ -290,7 +311,7 @@ pub fn plain_config(policy: Policy, engines: &[SocketAddr]) -> anyhow::Result<St
     let yaml = match policy {
         Policy::RingHash => ring_hash(&yaml)?,
         Policy::LeastRequest => yaml,
-        Policy::Hearth => bail!("hearth is not a plain-Envoy policy"),
+        other => bail!("{} is not a plain-Envoy policy", other.name()),
     };
     with_upstream_header(&yaml)
 }
@@ -318,6 +339,10 @@ pub struct StreamReader {
     /// An `error` object came in the stream.
     pub error: Option<String>,
     pub done: bool,
+    /// The answer's `model` (llama.cpp: its alias, whatever was asked).
+    pub model: Option<String>,
+    /// `usage.completion_tokens`.
+    pub completion_tokens: Option<u64>,
 }
 
 impl StreamReader {
@@ -345,6 +370,12 @@ impl StreamReader {
         };
         if v["error"].is_object() {
             self.error = Some(v["error"]["message"].as_str().unwrap_or("error").into());
+        }
+        if self.model.is_none() {
+            self.model = v["model"].as_str().map(str::to_string);
+        }
+        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+            self.completion_tokens = Some(n);
         }
         let delta = &v["choices"][0]["delta"];
         let token = |k: &str| delta[k].as_str().filter(|s| !s.is_empty());
@@ -404,6 +435,9 @@ pub struct TurnRecord {
     pub e2e_s: f64,
     pub prompt_tokens: Option<u64>,
     pub cached_tokens: Option<u64>,
+    /// Tokens generated (the answer's `usage.completion_tokens`).
+    #[serde(default)]
+    pub output_tokens: Option<u64>,
     /// Anything that made the turn fail (status, transport, stream error).
     pub error: Option<String>,
 }
@@ -421,6 +455,11 @@ pub struct Summary {
     pub wall_s: f64,
     pub requests: usize,
     pub ok: usize,
+    /// Answered turns a minute of the run's wall time.
+    pub turns_per_min: f64,
+    /// Tokens generated over the answered turns, and per second of wall.
+    pub output_tokens: u64,
+    pub output_tok_per_s: f64,
     /// Mean prompt tokens of the answered turns.
     pub mean_prompt_tokens: f64,
     /// Cached share of prompt tokens on turns after the first.
@@ -431,6 +470,7 @@ pub struct Summary {
     pub computed_tokens: u64,
     pub ttft_p50_s: f64,
     pub ttft_p90_s: f64,
+    pub ttft_p99_s: f64,
     /// The same on turns after the first: what routing can change (a first
     /// turn finds only the shared harness wherever it goes).
     pub ttft_later_p50_s: f64,
@@ -508,11 +548,16 @@ pub fn summarize(policy: &str, records: &[TurnRecord], engines: usize, wall_s: f
     }
     let failed =
         |f: &dyn Fn(Option<u16>) -> bool| records.iter().filter(|r| !r.ok() && f(r.status)).count();
+    let output_tokens: u64 = ok.iter().filter_map(|r| r.output_tokens).sum();
+    let per_s = |n: f64| if wall_s > 0.0 { n / wall_s } else { 0.0 };
     Summary {
         policy: policy.to_string(),
         wall_s,
         requests: records.len(),
         ok: ok.len(),
+        turns_per_min: 60.0 * per_s(ok.len() as f64),
+        output_tokens,
+        output_tok_per_s: per_s(output_tokens as f64),
         mean_prompt_tokens: if prompts.is_empty() {
             0.0
         } else {
@@ -523,6 +568,7 @@ pub fn summarize(policy: &str, records: &[TurnRecord], engines: usize, wall_s: f
         computed_tokens: computed,
         ttft_p50_s: percentile(&ttft, 0.5),
         ttft_p90_s: percentile(&ttft, 0.9),
+        ttft_p99_s: percentile(&ttft, 0.99),
         ttft_later_p50_s: percentile(&ttft_later, 0.5),
         ttft_later_p90_s: percentile(&ttft_later, 0.9),
         stay_rate: (stays + moves > 0).then(|| stays as f64 / (stays + moves) as f64),
@@ -556,33 +602,40 @@ fn secs(v: f64) -> String {
 /// The rows as a Markdown table.
 pub fn table(rows: &[Summary]) -> String {
     let mut out = String::from(
-        "| policy | wall s | turns ok | prompt tok/turn | cached, turns 2+ | cached, turn 1 | computed tok | TTFT p50 s | TTFT p90 s | TTFT p50 / p90 s, turns 2+ | stay | 5xx | 429 | other fail | per engine |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
+        "| policy | wall s | turns ok | turns/min | out tok/s | prompt tok/turn | cached, turns 2+ | cached, turn 1 | computed tok | TTFT p50 s | TTFT p90 s | TTFT p99 s | TTFT p50 / p90 s, turns 2+ | stay | 5xx | 429 | other fail | per engine |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
     );
     for r in rows {
         out.push_str(&format!(
-            "| {} | {:.1} | {}/{} | {:.0} | {} | {} | {} | {} | {} | {} / {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {:.1} | {}/{} | {:.1} | {:.1} | {:.0} | {} | {} | {} | {} | {} | {} | {} / {} | {} | {} | {} | {} | {} |\n",
             r.policy,
             r.wall_s,
             r.ok,
             r.requests,
+            r.turns_per_min,
+            r.output_tok_per_s,
             r.mean_prompt_tokens,
             pct(r.cached_later),
             pct(r.cached_first),
             r.computed_tokens,
             secs(r.ttft_p50_s),
             secs(r.ttft_p90_s),
+            secs(r.ttft_p99_s),
             secs(r.ttft_later_p50_s),
             secs(r.ttft_later_p90_s),
             pct(r.stay_rate),
             r.status_5xx,
             r.status_429,
             r.other_failures,
-            r.per_engine
-                .iter()
-                .map(usize::to_string)
-                .collect::<Vec<_>>()
-                .join(" / "),
+            if r.per_engine.iter().sum::<usize>() == 0 {
+                "-".to_string()
+            } else {
+                r.per_engine
+                    .iter()
+                    .map(usize::to_string)
+                    .collect::<Vec<_>>()
+                    .join(" / ")
+            },
         ));
     }
     out
@@ -597,6 +650,9 @@ struct Client {
     url: String,
     api_key: Option<String>,
     engines: Vec<SocketAddr>,
+    /// Each engine's own model name, when they all differ: the answer's
+    /// `model` then names the engine that served it.
+    engine_models: Option<Vec<String>>,
     shape: Shape,
 }
 
@@ -619,6 +675,7 @@ impl Client {
             e2e_s: 0.0,
             prompt_tokens: None,
             cached_tokens: None,
+            output_tokens: None,
             error: None,
         };
         let sent = Instant::now();
@@ -636,12 +693,18 @@ impl Client {
             }
         };
         record.status = Some(resp.status().as_u16());
-        record.engine = resp
-            .headers()
-            .get(UPSTREAM_HEADER)
-            .and_then(|h| h.to_str().ok())
-            .and_then(|h| h.parse::<SocketAddr>().ok())
-            .and_then(|a| self.engines.iter().position(|e| *e == a));
+        // Envoy's upstream header, else smg's worker (a URL).
+        let named = |header: &str| {
+            let text = resp.headers().get(header)?.to_str().ok()?;
+            let addr = text
+                .trim_start_matches("http://")
+                .trim_start_matches("https://")
+                .trim_end_matches('/')
+                .parse::<SocketAddr>()
+                .ok()?;
+            self.engines.iter().position(|e| *e == addr)
+        };
+        record.engine = named(UPSTREAM_HEADER).or_else(|| named(SMG_WORKER_HEADER));
         if !resp.status().is_success() {
             let status = resp.status();
             let text = resp.text().await.unwrap_or_default();
@@ -675,6 +738,15 @@ impl Client {
         }
         record.prompt_tokens = reader.prompt_tokens();
         record.cached_tokens = reader.cached_and_prompt().map(|(c, _)| c);
+        record.output_tokens = reader.completion_tokens;
+        if record.engine.is_none() {
+            // The engine's own name in its answer.
+            record.engine = self
+                .engine_models
+                .as_ref()
+                .zip(reader.model.as_deref())
+                .and_then(|(models, m)| models.iter().position(|e| e == m));
+        }
         (record, reader.text)
     }
 
@@ -683,6 +755,10 @@ impl Client {
         tokio::time::sleep_until((start + p.start).into()).await;
         let mut records = Vec::with_capacity(self.shape.turns);
         for turn in 1..=self.shape.turns {
+            if self.shape.workload == Workload::SharedPrefix {
+                // A fresh question after the group's prompt, no history.
+                p.conversation.messages.truncate(1);
+            }
             let body = turn_body(
                 &mut p.conversation,
                 self.shape.user_bytes,
@@ -738,6 +814,9 @@ pub struct PolicyRun {
     /// The sidecar's `GET /state` at the end (replica health, load).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sidecar_state: Option<Value>,
+    /// A peer router's command line, as started (its key hidden).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peer_command: Option<String>,
 }
 
 /// The sidecar's latest `limit` decisions.
@@ -849,6 +928,68 @@ fn redacted(args: impl IntoIterator<Item = String>) -> String {
     out.join(" ")
 }
 
+/// Each engine's first model name, when every engine answered and no two
+/// share one (else None: answers cannot name their engine).
+async fn engine_models(engines: &[SocketAddr], api_key: Option<&str>) -> Option<Vec<String>> {
+    let names = futures::future::join_all(engines.iter().map(|e| first_model(*e, api_key))).await;
+    let names: Vec<String> = names.into_iter().collect::<anyhow::Result<_>>().ok()?;
+    let mut distinct = names.clone();
+    distinct.sort();
+    distinct.dedup();
+    (distinct.len() == names.len()).then_some(names)
+}
+
+/// What serves a policy's run: Envoy (plain or with Hearth), or a peer
+/// router.
+enum Serving {
+    Envoy(Box<Stack>),
+    Peer(Box<Peer>),
+}
+
+impl Serving {
+    async fn start(args: &RealArgs, policy: Policy) -> anyhow::Result<Serving> {
+        let engines: Vec<String> = args.engines.iter().map(SocketAddr::to_string).collect();
+        if let Some(mut config) = policy.peer() {
+            config.api_key = args.api_key.clone();
+            let peer = Peer::start(
+                &config,
+                &args.engines,
+                Duration::from_secs(args.peer_deadline_s),
+            )
+            .await?;
+            return Ok(Serving::Peer(Box::new(peer)));
+        }
+        let stack = match policy {
+            Policy::Hearth => Stack::running(engines)
+                .settings(args.sidecar.set.iter().cloned())
+                // The sidecar's probes and metric scrapes need the
+                // engines' key too, as an operator would configure it.
+                .settings(
+                    args.api_key
+                        .iter()
+                        .map(|key| ("HEARTH_ENGINE_API_KEY", key.clone())),
+                )
+                .edit_envoy(|yaml| with_upstream_header(&yaml)),
+            _ => Stack::running(engines)
+                .front(crate::stack::Front::Plain)
+                .edit_envoy(move |yaml| match policy {
+                    Policy::RingHash => with_upstream_header(&ring_hash(&yaml)?),
+                    _ => with_upstream_header(&yaml),
+                }),
+        }
+        .start()
+        .await?;
+        Ok(Serving::Envoy(Box::new(stack)))
+    }
+
+    fn url(&self) -> String {
+        match self {
+            Serving::Envoy(stack) => stack.url(),
+            Serving::Peer(peer) => peer.url(),
+        }
+    }
+}
+
 /// One policy's run: its gateway up, the workload through it, gateway down.
 pub async fn run_policy(
     args: &RealArgs,
@@ -857,40 +998,23 @@ pub async fn run_policy(
     run_salt: u64,
 ) -> anyhow::Result<PolicyRun> {
     let shape = Shape::of(args);
-    let engines: Vec<String> = args.engines.iter().map(SocketAddr::to_string).collect();
-    let stack = match policy {
-        Policy::RingHash | Policy::LeastRequest => Stack::running(engines)
-            .front(Front::Plain)
-            .edit_envoy(move |yaml| match policy {
-                Policy::RingHash => with_upstream_header(&ring_hash(&yaml)?),
-                _ => with_upstream_header(&yaml),
-            }),
-        Policy::Hearth => Stack::running(engines)
-            .settings(args.sidecar.set.iter().cloned())
-            // The sidecar's probes and metric scrapes need the engines'
-            // key too, as an operator would configure it.
-            .settings(
-                args.api_key
-                    .iter()
-                    .map(|key| ("HEARTH_ENGINE_API_KEY", key.clone())),
-            )
-            .edit_envoy(|yaml| with_upstream_header(&yaml)),
-    }
-    .start()
-    .await?;
-    let hearth = policy == Policy::Hearth;
-    let admin = stack.admin();
-    let probes_before = match hearth {
-        true => metrics(admin).await.as_deref().map(probes_sent),
-        false => None,
+    let front = Serving::start(args, policy).await?;
+    let admin = match (&front, policy) {
+        (Serving::Envoy(stack), Policy::Hearth) => Some(stack.admin()),
+        _ => None,
+    };
+    let probes_before = match admin {
+        Some(admin) => metrics(admin).await.as_deref().map(probes_sent),
+        None => None,
     };
     let client = Arc::new(Client {
         http: reqwest::Client::builder()
             .timeout(Duration::from_secs(args.timeout))
             .build()?,
-        url: format!("{}/v1/chat/completions", stack.url()),
+        url: format!("{}/v1/chat/completions", front.url()),
         api_key: args.api_key.clone(),
         engines: args.engines.clone(),
+        engine_models: engine_models(&args.engines, args.api_key.as_deref()).await,
         shape: shape.clone(),
     });
     let salt = policy_salt(args.seed, run_salt, policy);
@@ -906,7 +1030,7 @@ pub async fn run_policy(
     let wall = start.elapsed().as_secs_f64();
     let mut summary = summarize(policy.name(), &records, args.engines.len(), wall);
     let (mut journal, mut state) = (None, None);
-    if hearth {
+    if let Some(admin) = admin {
         // One scrape for every figure read after the run.
         let after = metrics(admin).await;
         let after = after.as_deref();
@@ -918,16 +1042,36 @@ pub async fn run_policy(
         summary.sidecar_usage = after.map(usage_counted);
         summary.prediction_error = after.and_then(prediction_error);
         journal = decisions(admin, records.len()).await;
-        state = stack.state_json().await.ok();
     }
-    stack.shutdown().await;
+    let mut peer_command = None;
+    match front {
+        Serving::Envoy(stack) => {
+            if admin.is_some() {
+                state = stack.state_json().await.ok();
+            }
+            stack.shutdown().await;
+        }
+        Serving::Peer(peer) => peer_command = Some(peer.command.clone()),
+    }
     records.sort_by_key(|r| (r.conversation, r.turn));
     Ok(PolicyRun {
         summary,
         turns: records,
         decisions: journal,
         sidecar_state: state,
+        peer_command,
     })
+}
+
+/// `policies` in the order a seed runs them, and those skipped with the
+/// reason (a peer router that is not installed).
+pub fn runnable_in_order(
+    policies: &[Policy],
+    seed: u64,
+    find: impl Fn(PeerKind) -> anyhow::Result<PathBuf>,
+) -> (Vec<Policy>, Vec<(Policy, String)>) {
+    let (run, skipped) = crate::live::runnable(policies, find);
+    (crate::live::order_for_seed(&run, seed), skipped)
 }
 
 pub async fn run(args: RealArgs) -> anyhow::Result<()> {
@@ -970,10 +1114,17 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join(" ")
     };
+    let (order, skipped) = runnable_in_order(&args.policies, args.seed, PeerKind::find);
+    let workload = match args.workload {
+        Workload::Conversations => "conversations".to_string(),
+        Workload::SharedPrefix => {
+            format!("shared-prefix --users-per-group {}", args.users_per_group)
+        }
+    };
     println!("# hearth-bench real");
     println!("# command: {}", command_line());
     println!(
-        "# = --engines {engines} --model {model} --conversations {} --turns {} --shared-bytes {} --system-bytes {} \
+        "# = --engines {engines} --model {model} --workload {workload} --conversations {} --turns {} --shared-bytes {} --system-bytes {} \
          --user-bytes {} --think-ms {} --max-tokens {} --timeout {} --seed {} --salt {run_salt} --policies {policies}{}",
         args.conversations,
         args.turns,
@@ -1003,8 +1154,17 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
         },
         std::thread::available_parallelism().map_or(0, |n| n.get()),
     );
+    println!(
+        "# order (seed {}; reversed on even seeds): {}",
+        args.seed,
+        order.iter().map(|p| p.name()).collect::<Vec<_>>().join(",")
+    );
+    for (p, why) in &skipped {
+        println!("# skipped {}: {why}", p.name());
+    }
+    anyhow::ensure!(!order.is_empty(), "no policy of --policies can run");
     let mut rows = Vec::new();
-    for &policy in &args.policies {
+    for &policy in &order {
         eprintln!("hearth-bench real: running {}", policy.name());
         let row = run_policy(&args, policy, &model, run_salt)
             .await
@@ -1014,6 +1174,11 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
     let summaries: Vec<Summary> = rows.iter().map(|r| r.summary.clone()).collect();
     println!();
     print!("{}", table(&summaries));
+    for r in &rows {
+        if let Some(command) = &r.peer_command {
+            println!("{}: {command}", r.summary.policy);
+        }
+    }
     if let Some(p) = summaries.iter().find_map(|r| r.probes) {
         println!("\nhearth: the sidecar sent {p} active probes to the engines during its run");
     }
@@ -1063,6 +1228,8 @@ mod tests {
 
     fn shape() -> Shape {
         Shape {
+            workload: Workload::Conversations,
+            users_per_group: 1,
             conversations: 3,
             turns: 4,
             shared_bytes: 600,
@@ -1092,6 +1259,74 @@ mod tests {
     fn system(b: &str) -> String {
         let v: Value = serde_json::from_str(b).unwrap();
         v["messages"][0]["content"].as_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn shared_prefix_users_share_their_groups_prompt_and_ask_without_history() {
+        let s = Shape {
+            workload: Workload::SharedPrefix,
+            users_per_group: 2,
+            conversations: 5,
+            ..shape()
+        };
+        let systems: Vec<String> = plan(&s, "m", 11)
+            .iter()
+            .map(|p| {
+                p.conversation.messages[0]["content"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+        // Users 0-1, 2-3 and 4 form three groups.
+        assert_eq!(systems[0], systems[1]);
+        assert_eq!(systems[2], systems[3]);
+        assert_ne!(systems[0], systems[2]);
+        assert_ne!(systems[2], systems[4]);
+        assert!(systems[0].len() >= s.shared_bytes, "{}", systems[0].len());
+        // Another salt, other groups' prompts.
+        let other = plan(&s, "m", 12);
+        assert_ne!(
+            other[0].conversation.messages[0],
+            json!({"role": "system", "content": systems[0]})
+        );
+    }
+
+    #[test]
+    fn peer_routers_not_installed_are_skipped_and_even_seeds_run_in_reverse() {
+        let all = [
+            Policy::RingHash,
+            Policy::Hearth,
+            Policy::SmgCacheAware,
+            Policy::VllmRouterCacheAware,
+        ];
+        let missing = |k: PeerKind| -> anyhow::Result<PathBuf> {
+            match k {
+                PeerKind::Smg => Ok(PathBuf::from("/bin/true")),
+                PeerKind::VllmRouter => anyhow::bail!("{}", k.not_installed()),
+            }
+        };
+        let (odd, skipped) = runnable_in_order(&all, 1, missing);
+        assert_eq!(
+            odd,
+            [Policy::RingHash, Policy::Hearth, Policy::SmgCacheAware]
+        );
+        assert_eq!(skipped.len(), 1);
+        assert_eq!(skipped[0].0, Policy::VllmRouterCacheAware);
+        assert!(
+            skipped[0].1.contains("scripts/setup-peers"),
+            "{}",
+            skipped[0].1
+        );
+        let (even, _) = runnable_in_order(&all, 2, missing);
+        assert_eq!(
+            even,
+            [Policy::SmgCacheAware, Policy::Hearth, Policy::RingHash]
+        );
+        // Every policy's prompts are its own.
+        let salts: std::collections::HashSet<u64> =
+            all.iter().map(|&p| policy_salt(1, 99, p)).collect();
+        assert_eq!(salts.len(), all.len());
     }
 
     #[test]
@@ -1182,20 +1417,23 @@ mod tests {
     fn reads_usage_and_falls_back_to_llama_cpp_timings() {
         // OpenAI usage, split across reads, the event cut mid-line.
         let stream = concat!(
-            "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":null}}]}\n\n",
+            "data: {\"model\":\"llama-1\",\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":null}}]}\n\n",
             "data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n",
             "data: {\"choices\":[{\"delta\":{\"content\":\"lo\"}}]}\n\n",
-            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":900,\"prompt_tokens_details\":{\"cached_tokens\":600}},",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":900,\"completion_tokens\":2,\"prompt_tokens_details\":{\"cached_tokens\":600}},",
             "\"timings\":{\"cache_n\":1,\"prompt_n\":2}}\n\n",
             "data: [DONE]\n\n"
         );
-        let (a, b) = stream.as_bytes().split_at(70);
+        let (a, b) = stream.as_bytes().split_at(90);
         let mut r = StreamReader::default();
         assert!(!r.feed(a), "the role chunk is not a token");
         assert!(r.feed(b));
         assert_eq!(r.text, "Hello");
         assert!(r.done);
         assert_eq!(r.cached_and_prompt(), Some((600, 900)));
+        // The engine's name and what it generated.
+        assert_eq!(r.model.as_deref(), Some("llama-1"));
+        assert_eq!(r.completion_tokens, Some(2));
 
         // llama.cpp without include_usage: timings only.
         let mut r = StreamReader::default();
@@ -1230,6 +1468,7 @@ mod tests {
             e2e_s: 1.0,
             prompt_tokens: Some(100),
             cached_tokens: Some(cached),
+            output_tokens: (status == 200).then_some(8),
             error: (status != 200).then(|| format!("HTTP {status}")),
         }
     }
@@ -1266,11 +1505,20 @@ mod tests {
         assert_eq!(s.ttft_later_p50_s, 0.3);
         assert_eq!(s.mean_prompt_tokens, 100.0);
         let none = summarize("q", &records[3..4], 2, 1.0);
-        assert!(table(&[none])
-            .contains("| q | 1.0 | 0/1 | 0 | - | - | 0 | - | - | - / - | - | 1 | 0 | 0 | 0 / 0 |"));
+        // Nothing answered, no engine known: dashes.
+        let t = table(&[none]);
+        assert!(
+            t.contains("| q | 1.0 | 0/1 | 0.0 | 0.0 | 0 | - | - | 0 | - | - | - | - / - | - | 1 | 0 | 0 | - |"),
+            "{t}"
+        );
+        // Five answers of 8 tokens in 12.5 s: 24 a minute, 3.2 tokens a second.
+        assert_eq!(
+            (s.output_tokens, s.turns_per_min, s.output_tok_per_s),
+            (40, 24.0, 3.2)
+        );
         let t = table(&[s]);
         assert!(
-            t.contains("| p | 12.5 | 5/8 | 100 | 56.7% | 20.0% | 290 |"),
+            t.contains("| p | 12.5 | 5/8 | 24.0 | 3.2 | 100 | 56.7% | 20.0% | 290 |"),
             "{t}"
         );
         assert!(t.contains("| 66.7% | 1 | 1 | 1 | 2 / 3 |"), "{t}");

@@ -510,6 +510,8 @@ async fn at_the_defaults_no_probe_takes_a_conversations_slot_and_hearth_caches_a
         engines: engines.iter().map(|e| e.addr).collect(),
         api_key: None,
         model: Some(MODEL.into()),
+        workload: hearth_bench::real::Workload::Conversations,
+        users_per_group: 1,
         conversations: 4,
         turns: 6,
         // A shared harness of about 270 words, each conversation's own
@@ -521,6 +523,7 @@ async fn at_the_defaults_no_probe_takes_a_conversations_slot_and_hearth_caches_a
         think_ms: 500,
         max_tokens: 8,
         policies: vec![Policy::Hearth, Policy::RingHash],
+        peer_deadline_s: 60,
         timeout: 240,
         seed: 1,
         salt: Some(0x5107),
