@@ -29,6 +29,7 @@ pub mod conversation;
 pub mod demo;
 pub mod engine;
 pub mod gateway;
+pub mod harness;
 pub mod live;
 pub mod llama;
 pub mod overhead;

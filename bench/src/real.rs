@@ -108,6 +108,28 @@ pub struct RealArgs {
     /// How long a peer router may take to start and list every engine.
     #[arg(long, default_value_t = 60)]
     pub peer_deadline_s: u64,
+    /// Who sends the requests: this command's own client, or llm-d's
+    /// harness `inference-perf` (its shared-prefix data: groups of
+    /// `--users-per-group` users out of `--conversations`, lengths in
+    /// tokens, at each of `--rates`).
+    #[arg(long, value_enum, default_value_t = Driver::HearthBench)]
+    pub driver: Driver,
+    /// inference-perf: requests a second, one stage each.
+    #[arg(long, value_delimiter = ',', default_values_t = [0.5, 1.0])]
+    pub rates: Vec<f64>,
+    /// inference-perf: seconds of each stage.
+    #[arg(long, default_value_t = 30)]
+    pub stage_seconds: u64,
+    /// inference-perf: tokens of each group's system prompt and of each
+    /// question (output: `--max-tokens`).
+    #[arg(long, default_value_t = 1500)]
+    pub system_tokens: usize,
+    #[arg(long, default_value_t = 300)]
+    pub question_tokens: usize,
+    /// inference-perf: the tokenizer folder lengths are counted with
+    /// (default: the model folder of the vLLM install, SmolLM2's).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
     /// Deadline of each request (the whole streamed answer), in seconds.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
@@ -134,6 +156,17 @@ pub struct RealArgs {
 /// `least_request`), Hearth's, or a peer router as released (smg,
 /// vllm-router), the same set `hearth-bench live` runs.
 pub use crate::live::LivePolicy as Policy;
+
+/// Who sends the requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Driver {
+    /// This command's own client (per-turn records, stays, per engine).
+    HearthBench,
+    /// llm-d's `inference-perf` (its report's throughput, TTFT and cached
+    /// share).
+    InferencePerf,
+}
 
 /// What the clients send.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -1074,6 +1107,93 @@ pub fn runnable_in_order(
     (crate::live::order_for_seed(&run, seed), skipped)
 }
 
+/// `--driver inference-perf`: the harness against each policy's front
+/// in turn; one row each from its report.
+async fn run_harness(
+    args: &RealArgs,
+    order: &[Policy],
+    model: &str,
+    run_salt: u64,
+) -> anyhow::Result<()> {
+    let program = crate::harness::find()?;
+    let tokenizer = match &args.tokenizer {
+        Some(t) => t.clone(),
+        None => {
+            crate::vllm::VllmInstall::find()
+                .context("--tokenizer not given and no vLLM install to take one from")?
+                .model
+        }
+    };
+    let users = args.users_per_group.max(1);
+    let shape = crate::harness::HarnessShape {
+        groups: args.conversations.div_ceil(users),
+        users_per_group: users,
+        system_tokens: args.system_tokens,
+        question_tokens: args.question_tokens,
+        output_tokens: args.max_tokens as usize,
+        rates: args.rates.clone(),
+        stage_seconds: args.stage_seconds,
+        seed: args.seed,
+    };
+    println!(
+        "# inference-perf ({}): shared_prefix, {} groups x {} users, system {} + question {} tokens, \
+         output {} (ignore_eos), rates {:?}/s x {} s each, tokenizer {}",
+        program.display(),
+        shape.groups,
+        shape.users_per_group,
+        shape.system_tokens,
+        shape.question_tokens,
+        shape.output_tokens,
+        shape.rates,
+        shape.stage_seconds,
+        tokenizer.display()
+    );
+    let scratch = std::env::temp_dir().join(format!("hearth-harness-{}", std::process::id()));
+    let deadline = Duration::from_secs(shape.stage_seconds * shape.rates.len() as u64 + 600);
+    let mut rows = Vec::new();
+    let mut reports = Vec::new();
+    for &policy in order {
+        eprintln!(
+            "hearth-bench real: inference-perf through {}",
+            policy.name()
+        );
+        let front = Serving::start(args, policy).await?;
+        let dir = scratch.join(policy.name());
+        // Each policy's prompts its own (the harness's seed makes its
+        // text), so no policy finds another's prompts in the engines.
+        let own = crate::harness::HarnessShape {
+            seed: policy_salt(args.seed, run_salt, policy) >> 33,
+            ..shape.clone()
+        };
+        let yaml =
+            crate::harness::config(&own, &front.url(), model, &tokenizer, &dir.join("report"));
+        let result = crate::harness::run(&program, &yaml, &dir, deadline).await;
+        if let Serving::Envoy(stack) = front {
+            stack.shutdown().await;
+        }
+        let summary = result.with_context(|| format!("policy {}", policy.name()))?;
+        rows.push(crate::harness::HarnessRow::read(policy.name(), &summary));
+        reports.push(json!({"policy": policy.name(), "summary": summary}));
+    }
+    println!();
+    print!("{}", crate::harness::table(&rows));
+    if let Some(path) = &args.json {
+        let doc = json!({
+            "command": command_line(),
+            "driver": "inference-perf",
+            "engines": args.engines,
+            "model": model,
+            "shape": shape,
+            "rows": rows,
+            "reports": reports,
+        });
+        std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
+        println!("wrote {}", path.display());
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    Ok(())
+}
+
 pub async fn run(args: RealArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!args.engines.is_empty(), "--engines lists no engine");
     anyhow::ensure!(
@@ -1123,30 +1243,53 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
     };
     println!("# hearth-bench real");
     println!("# command: {}", command_line());
+    let driver = match args.driver {
+        Driver::HearthBench => format!(
+            "--workload {workload} --conversations {} --turns {} --shared-bytes {} --system-bytes {} \
+             --user-bytes {} --think-ms {} --timeout {}",
+            args.conversations,
+            args.turns,
+            args.shared_bytes,
+            args.system_bytes,
+            args.user_bytes,
+            args.think_ms,
+            args.timeout,
+        ),
+        Driver::InferencePerf => format!(
+            "--driver inference-perf --conversations {} --users-per-group {} --system-tokens {} \
+             --question-tokens {} --rates {} --stage-seconds {}",
+            args.conversations,
+            args.users_per_group,
+            args.system_tokens,
+            args.question_tokens,
+            args.rates
+                .iter()
+                .map(f64::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+            args.stage_seconds,
+        ),
+    };
     println!(
-        "# = --engines {engines} --model {model} --workload {workload} --conversations {} --turns {} --shared-bytes {} --system-bytes {} \
-         --user-bytes {} --think-ms {} --max-tokens {} --timeout {} --seed {} --salt {run_salt} --policies {policies}{}",
-        args.conversations,
-        args.turns,
-        args.shared_bytes,
-        args.system_bytes,
-        args.user_bytes,
-        args.think_ms,
+        "# = --engines {engines} --model {model} {driver} --max-tokens {} --seed {} --salt {run_salt} --policies {policies}{}",
         args.max_tokens,
-        args.timeout,
         args.seed,
         args.sidecar.set
             .iter()
             .map(|kv| format!(" --set {}", shown_setting(kv)))
             .collect::<String>(),
     );
+    let load = match args.driver {
+        Driver::HearthBench => format!(
+            "{} conversations x {} turns each (streamed, max_tokens {}, temperature 0)",
+            args.conversations, args.turns, args.max_tokens
+        ),
+        Driver::InferencePerf => "inference-perf's shared-prefix load (below)".to_string(),
+    };
     println!(
-        "# {} engines, {} conversations x {} turns each (streamed, max_tokens {}, temperature 0), \
+        "# {} engines, {load}, \
          API key {}; Envoy --concurrency 2; hearth: hearth-ext-proc at {hearth_settings}; {} cores",
         args.engines.len(),
-        args.conversations,
-        args.turns,
-        args.max_tokens,
         if args.api_key.is_some() {
             "sent"
         } else {
@@ -1163,6 +1306,9 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
         println!("# skipped {}: {why}", p.name());
     }
     anyhow::ensure!(!order.is_empty(), "no policy of --policies can run");
+    if args.driver == Driver::InferencePerf {
+        return run_harness(&args, &order, &model, run_salt).await;
+    }
     let mut rows = Vec::new();
     for &policy in &order {
         eprintln!("hearth-bench real: running {}", policy.name());
