@@ -211,8 +211,10 @@ mod tests {
             Journal::open(16, None).unwrap(),
             "hearth",
         );
-        let writes = writes
-            .unwrap_or_else(|| crate::envoy::report::routes(Outcomes::new(Arc::clone(&observer))));
+        // The token is set: reports reach the route authenticated.
+        let writes = writes.unwrap_or_else(|| {
+            crate::envoy::report::routes(Outcomes::new(Arc::clone(&observer)), true)
+        });
         let token = ControlToken::new(&TOKEN.parse().unwrap());
         routes(observer, writes, Some(Arc::new(token)))
     }
