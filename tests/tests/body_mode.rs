@@ -4,6 +4,7 @@
 //! filter mode, and a forged fingerprint must change nothing.
 
 use hearth_e2e::{filler, reply_text, Conversation, Fleet, FleetOptions, Home, MODEL};
+use hearth_ext_proc::envoy::render::{render_body, Gateway};
 
 #[tokio::test]
 async fn sessions_stay_on_their_warm_replica_in_body_mode() {
@@ -80,15 +81,15 @@ async fn a_body_past_the_buffer_limit_gets_an_openai_shaped_413_in_body_mode() {
 
 /// Bodies of the shapes that once cost the parser many times their size
 /// (a tree node per tiny item; four 4 MiB bodies of tiny items took a
-/// body-mode sidecar to a 590 MB peak), four of 2 MiB at once: the
-/// sidecar holds each body as it came and little more, whatever its shape
-/// (seen: +3-5 MiB), and still serves. (Each must be answered within the
-/// body-mode config's 2 s `message_timeout`, or Envoy fails open and an
-/// engine, in this process, parses it: four 4 MiB bodies of these shapes
-/// at once take longer than that in a debug build on two cores.)
+/// body-mode sidecar to a 590 MB peak), four of 4 MiB at once, as then:
+/// the sidecar holds each body as it came and little more, whatever its
+/// shape, and still serves. Sent through an Envoy whose ext_proc waits a
+/// minute for the sidecar, not the shipped 2 s: past its timeout Envoy
+/// fails open and an engine, in this process, would parse the body (a
+/// debug build on a loaded machine takes seconds for these shapes).
 #[tokio::test]
 async fn worst_shaped_bodies_cost_the_body_mode_sidecar_what_their_bytes_do() {
-    const SIZE: usize = 2 << 20;
+    const SIZE: usize = 4 << 20;
     const SENT: usize = 4;
     let fleet = Fleet::start(FleetOptions {
         body_mode: true,
@@ -101,7 +102,19 @@ async fn worst_shaped_bodies_cost_the_body_mode_sidecar_what_their_bytes_do() {
     })
     .await
     .unwrap();
-    let url = format!("{}/v1/chat/completions", fleet.envoy.url());
+    let patient: String = render_body(&Gateway {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        ..fleet.gateway.clone()
+    })
+    .lines()
+    .map(|line| match line.split_once("message_timeout: ") {
+        Some((indent, _)) => format!("{indent}message_timeout: 60s\n"),
+        None => format!("{line}\n"),
+    })
+    .collect();
+    assert!(patient.contains("message_timeout: 60s"), "{patient}");
+    let envoy = fleet.start_envoy(&patient).await.unwrap();
+    let url = format!("{}/v1/chat/completions", envoy.url());
     // Every shape with a readable prompt (one without has no model to
     // refuse and would go to an engine, in this process).
     let shapes: Vec<(&str, bytes::Bytes)> = hearth_e2e::worst_shapes(SIZE, "not-served-here")
