@@ -1,0 +1,279 @@
+//! Flow control through the real Envoy (filter mode): while the fleet is
+//! saturated a request waits in the sidecar's queue, its ext_proc answer
+//! held past Envoy's 0.5 s `message_timeout` (the sidecar's
+//! `override_message_timeout`, within the rendered `max_message_timeout`);
+//! when room opens the higher band leaves first; a sheddable request, one
+//! past the queue's bound or its time to live gets the 429 and its reason;
+//! a client that goes away leaves the queue at once.
+//!
+//! The fleet is one simulated engine, saturated deterministically: the
+//! uncached-prompt limit is one byte, so one cold request in flight fills
+//! it, and the engine is told to stall so that request stays in flight
+//! until the test lets it go.
+
+use std::time::{Duration, Instant};
+
+use hearth_bench::engine::Fault;
+use hearth_e2e::{filler, metric_sample, Conversation, Fleet, FleetOptions, Turn, MODEL};
+use serde_json::Value;
+
+/// Waits until `series` in the sidecar's metrics reads `want`.
+async fn metric_reaches(fleet: &Fleet, series: &str, want: f64) {
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, text) = fleet.admin_get("/metrics").await.unwrap();
+        let now = metric_sample(&text, series).unwrap_or(0.0);
+        if now == want {
+            return;
+        }
+        assert!(
+            Instant::now() < until,
+            "{series} is {now}, not {want}, after 20 s:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until the replica has `n` requests in flight.
+async fn in_flight_reaches(fleet: &Fleet, n: u32) {
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let s = fleet.state().await.unwrap();
+        if s.replicas[0].in_flight == n {
+            return;
+        }
+        assert!(
+            Instant::now() < until,
+            "in flight: {}",
+            s.replicas[0].in_flight
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A first turn of its own conversation, `bytes` of prompt.
+fn prompt(seed: u64, bytes: usize) -> Vec<u8> {
+    let mut c = Conversation::new(MODEL, &filler(seed, bytes), false, seed);
+    let mut body = c.next_turn(10, false);
+    body["max_tokens"] = 2.into();
+    serde_json::to_vec(&body).unwrap()
+}
+
+/// Sends a chat request with `headers` in a task of its own.
+fn send(
+    fleet: &Fleet,
+    body: Vec<u8>,
+    headers: &[(&'static str, &'static str)],
+) -> tokio::task::JoinHandle<Turn> {
+    let client = fleet.client.clone();
+    let url = format!("{}/v1/chat/completions", fleet.envoy.url());
+    let headers = headers.to_vec();
+    tokio::spawn(async move {
+        let mut req = client
+            .post(url)
+            .header("content-type", "application/json")
+            .body(body);
+        for (k, v) in headers {
+            req = req.header(k, v);
+        }
+        let resp = req.send().await.expect("request through Envoy");
+        let status = resp.status().as_u16();
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let engine = header("x-engine-id");
+        let upstream = header("x-hearth-upstream");
+        let reason = header("x-hearth-drop-reason");
+        let text = resp.text().await.unwrap();
+        let mut body: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        if let Some(r) = reason {
+            body["drop_reason_header"] = r.into();
+        }
+        Turn {
+            status,
+            engine,
+            upstream,
+            body,
+        }
+    })
+}
+
+/// A 429 from flow control, with its reason in the header and the body.
+fn assert_dropped(t: &Turn, reason: &str) {
+    assert_eq!(t.status, 429, "{:?}", t.body);
+    assert_eq!(t.body["drop_reason_header"], reason, "{:?}", t.body);
+    assert_eq!(t.body["error"]["code"], reason, "{:?}", t.body);
+    assert_eq!(t.body["error"]["type"], "rate_limit_exceeded");
+}
+
+async fn saturated_fleet(extra: &[&str]) -> Fleet {
+    let mut flags: Vec<String> = [
+        "--flow-uncached-bytes=1",
+        "--flow-objectives=chat=10,batch=-1",
+        "--probe-interval-seconds=0",
+        "--stall-seconds=0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    flags.extend(extra.iter().map(|s| s.to_string()));
+    let fleet = Fleet::start(FleetOptions {
+        engines: 1,
+        sidecar_flags: flags,
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    fleet.engines[0].engine.set_fault(Fault::Stall);
+    fleet
+}
+
+#[tokio::test]
+async fn a_saturated_fleet_queues_lets_the_higher_band_out_first_and_drops_with_a_reason() {
+    let fleet = saturated_fleet(&["--flow-max-requests=2"]).await;
+    // The blocker: dispatched at once (nothing in flight), it stalls in
+    // the engine and its uncached prompt saturates the replica.
+    let blocker = send(&fleet, prompt(1, 3000), &[]);
+    in_flight_reaches(&fleet, 1).await;
+
+    // A standard request waits in band 0.
+    let low = send(
+        &fleet,
+        prompt(2, 5000),
+        &[("x-gateway-inference-fairness-id", "tenant-a")],
+    );
+    metric_reaches(
+        &fleet,
+        "llm_d_epp_flow_control_queue_size{priority=\"0\"}",
+        1.0,
+    )
+    .await;
+
+    // A client that goes away leaves the queue at once.
+    let leaver = send(&fleet, prompt(3, 4000), &[]);
+    metric_reaches(
+        &fleet,
+        "llm_d_epp_flow_control_queue_size{priority=\"0\"}",
+        2.0,
+    )
+    .await;
+    leaver.abort();
+    metric_reaches(
+        &fleet,
+        "hearth_flow_dropped_total{reason=\"disconnected\"}",
+        1.0,
+    )
+    .await;
+    metric_reaches(
+        &fleet,
+        "llm_d_epp_flow_control_queue_size{priority=\"0\"}",
+        1.0,
+    )
+    .await;
+
+    // An interactive request waits in band 10, queued after the standard one.
+    let high = send(
+        &fleet,
+        prompt(4, 7000),
+        &[
+            ("x-gateway-inference-objective", "chat"),
+            ("x-gateway-inference-fairness-id", "tenant-b"),
+        ],
+    );
+    metric_reaches(
+        &fleet,
+        "llm_d_epp_flow_control_queue_size{priority=\"10\"}",
+        1.0,
+    )
+    .await;
+
+    // Sheddable while saturated: refused at once.
+    let shed = send(
+        &fleet,
+        prompt(5, 2000),
+        &[("x-gateway-inference-objective", "batch")],
+    )
+    .await
+    .unwrap();
+    assert_dropped(&shed, "sheddable");
+    // The queue holds its most (2): a standard newcomer finds no lower
+    // band to push out.
+    let full = send(&fleet, prompt(6, 2000), &[]).await.unwrap();
+    assert_dropped(&full, "queue_full");
+
+    // Room opens: the engine works again and the blocker's client leaves.
+    fleet.engines[0].engine.set_fault(Fault::None);
+    blocker.abort();
+    let high = high.await.unwrap();
+    let low = low.await.unwrap();
+    for t in [&high, &low] {
+        assert_eq!(t.status, 200, "{:?}", t.body);
+        // The sidecar answered (Envoy did not fail open past its
+        // message_timeout): it named the replica.
+        assert!(t.upstream.is_some(), "no x-hearth-upstream: {:?}", t.body);
+    }
+    // The higher band left first, though it came later: the journal
+    // lists decisions newest first, each with its wait.
+    let (_, text) = fleet.admin_get("/debug/decisions?limit=20").await.unwrap();
+    let journal: Value = serde_json::from_str(&text).unwrap();
+    let decisions = journal["decisions"].as_array().unwrap();
+    let waited: Vec<(u64, f64)> = decisions
+        .iter()
+        .rev()
+        .filter(|d| d["outcome"] == "routed")
+        .filter_map(|d| Some((d["prompt_bytes"].as_u64()?, d["wait_ms"].as_f64()?)))
+        .collect();
+    assert_eq!(waited.len(), 2, "{text}");
+    assert!(
+        waited[0].0 > waited[1].0,
+        "the 7,000-byte interactive prompt should have been decided before the 5,000-byte \
+         standard one: {waited:?}"
+    );
+    assert!(waited.iter().all(|&(_, ms)| ms > 0.0), "{waited:?}");
+    let dropped: Vec<&str> = decisions
+        .iter()
+        .filter_map(|d| d["error"].as_str())
+        .collect();
+    assert!(dropped.contains(&"flow control: sheddable"), "{dropped:?}");
+    assert!(dropped.contains(&"flow control: queue_full"), "{dropped:?}");
+
+    for (series, want) in [
+        ("hearth_flow_dispatched_total{priority=\"10\"}", 1.0),
+        ("hearth_flow_dispatched_total{priority=\"0\"}", 1.0),
+        ("hearth_flow_dropped_total{reason=\"sheddable\"}", 1.0),
+        ("hearth_flow_dropped_total{reason=\"queue_full\"}", 1.0),
+        ("llm_d_epp_flow_control_queue_size{priority=\"0\"}", 0.0),
+        ("llm_d_epp_flow_control_queue_size{priority=\"10\"}", 0.0),
+        ("llm_d_epp_flow_control_queue_bytes{priority=\"0\"}", 0.0),
+    ] {
+        metric_reaches(&fleet, series, want).await;
+    }
+    let (_, text) = fleet.admin_get("/metrics").await.unwrap();
+    let dispatched_waits = metric_sample(
+        &text,
+        "llm_d_epp_flow_control_request_queue_duration_seconds_count{priority=\"10\",outcome=\"Dispatched\"}",
+    );
+    assert_eq!(dispatched_waits, Some(1.0), "{text}");
+    fleet.assert_wasm_healthy();
+}
+
+#[tokio::test]
+async fn a_request_that_waits_its_time_to_live_gets_a_429_saying_so() {
+    let fleet = saturated_fleet(&["--flow-ttl-seconds=1"]).await;
+    let blocker = send(&fleet, prompt(1, 3000), &[]);
+    in_flight_reaches(&fleet, 1).await;
+    let seen = fleet.engine_stats()[0].requests_total;
+    let late = send(&fleet, prompt(2, 3000), &[]).await.unwrap();
+    assert_dropped(&late, "ttl");
+    metric_reaches(&fleet, "hearth_flow_dropped_total{reason=\"ttl\"}", 1.0).await;
+    // The engine never saw it.
+    assert_eq!(fleet.engine_stats()[0].requests_total, seen);
+    fleet.engines[0].engine.set_fault(Fault::None);
+    blocker.abort();
+    // Room again: a new request is dispatched at once.
+    let t = send(&fleet, prompt(3, 3000), &[]).await.unwrap();
+    assert_eq!(t.status, 200, "{:?}", t.body);
+}
