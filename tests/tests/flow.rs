@@ -110,6 +110,11 @@ fn assert_dropped(t: &Turn, reason: &str) {
 }
 
 async fn saturated_fleet(extra: &[&str]) -> Fleet {
+    saturated_fleet_in(FleetOptions::default(), extra).await
+}
+
+/// [`saturated_fleet`] in the shape `opts` names.
+async fn saturated_fleet_in(opts: FleetOptions, extra: &[&str]) -> Fleet {
     let mut flags: Vec<String> = [
         "--flow-uncached-bytes=1",
         "--flow-objectives=chat=10,batch=-1",
@@ -123,7 +128,7 @@ async fn saturated_fleet(extra: &[&str]) -> Fleet {
     let fleet = Fleet::start(FleetOptions {
         engines: 1,
         sidecar_flags: flags,
-        ..FleetOptions::default()
+        ..opts
     })
     .await
     .unwrap();
@@ -276,4 +281,53 @@ async fn a_request_that_waits_its_time_to_live_gets_a_429_saying_so() {
     // Room again: a new request is dispatched at once.
     let t = send(&fleet, prompt(3, 3000), &[]).await.unwrap();
     assert_eq!(t.status, 200, "{:?}", t.body);
+}
+
+#[tokio::test]
+async fn the_body_and_endpoint_picker_shapes_hold_the_answer_while_the_request_waits() {
+    for (shape, opts) in [
+        (
+            "body",
+            FleetOptions {
+                body_mode: true,
+                ..FleetOptions::default()
+            },
+        ),
+        (
+            "endpoint picker",
+            FleetOptions {
+                gie_mode: true,
+                ..FleetOptions::default()
+            },
+        ),
+    ] {
+        let fleet = saturated_fleet_in(opts, &[]).await;
+        let blocker = send(&fleet, prompt(1, 3000), &[]);
+        in_flight_reaches(&fleet, 1).await;
+        let waiting = send(&fleet, prompt(2, 5000), &[]);
+        metric_reaches(
+            &fleet,
+            "llm_d_epp_flow_control_queue_size{priority=\"0\"}",
+            1.0,
+        )
+        .await;
+        // Past Envoy's message_timeout for this shape's answer (2 s in
+        // body mode) before room opens: answered by the sidecar all the
+        // same, so the deadline was extended.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        fleet.engines[0].engine.set_fault(Fault::None);
+        blocker.abort();
+        let t = waiting.await.unwrap();
+        assert_eq!(t.status, 200, "{shape}: {:?}", t.body);
+        assert!(
+            t.upstream.is_some(),
+            "{shape}: no x-hearth-upstream: {:?}",
+            t.body
+        );
+        metric_reaches(&fleet, "hearth_flow_dispatched_total{priority=\"0\"}", 1.0).await;
+        let (_, text) = fleet.admin_get("/debug/decisions?limit=5").await.unwrap();
+        let journal: Value = serde_json::from_str(&text).unwrap();
+        let waited = journal["decisions"][0]["wait_ms"].as_f64();
+        assert!(waited.is_some_and(|ms| ms >= 3000.0), "{shape}: {text}");
+    }
 }
