@@ -331,3 +331,120 @@ async fn the_body_and_endpoint_picker_shapes_hold_the_answer_while_the_request_w
         assert!(waited.is_some_and(|ms| ms >= 3000.0), "{shape}: {text}");
     }
 }
+
+/// Waits until the replica named `id` has `n` requests in flight.
+async fn replica_in_flight_reaches(fleet: &Fleet, id: &str, n: u32) {
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let s = fleet.state().await.unwrap();
+        let r = s.replicas.iter().find(|r| r.id == id).unwrap();
+        if r.in_flight == n {
+            return;
+        }
+        assert!(Instant::now() < until, "{id} in flight: {}", r.in_flight);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_queued_turn_waits_for_its_warm_replica_rather_than_the_first_that_frees() {
+    let fleet = Fleet::start(FleetOptions {
+        engines: 2,
+        sidecar_flags: [
+            "--flow-uncached-bytes=1",
+            "--flow-affinity-wait-seconds=600",
+            "--probe-interval-seconds=0",
+            "--stall-seconds=0",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    // The conversation's first turn warms its replica.
+    let mut conv = Conversation::new(MODEL, &filler(7, 20_000), false, 7);
+    let first = fleet.chat(&conv.next_turn(10, false)).await;
+    let home = first.upstream.clone().expect("x-hearth-upstream");
+    let index = |id: &str| {
+        fleet
+            .engines
+            .iter()
+            .position(|e| e.engine.config().id == id)
+            .unwrap()
+    };
+    // Both engines stall, and a cold request fills each replica.
+    for e in &fleet.engines {
+        e.engine.set_fault(Fault::Stall);
+    }
+    let b1 = send(&fleet, prompt(100, 3000), &[]);
+    let until = Instant::now() + Duration::from_secs(20);
+    while fleet
+        .state()
+        .await
+        .unwrap()
+        .replicas
+        .iter()
+        .map(|r| r.in_flight)
+        .sum::<u32>()
+        < 1
+    {
+        assert!(Instant::now() < until, "the first blocker was not routed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let b2 = send(&fleet, prompt(101, 3000), &[]);
+    for e in &fleet.engines {
+        replica_in_flight_reaches(&fleet, &e.engine.config().id, 1).await;
+    }
+    // Which blocker holds which replica: the journal, newest first.
+    let (_, text) = fleet.admin_get("/debug/decisions?limit=3").await.unwrap();
+    let journal: Value = serde_json::from_str(&text).unwrap();
+    let chosen = |k: usize| {
+        journal["decisions"][k]["chosen"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let (on_b2, on_b1) = (chosen(0), chosen(1));
+    assert_ne!(on_b1, on_b2, "{text}");
+    let (home_blocker, other_blocker) = if on_b1 == home { (b1, b2) } else { (b2, b1) };
+    let other = if on_b1 == home { on_b2 } else { on_b1 };
+
+    // The conversation's next turn finds the fleet saturated: it waits.
+    let mut turn2 = conv.next_turn(10, false);
+    turn2["max_tokens"] = 2.into();
+    let next = send(&fleet, serde_json::to_vec(&turn2).unwrap(), &[]);
+    metric_reaches(
+        &fleet,
+        "llm_d_epp_flow_control_queue_size{priority=\"0\"}",
+        1.0,
+    )
+    .await;
+
+    // The other replica frees first: within the affinity wait, the turn
+    // keeps waiting for the replica that holds its conversation.
+    fleet.engines[index(&other)].engine.set_fault(Fault::None);
+    other_blocker.abort();
+    replica_in_flight_reaches(&fleet, &other, 0).await;
+    // (Releases wake the queue at once; give it several looks.)
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (_, text) = fleet.admin_get("/metrics").await.unwrap();
+    assert_eq!(
+        metric_sample(&text, "llm_d_epp_flow_control_queue_size{priority=\"0\"}"),
+        Some(1.0),
+        "the turn left for a cold replica"
+    );
+    assert_eq!(
+        fleet.state().await.unwrap().replicas[index(&other)].in_flight,
+        0
+    );
+
+    // Its own replica frees: the turn goes there, warm.
+    fleet.engines[index(&home)].engine.set_fault(Fault::None);
+    home_blocker.abort();
+    let t = next.await.unwrap();
+    assert_eq!(t.status, 200, "{:?}", t.body);
+    assert_eq!(t.upstream.as_deref(), Some(home.as_str()));
+    assert!(t.cached_tokens() > 0, "served cold: {:?}", t.body);
+}
