@@ -18,6 +18,7 @@
 //! drop).
 
 use std::collections::hash_map::DefaultHasher;
+use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -321,9 +322,27 @@ impl FlowControl {
                 out.push((entry, Left::Dropped(DropReason::Ttl)));
             }
             let router = &self.router;
+            // Requests for a model, replicas and lane found full in this
+            // look wait without asking again (dispatching only fills them
+            // more).
+            let long = router.params().long_prompt_bytes;
+            let mut full: HashSet<(Option<String>, Option<Vec<usize>>, bool)> = HashSet::new();
             while let Some((entry, room)) = queue.pop_where(|e| {
+                let info = &e.item.info;
+                let key = (
+                    info.model.clone(),
+                    e.item.subset.clone(),
+                    info.prompt_bytes >= long,
+                );
+                if full.contains(&key) {
+                    return None;
+                }
                 match router.room_at(&e.item.info, e.item.subset.as_deref(), e.waited(now), now) {
-                    Room::Wait => None,
+                    Room::Full => {
+                        full.insert(key);
+                        None
+                    }
+                    Room::Warm => None,
                     Room::Go(free) => Some(free),
                 }
             }) {

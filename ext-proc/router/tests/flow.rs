@@ -74,7 +74,7 @@ fn the_fleet_is_saturated_for_a_request_only_when_every_replica_it_may_use_is() 
     // Replica 1's KV cache is full and something waits there: saturated too.
     r.set_engine_signals(addr(1), signals(1.0, Some(0.95), t0));
     assert!(r.saturated_for_at(&small, None, t0));
-    assert_eq!(r.room_at(&small, None, Duration::ZERO, t0), Room::Wait);
+    assert_eq!(r.room_at(&small, None, Duration::ZERO, t0), Room::Full);
     // A full cache with nothing waiting is a cache doing its job.
     r.set_engine_signals(addr(1), signals(0.0, Some(0.99), t0));
     assert!(!r.saturated_for_at(&small, None, t0));
@@ -142,12 +142,12 @@ fn a_waiting_request_goes_to_its_warm_replica_when_it_frees_and_elsewhere_after_
     let mut turn2 = turn1.clone();
     turn2.extend([9, 10]);
     let turn2 = req(&turn2);
-    assert_eq!(r.room_at(&turn2, None, Duration::ZERO, t0), Room::Wait);
+    assert_eq!(r.room_at(&turn2, None, Duration::ZERO, t0), Room::Full);
     // The other replica frees first: within the affinity wait, the turn
     // keeps waiting for the replica that holds its prompt...
     drop(on_other);
     let waited = Duration::from_millis(500);
-    assert_eq!(r.room_at(&turn2, None, waited, t0 + waited), Room::Wait);
+    assert_eq!(r.room_at(&turn2, None, waited, t0 + waited), Room::Warm);
     // ... which, once free, is where it goes.
     drop(on_home);
     let Room::Go(Some(free)) = r.room_at(&turn2, None, waited, t0 + waited) else {
@@ -164,7 +164,7 @@ fn a_waiting_request_goes_to_its_warm_replica_when_it_frees_and_elsewhere_after_
     let late = Duration::from_secs(2);
     assert_eq!(
         r.room_at(&turn2, None, late - Duration::from_millis(1), t0 + late),
-        Room::Wait
+        Room::Warm
     );
     assert_eq!(
         r.room_at(&turn2, None, late, t0 + late),
@@ -285,4 +285,46 @@ fn the_bounds_refuse_or_evict_lower_bands_never_higher_ones() {
     let (_, why) = q.push("huge", 100, "a", 10_001, t).unwrap_err();
     assert_eq!(why, DropReason::QueueBytes);
     assert_eq!((q.len(), q.bytes()), (2, 2000));
+}
+
+#[test]
+fn a_look_asks_only_until_a_request_may_go_and_a_blocked_flow_banks_no_burst() {
+    let t = Instant::now();
+    let mut q = FlowQueue::new(params(10_000, 1 << 30));
+    for k in 0..1_000u32 {
+        q.push(("m", k), 0, &format!("tenant-{k}"), 4_000, t)
+            .unwrap();
+    }
+    let mut asked = 0;
+    q.pop_where(|_| {
+        asked += 1;
+        Some(())
+    })
+    .unwrap();
+    assert_eq!(asked, 1, "a fleet with room costs one answer");
+    // A tenant whose model is saturated waits while 500 others leave...
+    let mut q = FlowQueue::new(params(10_000, 1 << 30));
+    for k in 0..100u32 {
+        q.push(("blocked", k), 0, "b", 4_000, t).unwrap();
+    }
+    for k in 0..500u32 {
+        q.push(("open", k), 0, &format!("o-{}", k % 5), 4_000, t)
+            .unwrap();
+    }
+    for _ in 0..500 {
+        let (e, _) = q.pop_where(|e| (e.item.0 == "open").then_some(())).unwrap();
+        assert_eq!(e.item.0, "open");
+    }
+    // ... and, once it may go again, has banked at most one quantum
+    // (65,536 bytes: 17 of its requests) beyond its oldest request, not
+    // the 2 MB of rounds it watched go by: another tenant gets its turn
+    // within the next 40.
+    for k in 0..100u32 {
+        q.push(("open", 1000 + k), 0, "o-0", 4_000, t).unwrap();
+    }
+    let next_forty: Vec<&str> = (0..40)
+        .map(|_| q.pop_where(|_| Some(())).unwrap().0.item.0)
+        .collect();
+    let blocked = next_forty.iter().filter(|&&m| m == "blocked").count();
+    assert!((17..=30).contains(&blocked), "{next_forty:?}");
 }

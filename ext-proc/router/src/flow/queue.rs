@@ -394,48 +394,63 @@ impl<T> FlowQueue<T> {
     /// The next request to leave, among those `ready` accepts (it answers
     /// with what the caller needs to dispatch the request, or `None` when
     /// the request cannot go yet): the highest band with a ready request;
-    /// in it, deficit round robin between the flows whose oldest request
-    /// is ready. A flow whose oldest request cannot go does not hold up
-    /// the others (they may want other replicas), nor does it earn
-    /// credit meanwhile.
+    /// in it, deficit round robin between the flows, by the rounds each
+    /// flow's oldest request still needs (then its place in the round).
+    /// `ready` is asked in that order and only until one accepts, so a
+    /// look costs one answer when the fleet has room, however many flows
+    /// wait. A flow whose oldest request cannot go does not hold up the
+    /// others (they may want other replicas); the round's credit reaches
+    /// it too, but never more than its oldest request and one quantum, so
+    /// it banks no burst while it waits.
     pub fn pop_where<R>(
         &mut self,
         mut ready: impl FnMut(&Entry<T>) -> Option<R>,
     ) -> Option<(Entry<T>, R)> {
         let quantum = self.params.quantum.max(1);
         for (&Reverse(priority), band) in self.bands.iter_mut() {
-            // The flows whose head may go: their place in the round, the
-            // rounds until their deficit covers it, and the caller's answer.
-            let mut candidates: Vec<(usize, u64, R)> = Vec::new();
-            for (place, key) in band.order.iter().enumerate() {
-                let Some(head) = band.flows.get(key).and_then(|f| f.entries.front()) else {
-                    continue;
-                };
-                if let Some(r) = ready(head) {
-                    let deficit = band.flows[key].deficit;
-                    let rounds = head.cost().saturating_sub(deficit).div_ceil(quantum);
-                    candidates.push((place, rounds, r));
-                }
-            }
-            let Some(best) = candidates
+            // Each flow's rounds until its deficit covers its oldest
+            // request, and its place in the round.
+            let mut turns: Vec<(u64, usize)> = band
+                .order
                 .iter()
                 .enumerate()
-                .min_by_key(|(_, (place, rounds, _))| (*rounds, *place))
-                .map(|(k, _)| k)
-            else {
+                .filter_map(|(place, key)| {
+                    let f = band.flows.get(key)?;
+                    let head = f.entries.front()?;
+                    Some((
+                        head.cost().saturating_sub(f.deficit).div_ceil(quantum),
+                        place,
+                    ))
+                })
+                .collect();
+            let mut ask = |(rounds, place): (u64, usize)| {
+                let head = band.flows.get(&band.order[place])?.entries.front()?;
+                ready(head).map(|answer| (rounds, place, answer))
+            };
+            // The first in turn usually may go: no sort for it.
+            let first = turns.iter().copied().min();
+            let mut found = first.and_then(&mut ask);
+            if found.is_none() && turns.len() > 1 {
+                turns.sort_unstable();
+                found = turns.iter().skip(1).copied().find_map(&mut ask);
+            }
+            let Some((rounds, place, answer)) = found else {
                 continue;
             };
-            let rounds = candidates[best].1;
-            // Every flow in the running earned the rounds it took.
-            let places: Vec<usize> = candidates.iter().map(|c| c.0).collect();
-            for &place in &places {
-                let key = &band.order[place];
-                if let Some(f) = band.flows.get_mut(key) {
-                    f.deficit = f.deficit.saturating_add(rounds * quantum);
+            let key = band.order[place].clone();
+            // Rounds passed: every flow earned them (none when the
+            // winner's credit covered its request already).
+            if rounds > 0 {
+                for (k, f) in band.flows.iter_mut() {
+                    let earned = f.deficit.saturating_add(rounds * quantum);
+                    f.deficit = if *k == key {
+                        earned
+                    } else {
+                        let cap = f.entries.front().map_or(0, Entry::cost) + quantum;
+                        earned.min(cap.max(f.deficit))
+                    };
                 }
             }
-            let (place, _, answer) = candidates.swap_remove(best);
-            let key = band.order[place].clone();
             let flow = band.flows.get_mut(&key)?;
             let cost = flow.entries.front().map_or(0, Entry::cost);
             flow.deficit = flow.deficit.saturating_sub(cost);

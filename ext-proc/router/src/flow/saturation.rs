@@ -23,9 +23,12 @@ pub enum Room {
     /// Decide among these replicas (all of them have room). `None`: no
     /// replica could take the request at all; the decision says why.
     Go(Option<Vec<usize>>),
-    /// Every replica the request may use is saturated (or, within the
-    /// affinity wait, the one that holds its prompt is): it waits.
-    Wait,
+    /// Every replica the request may use is saturated: it waits (and so
+    /// does any request for the same model and replicas, until one ends).
+    Full,
+    /// Within the affinity wait, the replica that holds most of its
+    /// prompt is saturated while others have room: it waits for that one.
+    Warm,
 }
 
 impl Router {
@@ -51,10 +54,10 @@ impl Router {
     }
 
     /// Where `req` may go at `now`, having waited `waited` (a request not
-    /// queued yet has waited nothing): [`Room::Wait`] when every replica
+    /// queued yet has waited nothing): [`Room::Full`] when every replica
     /// it may use (`allowed`, the subset hint, when given) is saturated;
-    /// within the affinity wait, also when the replica holding most of
-    /// its prompt is saturated and no free one holds as much.
+    /// within the affinity wait, [`Room::Warm`] when the replica holding
+    /// most of its prompt is saturated and no free one holds as much.
     pub fn room_at(
         self: &Arc<Self>,
         req: &RequestInfo,
@@ -71,7 +74,7 @@ impl Router {
             .iter()
             .partition(|&&i| !self.saturated(&fleet.state[i], now));
         if free.is_empty() {
-            return Room::Wait;
+            return Room::Full;
         }
         if !full.is_empty() && waited < self.params.flow.affinity_wait && !req.hashes.is_empty() {
             let held = |set: &[usize]| {
@@ -82,7 +85,7 @@ impl Router {
                     .unwrap_or(0)
             };
             if held(&full) > held(&free) {
-                return Room::Wait;
+                return Room::Warm;
             }
         }
         Room::Go(Some(free))
@@ -96,6 +99,6 @@ impl Router {
         allowed: Option<&[usize]>,
         now: Instant,
     ) -> bool {
-        self.room_at(req, allowed, Duration::MAX, now) == Room::Wait
+        self.room_at(req, allowed, Duration::MAX, now) == Room::Full
     }
 }
