@@ -233,7 +233,10 @@ impl FlowControl {
         subset: Option<&[usize]>,
         class: &Class,
     ) -> Admission {
-        if !self.enabled {
+        // A request that names no model and carries no prompt (a model
+        // list, a health check) costs the engines nothing to speak of.
+        let promptless = info.model.is_none() && info.prompt_bytes == 0;
+        if !self.enabled || promptless {
             return Admission::Decide(info);
         }
         let now = Instant::now();
@@ -401,7 +404,9 @@ mod tests {
 
     fn flow(enabled: bool) -> Arc<FlowControl> {
         let upstreams = ["127.0.0.1:1"].map(|u| u.parse().unwrap());
-        let router = Router::new(RouterParams::default(), &upstreams);
+        let mut params = RouterParams::default();
+        params.flow.uncached_bytes = 1;
+        let router = Router::new(params, &upstreams);
         let observer = Observer::new(
             router,
             AffinityBasis::default(),
@@ -436,6 +441,56 @@ mod tests {
         assert_eq!(named.fairness_id, "t");
         let long = "x".repeat(1000);
         assert!(class(&[(FAIRNESS_ID, &long)]).fairness_id.len() < 20);
+    }
+
+    fn prompt(bytes: u64) -> RequestInfo {
+        RequestInfo {
+            prompt_bytes: bytes,
+            model: Some("m".into()),
+            ..RequestInfo::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_saturated_fleet_queues_prompts_refuses_sheddable_ones_and_passes_the_rest() {
+        let f = flow(true);
+        // One cold prompt in flight saturates the replica (a 1-byte limit).
+        let busy = f.router.decide(&prompt(5000)).unwrap();
+        let class = |priority| Class {
+            priority,
+            fairness_id: "t".into(),
+        };
+        let Admission::Wait(mut ticket) = f.admit(prompt(100), None, &class(0)) else {
+            panic!("a prompt did not wait")
+        };
+        assert_eq!(f.lock().len(), 1);
+        assert!(matches!(
+            f.admit(prompt(100), None, &class(-1)),
+            Admission::Refuse(_, DropReason::Sheddable)
+        ));
+        // No model, no prompt: nothing to hold back.
+        assert!(matches!(
+            f.admit(RequestInfo::default(), None, &class(0)),
+            Admission::Decide(_)
+        ));
+        // The request ends: the queued prompt leaves with a decision.
+        drop(busy);
+        f.dispatch_at(Instant::now());
+        let Dispatch { left, waited, .. } = (&mut ticket.from).await.unwrap();
+        assert!(matches!(left, Left::Decided { ref decided, .. } if decided.is_ok()));
+        assert!(f.lock().is_empty() && waited >= Duration::ZERO);
+    }
+
+    #[tokio::test]
+    async fn a_ticket_dropped_while_waiting_takes_its_request_out() {
+        let f = flow(true);
+        let _busy = f.router.decide(&prompt(5000)).unwrap();
+        let Admission::Wait(ticket) = f.admit(prompt(100), None, &Class::default()) else {
+            panic!("a prompt did not wait")
+        };
+        assert_eq!(f.lock().len(), 1);
+        drop(ticket);
+        assert!(f.lock().is_empty());
     }
 
     #[tokio::test]
