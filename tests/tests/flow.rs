@@ -143,6 +143,9 @@ async fn a_saturated_fleet_queues_lets_the_higher_band_out_first_and_drops_with_
     // the engine and its uncached prompt saturates the replica.
     let blocker = send(&fleet, prompt(1, 3000), &[]);
     in_flight_reaches(&fleet, 1).await;
+    let state = fleet.state().await.unwrap();
+    assert!(state.replicas[0].saturated, "{:?}", state.replicas[0]);
+    assert!(state.replicas[0].uncached_in_flight_bytes > 1);
 
     // A standard request waits in band 0.
     let low = send(

@@ -98,6 +98,11 @@ fn hearths_own_uncached_prompt_in_flight_saturates_a_replica_until_released() {
     assert_ne!(a.primary(), b.primary());
     let next = req(&[7]);
     assert!(r.saturated_for_at(&next, None, t0));
+    let snap = r.snapshot_at(t0);
+    assert!(snap
+        .replicas
+        .iter()
+        .all(|s| s.saturated && s.uncached_in_flight_bytes == 11 * BLOCK));
     // A request that ends gives its room back, and the hook hears of it.
     let heard = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let h = Arc::clone(&heard);

@@ -716,6 +716,42 @@ mod body_mode_tests {
     }
 
     #[test]
+    fn every_shape_forwards_the_flow_control_headers_and_the_operators_fairness_header() {
+        use clap::Parser;
+        let cli = crate::config::Cli::try_parse_from([
+            "hearth-ext-proc",
+            "--upstreams=127.0.0.1:8001",
+            "--flow-fairness-header=x-api-key-hash",
+            "envoy-config",
+        ])
+        .unwrap();
+        let Some(crate::config::Command::EnvoyConfig(args)) = &cli.command else {
+            panic!("envoy-config did not parse")
+        };
+        let g = args.gateway(&cli.settings);
+        let plain = Gateway {
+            fairness_header: None,
+            ..g.clone()
+        };
+        for (shape, with, without) in [
+            ("filter", render(&g), render(&plain)),
+            ("body", render_body(&g), render_body(&plain)),
+            ("gie", render_gie(&g), render_gie(&plain)),
+        ] {
+            let gie_headers = [
+                hearth_wire::names::FAIRNESS_ID,
+                hearth_wire::names::OBJECTIVE,
+            ];
+            for h in gie_headers.into_iter().chain(["x-api-key-hash"]) {
+                assert!(with.contains(&format!("- exact: \"{h}\"")), "{shape}: {h}");
+            }
+            assert!(!without.contains("x-api-key-hash"), "{shape}");
+            let bound = format!("max_message_timeout: {MAX_MESSAGE_TIMEOUT_SECONDS}s");
+            assert!(with.contains(&bound), "{shape}");
+        }
+    }
+
+    #[test]
     fn filter_mode_backs_the_wasm_filter_up_with_the_same_removals_as_body_mode() {
         use clap::Parser;
         let cli = crate::config::Cli::try_parse_from([
