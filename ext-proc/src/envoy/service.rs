@@ -677,7 +677,7 @@ impl Exchange {
         };
         let Some(Dispatch { left, info, waited }) = out else {
             // The queue is gone: the sidecar is stopping.
-            let e = RouteError::NoHealthyReplica(info_model(&RequestInfo::default()));
+            let e = RouteError::NoHealthyReplica(String::new());
             return (vec![refusal(&e)], true);
         };
         let (mut replies, done) = match left {
@@ -906,10 +906,6 @@ fn proto_duration(d: Duration) -> envoy_types::pb::google::protobuf::Duration {
     }
 }
 
-fn info_model(info: &RequestInfo) -> String {
-    info.model.clone().unwrap_or_default()
-}
-
 /// Flow control's 429: an OpenAI-shaped error, `Retry-After`, and the
 /// reason in `x-hearth-drop-reason`.
 fn dropped(reason: DropReason) -> ProcessingResponse {
@@ -1071,6 +1067,31 @@ mod tests {
             .map(|h| h.header.unwrap().key)
             .collect();
         assert!(names.contains(&"retry-after".to_string()));
+    }
+
+    #[test]
+    fn flow_control_drops_are_429s_that_say_why() {
+        for reason in DropReason::ALL {
+            let Some(processing_response::Response::ImmediateResponse(ir)) =
+                dropped(reason).response
+            else {
+                panic!("not an immediate response")
+            };
+            assert_eq!(ir.status.unwrap().code, 429);
+            let body: serde_json::Value = serde_json::from_slice(&ir.body).unwrap();
+            assert_eq!(body["error"]["code"], reason.as_str());
+            assert_eq!(body["error"]["type"], "rate_limit_exceeded");
+            let set: Vec<(String, String)> = ir
+                .headers
+                .unwrap()
+                .set_headers
+                .into_iter()
+                .map(|h| h.header.unwrap())
+                .map(|h| (h.key, String::from_utf8(h.raw_value).unwrap()))
+                .collect();
+            assert!(set.contains(&(DROP_REASON.to_string(), reason.as_str().to_string())));
+            assert!(set.iter().any(|(k, _)| k == "retry-after"));
+        }
     }
 
     #[test]
