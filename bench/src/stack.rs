@@ -308,6 +308,7 @@ impl StackBuilder {
             block_size: settings.block_size,
             eds: self.eds,
             control_token: settings.control_token().map_err(|e| anyhow::anyhow!(e))?,
+            fairness_header: settings.flow_fairness_header.clone(),
             ..Gateway::local(
                 self.listen,
                 settings.listen,

@@ -10,7 +10,9 @@ use std::time::Duration;
 use clap::{CommandFactory, Parser, Subcommand};
 
 pub use hearth_router::{check_upstreams, default_replica_id, LongLane, UpstreamSpec};
-use hearth_router::{AffinityBasis, HealthParams, RouterParams, ScoreParams};
+use hearth_router::{
+    AffinityBasis, FlowParams, HealthParams, QueueParams, RouterParams, ScoreParams,
+};
 
 /// `HEARTH_*` variables read by Hearth's other tools (scripts, tests, the
 /// benchmark), not by the sidecar; accepted so a shared environment works.
@@ -379,6 +381,74 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_MAX_QUEUE", default_value_t = 0)]
     pub max_queue: u64,
 
+    /// Flow control: while every replica a request may use is saturated
+    /// (see the HEARTH_FLOW_* thresholds), the request waits in the
+    /// sidecar's queue instead of being dispatched; off: it is dispatched
+    /// at once, as before (true/false).
+    #[arg(long, env = "HEARTH_FLOW_CONTROL", default_value_t = true,
+          action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub flow_control: bool,
+
+    /// Requests waiting in a replica's engine (its scraped metrics) from
+    /// which the replica is saturated (0 = the engine's queue is not
+    /// looked at).
+    #[arg(long, env = "HEARTH_FLOW_ENGINE_WAITING", default_value_t = 5.0)]
+    pub flow_engine_waiting: f64,
+
+    /// KV cache use (0 to 1, the engine's metrics) from which a replica
+    /// with any request waiting in its engine is saturated (0 = not looked
+    /// at). A full cache with nothing waiting is a prefix cache at work.
+    #[arg(long, env = "HEARTH_FLOW_KV_USAGE", default_value_t = 0.9)]
+    pub flow_kv_usage: f64,
+
+    /// Uncached prompt bytes in flight on one replica (through this
+    /// sidecar and its peers) beyond which it is saturated (0 = no limit):
+    /// prefill work Hearth sent that the engine's figures may not show yet.
+    #[arg(long, env = "HEARTH_FLOW_UNCACHED_BYTES", default_value_t = 8 << 20)]
+    pub flow_uncached_bytes: u64,
+
+    /// Seconds a queued request waits for a saturated replica that holds
+    /// more of its prompt than any free one, before it takes a free one.
+    #[arg(long, env = "HEARTH_FLOW_AFFINITY_WAIT_SECONDS", default_value_t = 2.0)]
+    pub flow_affinity_wait_seconds: f64,
+
+    /// Seconds a request waits in the queue at most; then 429 with
+    /// `x-hearth-drop-reason: ttl` (at most 540: Envoy's rendered
+    /// max_message_timeout is 600 s).
+    #[arg(long, env = "HEARTH_FLOW_TTL_SECONDS", default_value_t = 60.0)]
+    pub flow_ttl_seconds: f64,
+
+    /// Requests the queue holds at most; a newcomer past it evicts the
+    /// newest of a lower band, or gets 429 (`queue_full`).
+    #[arg(long, env = "HEARTH_FLOW_MAX_REQUESTS", default_value_t = 10_000)]
+    pub flow_max_requests: usize,
+
+    /// Prompt bytes the queue holds at most; a newcomer past it evicts the
+    /// newest of a lower band, or gets 429 (`queue_bytes`).
+    #[arg(long, env = "HEARTH_FLOW_MAX_BYTES", default_value_t = 256 << 20)]
+    pub flow_max_bytes: u64,
+
+    /// Prompt bytes each fairness id earns per round of the deficit round
+    /// robin inside a band (the granularity of fairness, not its ratio).
+    #[arg(long, env = "HEARTH_FLOW_QUANTUM_BYTES", default_value_t = 65_536)]
+    pub flow_quantum_bytes: u64,
+
+    /// Priority per objective, `name=priority[,name=priority...]`: the
+    /// band a request naming that objective in
+    /// `x-gateway-inference-objective` waits in (higher first; a negative
+    /// priority is sheddable: refused at once while the fleet is
+    /// saturated). Unnamed and unknown objectives: priority 0.
+    #[arg(long, env = "HEARTH_FLOW_OBJECTIVES", value_parser = parse_objectives)]
+    pub flow_objectives: Option<Objectives>,
+
+    /// A request header whose value is the fairness id of requests
+    /// without `x-gateway-inference-fairness-id` (e.g. one an
+    /// authentication filter sets from the API key). The value is kept
+    /// only as a digest. Unset: such requests share one fairness id.
+    #[arg(long, env = "HEARTH_FLOW_FAIRNESS_HEADER")]
+    pub flow_fairness_header: Option<String>,
+
     /// Endpoint-picker mode: request bodies held at once (all streams)
     /// while they arrive, before the decision; a prompt request past it
     /// gets 429 with Retry-After. A backstop to the bytes: uploads last
@@ -491,6 +561,46 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_LOG", default_value = "info")]
     pub log: String,
 }
+
+/// `HEARTH_FLOW_OBJECTIVES`: each objective's priority.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Objectives(pub BTreeMap<String, i32>);
+
+impl Objectives {
+    /// The priority of a request naming `objective` (0 when unnamed or
+    /// unknown).
+    pub fn priority(&self, objective: Option<&str>) -> i32 {
+        objective.and_then(|o| self.0.get(o)).copied().unwrap_or(0)
+    }
+}
+
+/// Parses `name=priority[,name=priority...]`.
+pub fn parse_objectives(text: &str) -> Result<Objectives, String> {
+    let mut map = BTreeMap::new();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (name, priority) = part
+            .split_once('=')
+            .ok_or_else(|| format!("{part:?} is not name=priority"))?;
+        let name = name.trim();
+        if name.is_empty() || name.len() > 253 || !name.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(format!("{name:?} is not an objective name"));
+        }
+        let priority: i32 = priority
+            .trim()
+            .parse()
+            .map_err(|_| format!("{part:?}: the priority is not a whole number"))?;
+        if map.insert(name.to_string(), priority).is_some() {
+            return Err(format!("objective {name:?} is named twice"));
+        }
+    }
+    Ok(Objectives(map))
+}
+
+/// The longest `HEARTH_FLOW_TTL_SECONDS`: a queued request's ext_proc
+/// answer must come within the rendered `max_message_timeout`
+/// ([`crate::envoy::render::MAX_MESSAGE_TIMEOUT_SECONDS`]), with room to
+/// spare.
+pub const MAX_FLOW_TTL_SECONDS: f64 = 540.0;
 
 /// The warmth index of a replica whose engine does not report its KV
 /// capacity, when `HEARTH_WARMTH_BLOCKS` is unset.
@@ -1102,6 +1212,22 @@ impl Settings {
             resident_window: seconds(self.resident_seconds),
             resident_load: self.resident_load,
             usage_feedback: self.usage_feedback,
+            flow: FlowParams {
+                engine_waiting: self.flow_engine_waiting,
+                kv_usage: self.flow_kv_usage,
+                uncached_bytes: self.flow_uncached_bytes,
+                affinity_wait: seconds(self.flow_affinity_wait_seconds),
+            },
+        }
+    }
+
+    /// The flow-control queue's bounds.
+    pub fn queue_params(&self) -> QueueParams {
+        QueueParams {
+            ttl: seconds(self.flow_ttl_seconds),
+            max_requests: self.flow_max_requests,
+            max_bytes: self.flow_max_bytes,
+            quantum: self.flow_quantum_bytes,
         }
     }
 
@@ -1183,6 +1309,54 @@ impl Settings {
         ] {
             if let Some(Err(e)) = secret.as_ref().map(Secret::check) {
                 problems.push(format!("{name}: the value {e}"));
+            }
+        }
+        if !(self.flow_ttl_seconds.is_finite()
+            && (0.0..=MAX_FLOW_TTL_SECONDS).contains(&self.flow_ttl_seconds))
+        {
+            problems.push(format!(
+                "HEARTH_FLOW_TTL_SECONDS must be between 0 and {MAX_FLOW_TTL_SECONDS} (Envoy's \
+                 rendered max_message_timeout is 600 s), got {}",
+                self.flow_ttl_seconds
+            ));
+        }
+        if !(self.flow_affinity_wait_seconds.is_finite()
+            && (0.0..=86_400.0).contains(&self.flow_affinity_wait_seconds))
+        {
+            problems.push(format!(
+                "HEARTH_FLOW_AFFINITY_WAIT_SECONDS must be between 0 and 86400 seconds, got {}",
+                self.flow_affinity_wait_seconds
+            ));
+        }
+        if !(self.flow_engine_waiting.is_finite() && self.flow_engine_waiting >= 0.0) {
+            problems.push(format!(
+                "HEARTH_FLOW_ENGINE_WAITING must be a finite number >= 0, got {}",
+                self.flow_engine_waiting
+            ));
+        }
+        if !(self.flow_kv_usage.is_finite() && (0.0..=1.0).contains(&self.flow_kv_usage)) {
+            problems.push(format!(
+                "HEARTH_FLOW_KV_USAGE must be between 0 and 1, got {}",
+                self.flow_kv_usage
+            ));
+        }
+        if self.flow_max_requests == 0 || self.flow_max_bytes == 0 || self.flow_quantum_bytes == 0 {
+            problems.push(
+                "HEARTH_FLOW_MAX_REQUESTS, HEARTH_FLOW_MAX_BYTES and HEARTH_FLOW_QUANTUM_BYTES \
+                 must be at least 1"
+                    .into(),
+            );
+        }
+        if let Some(h) = &self.flow_fairness_header {
+            let valid = !h.is_empty()
+                && h.bytes().all(|b| {
+                    b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_'
+                });
+            if !valid {
+                problems.push(format!(
+                    "HEARTH_FLOW_FAIRNESS_HEADER must be a lower-case header name \
+                     (letters, digits, '-', '_'), got {h:?}"
+                ));
             }
         }
         if self.picker_held_bodies == 0 {

@@ -26,6 +26,7 @@
 pub mod config;
 pub mod envoy;
 pub mod feeds;
+pub mod flow;
 pub mod guard;
 pub mod observe;
 pub mod outcomes;
@@ -196,6 +197,7 @@ impl Sidecar {
                     settings.picker_held_bytes,
                     observer.picker.clone(),
                 ),
+                flow: flow::FlowControl::new(Arc::clone(&observer), settings),
             },
             Listeners { grpc, admin },
             guards,
@@ -288,6 +290,8 @@ struct Guards {
 struct StreamLimits {
     first_byte: envoy::service::FirstByte,
     held: envoy::picker::HeldBudget,
+    /// Where requests wait while the fleet is saturated.
+    flow: Arc<flow::FlowControl>,
 }
 
 /// The two bound listeners.
@@ -300,7 +304,11 @@ async fn serve(
     observer: Arc<observe::Observer>,
     outcomes: Arc<outcomes::Outcomes>,
     feeds: Feeds,
-    StreamLimits { first_byte, held }: StreamLimits,
+    StreamLimits {
+        first_byte,
+        held,
+        flow,
+    }: StreamLimits,
     Listeners { grpc, admin }: Listeners,
     guards: Guards,
     stop: CancellationToken,
@@ -323,6 +331,7 @@ async fn serve(
         ),
     );
     spawn_until(&stop, observe::sample_every_second(Arc::clone(&observer)));
+    spawn_until(&stop, Arc::clone(&flow).run());
     spawn_until(
         &stop,
         feeds::signals::run(Arc::clone(&router), feeds.engines, feeds.engine_metrics),
@@ -349,6 +358,7 @@ async fn serve(
                 Arc::clone(&outcomes),
                 first_byte,
                 held,
+                flow,
             ),
             guarded.clone(),
         ))

@@ -33,6 +33,19 @@ pub const UPSTREAM: &str = "x-hearth-upstream";
 /// Envoy's request id header.
 pub const REQUEST_ID: &str = "x-request-id";
 
+/// Request header naming the request's tenant for flow control's fairness
+/// (Inference Extension).
+pub const FAIRNESS_ID: &str = "x-gateway-inference-fairness-id";
+
+/// Request header naming the request's objective, whose priority is its
+/// flow-control band (Inference Extension).
+pub const OBJECTIVE: &str = "x-gateway-inference-objective";
+
+/// Response header of a 429 from flow control: why the request was not
+/// dispatched (`sheddable`, `queue_full`, `queue_bytes`, `evicted`,
+/// `ttl`).
+pub const DROP_REASON: &str = "x-hearth-drop-reason";
+
 pub use crate::outcome::REPORT_PATH;
 
 /// The longest model name the sidecar keeps, in bytes. A request's model

@@ -135,6 +135,9 @@ pub(crate) struct ReplicaState {
     pub(crate) warmth: LruBlocks,
     pub(crate) in_flight: u32,
     pub(crate) load: f64,
+    /// Uncached prompt bytes of the requests in flight here (their
+    /// prefill work still to do, at most): what saturation counts.
+    pub(crate) uncached_bytes: u64,
     pub(crate) routed: u64,
     pub(crate) health: ReplicaHealth,
     /// The engine's own figures (for this target's share of its address).
@@ -170,6 +173,7 @@ impl ReplicaState {
             warmth: LruBlocks::new(warmth_blocks),
             in_flight: 0,
             load: 0.0,
+            uncached_bytes: 0,
             routed: 0,
             health: ReplicaHealth::default(),
             engine: None,

@@ -14,6 +14,8 @@
 //!   take `now` (the simulator runs them on engine time);
 //! - [`decide`]: the decision, one module per phase (candidates, overlap,
 //!   policy, pick, reserve);
+//! - [`flow`]: when replicas are saturated, and the queue that holds
+//!   requests while they are;
 //! - [`health`]: serving or fenced, from real traffic and probes;
 //! - [`warmth`]: the per-replica LRU of block hashes;
 //! - [`usage`]: what the engines served from cache against the
@@ -25,6 +27,7 @@
 pub mod clock;
 pub mod decide;
 pub mod fleet;
+pub mod flow;
 pub mod health;
 pub mod params;
 pub mod peers;
@@ -39,6 +42,7 @@ pub mod warmth;
 pub use decide::policy::Candidate;
 pub use decide::{Decision, RequestInfo, Reservation, RouteError, ScoredCandidate};
 pub use fleet::EngineSignals;
+pub use flow::{BandLoad, DropReason, Dropped, Entry, FlowParams, FlowQueue, QueueParams, Room};
 pub use health::{
     Failure, FleetHealth, HealthParams, HealthSnapshot, HealthState, Outcome, ProbeReason,
     ReplicaHealth,

@@ -52,6 +52,8 @@ pub struct RouterParams {
     /// Load units a resident conversation (running or paused) adds for newcomers
     /// while some replica is idle (0: none).
     pub resident_load: f64,
+    /// When a replica is saturated, for flow control.
+    pub flow: FlowParams,
 }
 
 impl Default for RouterParams {
@@ -79,6 +81,35 @@ impl Default for RouterParams {
             resident_window: Duration::from_secs(120),
             resident_load: 5.0,
             usage_feedback: true,
+            flow: FlowParams::default(),
+        }
+    }
+}
+
+/// The saturation thresholds and the affinity wait (`HEARTH_FLOW_*`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FlowParams {
+    /// Requests waiting in the engine from which it is saturated (0: the
+    /// engine's queue is not looked at).
+    pub engine_waiting: f64,
+    /// KV cache use (0..1) from which an engine with anything waiting is
+    /// saturated (0: not looked at).
+    pub kv_usage: f64,
+    /// Uncached prompt bytes in flight on one replica (this sidecar's and
+    /// its peers') beyond which it is saturated (0: no limit).
+    pub uncached_bytes: u64,
+    /// How long a queued request waits for a saturated replica that holds
+    /// more of its prompt than any free one, before it takes a free one.
+    pub affinity_wait: Duration,
+}
+
+impl Default for FlowParams {
+    fn default() -> Self {
+        FlowParams {
+            engine_waiting: 5.0,
+            kv_usage: 0.9,
+            uncached_bytes: 8 << 20,
+            affinity_wait: Duration::from_secs(2),
         }
     }
 }

@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 use crate::fleet::{EngineSignals, Fleet, ReplicaState};
@@ -18,6 +18,9 @@ use crate::usage::{
 
 /// Called with the replica list's new version after a reload changed it.
 type ListChange = Box<dyn Fn(u64) + Send + Sync>;
+
+/// Called after a request's reservation is released.
+type Released = Box<dyn Fn() + Send + Sync>;
 
 /// Shared routing state: the replica registry, each replica's warmth and
 /// in-flight load. One mutex guards it; a decision is a few microseconds.
@@ -33,6 +36,7 @@ pub struct Router {
     /// The replica list's version: bumped each time the list changes.
     version: AtomicU64,
     on_list_change: Mutex<Vec<ListChange>>,
+    on_release: OnceLock<Released>,
     /// Reloads of the replica list: applied, refused, and the last refusal.
     pub(crate) reloads: AtomicU64,
     pub(crate) reload_errors: AtomicU64,
@@ -55,6 +59,7 @@ impl Router {
             rr: AtomicUsize::new(0),
             version: AtomicU64::new(1),
             on_list_change: Mutex::new(Vec::new()),
+            on_release: OnceLock::new(),
             reloads: AtomicU64::new(0),
             reload_errors: AtomicU64::new(0),
             reload_error: Mutex::new(None),
@@ -155,6 +160,19 @@ impl Router {
     /// (from the reloading thread; keep it short).
     pub fn on_list_change(&self, f: impl Fn(u64) + Send + Sync + 'static) {
         lock(&self.on_list_change).push(Box::new(f));
+    }
+
+    /// Calls `f` after each reservation is released (outside the lock;
+    /// keep it short): the flow-control queue's cue that room may have
+    /// opened. One hook per router; false when one is set already.
+    pub fn on_release(&self, f: impl Fn() + Send + Sync + 'static) -> bool {
+        self.on_release.set(Box::new(f)).is_ok()
+    }
+
+    pub(crate) fn released(&self) {
+        if let Some(f) = self.on_release.get() {
+            f();
+        }
     }
 
     /// Index of the replica at `addr`, if it is one of ours (`prefer` when

@@ -35,6 +35,14 @@ pub struct ReplicaSnapshot {
     pub peer_in_flight: u32,
     #[serde(default)]
     pub peer_load: f64,
+    /// Uncached prompt bytes in flight here, this sidecar's and its
+    /// peers' (what flow control's `HEARTH_FLOW_UNCACHED_BYTES` limits).
+    #[serde(default)]
+    pub uncached_in_flight_bytes: u64,
+    /// Saturated, for flow control: by the engine's fresh figures or the
+    /// uncached prompt in flight.
+    #[serde(default)]
+    pub saturated: bool,
     pub warmth_blocks: usize,
     pub warmth_capacity: usize,
     pub warmth_memory_bytes: usize,
@@ -145,6 +153,8 @@ impl Router {
                     load: s.load,
                     peer_in_flight: s.peer_in_flight,
                     peer_load: s.peer_load,
+                    uncached_in_flight_bytes: self.uncached_in_flight(s),
+                    saturated: self.saturated(s, now),
                     warmth_blocks: s.warmth.len(),
                     warmth_capacity: s.warmth.capacity(),
                     warmth_memory_bytes: s.warmth.memory_bytes(),

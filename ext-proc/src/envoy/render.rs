@@ -72,6 +72,7 @@ impl EnvoyConfigArgs {
             }),
             // A bad file was reported when the settings were validated.
             control_token: settings.control_token().ok().flatten(),
+            fairness_header: settings.flow_fairness_header.clone(),
         }
     }
 }
@@ -112,7 +113,15 @@ pub struct Gateway {
     /// the sidecar and the outcome filter on its reports. None: nothing
     /// is sent (a sidecar without `HEARTH_CONTROL_TOKEN_FILE`).
     pub control_token: Option<Secret>,
+    /// `HEARTH_FLOW_FAIRNESS_HEADER`: forwarded to the sidecar too.
+    pub fairness_header: Option<String>,
 }
+
+/// The longest a queued request's ext_proc answer may take
+/// (`max_message_timeout` in every rendered configuration): the sidecar
+/// extends a queued request's deadline to its time to live plus a margin,
+/// within this.
+pub const MAX_MESSAGE_TIMEOUT_SECONDS: u64 = 600;
 
 impl Gateway {
     /// A gateway on loopback with an ephemeral admin port and the default
@@ -139,6 +148,7 @@ impl Gateway {
             eds: false,
             engines_tls: None,
             control_token: None,
+            fairness_header: None,
         }
     }
 }
@@ -327,7 +337,7 @@ pub fn render(g: &Gateway) -> String {
         (String::new(), static_endpoints(g))
     };
     let v = g.snippet_values();
-    format!(
+    let yaml = format!(
         r#"# Hearth standalone gateway: filter-wasm fingerprints the prompt, the
 # ext_proc sidecar picks the replica, override_host routes to it (falling
 # back to least_request when no decision was made).
@@ -357,7 +367,26 @@ pub fn render(g: &Gateway) -> String {
         tls = engines_tls(g),
         sidecar = sidecar_cluster(g),
         outcome = outcome_cluster(g),
-    )
+    );
+    with_fairness_header(yaml, g)
+}
+
+/// `yaml` with the operator's fairness header forwarded to the sidecar
+/// next to the Inference Extension's own (when one is set).
+fn with_fairness_header(yaml: String, g: &Gateway) -> String {
+    let Some(h) = &g.fairness_header else {
+        return yaml;
+    };
+    let mut out = String::with_capacity(yaml.len() + 64);
+    for line in yaml.lines() {
+        out.push_str(line);
+        out.push('\n');
+        if line.trim_start() == "- exact: \"x-gateway-inference-objective\"" {
+            let indent = &line[..line.len() - line.trim_start().len()];
+            out.push_str(&format!("{indent}- exact: \"{h}\"\n"));
+        }
+    }
+    out
 }
 
 /// The bootstrap's node: xDS needs Envoy to name itself.
@@ -452,6 +481,7 @@ mod tests {
             eds: false,
             engines_tls: None,
             control_token: None,
+            fairness_header: None,
         };
         let yaml = render(&g);
         assert!(yaml.contains("port_value: 8001") && yaml.contains("port_value: 8002"));
@@ -686,6 +716,42 @@ mod body_mode_tests {
     }
 
     #[test]
+    fn every_shape_forwards_the_flow_control_headers_and_the_operators_fairness_header() {
+        use clap::Parser;
+        let cli = crate::config::Cli::try_parse_from([
+            "hearth-ext-proc",
+            "--upstreams=127.0.0.1:8001",
+            "--flow-fairness-header=x-api-key-hash",
+            "envoy-config",
+        ])
+        .unwrap();
+        let Some(crate::config::Command::EnvoyConfig(args)) = &cli.command else {
+            panic!("envoy-config did not parse")
+        };
+        let g = args.gateway(&cli.settings);
+        let plain = Gateway {
+            fairness_header: None,
+            ..g.clone()
+        };
+        for (shape, with, without) in [
+            ("filter", render(&g), render(&plain)),
+            ("body", render_body(&g), render_body(&plain)),
+            ("gie", render_gie(&g), render_gie(&plain)),
+        ] {
+            let gie_headers = [
+                hearth_wire::names::FAIRNESS_ID,
+                hearth_wire::names::OBJECTIVE,
+            ];
+            for h in gie_headers.into_iter().chain(["x-api-key-hash"]) {
+                assert!(with.contains(&format!("- exact: \"{h}\"")), "{shape}: {h}");
+            }
+            assert!(!without.contains("x-api-key-hash"), "{shape}");
+            let bound = format!("max_message_timeout: {MAX_MESSAGE_TIMEOUT_SECONDS}s");
+            assert!(with.contains(&bound), "{shape}");
+        }
+    }
+
+    #[test]
     fn filter_mode_backs_the_wasm_filter_up_with_the_same_removals_as_body_mode() {
         use clap::Parser;
         let cli = crate::config::Cli::try_parse_from([
@@ -721,7 +787,7 @@ mod body_mode_tests {
 /// sent to the listener's own address.
 pub fn render_gie(g: &Gateway) -> String {
     let buffer = g.buffer_limit();
-    format!(
+    let yaml = format!(
         r#"# Hearth as a Gateway API Inference Extension endpoint picker, in the
 # extension's reference data-plane shape: ext_proc with FULL_DUPLEX_STREAMED
 # request and response bodies (no wasm filter), an ORIGINAL_DST cluster that
@@ -764,6 +830,10 @@ pub fn render_gie(g: &Gateway) -> String {
               failure_mode_allow: false
               # The headers are answered once the whole body has arrived.
               message_timeout: 30s
+              # Or, for a request that waits in the sidecar's flow-control
+              # queue, when it leaves it: the sidecar extends that answer's
+              # deadline (override_message_timeout) up to this bound.
+              max_message_timeout: 600s
               # FULL_DUPLEX_STREAMED needs the trailer modes at SEND. The
               # stream stays open until the HTTP stream ends, so the sidecar
               # holds the request's load exactly that long.
@@ -809,7 +879,8 @@ pub fn render_gie(g: &Gateway) -> String {
         tls = engines_tls(g),
         token = control_metadata(g, "                "),
         forward_rules = forward_rules("              "),
-    )
+    );
+    with_fairness_header(yaml, g)
 }
 
 #[cfg(test)]

@@ -34,8 +34,10 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use hearth_router::{Decision, Replica, RequestInfo, Reservation, RouteError, Router};
-use hearth_wire::names::{self, DESTINATION, DP_RANK, LB_NAMESPACE, REQUEST_ID, UPSTREAM};
+use hearth_router::{Decision, DropReason, Replica, RequestInfo, Reservation, RouteError, Router};
+use hearth_wire::names::{
+    self, DESTINATION, DP_RANK, DROP_REASON, LB_NAMESPACE, REQUEST_ID, UPSTREAM,
+};
 use hearth_wire::outcome::Scanner;
 use hearth_wire::{CacheUse, Endpoint};
 
@@ -43,6 +45,7 @@ use crate::envoy::body;
 use crate::envoy::ending;
 use crate::envoy::headers;
 use crate::envoy::picker::{self, HeldBody, HeldBudget, Side};
+use crate::flow::{Admission, Class, Dispatch, FlowControl, Left, Ticket};
 use crate::observe::Observer;
 use crate::outcomes::{Outcomes, StreamEnd};
 
@@ -56,6 +59,7 @@ pub fn server(
     outcomes: Arc<Outcomes>,
     first_byte: FirstByte,
     held: HeldBudget,
+    flow: Arc<FlowControl>,
 ) -> ExternalProcessorServer<Processor> {
     ExternalProcessorServer::new(Processor {
         router: Arc::clone(observer.router()),
@@ -63,6 +67,7 @@ pub fn server(
         outcomes,
         first_byte,
         held,
+        flow,
     })
     // Body mode sends whole request bodies (up to the gateway's 8 MiB).
     .max_decoding_message_size(16 << 20)
@@ -75,6 +80,8 @@ pub struct Processor {
     first_byte: FirstByte,
     /// Endpoint-picker mode: the bound on held bodies, all streams.
     held: HeldBudget,
+    /// Where requests wait while the fleet is saturated.
+    flow: Arc<FlowControl>,
 }
 
 /// How long a routed request may wait for its response headers before
@@ -120,6 +127,7 @@ impl ExternalProcessor for Processor {
             Arc::clone(&self.observer),
             Arc::clone(&self.outcomes),
             self.held.clone(),
+            Arc::clone(&self.flow),
         );
         let first_byte = self.first_byte;
         tokio::spawn(async move {
@@ -129,17 +137,27 @@ impl ExternalProcessor for Processor {
                     .waiting_for_response()
                     .and(exchange.routed.as_ref())
                     .and_then(|r| first_byte.deadline(r.uncached_bytes));
-                let msg = tokio::select! {
-                    msg = inbound.message() => msg,
+                let event = tokio::select! {
+                    msg = inbound.message() => Event::Message(msg),
                     // Envoy reset the stream: nobody reads our answers.
                     () = tx.closed() => break,
+                    // The request waited in the flow-control queue: it left.
+                    out = dispatched(exchange.queued.as_mut()) => Event::Dispatched(out),
                     () = tokio::time::sleep(deadline.unwrap_or_default()), if deadline.is_some() => {
+                        Event::FirstByte
+                    }
+                };
+                let (replies, done) = match event {
+                    Event::Message(Ok(Some(msg))) => exchange.handle(msg),
+                    // The stream ended (a waiting request's client went
+                    // away: its ticket leaves the queue with `exchange`).
+                    Event::Message(_) => break,
+                    Event::Dispatched(out) => exchange.on_dispatch(out),
+                    Event::FirstByte => {
                         exchange.first_byte_timed_out();
                         continue;
                     }
                 };
-                let Ok(Some(msg)) = msg else { break };
-                let (replies, done) = exchange.handle(msg);
                 let mut gone = false;
                 for reply in replies {
                     if tx.send(Ok(reply)).await.is_err() {
@@ -154,6 +172,54 @@ impl ExternalProcessor for Processor {
             // `exchange` (and its reservation) is dropped here.
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// What woke a stream's task.
+enum Event {
+    Message(Result<Option<ProcessingRequest>, Status>),
+    /// Its request left the flow-control queue (`None`: the queue is gone,
+    /// the sidecar is stopping).
+    Dispatched(Option<Dispatch>),
+    FirstByte,
+}
+
+/// Resolves when the queued request (if any) leaves the queue.
+async fn dispatched(queued: Option<&mut Queued>) -> Option<Dispatch> {
+    match queued {
+        Some(q) => (&mut q.ticket.from).await.ok(),
+        None => std::future::pending().await,
+    }
+}
+
+/// A request waiting in the flow-control queue, and what its answer
+/// needs once it leaves.
+struct Queued {
+    ticket: Ticket,
+    answer: Answer,
+    /// Full duplex: the held body, and whether it ended, handed back
+    /// after the headers' answer.
+    held: Option<(HeldBody, bool)>,
+}
+
+/// Which message the decision answers: the request headers (filter and
+/// endpoint-picker shapes), or the buffered body (body mode).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Answer {
+    Headers,
+    Body,
+}
+
+impl Answer {
+    fn wrap(self, common: CommonResponse) -> processing_response::Response {
+        match self {
+            Answer::Headers => processing_response::Response::RequestHeaders(HeadersResponse {
+                response: Some(common),
+            }),
+            Answer::Body => processing_response::Response::RequestBody(BodyResponse {
+                response: Some(common),
+            }),
+        }
     }
 }
 
@@ -197,6 +263,11 @@ impl BodyMode {
 struct Exchange {
     router: Arc<Router>,
     observer: Arc<Observer>,
+    flow: Arc<FlowControl>,
+    /// The request's band and flow, from its headers.
+    class: Class,
+    /// Waiting in the flow-control queue.
+    queued: Option<Queued>,
     /// Where the request's end goes.
     outcomes: Arc<Outcomes>,
     mode: BodyMode,
@@ -308,10 +379,14 @@ impl Exchange {
         observer: Arc<Observer>,
         outcomes: Arc<Outcomes>,
         budget: HeldBudget,
+        flow: Arc<FlowControl>,
     ) -> Self {
         Exchange {
             router,
             observer,
+            flow,
+            class: Class::default(),
+            queued: None,
             outcomes,
             budget,
             mode: BodyMode::default(),
@@ -374,6 +449,7 @@ impl Exchange {
         self.request_id = headers::get(h, REQUEST_ID)
             .filter(|id| !id.is_empty())
             .map(names::capped_request_id);
+        self.class = self.flow.class(h);
         if let Some(subset) = picker::subset_hint(msg, h) {
             let allowed = picker::allowed_replicas(&self.router, &subset);
             if allowed.is_empty() {
@@ -416,11 +492,7 @@ impl Exchange {
                 } else {
                     request_info(h, self.router.block_size())
                 };
-                self.route(info, |common| {
-                    processing_response::Response::RequestHeaders(HeadersResponse {
-                        response: Some(common),
-                    })
-                })
+                self.route(info, Answer::Headers)
             }
         }
     }
@@ -452,11 +524,7 @@ impl Exchange {
                 let info = endpoint.map_or_else(RequestInfo::default, |e| {
                     body::request_info(e, &b.body, self.router.block_size())
                 });
-                self.route(info, |common| {
-                    processing_response::Response::RequestBody(BodyResponse {
-                        response: Some(common),
-                    })
-                })
+                self.route(info, Answer::Body)
             }
             // Other bodies are not requested by Hearth's processing modes;
             // answer them unchanged if sent.
@@ -562,26 +630,88 @@ impl Exchange {
             }
             _ => RequestInfo::default(),
         };
-        let (mut replies, done) = self.route(info, |common| {
-            processing_response::Response::RequestHeaders(HeadersResponse {
-                response: Some(common),
-            })
-        });
-        if !done {
+        let (mut replies, done) = self.route(info, Answer::Headers);
+        match self.queued.as_mut() {
+            // The body goes back once the request leaves the queue.
+            Some(q) => q.held = Some((held, end_of_stream)),
+            None if !done => replies.extend(held.into_responses(end_of_stream)),
+            None => {}
+        }
+        (replies, done)
+    }
+
+    /// Routes `info`: decided now, refused by flow control, or queued
+    /// until the fleet has room for it (Envoy's deadline for this answer
+    /// is then extended to the queue's time to live). The destination
+    /// goes out in the response `answer` names.
+    fn route(&mut self, info: RequestInfo, answer: Answer) -> Replies {
+        match self.flow.admit(info, self.subset.as_deref(), &self.class) {
+            Admission::Decide(info) => {
+                let started = std::time::Instant::now();
+                let decided = self.router.decide_within(&info, self.subset.as_deref());
+                self.decided(info, decided, started.elapsed(), None, answer)
+            }
+            Admission::Refuse(info, reason) => {
+                self.note_drop(&info, reason, None);
+                (vec![dropped(reason)], true)
+            }
+            Admission::Wait(ticket) => {
+                self.queued = Some(Queued {
+                    ticket,
+                    answer,
+                    held: None,
+                });
+                let more_time = ProcessingResponse {
+                    override_message_timeout: Some(proto_duration(self.flow.answer_deadline())),
+                    ..Default::default()
+                };
+                (vec![more_time], false)
+            }
+        }
+    }
+
+    /// The request left the flow-control queue: its answer goes out now.
+    fn on_dispatch(&mut self, out: Option<Dispatch>) -> Replies {
+        let Some(queued) = self.queued.take() else {
+            return (vec![], false);
+        };
+        let Some(Dispatch { left, info, waited }) = out else {
+            // The queue is gone: the sidecar is stopping.
+            let e = RouteError::NoHealthyReplica(String::new());
+            return (vec![refusal(&e)], true);
+        };
+        let (mut replies, done) = match left {
+            Left::Decided { decided, elapsed } => {
+                self.decided(info, *decided, elapsed, Some(waited), queued.answer)
+            }
+            Left::Dropped(reason) => {
+                self.note_drop(&info, reason, Some(waited));
+                (vec![dropped(reason)], true)
+            }
+        };
+        if let (Some((held, end_of_stream)), false) = (queued.held, done) {
             replies.extend(held.into_responses(end_of_stream));
         }
         (replies, done)
     }
 
-    /// Decides for `info`; the destination goes out in the response `wrap`
-    /// builds (to the request headers, or to the body in body mode).
-    fn route(
+    /// Counts and journals a flow-control 429.
+    fn note_drop(&self, info: &RequestInfo, reason: DropReason, waited: Option<Duration>) {
+        self.observer
+            .flow_dropped(self.request_id.as_deref(), info, reason, waited);
+    }
+
+    /// Answers with a decision made for `info` (after `waited` in the
+    /// flow-control queue, when it waited).
+    fn decided(
         &mut self,
         info: RequestInfo,
-        wrap: impl FnOnce(CommonResponse) -> processing_response::Response,
+        decided: Result<Decision, RouteError>,
+        elapsed: Duration,
+        waited: Option<Duration>,
+        answer: Answer,
     ) -> Replies {
-        let started = std::time::Instant::now();
-        let decided = match self.router.decide_within(&info, self.subset.as_deref()) {
+        let decided = match decided {
             // Within a subset, "no replica for the model" means none of the
             // allowed endpoints is eligible: the protocol's 503.
             Err(RouteError::NoReplicaForModel(m)) if self.subset.is_some() => {
@@ -589,10 +719,11 @@ impl Exchange {
             }
             other => other,
         };
-        let elapsed = started.elapsed();
         let request_id = self.request_id.as_deref();
         match &decided {
-            Ok(d) => self.observer.routed(request_id, &info, d, elapsed),
+            Ok(d) => self
+                .observer
+                .routed_after(request_id, &info, d, elapsed, waited),
             Err(e) => self.observer.refused(request_id, &info, e, elapsed),
         }
         match decided {
@@ -666,7 +797,10 @@ impl Exchange {
                     clear_route_cache: self.mode == BodyMode::FullDuplex,
                     ..Default::default()
                 };
-                (vec![reply(wrap(common), Some(lb_metadata(&dest)))], false)
+                (
+                    vec![reply(answer.wrap(common), Some(lb_metadata(&dest)))],
+                    false,
+                )
             }
             Err(e) => (vec![refusal(&e)], true),
         }
@@ -761,6 +895,53 @@ fn attribute(attributes: &HashMap<String, Struct>, name: &str) -> Option<String>
     match &value.kind {
         Some(Kind::StringValue(s)) => Some(s.clone()),
         _ => None,
+    }
+}
+
+/// A protobuf duration.
+fn proto_duration(d: Duration) -> envoy_types::pb::google::protobuf::Duration {
+    envoy_types::pb::google::protobuf::Duration {
+        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
+    }
+}
+
+/// Flow control's 429: an OpenAI-shaped error, `Retry-After`, and the
+/// reason in `x-hearth-drop-reason`.
+fn dropped(reason: DropReason) -> ProcessingResponse {
+    let message = match reason {
+        DropReason::Sheddable => "the fleet is saturated and this request's objective is sheddable",
+        DropReason::QueueFull => "the fleet is saturated and the gateway's queue is full",
+        DropReason::QueueBytes => {
+            "the fleet is saturated and the gateway's queue holds its most prompt bytes"
+        }
+        DropReason::Evicted => {
+            "the request was pushed out of the gateway's queue by higher-priority requests"
+        }
+        DropReason::Ttl => "the fleet stayed saturated for as long as the request may wait",
+        DropReason::Disconnected => "the client went away",
+    };
+    let body = serde_json::json!({
+        "error": {"message": message, "type": "rate_limit_exceeded", "code": reason.as_str(), "param": null}
+    });
+    ProcessingResponse {
+        response: Some(processing_response::Response::ImmediateResponse(
+            ImmediateResponse {
+                status: Some(HttpStatus { code: 429 }),
+                headers: Some(HeaderMutation {
+                    set_headers: vec![
+                        headers::set("content-type", "application/json"),
+                        headers::set("retry-after", "1"),
+                        headers::set(DROP_REASON, reason.as_str()),
+                    ],
+                    remove_headers: vec![],
+                }),
+                body: body.to_string().into_bytes(),
+                details: format!("hearth_flow_{reason}"),
+                ..Default::default()
+            },
+        )),
+        ..Default::default()
     }
 }
 
@@ -892,6 +1073,31 @@ mod tests {
             .map(|h| h.header.unwrap().key)
             .collect();
         assert!(names.contains(&"retry-after".to_string()));
+    }
+
+    #[test]
+    fn flow_control_drops_are_429s_that_say_why() {
+        for reason in DropReason::ALL {
+            let Some(processing_response::Response::ImmediateResponse(ir)) =
+                dropped(reason).response
+            else {
+                panic!("not an immediate response")
+            };
+            assert_eq!(ir.status.unwrap().code, 429);
+            let body: serde_json::Value = serde_json::from_slice(&ir.body).unwrap();
+            assert_eq!(body["error"]["code"], reason.as_str());
+            assert_eq!(body["error"]["type"], "rate_limit_exceeded");
+            let set: Vec<(String, String)> = ir
+                .headers
+                .unwrap()
+                .set_headers
+                .into_iter()
+                .map(|h| h.header.unwrap())
+                .map(|h| (h.key, String::from_utf8(h.raw_value).unwrap()))
+                .collect();
+            assert!(set.contains(&(DROP_REASON.to_string(), reason.as_str().to_string())));
+            assert!(set.iter().any(|(k, _)| k == "retry-after"));
+        }
     }
 
     #[test]

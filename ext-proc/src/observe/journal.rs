@@ -78,6 +78,11 @@ pub struct DecisionRecord {
     pub candidates: Vec<CandidateRecord>,
     /// Time spent deciding, microseconds.
     pub decision_us: f64,
+    /// Time the request waited in the flow-control queue before this
+    /// decision (or before it was dropped), milliseconds; absent when it
+    /// did not wait.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_ms: Option<f64>,
     /// What the engine said it served, once the answer's usage came (in
     /// the ring; the file, which got the decision's line at decision time,
     /// gets a [`ServedLine`]).
@@ -375,6 +380,7 @@ mod tests {
             previous: None,
             candidates: vec![],
             decision_us: 1.0,
+            wait_ms: None,
             served: None,
         }
     }

@@ -659,6 +659,137 @@ impl PickerMetrics {
     }
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BandLabel {
+    priority: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WaitLabels {
+    priority: String,
+    outcome: &'static str,
+}
+
+/// Flow control's queue (`crate::flow`): what waits, by band; how long
+/// requests waited and how they left. The queue series and the wait
+/// histogram carry the llm-d router's `llm_d_epp_flow_control_*` names,
+/// with its `priority` and `outcome` labels (not `fairness_id`: a
+/// client-chosen id would make the series unbounded).
+#[derive(Debug)]
+pub struct FlowMetrics {
+    queue_size: Family<BandLabel, Gauge>,
+    queue_bytes: Family<BandLabel, Gauge>,
+    waits: Family<WaitLabels, Histogram, fn() -> Histogram>,
+    dispatched: Family<BandLabel, Counter>,
+    dropped: Family<ReasonLabel, Counter>,
+}
+
+impl FlowMetrics {
+    pub fn register(reg: &mut Registry) -> Self {
+        let m = FlowMetrics {
+            queue_size: Family::default(),
+            queue_bytes: Family::default(),
+            // 1 ms .. ~524 s
+            waits: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.001, 2.0, 20))
+            }),
+            dispatched: Family::default(),
+            dropped: Family::default(),
+        };
+        reg.register(
+            "llm_d_epp_flow_control_queue_size",
+            "Requests waiting in the flow-control queue now, by priority band",
+            m.queue_size.clone(),
+        );
+        reg.register(
+            "llm_d_epp_flow_control_queue_bytes",
+            "Prompt bytes of the requests waiting in the flow-control queue now, by priority band",
+            m.queue_bytes.clone(),
+        );
+        reg.register(
+            "llm_d_epp_flow_control_request_queue_duration_seconds",
+            "Time requests spent in the flow-control queue, by priority band and outcome (Dispatched, RejectedCapacity, EvictedTTL, EvictedContextCancelled, EvictedOther)",
+            m.waits.clone(),
+        );
+        reg.register(
+            "hearth_flow_dispatched",
+            "Requests that left the flow-control queue for a replica, by priority band",
+            m.dispatched.clone(),
+        );
+        reg.register(
+            "hearth_flow_dropped",
+            "Requests refused or dropped by flow control with 429, by reason (sheddable, queue_full, queue_bytes, evicted, ttl), and queued requests whose client went away (disconnected)",
+            m.dropped.clone(),
+        );
+        m
+    }
+
+    /// The queue's occupancy now: every band in `bands` (those that held
+    /// requests are reset to zero when they empty).
+    pub fn set_bands(&self, bands: &[hearth_router::BandLoad], emptied: &[i32]) {
+        for b in bands {
+            let label = BandLabel {
+                priority: b.priority.to_string(),
+            };
+            self.queue_size.get_or_create(&label).set(b.requests as i64);
+            self.queue_bytes
+                .get_or_create(&label)
+                .set(i64::try_from(b.bytes).unwrap_or(i64::MAX));
+        }
+        for p in emptied {
+            let label = BandLabel {
+                priority: p.to_string(),
+            };
+            self.queue_size.get_or_create(&label).set(0);
+            self.queue_bytes.get_or_create(&label).set(0);
+        }
+    }
+
+    /// A queued request left for a replica after `waited`.
+    pub fn dispatched(&self, priority: i32, waited: Duration) {
+        let priority = priority.to_string();
+        self.dispatched
+            .get_or_create(&BandLabel {
+                priority: priority.clone(),
+            })
+            .inc();
+        self.waits
+            .get_or_create(&WaitLabels {
+                priority,
+                outcome: "Dispatched",
+            })
+            .observe(waited.as_secs_f64());
+    }
+
+    /// A request refused or dropped for `reason`, after `waited` in the
+    /// queue (`None`: it never entered).
+    pub fn dropped(
+        &self,
+        priority: i32,
+        reason: hearth_router::DropReason,
+        waited: Option<Duration>,
+    ) {
+        use hearth_router::DropReason as R;
+        self.dropped
+            .get_or_create(&ReasonLabel {
+                reason: reason.as_str(),
+            })
+            .inc();
+        let outcome = match reason {
+            R::Sheddable | R::QueueFull | R::QueueBytes => "RejectedCapacity",
+            R::Ttl => "EvictedTTL",
+            R::Disconnected => "EvictedContextCancelled",
+            R::Evicted => "EvictedOther",
+        };
+        self.waits
+            .get_or_create(&WaitLabels {
+                priority: priority.to_string(),
+                outcome,
+            })
+            .observe(waited.unwrap_or_default().as_secs_f64());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

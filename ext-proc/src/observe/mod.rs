@@ -28,7 +28,7 @@ use hearth_router::{AffinityBasis, Decision, RequestInfo, RouteError, Router, Se
 use crate::observe::epp::EppMetrics;
 use crate::observe::journal::{hex, CandidateRecord, DecisionRecord, Journal, ServedRecord};
 use crate::observe::metrics::{
-    DecisionMetrics, FleetCollector, PeerMetrics, PickerMetrics, ProbeMetrics,
+    DecisionMetrics, FleetCollector, FlowMetrics, PeerMetrics, PickerMetrics, ProbeMetrics,
 };
 use crate::observe::series::{unix_now, DecisionOutcome, Series, SessionResult};
 use crate::observe::usage::UsageMetrics;
@@ -48,6 +48,8 @@ pub struct Observer {
     pub peers: Arc<PeerMetrics>,
     /// The endpoint-picker mode's held bodies.
     pub picker: PickerMetrics,
+    /// Flow control's queue.
+    pub flow: FlowMetrics,
     pub series: Arc<Series>,
     pub journal: Journal,
 }
@@ -67,6 +69,7 @@ impl Observer {
         let usage = UsageMetrics::register(&mut registry);
         let peers = Arc::new(PeerMetrics::register(&mut registry));
         let picker = PickerMetrics::register(&mut registry);
+        let flow = FlowMetrics::register(&mut registry);
         let epp = EppMetrics::register(&mut registry);
         FleetCollector::register(
             &mut registry,
@@ -85,6 +88,7 @@ impl Observer {
             epp,
             peers,
             picker,
+            flow,
             series,
             journal,
         })
@@ -101,6 +105,19 @@ impl Observer {
         info: &RequestInfo,
         decision: &Decision,
         elapsed: Duration,
+    ) {
+        self.routed_after(request_id, info, decision, elapsed, None);
+    }
+
+    /// A routed request that first waited `waited` in the flow-control
+    /// queue (`None`: it did not wait).
+    pub fn routed_after(
+        &self,
+        request_id: Option<&str>,
+        info: &RequestInfo,
+        decision: &Decision,
+        elapsed: Duration,
+        waited: Option<Duration>,
     ) {
         let now = unix_now();
         let chosen = decision.primary();
@@ -120,6 +137,7 @@ impl Observer {
         let ids = &decision.replicas;
         let id = |i: usize| ids.get(i).map(|r| r.id.clone()).unwrap_or_default();
         let mut record = self.record(now, request_id, info, elapsed, DecisionOutcome::Routed);
+        record.wait_ms = waited.map(|w| w.as_secs_f64() * 1e3);
         record.chosen = Some(id(chosen));
         record.fallbacks = decision.order[1..].iter().map(|&i| id(i)).collect();
         record.overlap = decision.overlap;
@@ -167,6 +185,38 @@ impl Observer {
         self.journal.push(record);
     }
 
+    /// A request flow control answered with 429 for `reason`, after
+    /// `waited` in its queue (`None`: it never entered). Counted as a
+    /// `saturated` refusal; the journal says why and how long it waited.
+    /// (The queue's own series, [`FlowMetrics`], count it where it
+    /// happens.)
+    pub fn flow_dropped(
+        &self,
+        request_id: Option<&str>,
+        info: &RequestInfo,
+        reason: hearth_router::DropReason,
+        waited: Option<Duration>,
+    ) {
+        let now = unix_now();
+        let error = RouteError::Saturated;
+        self.decisions
+            .record(DecisionOutcome::Saturated, Duration::ZERO, None, None);
+        self.epp
+            .decided(info.model.as_deref(), Err(&error), Duration::ZERO);
+        self.series
+            .record(now as u64, DecisionOutcome::Saturated, None, None);
+        let mut record = self.record(
+            now,
+            request_id,
+            info,
+            Duration::ZERO,
+            DecisionOutcome::Saturated,
+        );
+        record.error = Some(format!("flow control: {reason}"));
+        record.wait_ms = waited.map(|w| w.as_secs_f64() * 1e3);
+        self.journal.push(record);
+    }
+
     fn record(
         &self,
         now: f64,
@@ -193,6 +243,7 @@ impl Observer {
             previous: None,
             candidates: Vec::new(),
             decision_us: elapsed.as_secs_f64() * 1e6,
+            wait_ms: None,
             served: None,
         }
     }

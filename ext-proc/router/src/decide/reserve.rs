@@ -46,12 +46,16 @@ impl Drop for Reservation {
         let r = &mut fleet.state[self.replica];
         r.in_flight = r.in_flight.saturating_sub(1);
         r.load -= self.weight;
+        r.uncached_bytes = r.uncached_bytes.saturating_sub(self.uncached_bytes);
         // Sums of floats drift; an idle replica carries exactly no load.
         r.load = if r.in_flight == 0 {
             0.0
         } else {
             r.load.max(0.0)
         };
+        drop(fleet);
+        // Room may have opened: whoever waits for it hears of it.
+        self.router.released();
     }
 }
 
@@ -76,6 +80,7 @@ pub(crate) fn reserve(
     let r = &mut fleet.state[chosen];
     r.in_flight += 1;
     r.load += weight;
+    r.uncached_bytes = r.uncached_bytes.saturating_add(uncached);
     r.routed += 1;
     r.warmth.record_prompt(&req.hashes);
     // The prompt's last full block (a trailing partial block changes as

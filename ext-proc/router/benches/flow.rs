@@ -1,0 +1,100 @@
+//! Flow control's cost with 10,000 requests queued (1,000 tenants in
+//! three bands): one look at the queue that lets one request out (`pop`,
+//! then the request queued again so the queue stays full), and the same
+//! with the sidecar's work for it (where it may go, `Router::room_at`,
+//! and its decision among the replicas with room, at 8 replicas). Prints
+//! the queue's memory per request before measuring.
+//!
+//! Run: `cargo bench -p hearth-router --bench flow -- --warm-up-time 1 --measurement-time 3`
+
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use hearth_router::{Entry, FlowQueue, QueueParams, RequestInfo, Room, Router, RouterParams};
+
+const QUEUED: usize = 10_000;
+const TENANTS: usize = 1_000;
+const FP_BLOCKS: u64 = 64;
+
+fn request(k: u64) -> RequestInfo {
+    let hashes: Vec<u64> = (0..FP_BLOCKS).map(|i| (k << 20) | i).collect();
+    RequestInfo {
+        prompt_bytes: hashes.len() as u64 * 2048,
+        hashes,
+        model: Some("m".into()),
+        ..RequestInfo::default()
+    }
+}
+
+fn full_queue(now: Instant) -> (FlowQueue<RequestInfo>, Vec<String>) {
+    let params = QueueParams {
+        ttl: Duration::from_secs(3600),
+        max_requests: QUEUED * 2,
+        max_bytes: u64::MAX,
+        ..QueueParams::default()
+    };
+    let tenants: Vec<String> = (0..TENANTS).map(|t| format!("tenant-{t}")).collect();
+    let mut q = FlowQueue::new(params);
+    for k in 0..QUEUED as u64 {
+        let info = request(k);
+        let bytes = info.prompt_bytes;
+        let band = [10, 0, -1][k as usize % 3];
+        q.push(info, band, &tenants[k as usize % TENANTS], bytes, now)
+            .expect("room");
+    }
+    (q, tenants)
+}
+
+/// Puts a request that left back in the queue (a new arrival).
+fn requeue(q: &mut FlowQueue<RequestInfo>, e: Entry<RequestInfo>, now: Instant) {
+    let bytes = e.bytes;
+    q.push(e.item, e.priority, &e.flow, bytes, now)
+        .expect("room");
+}
+
+fn bench_flow(c: &mut Criterion) {
+    let now = Instant::now();
+    let (mut q, tenants) = full_queue(now);
+    let per_entry =
+        std::mem::size_of::<Entry<RequestInfo>>() + FP_BLOCKS as usize * 8 + tenants[0].len() + 1;
+    println!(
+        "flow setup: {} requests queued, {TENANTS} tenants in 3 bands, {FP_BLOCKS}-block prompts; \
+         per queued request about {per_entry} B in the queue (the entry with its request's \
+         fingerprint and fairness id; the sidecar adds a oneshot channel, ~100 B, and Envoy \
+         holds the request itself), {} B of it per fingerprint block",
+        q.len(),
+        8
+    );
+    let mut g = c.benchmark_group("flow");
+    g.bench_function("pop_and_requeue_10k", |b| {
+        b.iter(|| {
+            let (e, ()) = q.pop_where(|_| Some(())).expect("queued");
+            requeue(&mut q, e, now);
+        })
+    });
+    let upstreams: Vec<_> = (0..8)
+        .map(|i| format!("127.0.0.1:{}", 20000 + i).parse().expect("address"))
+        .collect();
+    let router = Router::new(RouterParams::default(), &upstreams);
+    g.bench_function("dispatch_one_of_10k_8_replicas", |b| {
+        b.iter(|| {
+            let (e, free) = q
+                .pop_where(
+                    |e| match router.room_at(&e.item, None, e.waited(now), now) {
+                        Room::Go(free) => Some(free),
+                        _ => None,
+                    },
+                )
+                .expect("room");
+            let decision = router
+                .decide_within_at(&e.item, free.as_deref(), now)
+                .expect("decide");
+            drop(decision);
+            requeue(&mut q, e, now);
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench_flow);
+criterion_main!(benches);

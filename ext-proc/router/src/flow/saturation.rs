@@ -1,0 +1,104 @@
+//! When a replica is saturated, and whether a request may leave now.
+//!
+//! A replica is saturated when its engine's fresh figures say so (its
+//! waiting queue at `engine_waiting` or more; or its KV cache at
+//! `kv_usage` or more while anything waits there) or when the uncached
+//! prompt bytes in flight on it through this sidecar and its peers pass
+//! `uncached_bytes`. The engine's figures come from the metrics scrape, so
+//! they lag; Hearth's own in-flight figure moves with every decision and
+//! every release.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::decide::candidates;
+use crate::decide::RequestInfo;
+use crate::fleet::ReplicaState;
+use crate::router::Router;
+use crate::warmth::LruBlocks;
+
+/// Where a request may go now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Room {
+    /// Decide among these replicas (all of them have room). `None`: no
+    /// replica could take the request at all; the decision says why.
+    Go(Option<Vec<usize>>),
+    /// Every replica the request may use is saturated: it waits (and so
+    /// does any request for the same model and replicas, until one ends).
+    Full,
+    /// Within the affinity wait, the replica that holds most of its
+    /// prompt is saturated while others have room: it waits for that one.
+    Warm,
+}
+
+impl Router {
+    /// Whether replica state `s` is saturated at `now`.
+    pub(crate) fn saturated(&self, s: &ReplicaState, now: Instant) -> bool {
+        let p = &self.params.flow;
+        let engine = self.fresh_engine(s, now).is_some_and(|e| {
+            let queue = p.engine_waiting > 0.0 && e.waiting >= p.engine_waiting;
+            let kv = p.kv_usage > 0.0
+                && e.waiting > 0.0
+                && e.kv_usage.is_some_and(|kv| kv >= p.kv_usage);
+            queue || kv
+        });
+        engine || (p.uncached_bytes > 0 && self.uncached_in_flight(s) > p.uncached_bytes)
+    }
+
+    /// Uncached prompt bytes in flight on a replica: this sidecar's own,
+    /// and its peers' (their load beyond one unit a request).
+    pub(crate) fn uncached_in_flight(&self, s: &ReplicaState) -> u64 {
+        let peers = (s.peer_load - f64::from(s.peer_in_flight)).max(0.0)
+            * self.params.load_unit_bytes as f64;
+        s.uncached_bytes.saturating_add(peers as u64)
+    }
+
+    /// Where `req` may go at `now`, having waited `waited` (a request not
+    /// queued yet has waited nothing): [`Room::Full`] when every replica
+    /// it may use (`allowed`, the subset hint, when given) is saturated;
+    /// within the affinity wait, [`Room::Warm`] when the replica holding
+    /// most of its prompt is saturated and no free one holds as much.
+    pub fn room_at(
+        self: &Arc<Self>,
+        req: &RequestInfo,
+        allowed: Option<&[usize]>,
+        waited: Duration,
+        now: Instant,
+    ) -> Room {
+        let fleet = self.lock();
+        let Ok(admitted) = candidates::admit(self, &fleet, req, allowed, now) else {
+            return Room::Go(None);
+        };
+        let (free, full): (Vec<usize>, Vec<usize>) = admitted
+            .candidates
+            .iter()
+            .partition(|&&i| !self.saturated(&fleet.state[i], now));
+        if free.is_empty() {
+            return Room::Full;
+        }
+        if !full.is_empty() && waited < self.params.flow.affinity_wait && !req.hashes.is_empty() {
+            let held = |set: &[usize]| {
+                let sets: Vec<&LruBlocks> = set.iter().map(|&i| &fleet.state[i].warmth).collect();
+                LruBlocks::leading_overlaps(&sets, &req.hashes)
+                    .into_iter()
+                    .max()
+                    .unwrap_or(0)
+            };
+            if held(&full) > held(&free) {
+                return Room::Warm;
+            }
+        }
+        Room::Go(Some(free))
+    }
+
+    /// [`Router::room_at`] for a request that has not waited: whether the
+    /// fleet is saturated for it.
+    pub fn saturated_for_at(
+        self: &Arc<Self>,
+        req: &RequestInfo,
+        allowed: Option<&[usize]>,
+        now: Instant,
+    ) -> bool {
+        self.room_at(req, allowed, Duration::MAX, now) == Room::Full
+    }
+}

@@ -1,0 +1,335 @@
+//! Flow control's pure half: when the fleet is saturated for a request,
+//! where a waiting request may go, and the order the queue lets requests
+//! out in. Every time is an argument.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hearth_router::{
+    DropReason, EngineSignals, FlowQueue, QueueParams, RequestInfo, Room, Router, RouterParams,
+    UpstreamSpec,
+};
+
+const LIST: &str = "127.0.0.1:1,127.0.0.1:2";
+const BLOCK: u64 = 2048;
+
+fn fleet(tune: impl FnOnce(&mut RouterParams)) -> Arc<Router> {
+    let mut p = RouterParams::default();
+    tune(&mut p);
+    let specs: Vec<UpstreamSpec> = LIST.split(',').map(|s| s.parse().unwrap()).collect();
+    Router::new(p, &specs)
+}
+
+fn addr(i: usize) -> SocketAddr {
+    LIST.split(',').nth(i).unwrap().parse().unwrap()
+}
+
+fn req(hashes: &[u64]) -> RequestInfo {
+    RequestInfo {
+        hashes: hashes.to_vec(),
+        prompt_bytes: hashes.len() as u64 * BLOCK,
+        ..RequestInfo::default()
+    }
+}
+
+fn signals(waiting: f64, kv_usage: Option<f64>, at: Instant) -> EngineSignals {
+    EngineSignals {
+        waiting,
+        running: 1.0,
+        kv_usage,
+        at,
+        own_in_flight: 0,
+        prompt_tokens_total: None,
+        started_at: None,
+        kv_capacity_tokens: None,
+        cache_block_tokens: None,
+        progress_total: None,
+    }
+}
+
+fn params(max_requests: usize, max_bytes: u64) -> QueueParams {
+    QueueParams {
+        ttl: Duration::from_secs(60),
+        max_requests,
+        max_bytes,
+        quantum: 65_536,
+    }
+}
+
+#[test]
+fn the_fleet_is_saturated_for_a_request_only_when_every_replica_it_may_use_is() {
+    let r = fleet(|p| p.flow.uncached_bytes = 10 * BLOCK);
+    let t0 = Instant::now();
+    let small = req(&[1, 2]);
+    assert!(!r.saturated_for_at(&small, None, t0));
+    // Replica 0's engine queues past the threshold (5): saturated; 1 is not.
+    r.set_engine_signals(addr(0), signals(5.0, None, t0));
+    assert!(!r.saturated_for_at(&small, None, t0));
+    assert!(r.saturated_for_at(&small, Some(&[0]), t0));
+    assert_eq!(
+        r.room_at(&small, None, Duration::ZERO, t0),
+        Room::Go(Some(vec![1]))
+    );
+    // Replica 1's KV cache is full and something waits there: saturated too.
+    r.set_engine_signals(addr(1), signals(1.0, Some(0.95), t0));
+    assert!(r.saturated_for_at(&small, None, t0));
+    assert_eq!(r.room_at(&small, None, Duration::ZERO, t0), Room::Full);
+    // A full cache with nothing waiting is a cache doing its job.
+    r.set_engine_signals(addr(1), signals(0.0, Some(0.99), t0));
+    assert!(!r.saturated_for_at(&small, None, t0));
+    // Stale figures say nothing: past engine_stale, replica 0 has room.
+    let stale = t0 + RouterParams::default().engine_stale + Duration::from_secs(1);
+    assert!(!r.saturated_for_at(&small, Some(&[0]), stale));
+}
+
+#[test]
+fn hearths_own_uncached_prompt_in_flight_saturates_a_replica_until_released() {
+    let r = fleet(|p| p.flow.uncached_bytes = 10 * BLOCK);
+    let t0 = Instant::now();
+    // Two cold 11-block prompts: each replica then holds more uncached
+    // prompt bytes than the limit.
+    let a = r
+        .decide_at(&req(&(100..111).collect::<Vec<_>>()), t0)
+        .unwrap();
+    let b = r
+        .decide_at(&req(&(200..211).collect::<Vec<_>>()), t0)
+        .unwrap();
+    assert_ne!(a.primary(), b.primary());
+    let next = req(&[7]);
+    assert!(r.saturated_for_at(&next, None, t0));
+    let snap = r.snapshot_at(t0);
+    assert!(snap
+        .replicas
+        .iter()
+        .all(|s| s.saturated && s.uncached_in_flight_bytes == 11 * BLOCK));
+    // A request that ends gives its room back, and the hook hears of it.
+    let heard = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let h = Arc::clone(&heard);
+    assert!(r.on_release(move || {
+        h.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }));
+    let freed = b.primary();
+    drop(b);
+    assert_eq!(heard.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(
+        r.room_at(&next, None, Duration::ZERO, t0),
+        Room::Go(Some(vec![freed]))
+    );
+    // A warm prompt costs only what the replica lacks: 0 bytes here.
+    drop(a);
+    let warm = r
+        .decide_at(&req(&(100..111).collect::<Vec<_>>()), t0)
+        .unwrap();
+    assert_eq!(warm.uncached_bytes(), 0);
+    assert!(!r.saturated_for_at(&next, None, t0));
+}
+
+#[test]
+fn a_waiting_request_goes_to_its_warm_replica_when_it_frees_and_elsewhere_after_the_wait() {
+    let r = fleet(|p| {
+        p.flow.uncached_bytes = 4 * BLOCK;
+        p.flow.affinity_wait = Duration::from_secs(2);
+    });
+    let t0 = Instant::now();
+    // The conversation's first turn warms `home`.
+    let turn1: Vec<u64> = (1..=8).collect();
+    let home = r.decide_at(&req(&turn1), t0).unwrap().primary();
+    let other = 1 - home;
+    // Both replicas then fill with cold prompts of other tenants.
+    let fill = |replica: usize, base: u64| {
+        let cold: Vec<u64> = (base..base + 6).collect();
+        r.decide_within_at(&req(&cold), Some(&[replica]), t0)
+            .unwrap()
+    };
+    let on_home = fill(home, 1_000);
+    let on_other = fill(other, 2_000);
+    let mut turn2 = turn1.clone();
+    turn2.extend([9, 10]);
+    let turn2 = req(&turn2);
+    assert_eq!(r.room_at(&turn2, None, Duration::ZERO, t0), Room::Full);
+    // The other replica frees first: within the affinity wait, the turn
+    // keeps waiting for the replica that holds its prompt...
+    drop(on_other);
+    let waited = Duration::from_millis(500);
+    assert_eq!(r.room_at(&turn2, None, waited, t0 + waited), Room::Warm);
+    // ... which, once free, is where it goes.
+    drop(on_home);
+    let Room::Go(Some(free)) = r.room_at(&turn2, None, waited, t0 + waited) else {
+        panic!("both replicas have room")
+    };
+    let d = r
+        .decide_within_at(&turn2, Some(&free), t0 + waited)
+        .unwrap();
+    assert_eq!(d.primary(), home);
+    drop(d);
+    // Had home stayed full, the turn would have taken the free replica
+    // once its wait passed the bound: affinity never starves it.
+    let _busy = fill(home, 3_000);
+    let late = Duration::from_secs(2);
+    assert_eq!(
+        r.room_at(&turn2, None, late - Duration::from_millis(1), t0 + late),
+        Room::Warm
+    );
+    assert_eq!(
+        r.room_at(&turn2, None, late, t0 + late),
+        Room::Go(Some(vec![other]))
+    );
+}
+
+#[test]
+fn a_higher_band_always_leaves_first_and_a_flow_keeps_its_order() {
+    let t = Instant::now();
+    let mut q = FlowQueue::new(params(100, 1 << 30));
+    q.push("batch-1", -1, "a", 1000, t).unwrap();
+    q.push("std-1", 0, "a", 1000, t).unwrap();
+    q.push("batch-2", -1, "a", 1000, t).unwrap();
+    q.push("vip-1", 10, "b", 1000, t).unwrap();
+    q.push("std-2", 0, "a", 1000, t).unwrap();
+    q.push("vip-2", 10, "b", 1000, t).unwrap();
+    let order: Vec<&str> =
+        std::iter::from_fn(|| q.pop_where(|_| Some(())).map(|(e, _)| e.item)).collect();
+    assert_eq!(
+        order,
+        ["vip-1", "vip-2", "std-1", "std-2", "batch-1", "batch-2"]
+    );
+}
+
+#[test]
+fn a_request_that_cannot_go_yet_does_not_hold_up_others_it_does_not_share_replicas_with() {
+    let t = Instant::now();
+    let mut q = FlowQueue::new(params(100, 1 << 30));
+    q.push(("m1", "vip"), 10, "a", 1000, t).unwrap();
+    q.push(("m2", "std"), 0, "a", 1000, t).unwrap();
+    // Model m1's replicas are saturated, m2's are not.
+    let out = q.pop_where(|e| (e.item.0 == "m2").then_some(()));
+    assert_eq!(out.map(|(e, _)| e.item.1), Some("std"));
+    assert!(q.pop_where(|e| (e.item.0 == "m2").then_some(())).is_none());
+    assert_eq!(q.len(), 1);
+}
+
+#[test]
+fn tenants_share_a_band_by_prompt_bytes_not_by_requests() {
+    let t = Instant::now();
+    let mut q = FlowQueue::new(params(10_000, 1 << 30));
+    // The noisy tenant queued first: 20 prompts of 400 KB (100k tokens).
+    for k in 0..20 {
+        q.push(("noisy", k), 0, "noisy", 400_000, t).unwrap();
+    }
+    // The quiet tenant: 2,000 prompts of 4 KB.
+    for k in 0..2_000 {
+        q.push(("quiet", k), 0, "quiet", 4_000, t).unwrap();
+    }
+    let mut bytes = [0u64; 2];
+    let mut served = [0usize; 2];
+    // Let out 4 MB.
+    while bytes.iter().sum::<u64>() < 4_000_000 {
+        let (e, _) = q.pop_where(|_| Some(())).unwrap();
+        let who = usize::from(e.item.0 == "quiet");
+        bytes[who] += e.bytes;
+        served[who] += 1;
+    }
+    // Each got about half the bytes: the quiet tenant a hundred times the
+    // requests.
+    let share = bytes[1] as f64 / bytes.iter().sum::<u64>() as f64;
+    assert!(
+        (0.4..=0.6).contains(&share),
+        "quiet share {share}, {served:?}"
+    );
+    assert!(served[1] >= 50 * served[0], "{served:?}");
+    // A flow's requests still leave in their order.
+    let rest: Vec<u32> = std::iter::from_fn(|| q.pop_where(|_| Some(())))
+        .filter(|(e, _)| e.item.0 == "noisy")
+        .map(|(e, _)| e.item.1)
+        .collect();
+    assert!(rest.windows(2).all(|w| w[0] < w[1]), "{rest:?}");
+}
+
+#[test]
+fn a_request_leaves_at_its_time_to_live() {
+    let t0 = Instant::now();
+    let ttl = Duration::from_secs(60);
+    let mut q = FlowQueue::new(params(100, 1 << 30));
+    q.push("first", 0, "a", 10, t0).unwrap();
+    q.push("second", 0, "b", 10, t0 + Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(q.next_expiry(), Some(t0 + ttl));
+    assert!(q.expire(t0 + ttl - Duration::from_millis(1)).is_empty());
+    let gone: Vec<_> = q.expire(t0 + ttl).into_iter().map(|e| e.item).collect();
+    assert_eq!(gone, ["first"]);
+    assert_eq!(q.next_expiry(), Some(t0 + Duration::from_secs(10) + ttl));
+    assert_eq!(q.len(), 1);
+}
+
+#[test]
+fn the_bounds_refuse_or_evict_lower_bands_never_higher_ones() {
+    let t = Instant::now();
+    // At most 3 requests and 10,000 bytes.
+    let mut q = FlowQueue::new(params(3, 10_000));
+    q.push("low-1", -1, "a", 1000, t).unwrap();
+    q.push("mid-1", 0, "a", 1000, t).unwrap();
+    q.push("low-2", -1, "b", 1000, t).unwrap();
+    // Full: another low one is refused; nothing is evicted for it.
+    let (item, why) = q.push("low-3", -1, "a", 1000, t).unwrap_err();
+    assert_eq!((item, why), ("low-3", DropReason::QueueFull));
+    // A higher one evicts the newest of the lowest band.
+    let (_, evicted) = q.push("high-1", 5, "c", 1000, t).unwrap();
+    let evicted: Vec<_> = evicted
+        .into_iter()
+        .map(|d| (d.entry.item, d.reason))
+        .collect();
+    assert_eq!(evicted, [("low-2", DropReason::Evicted)]);
+    // Bytes: a prompt that fits only if the middle band went is refused,
+    // as the middle band is not lower than itself.
+    let (_, why) = q.push("mid-2", 0, "a", 9_000, t).unwrap_err();
+    assert_eq!(why, DropReason::QueueFull);
+    q.remove(0).unwrap();
+    let (_, why) = q.push("mid-3", 0, "a", 9_000, t).unwrap_err();
+    assert_eq!(why, DropReason::QueueBytes);
+    // A prompt larger than the whole bound never fits.
+    let (_, why) = q.push("huge", 100, "a", 10_001, t).unwrap_err();
+    assert_eq!(why, DropReason::QueueBytes);
+    assert_eq!((q.len(), q.bytes()), (2, 2000));
+}
+
+#[test]
+fn a_look_asks_only_until_a_request_may_go_and_a_blocked_flow_banks_no_burst() {
+    let t = Instant::now();
+    let mut q = FlowQueue::new(params(10_000, 1 << 30));
+    for k in 0..1_000u32 {
+        q.push(("m", k), 0, &format!("tenant-{k}"), 4_000, t)
+            .unwrap();
+    }
+    let mut asked = 0;
+    q.pop_where(|_| {
+        asked += 1;
+        Some(())
+    })
+    .unwrap();
+    assert_eq!(asked, 1, "a fleet with room costs one answer");
+    // A tenant whose model is saturated waits while 500 others leave...
+    let mut q = FlowQueue::new(params(10_000, 1 << 30));
+    for k in 0..100u32 {
+        q.push(("blocked", k), 0, "b", 4_000, t).unwrap();
+    }
+    for k in 0..500u32 {
+        q.push(("open", k), 0, &format!("o-{}", k % 5), 4_000, t)
+            .unwrap();
+    }
+    for _ in 0..500 {
+        let (e, _) = q.pop_where(|e| (e.item.0 == "open").then_some(())).unwrap();
+        assert_eq!(e.item.0, "open");
+    }
+    // ... and, once it may go again, has banked at most one quantum
+    // (65,536 bytes: 17 of its requests) beyond its oldest request, not
+    // the 2 MB of rounds it watched go by: another tenant gets its turn
+    // within the next 40.
+    for k in 0..100u32 {
+        q.push(("open", 1000 + k), 0, "o-0", 4_000, t).unwrap();
+    }
+    let next_forty: Vec<&str> = (0..40)
+        .map(|_| q.pop_where(|_| Some(())).unwrap().0.item.0)
+        .collect();
+    let blocked = next_forty.iter().filter(|&&m| m == "blocked").count();
+    assert!((17..=30).contains(&blocked), "{next_forty:?}");
+}

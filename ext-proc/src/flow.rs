@@ -1,0 +1,504 @@
+//! Flow control in the sidecar: the queue beside the decision.
+//!
+//! A request about to be decided asks [`FlowControl::admit`] first. While
+//! the fleet has room for it (and nothing waits), it is decided at once,
+//! as without flow control. While every replica it may use is saturated
+//! ([`hearth_router::Router::room_at`]), it waits in the queue
+//! ([`hearth_router::FlowQueue`]: priority band from its objective,
+//! fairness id, prompt bytes) and its ext_proc stream holds Envoy's
+//! answer; a sheddable request (negative priority) is refused at once. One
+//! task, [`FlowControl::run`], lets requests out: whenever a request ends
+//! (its reservation is released), and at least every
+//! [`RECHECK`] while anything waits (engine figures and peers' load change
+//! without a release here). It decides each leaving request among the
+//! replicas with room and hands the decision to the waiting stream; a
+//! request past its time to live, or pushed out by a higher band, is
+//! handed its 429 instead. A stream that ends while it waits (the client
+//! went away) takes its request out of the queue at once ([`Ticket`]'s
+//! drop).
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::HashSet;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::service::ext_proc::v3::HttpHeaders;
+use hearth_router::{
+    Decision, DropReason, Entry, FlowQueue, QueueParams, RequestInfo, Room, RouteError, Router,
+};
+use hearth_wire::names::{FAIRNESS_ID, OBJECTIVE};
+use tokio::sync::{oneshot, Notify};
+
+use crate::config::{Objectives, Settings};
+use crate::envoy::headers;
+use crate::observe::Observer;
+
+/// How often the queue is looked at while requests wait, besides every
+/// release: the engines' figures and the peers' load change on their own.
+pub const RECHECK: Duration = Duration::from_millis(100);
+
+/// The fairness id of a request that names none.
+pub const DEFAULT_FAIRNESS_ID: &str = "default";
+
+/// Fairness ids longer than this are kept as a digest.
+const MAX_FAIRNESS_ID_BYTES: usize = 64;
+
+/// A request's place in the queue's order: its band and its flow.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Class {
+    pub priority: i32,
+    pub fairness_id: String,
+}
+
+impl Default for Class {
+    fn default() -> Self {
+        Class {
+            priority: 0,
+            fairness_id: DEFAULT_FAIRNESS_ID.into(),
+        }
+    }
+}
+
+/// How a waiting request left the queue.
+#[derive(Debug)]
+pub enum Left {
+    /// Decided (routed, or refused by the decision itself), after
+    /// `elapsed` deciding.
+    Decided {
+        decided: Box<Result<Decision, RouteError>>,
+        elapsed: Duration,
+    },
+    /// Dropped with a 429.
+    Dropped(DropReason),
+}
+
+/// What a waiting request gets back: how it left, its request, and how
+/// long it waited.
+#[derive(Debug)]
+pub struct Dispatch {
+    pub left: Left,
+    pub info: RequestInfo,
+    pub waited: Duration,
+}
+
+/// What [`FlowControl::admit`] says of a request.
+#[derive(Debug)]
+pub enum Admission {
+    /// Decide it now.
+    Decide(RequestInfo),
+    /// 429 at once, for this reason.
+    Refuse(RequestInfo, DropReason),
+    /// It waits: the ticket's channel brings its [`Dispatch`].
+    Wait(Ticket),
+}
+
+/// The queue's item: what the dispatcher needs to decide for a request,
+/// and where the decision goes.
+#[derive(Debug)]
+pub struct Waiter {
+    info: RequestInfo,
+    subset: Option<Vec<usize>>,
+    to: oneshot::Sender<Dispatch>,
+}
+
+/// A request waiting in the queue. Dropped before its dispatch (its
+/// stream ended: the client went away), it takes the request out.
+#[derive(Debug)]
+pub struct Ticket {
+    id: u64,
+    priority: i32,
+    since: Instant,
+    flow: Arc<FlowControl>,
+    pub from: oneshot::Receiver<Dispatch>,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        // Nothing left to take out once the dispatch is sent.
+        let gone = self.flow.lock().remove(self.id);
+        if gone.is_some() {
+            let waited = self.since.elapsed();
+            self.flow
+                .observer
+                .flow
+                .dropped(self.priority, DropReason::Disconnected, Some(waited));
+            self.flow.publish();
+        }
+    }
+}
+
+/// The flow-control queue and its settings.
+pub struct FlowControl {
+    router: Arc<Router>,
+    observer: Arc<Observer>,
+    enabled: bool,
+    queue: Mutex<FlowQueue<Waiter>>,
+    /// Bands that held requests at the last look (their gauges go to zero
+    /// when they empty).
+    bands_seen: Mutex<Vec<i32>>,
+    wake: Arc<Notify>,
+    objectives: Objectives,
+    fairness_header: Option<String>,
+}
+
+impl std::fmt::Debug for FlowControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FlowControl")
+            .field("enabled", &self.enabled)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FlowControl {
+    /// Flow control for the observer's router, as `settings` say; the
+    /// router's releases wake its dispatcher.
+    pub fn new(observer: Arc<Observer>, settings: &Settings) -> Arc<FlowControl> {
+        FlowControl::with(
+            observer,
+            settings.flow_control,
+            settings.queue_params(),
+            settings.flow_objectives.clone().unwrap_or_default(),
+            settings.flow_fairness_header.clone(),
+        )
+    }
+
+    pub fn with(
+        observer: Arc<Observer>,
+        enabled: bool,
+        params: QueueParams,
+        objectives: Objectives,
+        fairness_header: Option<String>,
+    ) -> Arc<FlowControl> {
+        let router = Arc::clone(observer.router());
+        let wake = Arc::new(Notify::new());
+        let hook = Arc::clone(&wake);
+        router.on_release(move || hook.notify_one());
+        Arc::new(FlowControl {
+            router,
+            observer,
+            enabled,
+            queue: Mutex::new(FlowQueue::new(params)),
+            bands_seen: Mutex::new(Vec::new()),
+            wake,
+            objectives,
+            fairness_header,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, FlowQueue<Waiter>> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The deadline a waiting request's ext_proc answer gets: its time to
+    /// live and a margin (within the rendered `max_message_timeout`).
+    pub fn answer_deadline(&self) -> Duration {
+        self.lock().params().ttl + Duration::from_secs(5)
+    }
+
+    /// The request's band (its objective's priority) and flow (its
+    /// fairness id, else a digest of the operator's header, else the
+    /// default).
+    pub fn class(&self, h: &HttpHeaders) -> Class {
+        let priority = self.objectives.priority(headers::get(h, OBJECTIVE));
+        let named = headers::get(h, FAIRNESS_ID)
+            .map(str::trim)
+            .filter(|id| !id.is_empty())
+            .map(|id| {
+                if id.len() <= MAX_FAIRNESS_ID_BYTES {
+                    id.to_string()
+                } else {
+                    digest(id)
+                }
+            });
+        let fairness_id = named
+            .or_else(|| {
+                let name = self.fairness_header.as_deref()?;
+                headers::get(h, name).filter(|v| !v.is_empty()).map(digest)
+            })
+            .unwrap_or_else(|| DEFAULT_FAIRNESS_ID.to_string());
+        Class {
+            priority,
+            fairness_id,
+        }
+    }
+
+    /// Whether `info` is decided now, refused, or waits (see the module
+    /// documentation). A request joins the queue while anything waits
+    /// there, so that it does not pass them; the dispatcher lets it out
+    /// at once if it has room.
+    pub fn admit(
+        self: &Arc<Self>,
+        info: RequestInfo,
+        subset: Option<&[usize]>,
+        class: &Class,
+    ) -> Admission {
+        // A request that names no model and carries no prompt (a model
+        // list, a health check) costs the engines nothing to speak of.
+        let promptless = info.model.is_none() && info.prompt_bytes == 0;
+        if !self.enabled || promptless {
+            return Admission::Decide(info);
+        }
+        let now = Instant::now();
+        let saturated = self.router.saturated_for_at(&info, subset, now);
+        let mut queue = self.lock();
+        if !saturated && queue.is_empty() {
+            return Admission::Decide(info);
+        }
+        if saturated && class.priority < 0 {
+            drop(queue);
+            self.observer
+                .flow
+                .dropped(class.priority, DropReason::Sheddable, None);
+            return Admission::Refuse(info, DropReason::Sheddable);
+        }
+        let (to, from) = oneshot::channel();
+        let bytes = info.prompt_bytes;
+        let waiter = Waiter {
+            info,
+            subset: subset.map(<[usize]>::to_vec),
+            to,
+        };
+        match queue.push(waiter, class.priority, &class.fairness_id, bytes, now) {
+            Ok((id, evicted)) => {
+                drop(queue);
+                for dropped in evicted {
+                    self.hand_back(dropped.entry, Left::Dropped(dropped.reason), now);
+                }
+                self.publish();
+                self.wake.notify_one();
+                Admission::Wait(Ticket {
+                    id,
+                    priority: class.priority,
+                    since: now,
+                    flow: Arc::clone(self),
+                    from,
+                })
+            }
+            Err((waiter, reason)) => {
+                drop(queue);
+                self.observer.flow.dropped(class.priority, reason, None);
+                Admission::Refuse(waiter.info, reason)
+            }
+        }
+    }
+
+    /// Sends a request that left the queue its dispatch (nothing happens
+    /// when its stream is gone: a decision's reservation is released as
+    /// it drops).
+    fn hand_back(&self, entry: Entry<Waiter>, left: Left, now: Instant) {
+        let waited = entry.waited(now);
+        match &left {
+            Left::Decided { .. } => self.observer.flow.dispatched(entry.priority, waited),
+            Left::Dropped(reason) => {
+                self.observer
+                    .flow
+                    .dropped(entry.priority, *reason, Some(waited))
+            }
+        }
+        let Waiter { info, to, .. } = entry.item;
+        let _ = to.send(Dispatch { left, info, waited });
+    }
+
+    /// The queue's occupancy into the metrics.
+    fn publish(&self) {
+        let bands = self.lock().bands();
+        let mut seen = self.bands_seen.lock().unwrap_or_else(|p| p.into_inner());
+        let emptied: Vec<i32> = seen
+            .iter()
+            .copied()
+            .filter(|p| !bands.iter().any(|b| b.priority == *p))
+            .collect();
+        self.observer.flow.set_bands(&bands, &emptied);
+        *seen = bands.iter().map(|b| b.priority).collect();
+    }
+
+    /// One look at the queue at `now`: requests past their time to live
+    /// leave with a 429; then, in the queue's order, every request that
+    /// has room is decided among the replicas that have it. Returns when
+    /// the next request's time to live runs out.
+    pub fn dispatch_at(&self, now: Instant) -> Option<Instant> {
+        let mut out: Vec<(Entry<Waiter>, Left)> = Vec::new();
+        let next = {
+            let mut queue = self.lock();
+            for entry in queue.expire(now) {
+                out.push((entry, Left::Dropped(DropReason::Ttl)));
+            }
+            let router = &self.router;
+            // Requests for a model, replicas and lane found full in this
+            // look wait without asking again (dispatching only fills them
+            // more).
+            let long = router.params().long_prompt_bytes;
+            let mut full: HashSet<(Option<String>, Option<Vec<usize>>, bool)> = HashSet::new();
+            while let Some((entry, room)) = queue.pop_where(|e| {
+                let info = &e.item.info;
+                let key = (
+                    info.model.clone(),
+                    e.item.subset.clone(),
+                    info.prompt_bytes >= long,
+                );
+                if full.contains(&key) {
+                    return None;
+                }
+                match router.room_at(&e.item.info, e.item.subset.as_deref(), e.waited(now), now) {
+                    Room::Full => {
+                        full.insert(key);
+                        None
+                    }
+                    Room::Warm => None,
+                    Room::Go(free) => Some(free),
+                }
+            }) {
+                let started = Instant::now();
+                let allowed = room.as_deref().or(entry.item.subset.as_deref());
+                let decided = Box::new(router.decide_within_at(&entry.item.info, allowed, now));
+                let elapsed = started.elapsed();
+                out.push((entry, Left::Decided { decided, elapsed }));
+            }
+            queue.next_expiry()
+        };
+        let changed = !out.is_empty();
+        for (entry, left) in out {
+            self.hand_back(entry, left, now);
+        }
+        if changed {
+            self.publish();
+        }
+        next
+    }
+
+    /// The dispatcher: looks at the queue whenever a request ends or
+    /// joins, at every time to live's end, and every [`RECHECK`] while
+    /// anything waits. Runs until its task is stopped.
+    pub async fn run(self: Arc<Self>) {
+        loop {
+            let next = self.dispatch_at(Instant::now());
+            let sleep = next.map(|at| at.saturating_duration_since(Instant::now()).min(RECHECK));
+            match sleep {
+                Some(d) => {
+                    tokio::select! {
+                        () = self.wake.notified() => {}
+                        () = tokio::time::sleep(d) => {}
+                    }
+                }
+                None => self.wake.notified().await,
+            }
+        }
+    }
+}
+
+/// A fairness id kept as a digest: never the value itself (it may be a
+/// credential), and bounded in size.
+fn digest(value: &str) -> String {
+    let mut h = DefaultHasher::new();
+    value.hash(&mut h);
+    format!("h-{:016x}", h.finish())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::parse_objectives;
+    use crate::observe::journal::Journal;
+    use hearth_router::{AffinityBasis, RouterParams};
+
+    fn flow(enabled: bool) -> Arc<FlowControl> {
+        let upstreams = ["127.0.0.1:1"].map(|u| u.parse().unwrap());
+        let mut params = RouterParams::default();
+        params.flow.uncached_bytes = 1;
+        let router = Router::new(params, &upstreams);
+        let observer = Observer::new(
+            router,
+            AffinityBasis::default(),
+            Journal::open(4, None).unwrap(),
+            "hearth",
+        );
+        FlowControl::with(
+            observer,
+            enabled,
+            QueueParams::default(),
+            parse_objectives("chat=10,batch=-1").unwrap(),
+            Some("x-api-key-hash".into()),
+        )
+    }
+
+    #[test]
+    fn a_request_is_classed_by_its_objective_and_fairness_id() {
+        let f = flow(true);
+        let class = |pairs: &[(&str, &str)]| f.class(&headers::map(pairs));
+        assert_eq!(class(&[]), Class::default());
+        let c = class(&[(OBJECTIVE, "chat"), (FAIRNESS_ID, "team-a")]);
+        assert_eq!((c.priority, c.fairness_id.as_str()), (10, "team-a"));
+        assert_eq!(class(&[(OBJECTIVE, "batch")]).priority, -1);
+        assert_eq!(class(&[(OBJECTIVE, "unknown")]).priority, 0);
+        // The operator's header stands in, as a digest only.
+        let key = class(&[("x-api-key-hash", "secret-ish")]).fairness_id;
+        assert!(key.starts_with("h-") && !key.contains("secret"), "{key}");
+        assert_eq!(key, class(&[("x-api-key-hash", "secret-ish")]).fairness_id);
+        assert_ne!(key, class(&[("x-api-key-hash", "other")]).fairness_id);
+        // The Inference Extension's header wins; a huge one is a digest.
+        let named = class(&[(FAIRNESS_ID, "t"), ("x-api-key-hash", "k")]);
+        assert_eq!(named.fairness_id, "t");
+        let long = "x".repeat(1000);
+        assert!(class(&[(FAIRNESS_ID, &long)]).fairness_id.len() < 20);
+    }
+
+    fn prompt(bytes: u64) -> RequestInfo {
+        RequestInfo {
+            prompt_bytes: bytes,
+            model: Some("m".into()),
+            ..RequestInfo::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_saturated_fleet_queues_prompts_refuses_sheddable_ones_and_passes_the_rest() {
+        let f = flow(true);
+        // One cold prompt in flight saturates the replica (a 1-byte limit).
+        let busy = f.router.decide(&prompt(5000)).unwrap();
+        let class = |priority| Class {
+            priority,
+            fairness_id: "t".into(),
+        };
+        let Admission::Wait(mut ticket) = f.admit(prompt(100), None, &class(0)) else {
+            panic!("a prompt did not wait")
+        };
+        assert_eq!(f.lock().len(), 1);
+        assert!(matches!(
+            f.admit(prompt(100), None, &class(-1)),
+            Admission::Refuse(_, DropReason::Sheddable)
+        ));
+        // No model, no prompt: nothing to hold back.
+        assert!(matches!(
+            f.admit(RequestInfo::default(), None, &class(0)),
+            Admission::Decide(_)
+        ));
+        // The request ends: the queued prompt leaves with a decision.
+        drop(busy);
+        f.dispatch_at(Instant::now());
+        let Dispatch { left, waited, .. } = (&mut ticket.from).await.unwrap();
+        assert!(matches!(left, Left::Decided { ref decided, .. } if decided.is_ok()));
+        assert!(f.lock().is_empty() && waited >= Duration::ZERO);
+    }
+
+    #[tokio::test]
+    async fn a_ticket_dropped_while_waiting_takes_its_request_out() {
+        let f = flow(true);
+        let _busy = f.router.decide(&prompt(5000)).unwrap();
+        let Admission::Wait(ticket) = f.admit(prompt(100), None, &Class::default()) else {
+            panic!("a prompt did not wait")
+        };
+        assert_eq!(f.lock().len(), 1);
+        drop(ticket);
+        assert!(f.lock().is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_idle_fleet_decides_at_once_and_flow_control_off_never_queues() {
+        for enabled in [true, false] {
+            let f = flow(enabled);
+            let admitted = f.admit(RequestInfo::default(), None, &Class::default());
+            assert!(matches!(admitted, Admission::Decide(_)), "{admitted:?}");
+        }
+    }
+}

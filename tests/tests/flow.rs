@@ -1,0 +1,453 @@
+//! Flow control through the real Envoy (filter mode): while the fleet is
+//! saturated a request waits in the sidecar's queue, its ext_proc answer
+//! held past Envoy's 0.5 s `message_timeout` (the sidecar's
+//! `override_message_timeout`, within the rendered `max_message_timeout`);
+//! when room opens the higher band leaves first; a sheddable request, one
+//! past the queue's bound or its time to live gets the 429 and its reason;
+//! a client that goes away leaves the queue at once.
+//!
+//! The fleet is one simulated engine, saturated deterministically: the
+//! uncached-prompt limit is one byte, so one cold request in flight fills
+//! it, and the engine is told to stall so that request stays in flight
+//! until the test lets it go.
+
+use std::time::{Duration, Instant};
+
+use hearth_bench::engine::Fault;
+use hearth_e2e::{filler, metric_sample, Conversation, Fleet, FleetOptions, Turn, MODEL};
+use serde_json::Value;
+
+/// Waits until `series` in the sidecar's metrics reads `want`.
+async fn metric_reaches(fleet: &Fleet, series: &str, want: f64) {
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, text) = fleet.admin_get("/metrics").await.unwrap();
+        let now = metric_sample(&text, series).unwrap_or(0.0);
+        if now == want {
+            return;
+        }
+        assert!(
+            Instant::now() < until,
+            "{series} is {now}, not {want}, after 20 s:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until the replica has `n` requests in flight.
+async fn in_flight_reaches(fleet: &Fleet, n: u32) {
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let s = fleet.state().await.unwrap();
+        if s.replicas[0].in_flight == n {
+            return;
+        }
+        assert!(
+            Instant::now() < until,
+            "in flight: {}",
+            s.replicas[0].in_flight
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A first turn of its own conversation, `bytes` of prompt.
+fn prompt(seed: u64, bytes: usize) -> Vec<u8> {
+    let mut c = Conversation::new(MODEL, &filler(seed, bytes), false, seed);
+    let mut body = c.next_turn(10, false);
+    body["max_tokens"] = 2.into();
+    serde_json::to_vec(&body).unwrap()
+}
+
+/// Sends a chat request with `headers` in a task of its own.
+fn send(
+    fleet: &Fleet,
+    body: Vec<u8>,
+    headers: &[(&'static str, &'static str)],
+) -> tokio::task::JoinHandle<Turn> {
+    let client = fleet.client.clone();
+    let url = format!("{}/v1/chat/completions", fleet.envoy.url());
+    let headers = headers.to_vec();
+    tokio::spawn(async move {
+        let mut req = client
+            .post(url)
+            .header("content-type", "application/json")
+            .body(body);
+        for (k, v) in headers {
+            req = req.header(k, v);
+        }
+        let resp = req.send().await.expect("request through Envoy");
+        let status = resp.status().as_u16();
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let engine = header("x-engine-id");
+        let upstream = header("x-hearth-upstream");
+        let reason = header("x-hearth-drop-reason");
+        let text = resp.text().await.unwrap();
+        let mut body: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        if let Some(r) = reason {
+            body["drop_reason_header"] = r.into();
+        }
+        Turn {
+            status,
+            engine,
+            upstream,
+            body,
+        }
+    })
+}
+
+/// A 429 from flow control, with its reason in the header and the body.
+fn assert_dropped(t: &Turn, reason: &str) {
+    assert_eq!(t.status, 429, "{:?}", t.body);
+    assert_eq!(t.body["drop_reason_header"], reason, "{:?}", t.body);
+    assert_eq!(t.body["error"]["code"], reason, "{:?}", t.body);
+    assert_eq!(t.body["error"]["type"], "rate_limit_exceeded");
+}
+
+async fn saturated_fleet(extra: &[&str]) -> Fleet {
+    saturated_fleet_in(FleetOptions::default(), extra).await
+}
+
+/// [`saturated_fleet`] in the shape `opts` names.
+async fn saturated_fleet_in(opts: FleetOptions, extra: &[&str]) -> Fleet {
+    let mut flags: Vec<String> = [
+        "--flow-uncached-bytes=1",
+        "--flow-objectives=chat=10,batch=-1",
+        "--probe-interval-seconds=0",
+        "--stall-seconds=0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    flags.extend(extra.iter().map(|s| s.to_string()));
+    let fleet = Fleet::start(FleetOptions {
+        engines: 1,
+        sidecar_flags: flags,
+        ..opts
+    })
+    .await
+    .unwrap();
+    fleet.engines[0].engine.set_fault(Fault::Stall);
+    fleet
+}
+
+#[tokio::test]
+async fn a_saturated_fleet_queues_lets_the_higher_band_out_first_and_drops_with_a_reason() {
+    let fleet = saturated_fleet(&["--flow-max-requests=2"]).await;
+    // The blocker: dispatched at once (nothing in flight), it stalls in
+    // the engine and its uncached prompt saturates the replica.
+    let blocker = send(&fleet, prompt(1, 3000), &[]);
+    in_flight_reaches(&fleet, 1).await;
+    let state = fleet.state().await.unwrap();
+    assert!(state.replicas[0].saturated, "{:?}", state.replicas[0]);
+    assert!(state.replicas[0].uncached_in_flight_bytes > 1);
+
+    // A standard request waits in band 0.
+    let low = send(
+        &fleet,
+        prompt(2, 5000),
+        &[("x-gateway-inference-fairness-id", "tenant-a")],
+    );
+    metric_reaches(
+        &fleet,
+        "llm_d_epp_flow_control_queue_size{priority=\"0\"}",
+        1.0,
+    )
+    .await;
+
+    // A client that goes away leaves the queue at once.
+    let leaver = send(&fleet, prompt(3, 4000), &[]);
+    metric_reaches(
+        &fleet,
+        "llm_d_epp_flow_control_queue_size{priority=\"0\"}",
+        2.0,
+    )
+    .await;
+    leaver.abort();
+    metric_reaches(
+        &fleet,
+        "hearth_flow_dropped_total{reason=\"disconnected\"}",
+        1.0,
+    )
+    .await;
+    metric_reaches(
+        &fleet,
+        "llm_d_epp_flow_control_queue_size{priority=\"0\"}",
+        1.0,
+    )
+    .await;
+
+    // An interactive request waits in band 10, queued after the standard one.
+    let high = send(
+        &fleet,
+        prompt(4, 7000),
+        &[
+            ("x-gateway-inference-objective", "chat"),
+            ("x-gateway-inference-fairness-id", "tenant-b"),
+        ],
+    );
+    metric_reaches(
+        &fleet,
+        "llm_d_epp_flow_control_queue_size{priority=\"10\"}",
+        1.0,
+    )
+    .await;
+
+    // Sheddable while saturated: refused at once.
+    let shed = send(
+        &fleet,
+        prompt(5, 2000),
+        &[("x-gateway-inference-objective", "batch")],
+    )
+    .await
+    .unwrap();
+    assert_dropped(&shed, "sheddable");
+    // The queue holds its most (2): a standard newcomer finds no lower
+    // band to push out.
+    let full = send(&fleet, prompt(6, 2000), &[]).await.unwrap();
+    assert_dropped(&full, "queue_full");
+
+    // Room opens: the engine works again and the blocker's client leaves.
+    fleet.engines[0].engine.set_fault(Fault::None);
+    blocker.abort();
+    let high = high.await.unwrap();
+    let low = low.await.unwrap();
+    for t in [&high, &low] {
+        assert_eq!(t.status, 200, "{:?}", t.body);
+        // The sidecar answered (Envoy did not fail open past its
+        // message_timeout): it named the replica.
+        assert!(t.upstream.is_some(), "no x-hearth-upstream: {:?}", t.body);
+    }
+    // The higher band left first, though it came later: the journal
+    // lists decisions newest first, each with its wait.
+    let (_, text) = fleet.admin_get("/debug/decisions?limit=20").await.unwrap();
+    let journal: Value = serde_json::from_str(&text).unwrap();
+    let decisions = journal["decisions"].as_array().unwrap();
+    let waited: Vec<(u64, f64)> = decisions
+        .iter()
+        .rev()
+        .filter(|d| d["outcome"] == "routed")
+        .filter_map(|d| Some((d["prompt_bytes"].as_u64()?, d["wait_ms"].as_f64()?)))
+        .collect();
+    assert_eq!(waited.len(), 2, "{text}");
+    assert!(
+        waited[0].0 > waited[1].0,
+        "the 7,000-byte interactive prompt should have been decided before the 5,000-byte \
+         standard one: {waited:?}"
+    );
+    assert!(waited.iter().all(|&(_, ms)| ms > 0.0), "{waited:?}");
+    let dropped: Vec<&str> = decisions
+        .iter()
+        .filter_map(|d| d["error"].as_str())
+        .collect();
+    assert!(dropped.contains(&"flow control: sheddable"), "{dropped:?}");
+    assert!(dropped.contains(&"flow control: queue_full"), "{dropped:?}");
+
+    for (series, want) in [
+        ("hearth_flow_dispatched_total{priority=\"10\"}", 1.0),
+        ("hearth_flow_dispatched_total{priority=\"0\"}", 1.0),
+        ("hearth_flow_dropped_total{reason=\"sheddable\"}", 1.0),
+        ("hearth_flow_dropped_total{reason=\"queue_full\"}", 1.0),
+        ("llm_d_epp_flow_control_queue_size{priority=\"0\"}", 0.0),
+        ("llm_d_epp_flow_control_queue_size{priority=\"10\"}", 0.0),
+        ("llm_d_epp_flow_control_queue_bytes{priority=\"0\"}", 0.0),
+    ] {
+        metric_reaches(&fleet, series, want).await;
+    }
+    let (_, text) = fleet.admin_get("/metrics").await.unwrap();
+    let dispatched_waits = metric_sample(
+        &text,
+        "llm_d_epp_flow_control_request_queue_duration_seconds_count{priority=\"10\",outcome=\"Dispatched\"}",
+    );
+    assert_eq!(dispatched_waits, Some(1.0), "{text}");
+    fleet.assert_wasm_healthy();
+}
+
+#[tokio::test]
+async fn a_request_that_waits_its_time_to_live_gets_a_429_saying_so() {
+    let fleet = saturated_fleet(&["--flow-ttl-seconds=1"]).await;
+    let blocker = send(&fleet, prompt(1, 3000), &[]);
+    in_flight_reaches(&fleet, 1).await;
+    let seen = fleet.engine_stats()[0].requests_total;
+    let late = send(&fleet, prompt(2, 3000), &[]).await.unwrap();
+    assert_dropped(&late, "ttl");
+    metric_reaches(&fleet, "hearth_flow_dropped_total{reason=\"ttl\"}", 1.0).await;
+    // The engine never saw it.
+    assert_eq!(fleet.engine_stats()[0].requests_total, seen);
+    fleet.engines[0].engine.set_fault(Fault::None);
+    blocker.abort();
+    // Room again: a new request is dispatched at once.
+    let t = send(&fleet, prompt(3, 3000), &[]).await.unwrap();
+    assert_eq!(t.status, 200, "{:?}", t.body);
+}
+
+#[tokio::test]
+async fn the_body_and_endpoint_picker_shapes_hold_the_answer_while_the_request_waits() {
+    for (shape, opts) in [
+        (
+            "body",
+            FleetOptions {
+                body_mode: true,
+                ..FleetOptions::default()
+            },
+        ),
+        (
+            "endpoint picker",
+            FleetOptions {
+                gie_mode: true,
+                ..FleetOptions::default()
+            },
+        ),
+    ] {
+        let fleet = saturated_fleet_in(opts, &[]).await;
+        let blocker = send(&fleet, prompt(1, 3000), &[]);
+        in_flight_reaches(&fleet, 1).await;
+        let waiting = send(&fleet, prompt(2, 5000), &[]);
+        metric_reaches(
+            &fleet,
+            "llm_d_epp_flow_control_queue_size{priority=\"0\"}",
+            1.0,
+        )
+        .await;
+        // Past Envoy's message_timeout for this shape's answer (2 s in
+        // body mode) before room opens: answered by the sidecar all the
+        // same, so the deadline was extended.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        fleet.engines[0].engine.set_fault(Fault::None);
+        blocker.abort();
+        let t = waiting.await.unwrap();
+        assert_eq!(t.status, 200, "{shape}: {:?}", t.body);
+        assert!(
+            t.upstream.is_some(),
+            "{shape}: no x-hearth-upstream: {:?}",
+            t.body
+        );
+        metric_reaches(&fleet, "hearth_flow_dispatched_total{priority=\"0\"}", 1.0).await;
+        let (_, text) = fleet.admin_get("/debug/decisions?limit=5").await.unwrap();
+        let journal: Value = serde_json::from_str(&text).unwrap();
+        let waited = journal["decisions"][0]["wait_ms"].as_f64();
+        assert!(waited.is_some_and(|ms| ms >= 3000.0), "{shape}: {text}");
+    }
+}
+
+/// Waits until the replica named `id` has `n` requests in flight.
+async fn replica_in_flight_reaches(fleet: &Fleet, id: &str, n: u32) {
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let s = fleet.state().await.unwrap();
+        let r = s.replicas.iter().find(|r| r.id == id).unwrap();
+        if r.in_flight == n {
+            return;
+        }
+        assert!(Instant::now() < until, "{id} in flight: {}", r.in_flight);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_queued_turn_waits_for_its_warm_replica_rather_than_the_first_that_frees() {
+    let fleet = Fleet::start(FleetOptions {
+        engines: 2,
+        sidecar_flags: [
+            "--flow-uncached-bytes=1",
+            "--flow-affinity-wait-seconds=600",
+            "--probe-interval-seconds=0",
+            "--stall-seconds=0",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    // The conversation's first turn warms its replica.
+    let mut conv = Conversation::new(MODEL, &filler(7, 20_000), false, 7);
+    let first = fleet.chat(&conv.next_turn(10, false)).await;
+    let home = first.upstream.clone().expect("x-hearth-upstream");
+    let index = |id: &str| {
+        fleet
+            .engines
+            .iter()
+            .position(|e| e.engine.config().id == id)
+            .unwrap()
+    };
+    // Both engines stall, and a cold request fills each replica.
+    for e in &fleet.engines {
+        e.engine.set_fault(Fault::Stall);
+    }
+    let b1 = send(&fleet, prompt(100, 3000), &[]);
+    let until = Instant::now() + Duration::from_secs(20);
+    while fleet
+        .state()
+        .await
+        .unwrap()
+        .replicas
+        .iter()
+        .map(|r| r.in_flight)
+        .sum::<u32>()
+        < 1
+    {
+        assert!(Instant::now() < until, "the first blocker was not routed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let b2 = send(&fleet, prompt(101, 3000), &[]);
+    for e in &fleet.engines {
+        replica_in_flight_reaches(&fleet, &e.engine.config().id, 1).await;
+    }
+    // Which blocker holds which replica: the journal, newest first.
+    let (_, text) = fleet.admin_get("/debug/decisions?limit=3").await.unwrap();
+    let journal: Value = serde_json::from_str(&text).unwrap();
+    let chosen = |k: usize| {
+        journal["decisions"][k]["chosen"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let (on_b2, on_b1) = (chosen(0), chosen(1));
+    assert_ne!(on_b1, on_b2, "{text}");
+    let (home_blocker, other_blocker) = if on_b1 == home { (b1, b2) } else { (b2, b1) };
+    let other = if on_b1 == home { on_b2 } else { on_b1 };
+
+    // The conversation's next turn finds the fleet saturated: it waits.
+    let mut turn2 = conv.next_turn(10, false);
+    turn2["max_tokens"] = 2.into();
+    let next = send(&fleet, serde_json::to_vec(&turn2).unwrap(), &[]);
+    metric_reaches(
+        &fleet,
+        "llm_d_epp_flow_control_queue_size{priority=\"0\"}",
+        1.0,
+    )
+    .await;
+
+    // The other replica frees first: within the affinity wait, the turn
+    // keeps waiting for the replica that holds its conversation.
+    fleet.engines[index(&other)].engine.set_fault(Fault::None);
+    other_blocker.abort();
+    replica_in_flight_reaches(&fleet, &other, 0).await;
+    // (Releases wake the queue at once; give it several looks.)
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (_, text) = fleet.admin_get("/metrics").await.unwrap();
+    assert_eq!(
+        metric_sample(&text, "llm_d_epp_flow_control_queue_size{priority=\"0\"}"),
+        Some(1.0),
+        "the turn left for a cold replica"
+    );
+    assert_eq!(
+        fleet.state().await.unwrap().replicas[index(&other)].in_flight,
+        0
+    );
+
+    // Its own replica frees: the turn goes there, warm.
+    fleet.engines[index(&home)].engine.set_fault(Fault::None);
+    home_blocker.abort();
+    let t = next.await.unwrap();
+    assert_eq!(t.status, 200, "{:?}", t.body);
+    assert_eq!(t.upstream.as_deref(), Some(home.as_str()));
+    assert!(t.cached_tokens() > 0, "served cold: {:?}", t.body);
+}
