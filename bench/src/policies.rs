@@ -210,6 +210,7 @@ impl HearthKnobs {
                 dp_ranks: 1,
                 short_output: false,
                 tls: false,
+                kv_events: None,
             })
             .collect()
     }

@@ -270,6 +270,7 @@ pub fn replicas(
                         dp_ranks: served.dp_ranks,
                         short_output: false,
                         tls: served.tls,
+                        kv_events: None,
                     },
                     pod_uid: pod.metadata.uid.clone().unwrap_or_default(),
                 },
