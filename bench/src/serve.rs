@@ -76,6 +76,10 @@ pub struct EngineArgs {
     /// Require this bearer key on `/v1/*` and `/metrics` (401 without it).
     #[arg(long)]
     pub api_key: Option<String>,
+    /// Publish each replica's KV cache events as vLLM does (ZMQ PUB on a
+    /// loopback port of its own; list it as `;kv_events=tcp://...`).
+    #[arg(long)]
+    pub kv_events: bool,
 }
 
 impl EngineArgs {
@@ -95,6 +99,7 @@ impl EngineArgs {
             scheduler: self.scheduled.then(crate::engine::core::CostModel::default),
             reasoning_tokens: self.reasoning_tokens,
             api_key: self.api_key.clone(),
+            kv_events: self.kv_events.then(|| "tcp://127.0.0.1:0".to_owned()),
             fault: self
                 .fault
                 .iter()
@@ -134,7 +139,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     {
         let mut out = std::io::stdout().lock();
         for h in &handles {
-            writeln!(out, "{} {}", h.engine.config().id, h.url())?;
+            match h.engine.kv_events_endpoint() {
+                Some(kv) => writeln!(out, "{} {} kv_events={kv}", h.engine.config().id, h.url())?,
+                None => writeln!(out, "{} {}", h.engine.config().id, h.url())?,
+            }
         }
         out.flush()?;
     }

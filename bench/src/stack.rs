@@ -200,7 +200,17 @@ impl StackBuilder {
                     let e = engine::spawn(config, listener).await?;
                     // Replica ids equal the engine ids, so
                     // `x-hearth-upstream` names the engine that answered.
-                    listed.push((format!("{};id={}", e.addr, e.engine.config().id), e.addr));
+                    // An engine that publishes KV events is listed with
+                    // where.
+                    let kv = e
+                        .engine
+                        .kv_events_endpoint()
+                        .map(|kv| format!(";kv_events={kv}"))
+                        .unwrap_or_default();
+                    listed.push((
+                        format!("{};id={}{kv}", e.addr, e.engine.config().id),
+                        e.addr,
+                    ));
                     engines.push(e);
                 }
             }

@@ -1,0 +1,239 @@
+//! The engines' own KV cache events, end to end: simulated engines publish
+//! them as vLLM does (ZMQ PUB, msgpack batches), the sidecar subscribes to
+//! each, and `/state` and `/metrics` show what they say: each engine's
+//! occupancy as the engine itself counts it, its capacity once it evicts,
+//! a restart from the sequence going back to 0, a lost batch as a gap, and
+//! an emptied cache from `AllBlocksCleared`.
+
+use std::time::{Duration, Instant};
+
+use hearth_bench::engine::{self, EngineConfig};
+use hearth_e2e::{metric_sample, Fleet, FleetOptions, MODEL};
+use hearth_router::{KvEventsSnapshot, Snapshot};
+use serde_json::json;
+
+/// Tokens a simulated block holds, and each engine's cache: 48 blocks.
+const BLOCK_TOKENS: u64 = 16;
+const CAPACITY_TOKENS: usize = 48 * 16;
+
+fn kv(s: &Snapshot, id: &str) -> KvEventsSnapshot {
+    let r = s.replicas.iter().find(|r| r.id == id).expect("replica");
+    r.kv_events
+        .clone()
+        .expect("the replica is listed with kv_events=")
+}
+
+/// A first turn of its own: `n` distinct sentences (about 9 blocks).
+fn prompt(n: u64) -> serde_json::Value {
+    let text: String = (0..12)
+        .map(|k| format!("conversation {n} sentence {k} about nothing much. "))
+        .collect();
+    json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 2,
+    })
+}
+
+/// Polls `/state` until `done` holds, up to 20 s; panics with the last
+/// state otherwise.
+async fn until(fleet: &Fleet, what: &str, done: impl Fn(&Snapshot) -> bool) -> Snapshot {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let s = fleet.state().await.expect("/state");
+        if done(&s) {
+            return s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not within 20 s; last state: {:#?}",
+            s.replicas.iter().map(|r| &r.kv_events).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Empties an engine's prefix cache (`POST /reset_prefix_cache`), waiting
+/// out a probe that uses it.
+async fn reset_cache(fleet: &Fleet, url: &str) {
+    for _ in 0..100 {
+        let r = fleet
+            .client
+            .post(format!("{url}/reset_prefix_cache"))
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 200 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{url} kept its prefix cache in use");
+}
+
+/// Sends first turns until one is served by `id`; returns how many went.
+async fn serve_on(fleet: &Fleet, id: &str, from: u64) -> u64 {
+    for n in from..from + 40 {
+        if fleet.chat(&prompt(n)).await.engine.as_deref() == Some(id) {
+            return n + 1;
+        }
+    }
+    panic!("no first turn went to {id} in 40");
+}
+
+/// Each engine's event figures equal its own count of cached blocks.
+async fn occupancy_matches(fleet: &Fleet, what: &str) -> Snapshot {
+    until(fleet, what, |s| {
+        fleet.engines.iter().all(|e| {
+            let k = kv(s, &e.engine.config().id);
+            let blocks = e.engine.stats().cache_blocks;
+            k.exact
+                && k.held_blocks as u64 == blocks
+                && k.occupancy_tokens == Some(blocks * BLOCK_TOKENS)
+        })
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sidecar_reads_each_engines_kv_events_and_its_restart() {
+    let mut fleet = Fleet::start(FleetOptions {
+        engines: 2,
+        kv_events: true,
+        cache_capacity_tokens: CAPACITY_TOKENS,
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    until(&fleet, "both feeds connected", |s| {
+        s.replicas
+            .iter()
+            .all(|r| r.kv_events.as_ref().is_some_and(|k| k.connected))
+    })
+    .await;
+    // The sidecar's first probes may have been published before it
+    // subscribed (a PUB socket sends nothing to a subscriber it does not
+    // have yet): the feeds joined late, and say so. Emptied caches
+    // (`AllBlocksCleared`) make them exact.
+    for e in &fleet.engines {
+        reset_cache(&fleet, &e.url()).await;
+    }
+    until(&fleet, "both feeds exact", |s| {
+        s.replicas
+            .iter()
+            .all(|r| r.kv_events.as_ref().is_some_and(|k| k.exact))
+    })
+    .await;
+
+    // Enough first turns to fill both caches (48 blocks each): each
+    // engine evicts, and its capacity shows.
+    let mut n = 0;
+    for _ in 0..16 {
+        fleet.chat(&prompt(n)).await;
+        n += 1;
+    }
+    let s = occupancy_matches(&fleet, "occupancy as the engines count it").await;
+    for e in &fleet.engines {
+        let k = kv(&s, &e.engine.config().id);
+        let stats = e.engine.stats();
+        assert_eq!(k.block_tokens, Some(BLOCK_TOKENS));
+        assert!(k.batches_total > 0 && k.stored_blocks_total > 0);
+        assert_eq!((k.gaps_total, k.refused_total), (0, 0));
+        if k.removed_blocks_total > 0 {
+            assert_eq!(
+                k.capacity_tokens,
+                Some(stats.cache_capacity_blocks * BLOCK_TOKENS),
+                "{}: the capacity is the engine's own",
+                stats.id
+            );
+        }
+    }
+    assert!(
+        s.replicas
+            .iter()
+            .any(|r| r.kv_events.as_ref().unwrap().removed_blocks_total > 0),
+        "16 prompts of about 9 blocks fill at least one 48-block cache"
+    );
+
+    // engine-0 restarts: a new process on the same ports, its sequence
+    // from 0 again. The sidecar reconnects and reads the restart from the
+    // sequence alone (this engine's metrics show no start time).
+    let old = fleet.stack.engines.remove(0);
+    let (addr, endpoint) = (old.addr, old.engine.kv_events_endpoint().unwrap());
+    let config = old.engine.config().clone();
+    old.shutdown().await;
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+    let restarted = engine::spawn(
+        EngineConfig {
+            kv_events: Some(endpoint),
+            ..config
+        },
+        listener,
+    )
+    .await
+    .unwrap();
+    fleet.stack.engines.insert(0, restarted);
+    until(&fleet, "engine-0's feed reconnected", |s| {
+        let k = kv(s, "engine-0");
+        k.connected && k.connects_total == 2
+    })
+    .await;
+    n = serve_on(&fleet, "engine-0", n).await;
+    let s = until(&fleet, "the restart read from the sequence", |s| {
+        kv(s, "engine-0").restarts_sequence_total == 1
+    })
+    .await;
+    let r0 = s.replicas.iter().find(|r| r.id == "engine-0").unwrap();
+    assert!(r0.health.state == hearth_router::HealthState::Serving);
+    // The warmth before the restart is gone: only what came since is held.
+    assert!(
+        r0.warmth_blocks <= 2,
+        "warmth after the restart: {}",
+        r0.warmth_blocks
+    );
+    occupancy_matches(&fleet, "occupancy after the restart").await;
+    assert_eq!(kv(&s, "engine-1").restarts_sequence_total, 0);
+
+    // engine-1 loses a batch (a slow subscriber's gap): its figures are
+    // approximate until its cache is emptied, which AllBlocksCleared says.
+    fleet.engines[1].engine.drop_kv_batches(1);
+    // The dropped batch, then one that shows the gap.
+    n = serve_on(&fleet, "engine-1", n).await;
+    serve_on(&fleet, "engine-1", n).await;
+    let s = until(&fleet, "the gap seen", |s| {
+        kv(s, "engine-1").gaps_total == 1
+    })
+    .await;
+    let k = kv(&s, "engine-1");
+    assert!(!k.exact);
+    assert_eq!(k.inexact_reason.as_deref(), Some("gap"));
+    assert_eq!(k.occupancy_tokens, None);
+    reset_cache(&fleet, &fleet.engines[1].url()).await;
+    let s = until(&fleet, "the cleared cache", |s| {
+        kv(s, "engine-1").restarts_cleared_total == 2
+    })
+    .await;
+    let k = kv(&s, "engine-1");
+    assert!(k.exact);
+    assert_eq!((k.held_blocks, k.occupancy_tokens), (0, Some(0)));
+
+    let (_, metrics) = fleet.admin_get("/metrics").await.unwrap();
+    let sample = |series: &str| metric_sample(&metrics, series);
+    assert_eq!(
+        sample("hearth_replica_kv_event_restarts_total{replica=\"engine-0\",reason=\"sequence\"}"),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample("hearth_replica_kv_event_restarts_total{replica=\"engine-1\",reason=\"cleared\"}"),
+        Some(2.0)
+    );
+    assert_eq!(
+        sample("hearth_replica_kv_event_gaps_total{replica=\"engine-1\"}"),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample("hearth_replica_kv_events_connected{replica=\"engine-0\"}"),
+        Some(1.0)
+    );
+    fleet.assert_wasm_healthy();
+}
