@@ -237,3 +237,97 @@ async fn the_sidecar_reads_each_engines_kv_events_and_its_restart() {
     );
     fleet.assert_wasm_healthy();
 }
+
+/// vLLM's own publisher (`ZmqEventPublisher`: libzmq through pyzmq, its
+/// msgspec batches) over `ipc://`, the only local endpoint vLLM binds,
+/// read by the sidecar's subscriber: byte-string hashes, a cleared cache,
+/// stored and removed blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllms_own_publisher_is_read_over_ipc() {
+    use std::process::Stdio;
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+    if !hearth_e2e::vllm::vllm_or_skip("vllms_own_publisher_is_read_over_ipc") {
+        return;
+    }
+    let install = hearth_bench::vllm::VllmInstall::find().unwrap();
+    let dir = std::env::temp_dir().join(format!("hearth-kv-ipc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("kv.sock");
+    let endpoint = format!("ipc://{}", path.display());
+    // One batch per line read: a cleared cache, then `n` stored blocks (of
+    // 16 tokens, SHA-256-sized byte hashes) and the first of them removed.
+    let script = r#"
+import sys
+from vllm.distributed.kv_events import (
+    AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher)
+pub = ZmqEventPublisher(data_parallel_rank=0, endpoint=sys.argv[1], topic="kv@0")
+print("ready", flush=True)
+for line in sys.stdin:
+    n = int(line)
+    hashes = [bytes([k + 1]) * 32 for k in range(n)]
+    events = [AllBlocksCleared()]
+    for k, h in enumerate(hashes):
+        events.append(BlockStored(block_hashes=[h], parent_block_hash=hashes[k - 1] if k else None,
+            token_ids=list(range(16)), block_size=16, lora_id=None, medium="GPU", lora_name=None))
+    events.append(BlockRemoved(block_hashes=hashes[:1], medium="GPU"))
+    pub.publish(KVEventBatch(ts=1.0, events=events))
+pub.shutdown()
+"#;
+    let mut child = tokio::process::Command::new(&install.python)
+        .arg("-c")
+        .arg(script)
+        .arg(&endpoint)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let ready = tokio::time::timeout(Duration::from_secs(180), lines.next_line()).await;
+    assert!(
+        matches!(&ready, Ok(Ok(Some(l))) if l.contains("ready")),
+        "vLLM's publisher did not start: {ready:?}"
+    );
+
+    let spec: hearth_router::UpstreamSpec = format!("127.0.0.1:9;id=v;kv_events={endpoint}")
+        .parse()
+        .unwrap();
+    let router = hearth_router::Router::new(hearth_router::RouterParams::default(), &[spec]);
+    let feed = tokio::spawn(hearth_ext_proc::feeds::kv_events::run(router.clone()));
+    let snap = || router.snapshot().replicas[0].kv_events.clone().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !snap().connected {
+        assert!(Instant::now() < deadline, "no connection: {:?}", snap());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A new subscription reaches a PUB socket a moment after the
+    // connection: batches until one arrives.
+    while snap().batches_total == 0 {
+        assert!(Instant::now() < deadline, "no batch arrived: {:?}", snap());
+        stdin.write_all(b"1\n").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let seen = snap().batches_total;
+    stdin.write_all(b"5\n").await.unwrap();
+    while snap().batches_total == seen {
+        assert!(
+            Instant::now() < deadline,
+            "the last batch did not arrive: {:?}",
+            snap()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let k = snap();
+    assert!(k.exact, "{k:?}");
+    assert_eq!((k.held_blocks, k.occupancy_tokens), (4, Some(64)));
+    assert_eq!(k.block_tokens, Some(16));
+    assert_eq!((k.refused_total, k.gaps_total), (0, 0));
+    assert_eq!(k.restarts_cleared_total, k.batches_total);
+    feed.abort();
+    drop(stdin);
+    let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
