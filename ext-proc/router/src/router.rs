@@ -302,7 +302,10 @@ impl Router {
                 let bpt = s.usage.bytes_per_token.unwrap_or(DEFAULT_BYTES_PER_TOKEN);
                 s.engine_blocks = Some(engine_blocks(kv, bpt, self.params.block_size, 1.0));
                 if self.params.warmth_from_engine {
-                    s.warmth_limit = blocks_for_tokens(kv, bpt, self.params.block_size, 1.0);
+                    // Never beyond the default: a feed only shrinks the
+                    // index it speaks for.
+                    s.warmth_limit = blocks_for_tokens(kv, bpt, self.params.block_size, 1.0)
+                        .min(self.params.warmth_blocks);
                     if before.is_none() || s.warmth.capacity() > s.warmth_limit {
                         s.warmth.set_capacity(s.warmth_limit);
                     }
