@@ -211,6 +211,7 @@ impl HearthKnobs {
                 short_output: false,
                 tls: false,
                 kv_events: None,
+                kv_events_replay: None,
             })
             .collect()
     }

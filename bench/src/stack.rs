@@ -202,11 +202,14 @@ impl StackBuilder {
                     // `x-hearth-upstream` names the engine that answered.
                     // An engine that publishes KV events is listed with
                     // where.
-                    let kv = e
+                    let mut kv = e
                         .engine
                         .kv_events_endpoint()
                         .map(|kv| format!(";kv_events={kv}"))
                         .unwrap_or_default();
+                    if let Some(replay) = e.engine.kv_events_replay_endpoint() {
+                        kv.push_str(&format!(";kv_events_replay={replay}"));
+                    }
                     listed.push((
                         format!("{};id={}{kv}", e.addr, e.engine.config().id),
                         e.addr,

@@ -76,6 +76,9 @@ pub struct FleetOptions {
     /// Each simulated engine publishes its KV cache events (on a loopback
     /// port of its own) and is listed with `;kv_events=`.
     pub kv_events: bool,
+    /// With `kv_events`: each engine also answers replay requests
+    /// (`;kv_events_replay=`).
+    pub kv_events_replay: bool,
 }
 
 impl Default for FleetOptions {
@@ -97,6 +100,7 @@ impl Default for FleetOptions {
             control_token: true,
             external_engines: Vec::new(),
             kv_events: false,
+            kv_events_replay: false,
         }
     }
 }
@@ -269,6 +273,8 @@ impl Fleet {
                         reasoning_tokens: opts.reasoning_tokens,
                         api_key: opts.engine_api_key.clone(),
                         kv_events: opts.kv_events.then(|| "tcp://127.0.0.1:0".into()),
+                        kv_events_replay: (opts.kv_events && opts.kv_events_replay)
+                            .then(|| "tcp://127.0.0.1:0".into()),
                         ..EngineConfig::default()
                     })
                     .collect(),

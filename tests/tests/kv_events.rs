@@ -238,10 +238,49 @@ async fn the_sidecar_reads_each_engines_kv_events_and_its_restart() {
     fleet.assert_wasm_healthy();
 }
 
+/// With each engine's replay socket listed (`kv_events_replay=`), what a
+/// feed missed is asked for again: batches published before the sidecar
+/// subscribed and a dropped batch come back in order, so the figures stay
+/// exact with no gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missed_batches_come_back_from_the_replay_socket() {
+    let fleet = Fleet::start(FleetOptions {
+        engines: 2,
+        kv_events: true,
+        kv_events_replay: true,
+        cache_capacity_tokens: CAPACITY_TOKENS,
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    assert!(fleet
+        .specs
+        .iter()
+        .all(|s| s.contains(";kv_events_replay=tcp://")));
+    let mut n = 1000;
+    for _ in 0..6 {
+        fleet.chat(&prompt(n)).await;
+        n += 1;
+    }
+    occupancy_matches(&fleet, "exact from the first batch, no reset").await;
+    fleet.engines[1].engine.drop_kv_batches(1);
+    n = serve_on(&fleet, "engine-1", n).await;
+    serve_on(&fleet, "engine-1", n).await;
+    let s = until(&fleet, "the dropped batch replayed", |s| {
+        kv(s, "engine-1").replayed_batches_total >= 1
+    })
+    .await;
+    let k = kv(&s, "engine-1");
+    assert_eq!((k.gaps_total, k.refused_total), (0, 0), "{k:?}");
+    occupancy_matches(&fleet, "exact after the replay").await;
+    fleet.assert_wasm_healthy();
+}
+
 /// vLLM's own publisher (`ZmqEventPublisher`: libzmq through pyzmq, its
-/// msgspec batches) over `ipc://`, the only local endpoint vLLM binds,
-/// read by the sidecar's subscriber: byte-string hashes, a cleared cache,
-/// stored and removed blocks.
+/// msgspec batches, its ROUTER replay socket) over `ipc://`, the only
+/// local endpoint vLLM binds, read by the sidecar's subscriber: byte-string
+/// hashes, a cleared cache, stored and removed blocks, and the batches sent
+/// before the subscription took hold asked for again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllms_own_publisher_is_read_over_ipc() {
     use std::process::Stdio;
@@ -255,13 +294,15 @@ async fn vllms_own_publisher_is_read_over_ipc() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("kv.sock");
     let endpoint = format!("ipc://{}", path.display());
+    let replay = format!("ipc://{}", dir.join("replay.sock").display());
     // One batch per line read: a cleared cache, then `n` stored blocks (of
     // 16 tokens, SHA-256-sized byte hashes) and the first of them removed.
     let script = r#"
 import sys
 from vllm.distributed.kv_events import (
     AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher)
-pub = ZmqEventPublisher(data_parallel_rank=0, endpoint=sys.argv[1], topic="kv@0")
+pub = ZmqEventPublisher(data_parallel_rank=0, endpoint=sys.argv[1], replay_endpoint=sys.argv[2],
+    topic="kv@0")
 print("ready", flush=True)
 for line in sys.stdin:
     n = int(line)
@@ -272,12 +313,15 @@ for line in sys.stdin:
             token_ids=list(range(16)), block_size=16, lora_id=None, medium="GPU", lora_name=None))
     events.append(BlockRemoved(block_hashes=hashes[:1], medium="GPU"))
     pub.publish(KVEventBatch(ts=1.0, events=events))
+    pub._event_queue.join()
+    print("sent", flush=True)
 pub.shutdown()
 "#;
     let mut child = tokio::process::Command::new(&install.python)
         .arg("-c")
         .arg(script)
         .arg(&endpoint)
+        .arg(&replay)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -292,9 +336,18 @@ pub.shutdown()
         "vLLM's publisher did not start: {ready:?}"
     );
 
-    let spec: hearth_router::UpstreamSpec = format!("127.0.0.1:9;id=v;kv_events={endpoint}")
-        .parse()
-        .unwrap();
+    // Three batches before anyone subscribes: a PUB socket drops them, its
+    // replay socket keeps them.
+    for _ in 0..3 {
+        stdin.write_all(b"1\n").await.unwrap();
+        let sent = tokio::time::timeout(Duration::from_secs(20), lines.next_line()).await;
+        assert!(matches!(&sent, Ok(Ok(Some(l))) if l == "sent"), "{sent:?}");
+    }
+    let mut published = 3;
+    let spec: hearth_router::UpstreamSpec =
+        format!("127.0.0.1:9;id=v;kv_events={endpoint};kv_events_replay={replay}")
+            .parse()
+            .unwrap();
     let router = hearth_router::Router::new(hearth_router::RouterParams::default(), &[spec]);
     let feed = tokio::spawn(hearth_ext_proc::feeds::kv_events::run(router.clone()));
     let snap = || router.snapshot().replicas[0].kv_events.clone().unwrap();
@@ -308,11 +361,12 @@ pub.shutdown()
     while snap().batches_total == 0 {
         assert!(Instant::now() < deadline, "no batch arrived: {:?}", snap());
         stdin.write_all(b"1\n").await.unwrap();
+        published += 1;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let seen = snap().batches_total;
     stdin.write_all(b"5\n").await.unwrap();
-    while snap().batches_total == seen {
+    published += 1;
+    while snap().batches_total < published {
         assert!(
             Instant::now() < deadline,
             "the last batch did not arrive: {:?}",
@@ -326,6 +380,17 @@ pub.shutdown()
     assert_eq!(k.block_tokens, Some(16));
     assert_eq!((k.refused_total, k.gaps_total), (0, 0));
     assert_eq!(k.restarts_cleared_total, k.batches_total);
+    // Every batch applied once, in order: those published before the
+    // subscription took hold came back from vLLM's replay socket.
+    assert_eq!(
+        (k.batches_total, k.sequence),
+        (published, Some(published - 1))
+    );
+    assert!(k.replayed_batches_total >= 3, "{k:?}");
+    eprintln!(
+        "{published} batches, {} of them replayed",
+        k.replayed_batches_total
+    );
     feed.abort();
     drop(stdin);
     let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;

@@ -106,6 +106,10 @@ pub struct EngineConfig {
     /// none).
     #[serde(default)]
     pub kv_events: Option<String>,
+    /// With `kv_events`: also answer replay requests on a ROUTER socket
+    /// bound here (vLLM's `replay_endpoint`) (default: none).
+    #[serde(default)]
+    pub kv_events_replay: Option<String>,
 }
 
 impl Default for EngineConfig {
@@ -126,6 +130,7 @@ impl Default for EngineConfig {
             reasoning_tokens: 0,
             api_key: None,
             kv_events: None,
+            kv_events_replay: None,
         }
     }
 }
@@ -310,6 +315,12 @@ impl Engine {
     pub fn kv_events_endpoint(&self) -> Option<String> {
         let kv = self.kv.lock().unwrap_or_else(PoisonError::into_inner);
         kv.as_ref().map(|p| p.endpoint.clone())
+    }
+
+    /// The bound KV event replay endpoint, when it has one.
+    pub fn kv_events_replay_endpoint(&self) -> Option<String> {
+        let kv = self.kv.lock().unwrap_or_else(PoisonError::into_inner);
+        kv.as_ref().and_then(|p| p.replay_endpoint.clone())
     }
 
     /// The next `n` KV event batches are numbered and never sent (a gap).
@@ -613,7 +624,8 @@ pub async fn spawn(
 ) -> anyhow::Result<EngineHandle> {
     let engine = Arc::new(Engine::new(config)?);
     if let Some(endpoint) = &engine.config.kv_events {
-        let publisher = kv_publisher::KvPublisher::start(endpoint, "").await?;
+        let replay = engine.config.kv_events_replay.as_deref();
+        let publisher = kv_publisher::KvPublisher::start(endpoint, replay, "").await?;
         *engine.kv.lock().unwrap_or_else(PoisonError::into_inner) = Some(publisher);
     }
     let addr = listener.local_addr()?;

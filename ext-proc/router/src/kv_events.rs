@@ -99,6 +99,7 @@ pub(crate) struct KvEvents {
     gaps: u64,
     missed_batches: u64,
     refused: u64,
+    replayed: u64,
     restarts_sequence: u64,
     restarts_cleared: u64,
 }
@@ -122,6 +123,7 @@ impl Default for KvEvents {
             gaps: 0,
             missed_batches: 0,
             refused: 0,
+            replayed: 0,
             restarts_sequence: 0,
             restarts_cleared: 0,
         }
@@ -158,6 +160,10 @@ pub struct KvEventsSnapshot {
     pub missed_batches_total: u64,
     /// Frames that did not read.
     pub refused_total: u64,
+    /// Missed batches its replay socket sent again (applied in order, so
+    /// no gap).
+    #[serde(default)]
+    pub replayed_batches_total: u64,
     /// Restarts the events showed: the sequence went back, or the cache
     /// was cleared.
     pub restarts_sequence_total: u64,
@@ -170,6 +176,15 @@ impl KvEvents {
             self.connects += 1;
         }
         self.connected = connected;
+    }
+
+    /// The sequence number the next batch should carry.
+    pub(crate) fn expected_seq(&self) -> Option<u64> {
+        self.next_seq
+    }
+
+    pub(crate) fn note_replayed(&mut self, batches: u64) {
+        self.replayed = self.replayed.saturating_add(batches);
     }
 
     /// A frame that did not read: whatever it held is unknown.
@@ -317,6 +332,7 @@ impl KvEvents {
             gaps_total: self.gaps,
             missed_batches_total: self.missed_batches,
             refused_total: self.refused,
+            replayed_batches_total: self.replayed,
             restarts_sequence_total: self.restarts_sequence,
             restarts_cleared_total: self.restarts_cleared,
         }

@@ -29,6 +29,9 @@ pub struct UpstreamSpec {
     /// Where the engine publishes its KV cache events
     /// (`kv_events=tcp://ip:port` or `ipc:///path`), if it does.
     pub kv_events: Option<EventEndpoint>,
+    /// Where it answers replay requests for missed batches
+    /// (`kv_events_replay=`, vLLM's `replay_endpoint`), if it does.
+    pub kv_events_replay: Option<EventEndpoint>,
 }
 
 /// A ZMQ endpoint an engine publishes its KV cache events on: an IP and
@@ -91,6 +94,7 @@ impl FromStr for UpstreamSpec {
             short_output: false,
             tls,
             kv_events: None,
+            kv_events_replay: None,
         };
         for part in parts {
             let (key, value) = part
@@ -132,13 +136,17 @@ impl FromStr for UpstreamSpec {
                         .ok_or_else(|| format!("dp={value:?} is not a rank count in 1..=256"))?
                 }
                 "kv_events" => spec.kv_events = Some(value.parse()?),
+                "kv_events_replay" => spec.kv_events_replay = Some(value.parse()?),
                 other => {
                     return Err(format!(
                         "unknown upstream option {other:?} (known: id, model, tag, profile, dp, \
-                         kv_events)"
+                         kv_events, kv_events_replay)"
                     ))
                 }
             }
+        }
+        if spec.kv_events_replay.is_some() && spec.kv_events.is_none() {
+            return Err("kv_events_replay= needs kv_events=".to_owned());
         }
         if spec.kv_events.is_some() && spec.dp_ranks > 1 {
             // Each rank publishes on its own endpoint (vLLM: the port plus
@@ -194,6 +202,9 @@ pub struct Replica {
     /// Where its engine publishes KV cache events (see
     /// [`UpstreamSpec::kv_events`]).
     pub kv_events: Option<EventEndpoint>,
+    /// Where it answers replay requests (see
+    /// [`UpstreamSpec::kv_events_replay`]).
+    pub kv_events_replay: Option<EventEndpoint>,
     /// Removed from the replica list by a reload: never a candidate again;
     /// its slot is reused once the requests it still runs have ended.
     pub retired: bool,
@@ -220,6 +231,7 @@ pub fn targets(upstreams: &[UpstreamSpec]) -> Vec<Replica> {
                 short_output: u.short_output,
                 tls: u.tls,
                 kv_events: u.kv_events.clone(),
+                kv_events_replay: u.kv_events_replay.clone(),
                 retired: false,
             })
         })

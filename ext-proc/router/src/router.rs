@@ -237,18 +237,42 @@ impl Router {
     }
 
     /// The replicas whose engines publish KV cache events, by address
-    /// (each address once), with where.
-    pub fn kv_event_endpoints(&self) -> Vec<(SocketAddr, EventEndpoint)> {
+    /// (each address once), with where, and where they replay.
+    pub fn kv_event_endpoints(&self) -> Vec<(SocketAddr, EventEndpoint, Option<EventEndpoint>)> {
         let fleet = self.lock();
-        let mut out: Vec<(SocketAddr, EventEndpoint)> = Vec::new();
+        let mut out: Vec<(SocketAddr, EventEndpoint, Option<EventEndpoint>)> = Vec::new();
         for (_, r) in fleet.serving() {
             if let Some(e) = &r.kv_events {
-                if !out.iter().any(|(a, _)| *a == r.addr) {
-                    out.push((r.addr, e.clone()));
+                if !out.iter().any(|(a, _, _)| *a == r.addr) {
+                    out.push((r.addr, e.clone(), r.kv_events_replay.clone()));
                 }
             }
         }
         out
+    }
+
+    /// The sequence number the event feed of the engine at `addr` should
+    /// carry next, when known.
+    pub fn kv_expected_seq(&self, addr: SocketAddr) -> Option<u64> {
+        let fleet = self.lock();
+        fleet
+            .replicas
+            .iter()
+            .zip(fleet.state.iter())
+            .find(|(r, _)| r.addr == addr && !r.retired && r.kv_events.is_some())
+            .and_then(|(_, s)| s.kv.expected_seq())
+    }
+
+    /// `batches` missed batches of the engine at `addr` came back from its
+    /// replay socket.
+    pub fn note_kv_replayed(&self, addr: SocketAddr, batches: u64) {
+        let mut fleet = self.lock();
+        let fleet = &mut *fleet;
+        for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
+            if r.addr == addr && !r.retired && r.kv_events.is_some() {
+                s.kv.note_replayed(batches);
+            }
+        }
     }
 
     /// The event feed of the engine at `addr` is connected, or not.

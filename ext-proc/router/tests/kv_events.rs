@@ -53,7 +53,16 @@ fn the_upstream_option_parses_and_refuses_what_it_cannot_read() {
     assert_eq!(spec.kv_events.unwrap().to_string(), "tcp://127.0.0.1:5557");
     let spec: UpstreamSpec = format!("{A};kv_events=ipc:///tmp/kv.sock").parse().unwrap();
     assert_eq!(spec.kv_events.unwrap().to_string(), "ipc:///tmp/kv.sock");
+    let spec: UpstreamSpec =
+        format!("{A};kv_events=ipc:///tmp/kv.sock;kv_events_replay=ipc:///tmp/replay.sock")
+            .parse()
+            .unwrap();
+    assert_eq!(
+        spec.kv_events_replay.unwrap().to_string(),
+        "ipc:///tmp/replay.sock"
+    );
     for bad in [
+        "kv_events_replay=tcp://127.0.0.1:5558",
         "kv_events=tcp://*:5557",
         "kv_events=tcp://engine:5557",
         "kv_events=ipc://relative",

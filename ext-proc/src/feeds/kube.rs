@@ -271,6 +271,7 @@ pub fn replicas(
                         short_output: false,
                         tls: served.tls,
                         kv_events: None,
+                        kv_events_replay: None,
                     },
                     pod_uid: pod.metadata.uid.clone().unwrap_or_default(),
                 },

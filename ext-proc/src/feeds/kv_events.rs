@@ -53,6 +53,13 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
+/// Missed batches asked from a replay socket at once, at most; more
+/// missed than this and the gap stays (the replica's figures inexact).
+pub const MAX_REPLAY_BATCHES: u64 = 1024;
+
+/// How long a replay may take before the gap is left as it is.
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// How often the replica list is looked at for feeds to start or stop.
 const LIST_POLL: Duration = Duration::from_secs(1);
 
@@ -67,71 +74,133 @@ pub enum FeedError {
     Handshake(&'static str),
     #[error("a frame of {0} bytes, beyond the bound")]
     TooLarge(u64),
-    #[error("a message of more than {MAX_FRAMES} frames")]
+    #[error("a message of more frames than it may have")]
     TooManyFrames,
 }
 
 /// Runs one subscriber per replica with an event endpoint, started and
 /// stopped as the replica list changes, until the task is dropped.
 pub async fn run(router: Arc<Router>) {
-    let mut feeds: HashMap<SocketAddr, (EventEndpoint, AbortHandle)> = HashMap::new();
+    type Running = (EventEndpoint, Option<EventEndpoint>, AbortHandle);
+    let mut feeds: HashMap<SocketAddr, Running> = HashMap::new();
     let mut tasks = JoinSet::new();
     let mut tick = tokio::time::interval(LIST_POLL);
     loop {
         tick.tick().await;
         while tasks.try_join_next().is_some() {}
         let wanted = router.kv_event_endpoints();
-        feeds.retain(|addr, (endpoint, task)| {
-            let keep = wanted.iter().any(|(a, e)| a == addr && e == endpoint);
+        feeds.retain(|addr, (endpoint, replay, task)| {
+            let keep = wanted
+                .iter()
+                .any(|(a, e, r)| a == addr && e == endpoint && r == replay);
             if !keep {
                 task.abort();
                 router.note_kv_feed(*addr, false);
             }
             keep
         });
-        for (addr, endpoint) in wanted {
+        for (addr, endpoint, replay) in wanted {
             if let std::collections::hash_map::Entry::Vacant(slot) = feeds.entry(addr) {
-                let task = tasks.spawn(follow(Arc::clone(&router), addr, endpoint.clone()));
-                slot.insert((endpoint, task));
+                let feed = Feed {
+                    endpoint: endpoint.clone(),
+                    replay: replay.clone(),
+                };
+                let task = tasks.spawn(follow(Arc::clone(&router), addr, feed));
+                slot.insert((endpoint, replay, task));
             }
         }
     }
 }
 
+/// Where one engine publishes, and replays.
+struct Feed {
+    endpoint: EventEndpoint,
+    replay: Option<EventEndpoint>,
+}
+
+/// A stream to `endpoint`, within [`CONNECT_TIMEOUT`].
+async fn connect(endpoint: &EventEndpoint) -> Result<Stream, FeedError> {
+    let stream = match endpoint {
+        EventEndpoint::Tcp(to) => {
+            tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(to))
+                .await
+                .map_err(|_| FeedError::Timeout)?
+                .map(|s| {
+                    let _ = s.set_nodelay(true);
+                    Stream::Tcp(s)
+                })?
+        }
+        EventEndpoint::Ipc(path) => {
+            tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::UnixStream::connect(path))
+                .await
+                .map_err(|_| FeedError::Timeout)?
+                .map(Stream::Unix)?
+        }
+    };
+    Ok(stream)
+}
+
+/// A TCP or Unix stream.
+enum Stream {
+    Tcp(tokio::net::TcpStream),
+    Unix(tokio::net::UnixStream),
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+            Stream::Unix(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => std::pin::Pin::new(s).poll_write(cx, buf),
+            Stream::Unix(s) => std::pin::Pin::new(s).poll_write(cx, buf),
+        }
+    }
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => std::pin::Pin::new(s).poll_flush(cx),
+            Stream::Unix(s) => std::pin::Pin::new(s).poll_flush(cx),
+        }
+    }
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+            Stream::Unix(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
+
 /// Follows one engine's feed: connect, read until it fails, wait, again.
-async fn follow(router: Arc<Router>, addr: SocketAddr, endpoint: EventEndpoint) {
+async fn follow(router: Arc<Router>, addr: SocketAddr, feed: Feed) {
     let mut backoff = FIRST_BACKOFF;
     loop {
-        let result = match &endpoint {
-            EventEndpoint::Tcp(to) => {
-                let stream =
-                    tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(to))
-                        .await
-                        .map_err(|_| FeedError::Timeout)
-                        .and_then(|r| r.map_err(FeedError::from));
-                match stream {
-                    Ok(s) => {
-                        let _ = s.set_nodelay(true);
-                        read_feed(&router, addr, s, &mut backoff).await
-                    }
-                    Err(e) => Err(e),
-                }
-            }
-            EventEndpoint::Ipc(path) => {
-                let stream =
-                    tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::UnixStream::connect(path))
-                        .await
-                        .map_err(|_| FeedError::Timeout)
-                        .and_then(|r| r.map_err(FeedError::from));
-                match stream {
-                    Ok(s) => read_feed(&router, addr, s, &mut backoff).await,
-                    Err(e) => Err(e),
-                }
-            }
+        let result = match connect(&feed.endpoint).await {
+            Ok(stream) => read_feed(&router, addr, &feed, stream, &mut backoff).await,
+            Err(e) => Err(e),
         };
         router.note_kv_feed(addr, false);
         if let Err(e) = result {
-            tracing::debug!(engine = %addr, %endpoint, error = %e, "KV event feed lost");
+            tracing::debug!(engine = %addr, endpoint = %feed.endpoint, error = %e, "KV event feed lost");
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(MAX_BACKOFF);
@@ -139,10 +208,13 @@ async fn follow(router: Arc<Router>, addr: SocketAddr, endpoint: EventEndpoint) 
 }
 
 /// Handshakes, subscribes, then applies every message until the stream
-/// ends or breaks a bound.
+/// ends or breaks a bound. A batch further on than the router expects
+/// (batches lost, or the feed joined a running engine) first asks the
+/// replay socket, when there is one, for the ones missed.
 async fn read_feed<S: AsyncRead + AsyncWrite + Unpin>(
     router: &Router,
     addr: SocketAddr,
+    feed: &Feed,
     mut stream: S,
     backoff: &mut Duration,
 ) -> Result<(), FeedError> {
@@ -153,22 +225,90 @@ async fn read_feed<S: AsyncRead + AsyncWrite + Unpin>(
     *backoff = FIRST_BACKOFF;
     tracing::debug!(engine = %addr, "KV event feed connected");
     loop {
-        let frames = read_message(&mut stream).await?;
-        match frames.as_slice() {
-            [_topic, seq, payload] => match (decode_sequence(seq), decode_batch(payload)) {
-                (Some(seq), Ok(batch)) => {
-                    let restarts = router.apply_kv_batch(addr, seq, &batch);
-                    if !restarts.is_empty() {
-                        tracing::info!(
-                            engine = %addr,
-                            ?restarts,
-                            "the engine's KV events show a restart: its warmth is dropped"
-                        );
+        let frames = read_message(&mut stream, MAX_FRAMES).await?;
+        let [_topic, seq, payload] = frames.as_slice() else {
+            router.note_kv_refused(addr);
+            continue;
+        };
+        let Some(seq) = decode_sequence(seq) else {
+            router.note_kv_refused(addr);
+            continue;
+        };
+        if let Some(replay) = &feed.replay {
+            // From where the router stands; from 0 for a new engine
+            // process (the sequence went back) or a first batch.
+            let from = match router.kv_expected_seq(addr) {
+                Some(next) if seq >= next => next,
+                _ => 0,
+            };
+            if seq > from && seq - from <= MAX_REPLAY_BATCHES {
+                match tokio::time::timeout(REPLAY_TIMEOUT, fetch_replay(replay, from, seq)).await {
+                    Ok(Ok(missed)) => {
+                        router.note_kv_replayed(addr, missed.len() as u64);
+                        for (seq, payload) in missed {
+                            apply(router, addr, seq, &payload);
+                        }
                     }
+                    Ok(Err(e)) => {
+                        tracing::debug!(engine = %addr, error = %e, "KV event replay failed")
+                    }
+                    Err(_) => tracing::debug!(engine = %addr, "KV event replay timed out"),
                 }
-                _ => router.note_kv_refused(addr),
-            },
-            _ => router.note_kv_refused(addr),
+            }
+        }
+        apply(router, addr, seq, payload);
+    }
+}
+
+/// Decodes and applies batch `seq`.
+fn apply(router: &Router, addr: SocketAddr, seq: u64, payload: &[u8]) {
+    match decode_batch(payload) {
+        Ok(batch) => {
+            let restarts = router.apply_kv_batch(addr, seq, &batch);
+            if !restarts.is_empty() {
+                tracing::info!(
+                    engine = %addr,
+                    ?restarts,
+                    "the engine's KV events show a restart: its warmth is dropped"
+                );
+            }
+        }
+        Err(_) => router.note_kv_refused(addr),
+    }
+}
+
+/// The batches `from..until` from a replay socket (a ROUTER: asked with
+/// `["", from as 8 bytes]` from a DEALER, it answers `["", topic,
+/// sequence, batch]` per batch it still has from there, then `["", "",
+/// -1, ""]`), at most [`MAX_REPLAY_BATCHES`] of them, in order, each
+/// bounded as a feed's message is.
+pub async fn fetch_replay(
+    endpoint: &EventEndpoint,
+    from: u64,
+    until: u64,
+) -> Result<Vec<(u64, Vec<u8>)>, FeedError> {
+    let mut stream = connect(endpoint).await?;
+    handshake(&mut stream, b"DEALER", &[b"ROUTER"]).await?;
+    let mut request = vec![0x01, 0x00, 0x00, 0x08];
+    request.extend_from_slice(&from.to_be_bytes());
+    stream.write_all(&request).await?;
+    stream.flush().await?;
+    let mut out = Vec::new();
+    loop {
+        let frames = read_message(&mut stream, 4).await?;
+        let [_empty, _topic, seq, payload] = frames.as_slice() else {
+            return Err(FeedError::Handshake("not a replay answer"));
+        };
+        match decode_sequence(seq) {
+            Some(seq) if seq == u64::MAX => return Ok(out),
+            Some(seq) if seq >= from && seq < until => {
+                if out.len() as u64 >= MAX_REPLAY_BATCHES {
+                    return Ok(out);
+                }
+                out.push((seq, payload.clone()));
+            }
+            Some(_) => {}
+            None => return Err(FeedError::Handshake("not a replay answer")),
         }
     }
 }
@@ -200,6 +340,19 @@ fn ready(socket_type: &[u8]) -> Vec<u8> {
 /// socket) and subscribes to every topic (ZMTP 3.0 subscribes with a
 /// message: `0x01` then the prefix).
 pub async fn subscribe<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S) -> Result<(), FeedError> {
+    handshake(stream, b"SUB", &[b"PUB", b"XPUB"]).await?;
+    stream.write_all(&[0x00, 0x01, 0x01]).await?;
+    stream.flush().await?;
+    Ok(())
+}
+
+/// Greetings and READY as a `ours` socket, to a peer of one of the
+/// `theirs` types.
+async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    ours: &[u8],
+    theirs_may_be: &[&[u8]],
+) -> Result<(), FeedError> {
     stream.write_all(&greeting()).await?;
     let mut theirs = [0u8; 64];
     stream.read_exact(&mut theirs).await?;
@@ -212,18 +365,15 @@ pub async fn subscribe<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S) -> Res
     if &theirs[12..16] != b"NULL" || theirs[16..32].iter().any(|b| *b != 0) {
         return Err(FeedError::Handshake("a security mechanism other than NULL"));
     }
-    stream.write_all(&ready(b"SUB")).await?;
+    stream.write_all(&ready(ours)).await?;
     let (command, body) = read_frame(stream, MAX_COMMAND_BYTES).await?;
     if !command || !body.starts_with(b"\x05READY") {
         return Err(FeedError::Handshake("no READY"));
     }
     match property(&body[6..], b"Socket-Type") {
-        Some(b"PUB") | Some(b"XPUB") => {}
-        _ => return Err(FeedError::Handshake("the peer is not a PUB socket")),
+        Some(t) if theirs_may_be.contains(&t) => Ok(()),
+        _ => Err(FeedError::Handshake("the peer's socket type does not fit")),
     }
-    stream.write_all(&[0x00, 0x01, 0x01]).await?;
-    stream.flush().await?;
-    Ok(())
 }
 
 /// A metadata property's value (ZMTP: name length, name, 4-byte value
@@ -275,8 +425,11 @@ async fn read_flagged<S: AsyncRead + Unpin>(
 }
 
 /// One message's frames (commands between messages are read and
-/// dropped), at most [`MAX_FRAMES`] and [`MAX_MESSAGE_BYTES`] in all.
-pub async fn read_message<S: AsyncRead + Unpin>(stream: &mut S) -> Result<Vec<Vec<u8>>, FeedError> {
+/// dropped), at most `max_frames` and [`MAX_MESSAGE_BYTES`] in all.
+pub async fn read_message<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    max_frames: usize,
+) -> Result<Vec<Vec<u8>>, FeedError> {
     let mut frames = Vec::new();
     let mut left = MAX_MESSAGE_BYTES;
     loop {
@@ -297,7 +450,7 @@ pub async fn read_message<S: AsyncRead + Unpin>(stream: &mut S) -> Result<Vec<Ve
         if !more {
             return Ok(frames);
         }
-        if frames.len() >= MAX_FRAMES {
+        if frames.len() >= max_frames {
             return Err(FeedError::TooManyFrames);
         }
     }
@@ -340,7 +493,7 @@ mod tests {
         bytes.extend_from_slice(&[0x01, 0x02, b'k', b'v', 0x01, 0x08, 0, 0, 0, 0, 0, 0, 0, 7]);
         bytes.extend_from_slice(&[0x02, 0, 0, 0, 0, 0, 0, 0, 3, 1, 2, 3]);
         theirs.write_all(&bytes).await.unwrap();
-        let frames = read_message(&mut ours).await.unwrap();
+        let frames = read_message(&mut ours, MAX_FRAMES).await.unwrap();
         assert_eq!(
             frames,
             vec![b"kv".to_vec(), vec![0, 0, 0, 0, 0, 0, 0, 7], vec![1, 2, 3]]
@@ -356,7 +509,7 @@ mod tests {
             .await
             .unwrap();
         assert!(matches!(
-            read_message(&mut ours).await,
+            read_message(&mut ours, MAX_FRAMES).await,
             Err(FeedError::TooLarge(_))
         ));
         let (mut ours, mut theirs) = tokio::io::duplex(1 << 16);
@@ -365,7 +518,7 @@ mod tests {
             .await
             .unwrap();
         assert!(matches!(
-            read_message(&mut ours).await,
+            read_message(&mut ours, MAX_FRAMES).await,
             Err(FeedError::TooManyFrames)
         ));
         // Frames that together pass the message bound.
@@ -385,7 +538,7 @@ mod tests {
             }
         });
         assert!(matches!(
-            read_message(&mut ours).await,
+            read_message(&mut ours, MAX_FRAMES).await,
             Err(FeedError::TooLarge(_))
         ));
         writer.abort();

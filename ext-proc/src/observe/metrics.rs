@@ -503,6 +503,11 @@ const KV_SERIES: &[Scraped<KvEventsSnapshot>] = &[
         |k| k.gaps_total,
     ),
     counter(
+        "hearth_replica_kv_event_replayed_batches",
+        "Missed KV event batches the replica's engine sent again from its replay socket (kv_events_replay=), applied in order",
+        |k| k.replayed_batches_total,
+    ),
+    counter(
         "hearth_replica_kv_event_refused",
         "KV event messages from the replica's engine that did not read (not three frames, a bad sequence or batch)",
         |k| k.refused_total,
