@@ -3,7 +3,7 @@ text cut to 10 KB, 100 KB and 1 MB with a Hugging Face `tokenizer.json`
 (the `tokenizers` library vLLM uses: a Rust core behind this binding) and
 prints the time per encode.
 
-    .hearth/vllm/venv/bin/python bench/tokenizer_cost.py \\
+    .hearth/vllm/venv/bin/python bench/tokenizer-cost.py \\
         .hearth/vllm/model/tokenizer.json ARCHITECTURE.md
 """
 
