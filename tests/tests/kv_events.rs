@@ -396,3 +396,161 @@ pub.shutdown()
     let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A hostile publisher on one replica's event endpoint (the sidecar's own
+/// subscriber and router, no Envoy): garbage batches, a wrong frame count,
+/// a sequence jumping around, then a frame announcing 2^62 bytes. The
+/// feed is refused message by message, then dropped and tried again; the
+/// replica keeps serving and routing, and the other replica's feed, from
+/// an honest publisher, stays exact. A feed that never connects shows as
+/// disconnected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_feed_reaches_only_its_own_replica_and_fences_nothing() {
+    use hearth_ext_proc::feeds::kv_events::{read_message, MAX_FRAMES};
+    use hearth_wire::kv_events::{encode_batch, Batch, Event, Medium};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let hostile = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hostile_addr = hostile.local_addr().unwrap();
+    let honest = engine::spawn(
+        EngineConfig {
+            id: "honest".into(),
+            kv_events: Some("tcp://127.0.0.1:0".into()),
+            ..EngineConfig::default()
+        },
+        tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+    )
+    .await
+    .unwrap();
+    let nowhere = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let specs: Vec<hearth_router::UpstreamSpec> = [
+        format!("127.0.0.1:1;id=hostile;kv_events=tcp://{hostile_addr}"),
+        format!(
+            "{};id=honest;kv_events={}",
+            honest.addr,
+            honest.engine.kv_events_endpoint().unwrap()
+        ),
+        format!("127.0.0.1:3;id=silent;kv_events=tcp://{nowhere}"),
+    ]
+    .iter()
+    .map(|s| s.parse().unwrap())
+    .collect();
+    let router = hearth_router::Router::new(hearth_router::RouterParams::default(), &specs);
+    let feed = tokio::spawn(hearth_ext_proc::feeds::kv_events::run(router.clone()));
+
+    // The hostile side: a PUB's handshake, then what it likes.
+    let serve = async {
+        let (mut s, _) = hostile.accept().await.unwrap();
+        let mut greeting = [0u8; 64];
+        s.read_exact(&mut greeting).await.unwrap();
+        let mut ours = [0u8; 64];
+        ours[0] = 0xff;
+        ours[9] = 0x7f;
+        ours[10] = 3;
+        ours[12..16].copy_from_slice(b"NULL");
+        s.write_all(&ours).await.unwrap();
+        let mut body = vec![0x05];
+        body.extend_from_slice(b"READY");
+        body.push(11);
+        body.extend_from_slice(b"Socket-Type");
+        body.extend_from_slice(&3u32.to_be_bytes());
+        body.extend_from_slice(b"PUB");
+        s.write_all(&[0x04, body.len() as u8]).await.unwrap();
+        s.write_all(&body).await.unwrap();
+        // Their READY (a command, skipped) and their subscription.
+        let subscription = read_message(&mut s, MAX_FRAMES).await.unwrap();
+        assert_eq!(subscription, vec![vec![0x01]]);
+        s
+    };
+    let message = |seq: u64, payload: &[u8]| {
+        let mut m = vec![0x01, 0x00, 0x01, 0x08];
+        m.extend_from_slice(&seq.to_be_bytes());
+        m.push(0x02);
+        m.extend_from_slice(&(payload.len() as u64).to_be_bytes());
+        m.extend_from_slice(payload);
+        m
+    };
+    let cleared = encode_batch(&Batch {
+        ts: 0.0,
+        events: vec![
+            Event::AllCleared,
+            Event::Stored {
+                hashes: vec![1, 2, 3],
+                parent: None,
+                tokens: 48,
+                block_size: 16,
+                medium: Medium::Device,
+            },
+        ],
+        data_parallel_rank: None,
+    });
+    let mut s = serve.await;
+    let mut junk = Vec::new();
+    for seq in [0u64, 7, 3, u64::MAX, 0, 12] {
+        junk.extend(message(seq, &cleared));
+    }
+    junk.extend(message(13, b"\xc1 not msgpack"));
+    junk.extend([0x00, 0x01, b'x']); // one frame, not three
+    s.write_all(&junk).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let snap = |id: &str| {
+        let s = router.snapshot();
+        let r = s.replicas.iter().find(|r| r.id == id).unwrap().clone();
+        (r.kv_events.clone().unwrap(), r)
+    };
+    while snap("hostile").0.refused_total < 2 {
+        assert!(Instant::now() < deadline, "{:?}", snap("hostile").0);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A frame announcing 2^62 bytes: the feed is dropped, then comes back.
+    s.write_all(&[0x02, 0x40, 0, 0, 0, 0, 0, 0, 0])
+        .await
+        .unwrap();
+    let mut again = hostile.accept().await.unwrap().0;
+    let mut greeting = [0u8; 64];
+    again.read_exact(&mut greeting).await.unwrap();
+    assert_eq!(greeting[0], 0xff, "the feed reconnects, as a subscriber");
+
+    let (k, r) = snap("hostile");
+    assert!(!k.exact);
+    assert!(k.restarts_sequence_total >= 1 && k.restarts_cleared_total >= 1);
+    assert_eq!(r.health.state, hearth_router::HealthState::Serving);
+    assert!(k.held_blocks <= 3);
+    // The honest engine's feed, meanwhile: a batch, exact.
+    honest.engine.admit(&[7u8; 4 * 16 * 5]);
+    while !snap("honest").0.exact {
+        assert!(Instant::now() < deadline, "{:?}", snap("honest").0);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (k, r) = snap("honest");
+    assert_eq!((k.held_blocks, k.refused_total, k.gaps_total), (5, 0, 0));
+    assert_eq!(r.health.state, hearth_router::HealthState::Serving);
+    // Nothing listens for the third: disconnected, nothing else changed.
+    let (k, r) = snap("silent");
+    assert!(!k.connected && !k.exact && k.batches_total == 0);
+    assert_eq!(k.inexact_reason.as_deref(), Some("disconnected"));
+    assert_eq!(r.health.state, hearth_router::HealthState::Serving);
+    // Every replica still takes requests.
+    for h in 0..30u64 {
+        let req = hearth_router::RequestInfo {
+            hashes: vec![h * 1000 + 1, h * 1000 + 2],
+            prompt_bytes: 4096,
+            model: None,
+            max_output_tokens: None,
+            cache: Default::default(),
+        };
+        drop(router.decide(&req).unwrap());
+    }
+    let routed: Vec<u64> = router
+        .snapshot()
+        .replicas
+        .iter()
+        .map(|r| r.routed_total)
+        .collect();
+    assert!(routed.iter().all(|n| *n > 0), "{routed:?}");
+    feed.abort();
+    honest.shutdown().await;
+}

@@ -304,8 +304,8 @@ impl KvEvents {
     pub(crate) fn snapshot(&self, endpoint: String, now: Instant) -> KvEventsSnapshot {
         let exact = self.connected && self.inexact.is_none();
         let reason = match self.inexact {
+            _ if !self.connected => Some("disconnected".to_owned()),
             Some(why) => Some(why.as_str().to_owned()),
-            None if !self.connected => Some("disconnected".to_owned()),
             None => None,
         };
         KvEventsSnapshot {
