@@ -210,6 +210,8 @@ impl HearthKnobs {
                 dp_ranks: 1,
                 short_output: false,
                 tls: false,
+                kv_events: None,
+                kv_events_replay: None,
             })
             .collect()
     }

@@ -76,6 +76,11 @@ pub struct EngineArgs {
     /// Require this bearer key on `/v1/*` and `/metrics` (401 without it).
     #[arg(long)]
     pub api_key: Option<String>,
+    /// Publish each replica's KV cache events as vLLM does (ZMQ PUB on a
+    /// loopback port of its own, and a replay socket on another; list
+    /// them as `;kv_events=tcp://...;kv_events_replay=tcp://...`).
+    #[arg(long)]
+    pub kv_events: bool,
 }
 
 impl EngineArgs {
@@ -95,6 +100,8 @@ impl EngineArgs {
             scheduler: self.scheduled.then(crate::engine::core::CostModel::default),
             reasoning_tokens: self.reasoning_tokens,
             api_key: self.api_key.clone(),
+            kv_events: self.kv_events.then(|| "tcp://127.0.0.1:0".to_owned()),
+            kv_events_replay: self.kv_events.then(|| "tcp://127.0.0.1:0".to_owned()),
             fault: self
                 .fault
                 .iter()
@@ -134,7 +141,17 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     {
         let mut out = std::io::stdout().lock();
         for h in &handles {
-            writeln!(out, "{} {}", h.engine.config().id, h.url())?;
+            let (id, url) = (&h.engine.config().id, h.url());
+            match (
+                h.engine.kv_events_endpoint(),
+                h.engine.kv_events_replay_endpoint(),
+            ) {
+                (Some(kv), Some(replay)) => {
+                    writeln!(out, "{id} {url} kv_events={kv} kv_events_replay={replay}")?
+                }
+                (Some(kv), None) => writeln!(out, "{id} {url} kv_events={kv}")?,
+                _ => writeln!(out, "{id} {url}")?,
+            }
         }
         out.flush()?;
     }

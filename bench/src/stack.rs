@@ -200,7 +200,20 @@ impl StackBuilder {
                     let e = engine::spawn(config, listener).await?;
                     // Replica ids equal the engine ids, so
                     // `x-hearth-upstream` names the engine that answered.
-                    listed.push((format!("{};id={}", e.addr, e.engine.config().id), e.addr));
+                    // An engine that publishes KV events is listed with
+                    // where.
+                    let mut kv = e
+                        .engine
+                        .kv_events_endpoint()
+                        .map(|kv| format!(";kv_events={kv}"))
+                        .unwrap_or_default();
+                    if let Some(replay) = e.engine.kv_events_replay_endpoint() {
+                        kv.push_str(&format!(";kv_events_replay={replay}"));
+                    }
+                    listed.push((
+                        format!("{};id={}{kv}", e.addr, e.engine.config().id),
+                        e.addr,
+                    ));
                     engines.push(e);
                 }
             }

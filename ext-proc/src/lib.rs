@@ -332,6 +332,7 @@ async fn serve(
     );
     spawn_until(&stop, observe::sample_every_second(Arc::clone(&observer)));
     spawn_until(&stop, Arc::clone(&flow).run());
+    spawn_until(&stop, feeds::kv_events::run(Arc::clone(&router)));
     spawn_until(
         &stop,
         feeds::signals::run(Arc::clone(&router), feeds.engines, feeds.engine_metrics),

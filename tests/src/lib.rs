@@ -73,6 +73,12 @@ pub struct FleetOptions {
     /// Such engines send no `x-engine-id`; a turn's engine is the `model`
     /// the response names (see [`LlamaFleet`]).
     pub external_engines: Vec<(String, SocketAddr)>,
+    /// Each simulated engine publishes its KV cache events (on a loopback
+    /// port of its own) and is listed with `;kv_events=`.
+    pub kv_events: bool,
+    /// With `kv_events`: each engine also answers replay requests
+    /// (`;kv_events_replay=`).
+    pub kv_events_replay: bool,
 }
 
 impl Default for FleetOptions {
@@ -93,6 +99,8 @@ impl Default for FleetOptions {
             engine_api_key: None,
             control_token: true,
             external_engines: Vec::new(),
+            kv_events: false,
+            kv_events_replay: false,
         }
     }
 }
@@ -264,6 +272,9 @@ impl Fleet {
                         max_running: opts.max_running,
                         reasoning_tokens: opts.reasoning_tokens,
                         api_key: opts.engine_api_key.clone(),
+                        kv_events: opts.kv_events.then(|| "tcp://127.0.0.1:0".into()),
+                        kv_events_replay: (opts.kv_events && opts.kv_events_replay)
+                            .then(|| "tcp://127.0.0.1:0".into()),
                         ..EngineConfig::default()
                     })
                     .collect(),

@@ -485,3 +485,115 @@ async fn a_keyed_vllm_engine_killed_and_restarted_is_fenced_readmitted_and_start
     vf.fleet.assert_wasm_healthy();
     eprintln!("test took {:?}", started.elapsed());
 }
+
+/// A vLLM engine publishing its KV cache events over `ipc://` (vLLM binds
+/// only wildcard and ipc endpoints itself), listed with `kv_events=`: the
+/// sidecar reads its blocks in the engine's own block size, no more than
+/// the engine has, at least the whole blocks of the last prompt it read;
+/// a killed and restarted engine is read from its sequence (its metrics
+/// say it too: both drop the replica's warmth).
+#[tokio::test]
+async fn a_vllm_engines_kv_events_show_its_blocks_and_its_restart() {
+    if !vllm_or_skip("a_vllm_engines_kv_events_show_its_blocks_and_its_restart") {
+        return;
+    }
+    let started = Instant::now();
+    let dir = std::env::temp_dir().join(format!("hearth-vllm-kv-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let endpoint = format!("ipc://{}", dir.join("kv.sock").display());
+    let events_config = json!({
+        "enable_kv_cache_events": true,
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "topic": "kv",
+    });
+    let mut config = hearth_bench::vllm::VllmConfig {
+        served_model_name: "vllm-0".into(),
+        aliases: vec![VLLM_MODEL.into()],
+        kv_blocks: Some(KV_BLOCKS),
+        ..small_vllm()
+    };
+    config
+        .extra_args
+        .extend(["--kv-events-config".to_string(), events_config.to_string()]);
+    let mut engine = VllmServer::start(config).await.unwrap();
+    let (blocks, block) = kv_config(&engine).await;
+    let flags: Vec<String> = SIDECAR_FLAGS.iter().map(|s| s.to_string()).collect();
+    let fleet = Fleet::start(hearth_e2e::FleetOptions {
+        sidecar_flags: flags,
+        external_engines: vec![("vllm-0".into(), engine.addr)],
+        upstream_options: vec![(0, format!(";kv_events={endpoint}"))],
+        ..hearth_e2e::FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    eprintln!(
+        "vLLM with KV events and the gateway up in {:?}",
+        started.elapsed()
+    );
+    let kv = |s: &Snapshot| replica(s, "vllm-0").kv_events.clone().unwrap();
+    wait_for(&fleet, Duration::from_secs(30), "the feed connected", |s| {
+        kv(s).connected
+    })
+    .await;
+
+    // One conversation, three turns: each stores its prompt's whole blocks.
+    let mut session = Session::new(500);
+    for _ in 0..3 {
+        session.turn(&fleet, block, &[]).await;
+    }
+    let (_, last_prompt) = session.last.clone().unwrap();
+    let s = wait_for(
+        &fleet,
+        Duration::from_secs(30),
+        "the last turn's blocks",
+        |s| kv(s).held_blocks as u64 >= last_prompt / block,
+    )
+    .await;
+    let k = kv(&s);
+    eprintln!("after three turns: {k:?}");
+    assert_eq!(k.block_tokens, Some(block), "the engine's own block size");
+    assert!(
+        k.held_blocks as u64 <= blocks,
+        "more blocks than the engine has: {k:?}"
+    );
+    assert_eq!((k.refused_total, k.gaps_total), (0, 0), "{k:?}");
+    assert!(k.stored_blocks_total >= k.held_blocks as u64);
+    if k.exact {
+        assert_eq!(k.occupancy_tokens, Some(k.held_blocks as u64 * block));
+    }
+
+    // Killed and restarted: a new process, its sequence from 0 again.
+    engine.restart().await.unwrap();
+    eprintln!("vllm-0 restarted in {:?}", engine.last_start);
+    wait_for(
+        &fleet,
+        Duration::from_secs(60),
+        "the feed reconnected, the replica serving",
+        |s| {
+            let k = kv(s);
+            k.connected
+                && k.connects_total >= 2
+                && replica(s, "vllm-0").health.state == HealthState::Serving
+        },
+    )
+    .await;
+    let fresh = Session::new(501).turn(&fleet, block, &[]).await;
+    assert_eq!(fresh, "vllm-0");
+    let s = wait_for(
+        &fleet,
+        Duration::from_secs(30),
+        "the restart read from the sequence",
+        |s| kv(s).restarts_sequence_total == 1,
+    )
+    .await;
+    let k = kv(&s);
+    eprintln!("after the restart: {k:?}");
+    assert!(k.held_blocks as u64 <= blocks);
+    assert_eq!(replica(&s, "vllm-0").health.state, HealthState::Serving);
+    fleet.assert_wasm_healthy();
+    drop(fleet);
+    drop(engine);
+    let _ = std::fs::remove_dir_all(&dir);
+    eprintln!("test took {:?}", started.elapsed());
+}

@@ -3,8 +3,11 @@
 //! sides agree byte for byte: the prompt fingerprint (below), the header
 //! and metadata names ([`names`], [`header`]), the outcome report a
 //! response's scan produces ([`outcome`]), and the messages the sidecars of
-//! a fleet exchange over their peer bus ([`peer`]). `golden/` pins the
-//! fingerprint (`vectors.json`) and the report (`outcome-reports.json`).
+//! a fleet exchange over their peer bus ([`peer`]), and the engines' own KV
+//! cache events ([`kv_events`], vLLM's msgpack batches, which the sidecar
+//! reads and the simulated engine writes). `golden/` pins the fingerprint
+//! (`vectors.json`), the report (`outcome-reports.json`) and the KV event
+//! batches as vLLM encodes them (`kv-events.json`).
 //!
 //! A fingerprint names the prompt of an OpenAI-style request as a chain of
 //! block hashes: block *i*'s hash covers the whole canonical prompt up to the
@@ -116,6 +119,7 @@ mod canonical;
 mod hash;
 pub mod header;
 mod json;
+pub mod kv_events;
 pub mod names;
 pub mod outcome;
 pub mod peer;

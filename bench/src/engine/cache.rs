@@ -9,6 +9,8 @@ use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hasher;
 
+use hearth_wire::kv_events::{Event, Medium};
+
 /// Chained hashes of every *full* block of `bytes` (`block_bytes` each).
 ///
 /// Block `i`'s hash covers the whole prefix up to and including block `i`, so
@@ -47,6 +49,9 @@ pub struct PrefixCache {
     by_tick: BTreeMap<u64, u64>,
     /// Blocks in use by running sequences (count of users): never evicted.
     pins: HashMap<u64, u32>,
+    /// With KV events on: what entered and left since the last
+    /// [`PrefixCache::take_events`], in order, and tokens per block.
+    log: Option<(Vec<Event>, u64)>,
 }
 
 impl PrefixCache {
@@ -58,14 +63,79 @@ impl PrefixCache {
             by_hash: HashMap::new(),
             by_tick: BTreeMap::new(),
             pins: HashMap::new(),
+            log: None,
         }
+    }
+
+    /// Keeps a log of the blocks that enter and leave, as an engine's KV
+    /// cache events (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`)
+    /// with `block_tokens` tokens a block.
+    pub fn with_events(mut self, block_tokens: usize) -> Self {
+        self.log = Some((Vec::new(), block_tokens as u64));
+        self
+    }
+
+    /// The events since the last call (none without
+    /// [`PrefixCache::with_events`]).
+    pub fn take_events(&mut self) -> Vec<Event> {
+        self.log
+            .as_mut()
+            .map(|(events, _)| std::mem::take(events))
+            .unwrap_or_default()
+    }
+
+    /// Logs that `hash` entered (after `parent`, the block before it in
+    /// its prompt) or left. Consecutive blocks of one kind share an event,
+    /// as an engine's step does.
+    fn log(&mut self, hash: u64, stored: Option<Option<u64>>) {
+        let Some((events, block_tokens)) = self.log.as_mut() else {
+            return;
+        };
+        match (events.last_mut(), stored) {
+            (Some(Event::Removed { hashes, .. }), None) => hashes.push(hash),
+            (_, None) => events.push(Event::Removed {
+                hashes: vec![hash],
+                medium: Medium::Device,
+            }),
+            (_, Some(parent)) => events.push(Event::Stored {
+                hashes: vec![hash],
+                parent,
+                tokens: *block_tokens,
+                block_size: *block_tokens,
+                medium: Medium::Device,
+            }),
+        }
+    }
+
+    /// Empties the cache, as an engine's prefix-cache reset does: only
+    /// when no running sequence uses a block (`false` otherwise, and
+    /// nothing changes), logging `AllBlocksCleared`.
+    pub fn reset(&mut self) -> bool {
+        if !self.pins.is_empty() {
+            return false;
+        }
+        self.by_hash.clear();
+        self.by_tick.clear();
+        if let Some((events, _)) = self.log.as_mut() {
+            events.push(Event::AllCleared);
+        }
+        true
     }
 
     /// Drops every block not in use by a running sequence (an engine
     /// restarted, or its cache was reset).
     pub fn flush(&mut self) {
         let pins = &self.pins;
-        self.by_hash.retain(|h, _| pins.contains_key(h));
+        let gone: Vec<u64> = self
+            .by_hash
+            .keys()
+            .filter(|h| !pins.contains_key(h))
+            .copied()
+            .collect();
+        for h in gone {
+            self.by_hash.remove(&h);
+            self.log(h, None);
+        }
         let by_hash = &self.by_hash;
         self.by_tick.retain(|_, h| by_hash.contains_key(h));
     }
@@ -128,21 +198,29 @@ impl PrefixCache {
     /// an engine frees a finished sequence's blocks.
     pub fn admit(&mut self, hashes: &[u64]) -> usize {
         let matched = self.matched_blocks(hashes);
-        for &h in hashes.iter().rev() {
-            self.touch(h);
+        for (i, &h) in hashes.iter().enumerate().rev() {
+            let parent = i.checked_sub(1).map(|p| hashes[p]);
+            self.touch(h, parent);
         }
         matched
     }
 
-    fn touch(&mut self, hash: u64) {
+    fn touch(&mut self, hash: u64, parent: Option<u64>) {
         if self.capacity_blocks == 0 {
             return;
         }
         let tick = self.clock;
         self.clock += 1;
-        if let Some(old) = self.by_hash.insert(hash, tick) {
-            self.by_tick.remove(&old);
-        }
+        // A new block is logged as stored once it stays, after the blocks
+        // evicted for it: an engine frees a block before it reuses it, so
+        // its events never show more blocks than it has.
+        let new = match self.by_hash.insert(hash, tick) {
+            Some(old) => {
+                self.by_tick.remove(&old);
+                false
+            }
+            None => true,
+        };
         self.by_tick.insert(tick, hash);
         // Pinned blocks are skipped (moved to the recent end). After a
         // bounded number of skips (or when pins fill the cache) the block
@@ -156,6 +234,9 @@ impl PrefixCache {
                 if !self.pins.contains_key(&hash) {
                     if let Some(t) = self.by_hash.remove(&hash) {
                         self.by_tick.remove(&t);
+                        if !new {
+                            self.log(hash, None);
+                        }
                     }
                 }
                 break;
@@ -171,7 +252,13 @@ impl PrefixCache {
                 self.by_tick.insert(tick, evicted);
             } else {
                 self.by_hash.remove(&evicted);
+                if !(new && evicted == hash) {
+                    self.log(evicted, None);
+                }
             }
+        }
+        if new && self.by_hash.contains_key(&hash) {
+            self.log(hash, Some(parent));
         }
     }
 }
@@ -250,6 +337,69 @@ mod tests {
         cache.admit(&[20, 21, 22, 23]);
         assert_eq!(cache.len(), 4);
         assert_eq!(cache.matched_blocks(&[1]), 0);
+    }
+
+    /// Replays `events` into a set: what a subscriber would hold.
+    fn held_by(events: &[Event], held: &mut std::collections::HashSet<u64>) {
+        for e in events {
+            match e {
+                Event::Stored { hashes, .. } => held.extend(hashes),
+                Event::Removed { hashes, .. } => {
+                    for h in hashes {
+                        held.remove(h);
+                    }
+                }
+                Event::AllCleared => held.clear(),
+            }
+        }
+    }
+
+    #[test]
+    fn the_event_log_tells_what_the_cache_holds() {
+        let mut cache = PrefixCache::new(6).with_events(16);
+        let mut held = std::collections::HashSet::new();
+        cache.admit(&[1, 2, 3, 4]);
+        let first = cache.take_events();
+        // Stored from the last block to the first, each after its parent.
+        assert!(matches!(
+            &first[0],
+            Event::Stored { hashes, parent: Some(3), block_size: 16, .. } if hashes == &[4]
+        ));
+        held_by(&first, &mut held);
+        cache.pin(&[1, 2]);
+        for prompt in [
+            &[10u64, 11, 12][..],
+            &[20, 21, 22, 23, 24, 25, 26],
+            &[1, 2, 30],
+        ] {
+            cache.admit(prompt);
+            held_by(&cache.take_events(), &mut held);
+            let mut now: Vec<u64> = cache.by_hash.keys().copied().collect();
+            let mut told: Vec<u64> = held.iter().copied().collect();
+            now.sort_unstable();
+            told.sort_unstable();
+            assert_eq!(now, told);
+        }
+        // Replayed one event at a time, the log never holds more than the
+        // cache can.
+        let mut c = PrefixCache::new(3).with_events(16);
+        let mut held = std::collections::HashSet::new();
+        for k in 0..5u64 {
+            c.admit(&[10 * k, 10 * k + 1]);
+            for e in c.take_events() {
+                held_by(&[e], &mut held);
+                assert!(held.len() <= 3, "{held:?}");
+            }
+        }
+        assert!(!cache.reset(), "blocks in use");
+        cache.flush();
+        held_by(&cache.take_events(), &mut held);
+        assert_eq!(held.len(), cache.len());
+        cache.unpin(&[1, 2]);
+        assert!(cache.reset());
+        assert_eq!(cache.take_events(), vec![Event::AllCleared]);
+        assert!(cache.is_empty());
+        assert!(PrefixCache::new(4).take_events().is_empty());
     }
 
     #[test]

@@ -155,6 +155,19 @@ impl EngineCore {
         self
     }
 
+    /// Logs the cache's changes as KV cache events
+    /// ([`EngineCore::take_cache_events`]).
+    pub fn with_cache_events(mut self) -> Self {
+        self.cache = std::mem::replace(&mut self.cache, PrefixCache::new(0))
+            .with_events(self.block_tokens as usize);
+        self
+    }
+
+    /// The cache's events since the last call.
+    pub fn take_cache_events(&mut self) -> Vec<hearth_wire::kv_events::Event> {
+        self.cache.take_events()
+    }
+
     /// Drops the cache's blocks that no running sequence uses (a restart of
     /// the engine's cache; its running requests carry on).
     pub fn flush_cache(&mut self) {

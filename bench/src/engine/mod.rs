@@ -15,6 +15,7 @@
 pub mod cache;
 pub mod core;
 pub mod faults;
+pub mod kv_publisher;
 pub mod request;
 pub mod scheduled;
 
@@ -100,6 +101,15 @@ pub struct EngineConfig {
     /// stays open (default: none).
     #[serde(default)]
     pub api_key: Option<String>,
+    /// Publish KV cache events as vLLM does (a ZMQ PUB socket bound here,
+    /// `tcp://ip:port`, port 0 for any; see [`kv_publisher`]) (default:
+    /// none).
+    #[serde(default)]
+    pub kv_events: Option<String>,
+    /// With `kv_events`: also answer replay requests on a ROUTER socket
+    /// bound here (vLLM's `replay_endpoint`) (default: none).
+    #[serde(default)]
+    pub kv_events_replay: Option<String>,
 }
 
 impl Default for EngineConfig {
@@ -119,6 +129,8 @@ impl Default for EngineConfig {
             scheduler: None,
             reasoning_tokens: 0,
             api_key: None,
+            kv_events: None,
+            kv_events_replay: None,
         }
     }
 }
@@ -234,6 +246,9 @@ pub struct Engine {
     /// The scheduler task, started by the first request (with
     /// [`EngineConfig::scheduler`]).
     scheduler: std::sync::OnceLock<Arc<scheduled::Scheduler>>,
+    /// The KV event publisher (with [`EngineConfig::kv_events`], once
+    /// [`spawn`] bound it).
+    kv: Mutex<Option<kv_publisher::KvPublisher>>,
 }
 
 /// What admission decided for one request.
@@ -261,7 +276,11 @@ impl Engine {
         };
         Ok(Self {
             id_header,
-            cache: Mutex::new(PrefixCache::new(capacity_blocks)),
+            cache: Mutex::new(if config.kv_events.is_some() {
+                PrefixCache::new(capacity_blocks).with_events(config.block_tokens)
+            } else {
+                PrefixCache::new(capacity_blocks)
+            }),
             config,
             next_id: AtomicU64::new(0),
             requests_total: AtomicU64::new(0),
@@ -276,7 +295,58 @@ impl Engine {
             stalled: AtomicU64::new(0),
             work_steps: AtomicU64::new(0),
             scheduler: std::sync::OnceLock::new(),
+            kv: Mutex::new(None),
         })
+    }
+
+    /// Publishes a step's KV cache events (when the engine publishes).
+    pub fn publish_kv_events(&self, events: Vec<hearth_wire::kv_events::Event>) {
+        if let Some(p) = self
+            .kv
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+        {
+            p.publish(events);
+        }
+    }
+
+    /// The bound KV event endpoint (`tcp://ip:port`), when it publishes.
+    pub fn kv_events_endpoint(&self) -> Option<String> {
+        let kv = self.kv.lock().unwrap_or_else(PoisonError::into_inner);
+        kv.as_ref().map(|p| p.endpoint.clone())
+    }
+
+    /// The bound KV event replay endpoint, when it has one.
+    pub fn kv_events_replay_endpoint(&self) -> Option<String> {
+        let kv = self.kv.lock().unwrap_or_else(PoisonError::into_inner);
+        kv.as_ref().and_then(|p| p.replay_endpoint.clone())
+    }
+
+    /// The next `n` KV event batches are numbered and never sent (a gap).
+    pub fn drop_kv_batches(&self, n: u64) {
+        if let Some(p) = self
+            .kv
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+        {
+            p.drop_batches(n);
+        }
+    }
+
+    /// Empties the prefix cache, as vLLM's `POST /reset_prefix_cache`
+    /// does: refused (`false`) while a request uses it; publishes
+    /// `AllBlocksCleared`. (The scheduled engine keeps its cache.)
+    pub fn reset_prefix_cache(&self) -> bool {
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.running.load(Ordering::Relaxed) > 0 || !cache.reset() {
+            return false;
+        }
+        let events = cache.take_events();
+        drop(cache);
+        self.publish_kv_events(events);
+        true
     }
 
     /// The fault generation requests show now.
@@ -341,11 +411,11 @@ impl Engine {
     pub fn admit(&self, prompt: &[u8]) -> Admission {
         let block_bytes = self.config.block_tokens * self.config.bytes_per_token;
         let hashes = block_hashes(prompt, block_bytes);
-        let matched = self
-            .cache
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .admit(&hashes);
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        let matched = cache.admit(&hashes);
+        let events = cache.take_events();
+        drop(cache);
+        self.publish_kv_events(events);
         let admission = Admission {
             prompt_tokens: prompt.len().div_ceil(self.config.bytes_per_token),
             cached_tokens: matched * self.config.block_tokens,
@@ -513,8 +583,15 @@ impl EngineHandle {
     }
 
     /// Stop accepting, let in-flight requests finish for up to five seconds,
-    /// then stop the server task.
+    /// then stop the server task (and the KV event publisher: its port is
+    /// free when this returns).
     pub async fn shutdown(mut self) {
+        let kv = self
+            .engine
+            .kv
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -525,6 +602,9 @@ impl EngineHandle {
             {
                 task.abort();
             }
+        }
+        if let Some(kv) = kv {
+            kv.close().await;
         }
     }
 }
@@ -543,6 +623,11 @@ pub async fn spawn(
     listener: tokio::net::TcpListener,
 ) -> anyhow::Result<EngineHandle> {
     let engine = Arc::new(Engine::new(config)?);
+    if let Some(endpoint) = &engine.config.kv_events {
+        let replay = engine.config.kv_events_replay.as_deref();
+        let publisher = kv_publisher::KvPublisher::start(endpoint, replay, "").await?;
+        *engine.kv.lock().unwrap_or_else(PoisonError::into_inner) = Some(publisher);
+    }
     let addr = listener.local_addr()?;
     let app = router(engine.clone());
     let (stop, stopped) = oneshot::channel::<()>();
@@ -575,6 +660,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/stats", get(stats))
         .route("/metrics", get(metrics))
         .route("/admin/fault", get(get_fault).put(put_fault))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::map_response_with_state(
@@ -662,6 +748,20 @@ async fn put_fault(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
             "invalid_request_error",
             "expected {\"fault\": \"none|slow:MILLIS|error|unavailable|stall|empty|reset\"}",
         ),
+    }
+}
+
+/// `POST /reset_prefix_cache` (vLLM's): 200 when the cache was emptied,
+/// 409 while requests use it.
+async fn reset_prefix_cache(State(engine): State<Arc<Engine>>) -> Response {
+    if engine.reset_prefix_cache() {
+        StatusCode::OK.into_response()
+    } else {
+        error_response(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            "the prefix cache is in use",
+        )
     }
 }
 
@@ -920,11 +1020,20 @@ async fn generate(
     let config = &engine.config;
     if let Some(cost) = &config.scheduler {
         let scheduler = engine.scheduler.get_or_init(|| {
+            let weak = Arc::downgrade(&engine);
+            let sink = config.kv_events.is_some().then(|| {
+                Box::new(move |events| {
+                    if let Some(e) = weak.upgrade() {
+                        e.publish_kv_events(events);
+                    }
+                }) as scheduled::EventSink
+            });
             scheduled::Scheduler::start(
                 cost.clone(),
                 config.block_tokens,
                 config.cache_capacity_tokens,
                 config.time_scale,
+                sink,
             )
         });
         let scheduler = Arc::clone(scheduler);

@@ -56,8 +56,12 @@ impl Scheduler {
         block_tokens: usize,
         capacity_tokens: usize,
         time_scale: f64,
+        kv_events: Option<EventSink>,
     ) -> Arc<Scheduler> {
-        let core = EngineCore::new(cost, block_tokens, capacity_tokens).with_token_events();
+        let mut core = EngineCore::new(cost, block_tokens, capacity_tokens).with_token_events();
+        if kv_events.is_some() {
+            core = core.with_cache_events();
+        }
         let (commands, rx) = mpsc::unbounded_channel();
         let scheduler = Arc::new(Scheduler {
             commands,
@@ -66,7 +70,13 @@ impl Scheduler {
             cache_blocks: AtomicU64::new(0),
             cache_capacity_blocks: core.cache_blocks().1 as u64,
         });
-        tokio::spawn(run(core, rx, Arc::downgrade(&scheduler), time_scale));
+        tokio::spawn(run(
+            core,
+            rx,
+            Arc::downgrade(&scheduler),
+            time_scale,
+            kv_events,
+        ));
         scheduler
     }
 
@@ -123,12 +133,22 @@ impl Drop for Ticket {
     }
 }
 
+/// Where a scheduler hands each step's KV cache events.
+pub type EventSink = Box<dyn Fn(Vec<hearth_wire::kv_events::Event>) + Send + Sync>;
+
 async fn run(
     mut core: EngineCore,
     mut commands: mpsc::UnboundedReceiver<Command>,
     figures: std::sync::Weak<Scheduler>,
     time_scale: f64,
+    kv_events: Option<EventSink>,
 ) {
+    let report = |core: &mut EngineCore| {
+        publish(core, &figures);
+        if let Some(sink) = &kv_events {
+            sink(core.take_cache_events());
+        }
+    };
     let mut listeners: HashMap<u64, mpsc::UnboundedSender<SeqEvent>> = HashMap::new();
     // When the current busy period's latest step ends, in wall time. Steps
     // are timed against this running sum, not slept one by one: a timer
@@ -146,7 +166,7 @@ async fn run(
         }
         let Some(step) = core.step() else {
             clock = None;
-            publish(&core, &figures);
+            report(&mut core);
             // Idle: wait for the next request.
             match commands.recv().await {
                 Some(command) => apply(&mut core, &mut listeners, command),
@@ -154,7 +174,7 @@ async fn run(
             }
             continue;
         };
-        publish(&core, &figures);
+        report(&mut core);
         let wall = Duration::try_from_secs_f64(step.duration_us / 1e6 / time_scale)
             .unwrap_or(Duration::ZERO);
         let due = clock.unwrap_or_else(tokio::time::Instant::now) + wall;

@@ -34,6 +34,16 @@ impl Router {
         self.decide_within_at(req, allowed, Instant::now())
     }
 
+    /// [`Router::apply_kv_batch_at`] now.
+    pub fn apply_kv_batch(
+        &self,
+        addr: std::net::SocketAddr,
+        seq: u64,
+        batch: &hearth_wire::kv_events::Batch,
+    ) -> Vec<crate::kv_events::RestartReason> {
+        self.apply_kv_batch_at(addr, seq, batch, Instant::now())
+    }
+
     /// [`Router::record_request_at`] now.
     pub fn record_request(&self, i: usize, outcome: Outcome) {
         self.record_request_at(i, outcome, Instant::now());

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::health::ReplicaHealth;
+use crate::kv_events::KvEvents;
 use crate::peers::{canonical, Peers, PEER_MAX_IN_FLIGHT, PEER_MAX_LOAD};
 use crate::replica::{ReloadSummary, Replica};
 use crate::usage::UsageTally;
@@ -158,6 +159,8 @@ pub(crate) struct ReplicaState {
     /// (the sum of their latest figures; see [`crate::peers`]).
     pub(crate) peer_in_flight: u32,
     pub(crate) peer_load: f64,
+    /// What the engine's KV cache events said (for a replica with a feed).
+    pub(crate) kv: KvEvents,
 }
 
 impl ReplicaState {
@@ -183,6 +186,7 @@ impl ReplicaState {
             engine_blocks: None,
             peer_in_flight: 0,
             peer_load: 0.0,
+            kv: KvEvents::default(),
         }
     }
 }

@@ -17,6 +17,8 @@
 //! - [`flow`]: when replicas are saturated, and the queue that holds
 //!   requests while they are;
 //! - [`health`]: serving or fenced, from real traffic and probes;
+//! - [`kv_events`]: what the engines' own KV cache events say of their
+//!   caches (occupancy, capacity, restarts);
 //! - [`warmth`]: the per-replica LRU of block hashes;
 //! - [`usage`]: what the engines served from cache against the
 //!   predictions, and the warmth corrections it makes;
@@ -29,6 +31,7 @@ pub mod decide;
 pub mod fleet;
 pub mod flow;
 pub mod health;
+pub mod kv_events;
 pub mod params;
 pub mod peers;
 pub mod replica;
@@ -47,11 +50,12 @@ pub use health::{
     Failure, FleetHealth, HealthParams, HealthSnapshot, HealthState, Outcome, ProbeReason,
     ReplicaHealth,
 };
+pub use kv_events::{KvEventsSnapshot, RestartReason};
 pub use params::{AffinityBasis, LongLane, RouterParams, ScoreParams};
 pub use peers::{Applied, PeerRefusal, PeersSnapshot, PEER_SILENCE};
 pub use replica::{
-    check_upstreams, default_replica_id, engine_url, targets, ProbeTarget, ReloadSummary, Replica,
-    ReplicaKey, UpstreamSpec,
+    check_upstreams, default_replica_id, engine_url, targets, EventEndpoint, ProbeTarget,
+    ReloadSummary, Replica, ReplicaKey, UpstreamSpec,
 };
 pub use router::{Router, SourceStatus};
 pub use snapshot::{EngineSnapshot, ReplicaSnapshot, Snapshot, UpstreamsSnapshot};

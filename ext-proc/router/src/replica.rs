@@ -26,6 +26,49 @@ pub struct UpstreamSpec {
     /// own requests to it (probes, metrics scrapes, with the engine key)
     /// use `https://`. Envoy's endpoint is `ip:port` either way.
     pub tls: bool,
+    /// Where the engine publishes its KV cache events
+    /// (`kv_events=tcp://ip:port` or `ipc:///path`), if it does.
+    pub kv_events: Option<EventEndpoint>,
+    /// Where it answers replay requests for missed batches
+    /// (`kv_events_replay=`, vLLM's `replay_endpoint`), if it does.
+    pub kv_events_replay: Option<EventEndpoint>,
+}
+
+/// A ZMQ endpoint an engine publishes its KV cache events on: an IP and
+/// port, or a Unix socket path (vLLM binds only wildcard and `ipc://`
+/// endpoints itself).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum EventEndpoint {
+    Tcp(SocketAddr),
+    Ipc(String),
+}
+
+impl FromStr for EventEndpoint {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if let Some(addr) = s.strip_prefix("tcp://") {
+            return addr.parse().map(EventEndpoint::Tcp).map_err(|_| {
+                format!("kv_events={s:?}: tcp:// takes ip:port (the engine's own address)")
+            });
+        }
+        match s.strip_prefix("ipc://") {
+            Some(path) if path.starts_with('/') && path.len() <= 107 => {
+                Ok(EventEndpoint::Ipc(path.to_owned()))
+            }
+            _ => Err(format!(
+                "kv_events={s:?} is not tcp://ip:port or ipc:///absolute/path (at most 107 bytes)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for EventEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EventEndpoint::Tcp(addr) => write!(f, "tcp://{addr}"),
+            EventEndpoint::Ipc(path) => write!(f, "ipc://{path}"),
+        }
+    }
 }
 
 impl FromStr for UpstreamSpec {
@@ -50,6 +93,8 @@ impl FromStr for UpstreamSpec {
             dp_ranks: 1,
             short_output: false,
             tls,
+            kv_events: None,
+            kv_events_replay: None,
         };
         for part in parts {
             let (key, value) = part
@@ -90,12 +135,23 @@ impl FromStr for UpstreamSpec {
                         .filter(|n| (1..=256).contains(n))
                         .ok_or_else(|| format!("dp={value:?} is not a rank count in 1..=256"))?
                 }
+                "kv_events" => spec.kv_events = Some(value.parse()?),
+                "kv_events_replay" => spec.kv_events_replay = Some(value.parse()?),
                 other => {
                     return Err(format!(
-                        "unknown upstream option {other:?} (known: id, model, tag, profile, dp)"
+                        "unknown upstream option {other:?} (known: id, model, tag, profile, dp, \
+                         kv_events, kv_events_replay)"
                     ))
                 }
             }
+        }
+        if spec.kv_events_replay.is_some() && spec.kv_events.is_none() {
+            return Err("kv_events_replay= needs kv_events=".to_owned());
+        }
+        if spec.kv_events.is_some() && spec.dp_ranks > 1 {
+            // Each rank publishes on its own endpoint (vLLM: the port plus
+            // the rank); not read yet.
+            return Err("kv_events= with dp= is not supported yet".to_owned());
         }
         Ok(spec)
     }
@@ -143,6 +199,12 @@ pub struct Replica {
     pub short_output: bool,
     /// The engine speaks TLS (see [`UpstreamSpec::tls`]).
     pub tls: bool,
+    /// Where its engine publishes KV cache events (see
+    /// [`UpstreamSpec::kv_events`]).
+    pub kv_events: Option<EventEndpoint>,
+    /// Where it answers replay requests (see
+    /// [`UpstreamSpec::kv_events_replay`]).
+    pub kv_events_replay: Option<EventEndpoint>,
     /// Removed from the replica list by a reload: never a candidate again;
     /// its slot is reused once the requests it still runs have ended.
     pub retired: bool,
@@ -168,6 +230,8 @@ pub fn targets(upstreams: &[UpstreamSpec]) -> Vec<Replica> {
                 dp_rank: (u.dp_ranks > 1).then_some(rank),
                 short_output: u.short_output,
                 tls: u.tls,
+                kv_events: u.kv_events.clone(),
+                kv_events_replay: u.kv_events_replay.clone(),
                 retired: false,
             })
         })

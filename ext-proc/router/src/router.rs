@@ -9,12 +9,16 @@ use std::time::Instant;
 
 use crate::fleet::{EngineSignals, Fleet, ReplicaState};
 use crate::health::{FleetHealth, Outcome, ProbeReason, Work};
+use crate::kv_events::RestartReason;
 use crate::params::RouterParams;
-use crate::replica::{targets, ProbeTarget, ReloadSummary, Replica, ReplicaKey, UpstreamSpec};
+use crate::replica::{
+    targets, EventEndpoint, ProbeTarget, ReloadSummary, Replica, ReplicaKey, UpstreamSpec,
+};
 use crate::tips::Tips;
 use crate::usage::{
     blocks_for_tokens, engine_blocks, Prediction, Served, Usage, DEFAULT_BYTES_PER_TOKEN,
 };
+use hearth_wire::kv_events::Batch;
 
 /// Called with the replica list's new version after a reload changed it.
 type ListChange = Box<dyn Fn(u64) + Send + Sync>;
@@ -215,8 +219,10 @@ impl Router {
                 // restart), and never exceeds it; in between, the answers'
                 // corrections move it below.
                 let bpt = s.usage.bytes_per_token.unwrap_or(DEFAULT_BYTES_PER_TOKEN);
+                // (Or what its KV events showed, when its metrics say none.)
                 s.engine_blocks = signals
                     .kv_capacity_tokens
+                    .or_else(|| s.kv.capacity_tokens())
                     .map(|kv| engine_blocks(kv, bpt, self.params.block_size, ranks));
                 let told = signals
                     .kv_capacity_tokens
@@ -246,6 +252,110 @@ impl Router {
                 });
             }
         }
+    }
+
+    /// The replicas whose engines publish KV cache events, by address
+    /// (each address once), with where, and where they replay.
+    pub fn kv_event_endpoints(&self) -> Vec<(SocketAddr, EventEndpoint, Option<EventEndpoint>)> {
+        let fleet = self.lock();
+        let mut out: Vec<(SocketAddr, EventEndpoint, Option<EventEndpoint>)> = Vec::new();
+        for (_, r) in fleet.serving() {
+            if let Some(e) = &r.kv_events {
+                if !out.iter().any(|(a, _, _)| *a == r.addr) {
+                    out.push((r.addr, e.clone(), r.kv_events_replay.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// The sequence number the event feed of the engine at `addr` should
+    /// carry next, when known.
+    pub fn kv_expected_seq(&self, addr: SocketAddr) -> Option<u64> {
+        let fleet = self.lock();
+        fleet
+            .replicas
+            .iter()
+            .zip(fleet.state.iter())
+            .find(|(r, _)| r.addr == addr && !r.retired && r.kv_events.is_some())
+            .and_then(|(_, s)| s.kv.expected_seq())
+    }
+
+    /// `batches` missed batches of the engine at `addr` came back from its
+    /// replay socket.
+    pub fn note_kv_replayed(&self, addr: SocketAddr, batches: u64) {
+        let mut fleet = self.lock();
+        let fleet = &mut *fleet;
+        for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
+            if r.addr == addr && !r.retired && r.kv_events.is_some() {
+                s.kv.note_replayed(batches);
+            }
+        }
+    }
+
+    /// The event feed of the engine at `addr` is connected, or not.
+    pub fn note_kv_feed(&self, addr: SocketAddr, connected: bool) {
+        let mut fleet = self.lock();
+        let fleet = &mut *fleet;
+        for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
+            if r.addr == addr && !r.retired && r.kv_events.is_some() {
+                s.kv.note_connection(connected);
+            }
+        }
+    }
+
+    /// A frame from the event feed of the engine at `addr` did not read.
+    pub fn note_kv_refused(&self, addr: SocketAddr) {
+        let mut fleet = self.lock();
+        let fleet = &mut *fleet;
+        for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
+            if r.addr == addr && !r.retired && r.kv_events.is_some() {
+                s.kv.note_refused();
+            }
+        }
+    }
+
+    /// Batch `seq` of the KV cache events of the engine at `addr`, read at
+    /// `now` (see [`crate::kv_events`]). A restart it shows drops the
+    /// replica's warmth; the capacity it shows sizes the warmth index when
+    /// the engine's metrics state none. Returns the restarts it showed.
+    pub fn apply_kv_batch_at(
+        &self,
+        addr: SocketAddr,
+        seq: u64,
+        batch: &Batch,
+        now: Instant,
+    ) -> Vec<RestartReason> {
+        let mut guard = self.lock();
+        let fleet = &mut *guard;
+        let mut shown = Vec::new();
+        for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
+            if r.addr != addr || r.retired || r.kv_events.is_none() {
+                continue;
+            }
+            let before = s.kv.capacity_tokens();
+            let restarts = s.kv.apply(seq, batch, now);
+            if !restarts.is_empty() && self.params.usage_feedback {
+                s.forget_cache();
+            }
+            let told = s.engine.and_then(|e| e.kv_capacity_tokens).is_some();
+            let shown_capacity = s.kv.capacity_tokens();
+            if let Some(kv) = shown_capacity.filter(|_| !told && shown_capacity != before) {
+                let bpt = s.usage.bytes_per_token.unwrap_or(DEFAULT_BYTES_PER_TOKEN);
+                s.engine_blocks = Some(engine_blocks(kv, bpt, self.params.block_size, 1.0));
+                if self.params.warmth_from_engine {
+                    // Never beyond the default: a feed only shrinks the
+                    // index it speaks for.
+                    s.warmth_limit = blocks_for_tokens(kv, bpt, self.params.block_size, 1.0)
+                        .min(self.params.warmth_blocks);
+                    if before.is_none() || s.warmth.capacity() > s.warmth_limit {
+                        s.warmth.set_capacity(s.warmth_limit);
+                    }
+                }
+            }
+            shown = restarts;
+        }
+        shown
     }
 
     /// The real work on a replica at `now`: this sidecar's requests, its

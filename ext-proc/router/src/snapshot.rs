@@ -7,6 +7,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use crate::health::{FleetHealth, HealthSnapshot};
+use crate::kv_events::KvEventsSnapshot;
 use crate::params::AffinityBasis;
 use crate::peers::PeersSnapshot;
 use crate::router::Router;
@@ -57,6 +58,10 @@ pub struct ReplicaSnapshot {
     pub engine: Option<EngineSnapshot>,
     /// What its answers' usage said of its cache.
     pub usage: UsageSnapshot,
+    /// Its engine's KV cache events, for a replica listed with
+    /// `kv_events=` (absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<KvEventsSnapshot>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -170,6 +175,10 @@ impl Router {
                         age_s: now.duration_since(e.at).as_secs_f64(),
                     }),
                     usage: s.usage.snapshot(),
+                    kv_events: r
+                        .kv_events
+                        .as_ref()
+                        .map(|e| s.kv.snapshot(e.to_string(), now)),
                 })
                 .collect(),
         }

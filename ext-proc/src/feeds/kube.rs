@@ -270,6 +270,8 @@ pub fn replicas(
                         dp_ranks: served.dp_ranks,
                         short_output: false,
                         tls: served.tls,
+                        kv_events: None,
+                        kv_events_replay: None,
                     },
                     pod_uid: pod.metadata.uid.clone().unwrap_or_default(),
                 },

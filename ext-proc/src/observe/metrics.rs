@@ -23,7 +23,7 @@ use prometheus_client::registry::{Registry, Unit};
 use crate::observe::series::{DecisionOutcome, Series, SessionResult};
 use hearth_router::health::HealthState;
 use hearth_router::Router;
-use hearth_router::{AffinityBasis, ReplicaSnapshot, Snapshot};
+use hearth_router::{AffinityBasis, KvEventsSnapshot, ReplicaSnapshot, Snapshot};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DecisionLabels {
@@ -459,6 +459,61 @@ const FLEET_SERIES: &[Scraped<FleetView>] = &[
     ),
 ];
 
+/// Per-replica series of the engines' KV cache events, labelled
+/// `replica`, for the replicas listed with `kv_events=` only.
+const KV_SERIES: &[Scraped<KvEventsSnapshot>] = &[
+    gauge(
+        "hearth_replica_kv_events_connected",
+        "1 while the sidecar is subscribed to the replica's KV cache events",
+        |k| flag(k.connected),
+    ),
+    gauge(
+        "hearth_replica_kv_events_exact",
+        "1 while the replica's event figures are the engine's own (every batch seen since its cache was empty, feed connected); 0: its routing is approximate",
+        |k| flag(k.exact),
+    ),
+    gauge(
+        "hearth_replica_kv_held_blocks",
+        "Blocks the engine holds, as its KV events say (stored and not removed since)",
+        |k| k.held_blocks as f64,
+    ),
+    gauge(
+        "hearth_replica_kv_occupancy_tokens",
+        "Tokens the engine's KV cache holds, from its events (NaN while not exact)",
+        |k| k.occupancy_tokens.map_or(f64::NAN, |t| t as f64),
+    ),
+    gauge(
+        "hearth_replica_kv_capacity_tokens",
+        "Tokens the engine's KV cache held when it first had to remove a block, from its events (NaN before)",
+        |k| k.capacity_tokens.map_or(f64::NAN, |t| t as f64),
+    ),
+    counter(
+        "hearth_replica_kv_event_batches",
+        "KV event batches read from the replica's engine",
+        |k| k.batches_total,
+    ),
+    counter(
+        "hearth_replica_kv_events",
+        "KV events read from the replica's engine",
+        |k| k.events_total,
+    ),
+    counter(
+        "hearth_replica_kv_event_gaps",
+        "Gaps in the sequence of the replica's KV event batches (batches lost)",
+        |k| k.gaps_total,
+    ),
+    counter(
+        "hearth_replica_kv_event_replayed_batches",
+        "Missed KV event batches the replica's engine sent again from its replay socket (kv_events_replay=), applied in order",
+        |k| k.replayed_batches_total,
+    ),
+    counter(
+        "hearth_replica_kv_event_refused",
+        "KV event messages from the replica's engine that did not read (not three frames, a bad sequence or batch)",
+        |k| k.refused_total,
+    ),
+];
+
 impl<T> Scraped<T> {
     fn descriptor<'e>(
         &'e self,
@@ -486,6 +541,30 @@ impl Collector for FleetCollector {
             let mut family = series.descriptor(&mut encoder)?;
             for r in &snap.replicas {
                 series.value(r, family.encode_family(&[("replica", r.id.as_str())])?)?;
+            }
+        }
+        for series in KV_SERIES {
+            let mut family = series.descriptor(&mut encoder)?;
+            for r in &snap.replicas {
+                if let Some(kv) = &r.kv_events {
+                    series.value(kv, family.encode_family(&[("replica", r.id.as_str())])?)?;
+                }
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "hearth_replica_kv_event_restarts",
+            "Restarts the replica's KV events showed, by reason: sequence (it went back: a new engine process), cleared (AllBlocksCleared); each dropped the replica's warmth",
+            None,
+            MetricType::Counter,
+        )?;
+        for r in &snap.replicas {
+            let Some(kv) = &r.kv_events else { continue };
+            for (reason, n) in [
+                ("sequence", kv.restarts_sequence_total),
+                ("cleared", kv.restarts_cleared_total),
+            ] {
+                let labels = [("replica", r.id.as_str()), ("reason", reason)];
+                ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
             }
         }
         let view = FleetView {
@@ -802,7 +881,11 @@ mod tests {
     #[test]
     fn every_series_in_the_tables_is_scraped_and_documented() {
         let docs = include_str!("../../../docs/metrics.md");
-        let upstreams = ["127.0.0.1:1;id=a", "127.0.0.1:2;id=b"].map(|u| u.parse().unwrap());
+        let upstreams = [
+            "127.0.0.1:1;id=a;kv_events=tcp://127.0.0.1:3",
+            "127.0.0.1:2;id=b",
+        ]
+        .map(|u| u.parse().unwrap());
         let router = Router::new(RouterParams::default(), &upstreams);
         let observer = Observer::new(
             router,
@@ -827,6 +910,25 @@ mod tests {
                 s.name
             );
         }
+        for s in KV_SERIES {
+            let suffix = match s.read {
+                Read::Counter(_) => "_total",
+                Read::Gauge(_) => "",
+            };
+            let line = format!("{}{suffix}{{replica=\"a\"}} ", s.name);
+            assert!(text.contains(&line), "{line} missing from:\n{text}");
+            let other = format!("{}{suffix}{{replica=\"b\"}} ", s.name);
+            assert!(!text.contains(&other), "{other}: b has no feed");
+            assert!(
+                docs.contains(&format!("`{}", s.name)),
+                "{} undocumented",
+                s.name
+            );
+        }
+        assert!(text.contains(
+            "hearth_replica_kv_event_restarts_total{replica=\"a\",reason=\"sequence\"} 0"
+        ));
+        assert!(docs.contains("`hearth_replica_kv_event_restarts"));
         for s in FLEET_SERIES {
             assert!(
                 text.lines()

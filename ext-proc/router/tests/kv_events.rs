@@ -1,0 +1,143 @@
+//! The engines' KV cache events in the fleet: what a feed changes on its
+//! own replica, and that it reaches no other.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use hearth_router::health::HealthState;
+use hearth_router::{RequestInfo, RestartReason, Router, RouterParams, UpstreamSpec};
+use hearth_wire::kv_events::{Batch, Event, Medium};
+
+fn fleet(list: &str) -> Arc<Router> {
+    let specs: Vec<UpstreamSpec> = list.split(',').map(|s| s.parse().unwrap()).collect();
+    Router::new(RouterParams::default(), &specs)
+}
+
+fn req(hashes: &[u64]) -> RequestInfo {
+    RequestInfo {
+        hashes: hashes.to_vec(),
+        prompt_bytes: hashes.len() as u64 * 2048,
+        model: None,
+        max_output_tokens: None,
+        cache: Default::default(),
+    }
+}
+
+fn batch(events: Vec<Event>) -> Batch {
+    Batch {
+        ts: 0.0,
+        events,
+        data_parallel_rank: Some(0),
+    }
+}
+
+fn stored(from: u64, n: u64) -> Event {
+    Event::Stored {
+        hashes: (0..n).map(|k| from.wrapping_add(k)).collect(),
+        parent: None,
+        tokens: 16 * n,
+        block_size: 16,
+        medium: Medium::Device,
+    }
+}
+
+const A: &str = "127.0.0.1:1001";
+const B: &str = "127.0.0.1:1002";
+
+#[test]
+fn the_upstream_option_parses_and_refuses_what_it_cannot_read() {
+    let spec: UpstreamSpec = format!("{A};kv_events=tcp://127.0.0.1:5557")
+        .parse()
+        .unwrap();
+    assert_eq!(spec.kv_events.unwrap().to_string(), "tcp://127.0.0.1:5557");
+    let spec: UpstreamSpec = format!("{A};kv_events=ipc:///tmp/kv.sock").parse().unwrap();
+    assert_eq!(spec.kv_events.unwrap().to_string(), "ipc:///tmp/kv.sock");
+    let spec: UpstreamSpec =
+        format!("{A};kv_events=ipc:///tmp/kv.sock;kv_events_replay=ipc:///tmp/replay.sock")
+            .parse()
+            .unwrap();
+    assert_eq!(
+        spec.kv_events_replay.unwrap().to_string(),
+        "ipc:///tmp/replay.sock"
+    );
+    for bad in [
+        "kv_events_replay=tcp://127.0.0.1:5558",
+        "kv_events=tcp://*:5557",
+        "kv_events=tcp://engine:5557",
+        "kv_events=ipc://relative",
+        "kv_events=udp://127.0.0.1:1",
+        "kv_events=tcp://127.0.0.1:5557;dp=2",
+    ] {
+        assert!(
+            format!("{A};{bad}").parse::<UpstreamSpec>().is_err(),
+            "{bad}"
+        );
+    }
+}
+
+#[test]
+fn a_feed_corrects_its_own_replica_and_reaches_no_other() {
+    let router = fleet(&format!("{A};kv_events=tcp://127.0.0.1:5557,{B}"));
+    let (a, b): (SocketAddr, SocketAddr) = (A.parse().unwrap(), B.parse().unwrap());
+    let t0 = Instant::now();
+    // Warmth on both replicas.
+    for start in [100, 200, 300, 400] {
+        drop(router.decide_at(&req(&[start, start + 1]), t0).unwrap());
+    }
+    let warm = |i: usize| router.snapshot_at(t0).replicas[i].warmth_blocks;
+    assert!(warm(0) > 0 && warm(1) > 0);
+    let warm_b = warm(1);
+    router.note_kv_feed(a, true);
+    assert!(router
+        .apply_kv_batch_at(a, 0, &batch(vec![stored(0, 10)]), t0)
+        .is_empty());
+    let s = router.snapshot_at(t0);
+    let kv = s.replicas[0].kv_events.clone().unwrap();
+    assert!(kv.exact);
+    assert_eq!(kv.occupancy_tokens, Some(160));
+    assert!(s.replicas[1].kv_events.is_none());
+    // The cache fills: the engine removes a block, so 10 blocks are its
+    // capacity; the index is sized from it (the engine's metrics say none).
+    let removed = Event::Removed {
+        hashes: vec![0],
+        medium: Medium::Device,
+    };
+    router.apply_kv_batch_at(a, 1, &batch(vec![removed]), t0);
+    let s = router.snapshot_at(t0);
+    assert_eq!(
+        s.replicas[0].kv_events.as_ref().unwrap().capacity_tokens,
+        Some(160)
+    );
+    assert_eq!(
+        s.replicas[0].warmth_capacity,
+        hearth_router::usage::MIN_WARMTH_BLOCKS
+    );
+    assert_eq!(
+        s.replicas[1].warmth_capacity,
+        RouterParams::default().warmth_blocks
+    );
+    // A restart, then garbage, then a sequence jumping around: replica A
+    // loses its warmth and exactness, never its health; B is untouched.
+    let shown = router.apply_kv_batch_at(a, 0, &batch(vec![Event::AllCleared]), t0);
+    assert_eq!(shown, vec![RestartReason::Sequence, RestartReason::Cleared]);
+    for seq in [9, 3, u64::MAX, 0, 77] {
+        router.apply_kv_batch_at(a, seq, &batch(vec![stored(seq, 3)]), t0);
+        router.note_kv_refused(a);
+    }
+    // Batches for the replica without a feed change nothing.
+    router.apply_kv_batch_at(b, 0, &batch(vec![Event::AllCleared]), t0);
+    router.note_kv_refused(b);
+    let s = router.snapshot_at(t0);
+    assert_eq!(s.replicas[1].warmth_blocks, warm_b);
+    assert!(s.replicas[1].kv_events.is_none());
+    for r in &s.replicas {
+        assert_eq!(r.health.state, HealthState::Serving, "{}", r.id);
+    }
+    let kv = s.replicas[0].kv_events.clone().unwrap();
+    assert!(!kv.exact);
+    assert_eq!(kv.refused_total, 5);
+    assert!(kv.restarts_sequence_total >= 1);
+    // Still routable: a decision goes anywhere.
+    assert!(router.decide_at(&req(&[100, 101]), t0).is_ok());
+}

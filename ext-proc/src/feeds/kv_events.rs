@@ -1,0 +1,557 @@
+//! The engines' KV cache events: one ZMQ subscriber per replica listed
+//! with `kv_events=` (vLLM's and SGLang's publisher: a PUB socket, each
+//! message three frames: topic, sequence, msgpack batch), each batch
+//! decoded by [`hearth_wire::kv_events`] and applied by
+//! [`hearth_router::Router::apply_kv_batch`].
+//!
+//! The subscriber speaks ZMTP 3.0 itself (NULL security, the SUB socket
+//! type, a subscription to every topic), over TCP or a Unix socket
+//! (`ipc://`), in about two hundred lines, rather than through a ZMQ
+//! library: what it reads comes from a peer it must not trust with its
+//! memory, and neither crates.io's native ZMQ (`zeromq` 0.7: its read
+//! buffer settings are "not a message-size or memory limit", and a frame's
+//! 8-byte length is reserved as announced) nor the libzmq binding (a C++
+//! build) fits. Here every frame's length is checked before anything is
+//! read into memory, a message has at most [`MAX_FRAMES`] frames and
+//! [`MAX_MESSAGE_BYTES`] bytes (its buffer grows only as bytes arrive),
+//! and a feed that breaks these is disconnected and tried again later.
+//! The simulated engine publishes with the `zeromq` crate (`bench/`), and
+//! a test here reads vLLM's own publisher (libzmq), so the two sides are
+//! not one implementation agreeing with itself.
+//!
+//! A feed that stops, never connects or sends garbage leaves its replica
+//! on the approximate path (warmth from routing, corrected by usage): the
+//! router marks its event figures inexact, and `/state` and `/metrics`
+//! show why.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hearth_router::{EventEndpoint, Router};
+use hearth_wire::kv_events::{decode_batch, decode_sequence};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::task::{AbortHandle, JoinSet};
+
+/// The largest message a feed may send: a batch of
+/// [`hearth_wire::kv_events::MAX_BATCH_HASHES`] byte-string hashes with
+/// their token ids fits.
+pub const MAX_MESSAGE_BYTES: usize = 8 << 20;
+
+/// Frames in one message: topic, sequence, batch.
+pub const MAX_FRAMES: usize = 3;
+
+/// The largest command frame read (a READY's properties, a PING).
+const MAX_COMMAND_BYTES: usize = 4096;
+
+/// How long a connection and its handshake may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The wait before reconnecting, doubled after each failure, at most
+/// [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Missed batches asked from a replay socket at once, at most; more
+/// missed than this and the gap stays (the replica's figures inexact).
+pub const MAX_REPLAY_BATCHES: u64 = 1024;
+
+/// How long a replay may take before the gap is left as it is.
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How often the replica list is looked at for feeds to start or stop.
+const LIST_POLL: Duration = Duration::from_secs(1);
+
+/// Why a feed was dropped.
+#[derive(Debug, thiserror::Error)]
+pub enum FeedError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("the handshake took longer than {CONNECT_TIMEOUT:?}")]
+    Timeout,
+    #[error("not a ZMTP 3 publisher: {0}")]
+    Handshake(&'static str),
+    #[error("a frame of {0} bytes, beyond the bound")]
+    TooLarge(u64),
+    #[error("a message of more frames than it may have")]
+    TooManyFrames,
+}
+
+/// Runs one subscriber per replica with an event endpoint, started and
+/// stopped as the replica list changes, until the task is dropped.
+pub async fn run(router: Arc<Router>) {
+    type Running = (EventEndpoint, Option<EventEndpoint>, AbortHandle);
+    let mut feeds: HashMap<SocketAddr, Running> = HashMap::new();
+    let mut tasks = JoinSet::new();
+    let mut tick = tokio::time::interval(LIST_POLL);
+    loop {
+        tick.tick().await;
+        while tasks.try_join_next().is_some() {}
+        let wanted = router.kv_event_endpoints();
+        feeds.retain(|addr, (endpoint, replay, task)| {
+            let keep = wanted
+                .iter()
+                .any(|(a, e, r)| a == addr && e == endpoint && r == replay);
+            if !keep {
+                task.abort();
+                router.note_kv_feed(*addr, false);
+            }
+            keep
+        });
+        for (addr, endpoint, replay) in wanted {
+            if let std::collections::hash_map::Entry::Vacant(slot) = feeds.entry(addr) {
+                let feed = Feed {
+                    endpoint: endpoint.clone(),
+                    replay: replay.clone(),
+                };
+                let task = tasks.spawn(follow(Arc::clone(&router), addr, feed));
+                slot.insert((endpoint, replay, task));
+            }
+        }
+    }
+}
+
+/// Where one engine publishes, and replays.
+struct Feed {
+    endpoint: EventEndpoint,
+    replay: Option<EventEndpoint>,
+}
+
+/// A stream to `endpoint`, within [`CONNECT_TIMEOUT`].
+async fn connect(endpoint: &EventEndpoint) -> Result<Stream, FeedError> {
+    let stream = match endpoint {
+        EventEndpoint::Tcp(to) => {
+            tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(to))
+                .await
+                .map_err(|_| FeedError::Timeout)?
+                .map(|s| {
+                    let _ = s.set_nodelay(true);
+                    Stream::Tcp(s)
+                })?
+        }
+        EventEndpoint::Ipc(path) => {
+            tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::UnixStream::connect(path))
+                .await
+                .map_err(|_| FeedError::Timeout)?
+                .map(Stream::Unix)?
+        }
+    };
+    Ok(stream)
+}
+
+/// A TCP or Unix stream.
+enum Stream {
+    Tcp(tokio::net::TcpStream),
+    Unix(tokio::net::UnixStream),
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+            Stream::Unix(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => std::pin::Pin::new(s).poll_write(cx, buf),
+            Stream::Unix(s) => std::pin::Pin::new(s).poll_write(cx, buf),
+        }
+    }
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => std::pin::Pin::new(s).poll_flush(cx),
+            Stream::Unix(s) => std::pin::Pin::new(s).poll_flush(cx),
+        }
+    }
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+            Stream::Unix(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
+
+/// Follows one engine's feed: connect, read until it fails, wait, again.
+async fn follow(router: Arc<Router>, addr: SocketAddr, feed: Feed) {
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        let result = match connect(&feed.endpoint).await {
+            Ok(stream) => read_feed(&router, addr, &feed, stream, &mut backoff).await,
+            Err(e) => Err(e),
+        };
+        router.note_kv_feed(addr, false);
+        if let Err(e) = result {
+            tracing::debug!(engine = %addr, endpoint = %feed.endpoint, error = %e, "KV event feed lost");
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// Handshakes, subscribes, then applies every message until the stream
+/// ends or breaks a bound. A batch further on than the router expects
+/// (batches lost, or the feed joined a running engine) first asks the
+/// replay socket, when there is one, for the ones missed.
+async fn read_feed<S: AsyncRead + AsyncWrite + Unpin>(
+    router: &Router,
+    addr: SocketAddr,
+    feed: &Feed,
+    mut stream: S,
+    backoff: &mut Duration,
+) -> Result<(), FeedError> {
+    tokio::time::timeout(CONNECT_TIMEOUT, subscribe(&mut stream))
+        .await
+        .map_err(|_| FeedError::Timeout)??;
+    router.note_kv_feed(addr, true);
+    *backoff = FIRST_BACKOFF;
+    tracing::debug!(engine = %addr, "KV event feed connected");
+    loop {
+        let frames = read_message(&mut stream, MAX_FRAMES).await?;
+        let [_topic, seq, payload] = frames.as_slice() else {
+            router.note_kv_refused(addr);
+            continue;
+        };
+        let Some(seq) = decode_sequence(seq) else {
+            router.note_kv_refused(addr);
+            continue;
+        };
+        if let Some(replay) = &feed.replay {
+            // From where the router stands; from 0 for a new engine
+            // process (the sequence went back) or a first batch.
+            let from = match router.kv_expected_seq(addr) {
+                Some(next) if seq >= next => next,
+                _ => 0,
+            };
+            if seq > from && seq - from <= MAX_REPLAY_BATCHES {
+                match tokio::time::timeout(REPLAY_TIMEOUT, fetch_replay(replay, from, seq)).await {
+                    Ok(Ok(missed)) => {
+                        router.note_kv_replayed(addr, missed.len() as u64);
+                        for (seq, payload) in missed {
+                            apply(router, addr, seq, &payload);
+                        }
+                    }
+                    Ok(Err(e)) => {
+                        tracing::debug!(engine = %addr, error = %e, "KV event replay failed")
+                    }
+                    Err(_) => tracing::debug!(engine = %addr, "KV event replay timed out"),
+                }
+            }
+        }
+        apply(router, addr, seq, payload);
+    }
+}
+
+/// Decodes and applies batch `seq`.
+fn apply(router: &Router, addr: SocketAddr, seq: u64, payload: &[u8]) {
+    match decode_batch(payload) {
+        Ok(batch) => {
+            let restarts = router.apply_kv_batch(addr, seq, &batch);
+            if !restarts.is_empty() {
+                tracing::info!(
+                    engine = %addr,
+                    ?restarts,
+                    "the engine's KV events show a restart: its warmth is dropped"
+                );
+            }
+        }
+        Err(_) => router.note_kv_refused(addr),
+    }
+}
+
+/// The batches `from..until` from a replay socket (a ROUTER: asked with
+/// `["", from as 8 bytes]` from a DEALER, it answers `["", topic,
+/// sequence, batch]` per batch it still has from there, then `["", "",
+/// -1, ""]`), at most [`MAX_REPLAY_BATCHES`] of them, in order, each
+/// bounded as a feed's message is.
+pub async fn fetch_replay(
+    endpoint: &EventEndpoint,
+    from: u64,
+    until: u64,
+) -> Result<Vec<(u64, Vec<u8>)>, FeedError> {
+    let mut stream = connect(endpoint).await?;
+    handshake(&mut stream, b"DEALER", &[b"ROUTER"]).await?;
+    let mut request = vec![0x01, 0x00, 0x00, 0x08];
+    request.extend_from_slice(&from.to_be_bytes());
+    stream.write_all(&request).await?;
+    stream.flush().await?;
+    let mut out = Vec::new();
+    loop {
+        let frames = read_message(&mut stream, 4).await?;
+        let [_empty, _topic, seq, payload] = frames.as_slice() else {
+            return Err(FeedError::Handshake("not a replay answer"));
+        };
+        match decode_sequence(seq) {
+            Some(seq) if seq == u64::MAX => return Ok(out),
+            Some(seq) if seq >= from && seq < until => {
+                if out.len() as u64 >= MAX_REPLAY_BATCHES {
+                    return Ok(out);
+                }
+                out.push((seq, payload.clone()));
+            }
+            Some(_) => {}
+            None => return Err(FeedError::Handshake("not a replay answer")),
+        }
+    }
+}
+
+/// The greeting: ZMTP 3.0, the NULL mechanism, as a client.
+fn greeting() -> [u8; 64] {
+    let mut g = [0u8; 64];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[12..16].copy_from_slice(b"NULL");
+    g
+}
+
+/// A READY command naming this socket's type.
+fn ready(socket_type: &[u8]) -> Vec<u8> {
+    let mut body = vec![5];
+    body.extend_from_slice(b"READY");
+    body.push(11);
+    body.extend_from_slice(b"Socket-Type");
+    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+    body.extend_from_slice(socket_type);
+    let mut frame = vec![0x04, body.len() as u8];
+    frame.extend_from_slice(&body);
+    frame
+}
+
+/// Greets the publisher, exchanges READY (checking it is a PUB or XPUB
+/// socket) and subscribes to every topic (ZMTP 3.0 subscribes with a
+/// message: `0x01` then the prefix).
+pub async fn subscribe<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S) -> Result<(), FeedError> {
+    handshake(stream, b"SUB", &[b"PUB", b"XPUB"]).await?;
+    stream.write_all(&[0x00, 0x01, 0x01]).await?;
+    stream.flush().await?;
+    Ok(())
+}
+
+/// Greetings and READY as a `ours` socket, to a peer of one of the
+/// `theirs` types.
+async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    ours: &[u8],
+    theirs_may_be: &[&[u8]],
+) -> Result<(), FeedError> {
+    stream.write_all(&greeting()).await?;
+    let mut theirs = [0u8; 64];
+    stream.read_exact(&mut theirs).await?;
+    if theirs[0] != 0xff || theirs[9] != 0x7f {
+        return Err(FeedError::Handshake("no ZMTP signature"));
+    }
+    if theirs[10] < 3 {
+        return Err(FeedError::Handshake("ZMTP before 3.0"));
+    }
+    if &theirs[12..16] != b"NULL" || theirs[16..32].iter().any(|b| *b != 0) {
+        return Err(FeedError::Handshake("a security mechanism other than NULL"));
+    }
+    stream.write_all(&ready(ours)).await?;
+    let (command, body) = read_frame(stream, MAX_COMMAND_BYTES).await?;
+    if !command || !body.starts_with(b"\x05READY") {
+        return Err(FeedError::Handshake("no READY"));
+    }
+    match property(&body[6..], b"Socket-Type") {
+        Some(t) if theirs_may_be.contains(&t) => Ok(()),
+        _ => Err(FeedError::Handshake("the peer's socket type does not fit")),
+    }
+}
+
+/// A metadata property's value (ZMTP: name length, name, 4-byte value
+/// length, value; names compare without case).
+fn property<'a>(mut props: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
+    while let Some((&n, rest)) = props.split_first() {
+        let key = rest.get(..usize::from(n))?;
+        let rest = &rest[usize::from(n)..];
+        let len = u32::from_be_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+        let value = rest.get(4..4 + len)?;
+        if key.eq_ignore_ascii_case(name) {
+            return Some(value);
+        }
+        props = &rest[4 + len..];
+    }
+    None
+}
+
+/// One frame: whether it is a command, and its body (at most `limit`
+/// bytes, refused before it is read otherwise). The body's buffer grows
+/// only as its bytes arrive.
+async fn read_frame<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    limit: usize,
+) -> Result<(bool, Vec<u8>), FeedError> {
+    let (command, _more, body) = read_flagged(stream, limit).await?;
+    Ok((command, body))
+}
+
+async fn read_flagged<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    limit: usize,
+) -> Result<(bool, bool, Vec<u8>), FeedError> {
+    let flags = stream.read_u8().await?;
+    let len = if flags & 0x02 != 0 {
+        stream.read_u64().await?
+    } else {
+        u64::from(stream.read_u8().await?)
+    };
+    if len > limit as u64 {
+        return Err(FeedError::TooLarge(len));
+    }
+    let mut body = Vec::with_capacity((len as usize).min(64 << 10));
+    let read = stream.take(len).read_to_end(&mut body).await?;
+    if read as u64 != len {
+        return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+    }
+    Ok((flags & 0x04 != 0, flags & 0x01 != 0, body))
+}
+
+/// One message's frames (commands between messages are read and
+/// dropped), at most `max_frames` and [`MAX_MESSAGE_BYTES`] in all.
+pub async fn read_message<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    max_frames: usize,
+) -> Result<Vec<Vec<u8>>, FeedError> {
+    let mut frames = Vec::new();
+    let mut left = MAX_MESSAGE_BYTES;
+    loop {
+        let limit = if frames.is_empty() {
+            left.max(MAX_COMMAND_BYTES)
+        } else {
+            left
+        };
+        let (command, more, body) = read_flagged(stream, limit).await?;
+        if command {
+            if !frames.is_empty() || body.len() > MAX_COMMAND_BYTES {
+                return Err(FeedError::Handshake("a command inside a message"));
+            }
+            continue;
+        }
+        left -= body.len().min(left);
+        frames.push(body);
+        if !more {
+            return Ok(frames);
+        }
+        if frames.len() >= max_frames {
+            return Err(FeedError::TooManyFrames);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A publisher's side of the handshake, written per the ZMTP 3.0
+    /// text: greeting, READY as PUB, then the subscription it must get.
+    async fn publisher_handshake(peer: &mut tokio::io::DuplexStream) {
+        let mut g = [0u8; 64];
+        peer.read_exact(&mut g).await.unwrap();
+        assert_eq!(
+            (g[0], g[9], g[10], &g[12..16]),
+            (0xff, 0x7f, 3, &b"NULL"[..])
+        );
+        peer.write_all(&greeting()).await.unwrap();
+        let mut ready_in = [0u8; 2];
+        peer.read_exact(&mut ready_in).await.unwrap();
+        assert_eq!(ready_in[0], 0x04);
+        let mut body = vec![0u8; usize::from(ready_in[1])];
+        peer.read_exact(&mut body).await.unwrap();
+        assert_eq!(property(&body[6..], b"socket-type"), Some(&b"SUB"[..]));
+        peer.write_all(&ready(b"PUB")).await.unwrap();
+        let mut sub = [0u8; 3];
+        peer.read_exact(&mut sub).await.unwrap();
+        assert_eq!(sub, [0x00, 0x01, 0x01]);
+    }
+
+    #[tokio::test]
+    async fn reads_messages_and_skips_commands_between_them() {
+        let (mut ours, mut theirs) = tokio::io::duplex(1 << 16);
+        let (sub, publisher) = tokio::join!(subscribe(&mut ours), publisher_handshake(&mut theirs));
+        sub.unwrap();
+        let _: () = publisher;
+        // A PING command, then [topic, seq, batch] with a long last frame.
+        let mut bytes = vec![0x04, 0x05, 0x04, b'P', b'I', b'N', b'G'];
+        bytes.extend_from_slice(&[0x01, 0x02, b'k', b'v', 0x01, 0x08, 0, 0, 0, 0, 0, 0, 0, 7]);
+        bytes.extend_from_slice(&[0x02, 0, 0, 0, 0, 0, 0, 0, 3, 1, 2, 3]);
+        theirs.write_all(&bytes).await.unwrap();
+        let frames = read_message(&mut ours, MAX_FRAMES).await.unwrap();
+        assert_eq!(
+            frames,
+            vec![b"kv".to_vec(), vec![0, 0, 0, 0, 0, 0, 0, 7], vec![1, 2, 3]]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_huge_frame_or_too_many_frames_drop_the_feed_before_any_read() {
+        let (mut ours, mut theirs) = tokio::io::duplex(1 << 16);
+        // A frame announcing 2^62 bytes.
+        theirs
+            .write_all(&[0x02, 0x40, 0, 0, 0, 0, 0, 0, 0])
+            .await
+            .unwrap();
+        assert!(matches!(
+            read_message(&mut ours, MAX_FRAMES).await,
+            Err(FeedError::TooLarge(_))
+        ));
+        let (mut ours, mut theirs) = tokio::io::duplex(1 << 16);
+        theirs
+            .write_all(&[0x01, 0x00, 0x01, 0x00, 0x01, 0x00, 0x00, 0x00])
+            .await
+            .unwrap();
+        assert!(matches!(
+            read_message(&mut ours, MAX_FRAMES).await,
+            Err(FeedError::TooManyFrames)
+        ));
+        // Frames that together pass the message bound.
+        let (mut ours, mut theirs) = tokio::io::duplex(1 << 20);
+        let writer = tokio::spawn(async move {
+            let half = (MAX_MESSAGE_BYTES / 2 + 1) as u64;
+            for flags in [0x03u8, 0x02] {
+                let mut head = vec![flags];
+                head.extend_from_slice(&half.to_be_bytes());
+                if theirs.write_all(&head).await.is_err() {
+                    return;
+                }
+                let chunk = vec![0u8; half as usize];
+                if flags == 0x03 && theirs.write_all(&chunk).await.is_err() {
+                    return;
+                }
+            }
+        });
+        assert!(matches!(
+            read_message(&mut ours, MAX_FRAMES).await,
+            Err(FeedError::TooLarge(_))
+        ));
+        writer.abort();
+        // Not a publisher: no signature, or a REQ socket.
+        let (mut ours, mut theirs) = tokio::io::duplex(1 << 16);
+        theirs.write_all(&[0u8; 64]).await.unwrap();
+        assert!(subscribe(&mut ours).await.is_err());
+        let (mut ours, mut theirs) = tokio::io::duplex(1 << 16);
+        theirs.write_all(&greeting()).await.unwrap();
+        theirs.write_all(&ready(b"REQ")).await.unwrap();
+        assert!(matches!(
+            subscribe(&mut ours).await,
+            Err(FeedError::Handshake(_))
+        ));
+    }
+}
