@@ -171,6 +171,23 @@ fn hostile_update(fleet: &Fleet, list: u64) -> Envelope {
     }
 }
 
+/// Waits until the sidecar at `admin` counts a peer's one request on
+/// replica `busy` (`what` names the wait), drops `held` (that request, at
+/// the peer) and waits until it sees it released.
+async fn counted_then_released(
+    admin: SocketAddr,
+    held: hearth_router::Decision,
+    busy: usize,
+    what: &str,
+) {
+    wait_for(admin, what, |s| s.replicas[busy].peer_in_flight == 1).await;
+    drop(held);
+    wait_for(admin, "the request seen released", |s| {
+        s.replicas.iter().all(|r| r.peer_in_flight == 0)
+    })
+    .await;
+}
+
 /// The router's replica-list digest, as `/state` shows it.
 fn list_digest(s: &Snapshot) -> u64 {
     u64::from_str_radix(&s.peers.as_ref().unwrap().list_digest, 16).unwrap()
@@ -521,15 +538,7 @@ async fn forged_replayed_and_unsigned_peer_messages_are_dropped_counted_and_chan
     })
     .await
     .expect("A's update with its request in flight");
-    wait_for(b_admin, "B counts A's request", |s| {
-        s.replicas[busy].peer_in_flight == 1
-    })
-    .await;
-    drop(held);
-    wait_for(b_admin, "B sees it released", |s| {
-        s.replicas.iter().all(|r| r.peer_in_flight == 0)
-    })
-    .await;
+    counted_then_released(b_admin, held, busy, "B counts A's request").await;
     let before = state(b_admin).await;
 
     // A replay of A's genuine update, a forgery signed with another key,
@@ -624,15 +633,7 @@ async fn forged_replayed_and_unsigned_peer_messages_are_dropped_counted_and_chan
     // A is heard as before: its next request in flight reaches B.
     let held = router.decide(&RequestInfo::default()).unwrap();
     let busy = held.primary();
-    wait_for(b_admin, "B still hears A after the forgery", |s| {
-        s.replicas[busy].peer_in_flight == 1
-    })
-    .await;
-    drop(held);
-    wait_for(b_admin, "B sees it released", |s| {
-        s.replicas.iter().all(|r| r.peer_in_flight == 0)
-    })
-    .await;
+    counted_then_released(b_admin, held, busy, "B still hears A after the forgery").await;
     for r in &state(b_admin).await.replicas {
         assert_ne!(r.health.state, HealthState::Fenced, "{}", r.id);
     }
