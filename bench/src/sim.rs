@@ -414,7 +414,12 @@ pub fn run(spec: &RunSpec) -> RunResult {
                 for r in router.snapshot_at(clock(end_us)).replicas {
                     sum[0] += r.usage.shrinks_total;
                     sum[1] += r.usage.growths_total;
-                    sum[2] += r.usage.restarts_total;
+                    // Restarts the engine's metrics showed, and those
+                    // its KV events showed (with `--kv-events`).
+                    sum[2] += r.usage.restarts_total
+                        + r.kv_events
+                            .as_ref()
+                            .map_or(0, |k| k.restarts_sequence_total + k.restarts_cleared_total);
                 }
             }
             sum
