@@ -128,6 +128,10 @@ pub struct HearthKnobs {
     /// many milliseconds later (as the bus would carry them); None: they
     /// share nothing.
     pub peer_delay_ms: Option<f64>,
+    /// The engines publish KV cache events and the sidecars read them
+    /// (each replica listed with `kv_events=`; the simulator hands the
+    /// batches to the routers directly, numbered per engine process).
+    pub kv_events: bool,
 }
 
 fn as_debug<S: serde::Serializer>(p: &RouterParams, s: S) -> Result<S::Ok, S::Error> {
@@ -146,6 +150,7 @@ impl Default for HearthKnobs {
             long_replicas: 0,
             sidecars: 1,
             peer_delay_ms: None,
+            kv_events: false,
         }
     }
 }
@@ -210,7 +215,9 @@ impl HearthKnobs {
                 dp_ranks: 1,
                 short_output: false,
                 tls: false,
-                kv_events: None,
+                kv_events: self.kv_events.then(|| {
+                    hearth_router::EventEndpoint::Tcp(([127, 0, 0, 1], 30_000 + i as u16).into())
+                }),
                 kv_events_replay: None,
             })
             .collect()

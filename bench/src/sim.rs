@@ -133,14 +133,21 @@ pub fn run(spec: &RunSpec) -> RunResult {
         .collect();
     let mut engines: Vec<EngineCore> = (0..n)
         .map(|_| {
-            EngineCore::new(
+            let core = EngineCore::new(
                 sc.engine.cost.clone(),
                 sc.engine.block_tokens,
                 sc.engine.cache_capacity_tokens,
-            )
+            );
+            if sc.hearth.kv_events {
+                core.with_cache_events()
+            } else {
+                core
+            }
         })
         .collect();
     let mut step_events: Vec<Vec<SeqEvent>> = vec![Vec::new(); n];
+    // Each engine's next KV event batch number (with `kv_events`).
+    let mut kv_seq = vec![0u64; n];
     let mut busy = vec![false; n];
     let mut policy = Policy::new(spec.policy, n, spec.seed, &sc.hearth);
     let fp_params = hearth_wire::Params::default();
@@ -275,6 +282,11 @@ pub fn run(spec: &RunSpec) -> RunResult {
                         r,
                         |t, ev| push(&mut queue, t, ev),
                     );
+                    if sc.hearth.kv_events {
+                        let addr = sc.hearth.replica_addr(r);
+                        let routers = policy.routers();
+                        publish_kv(&mut engines[r], &mut kv_seq[r], &routers, addr, clock(t));
+                    }
                 }
             }
             Ev::StepEnd(r) => {
@@ -349,6 +361,11 @@ pub fn run(spec: &RunSpec) -> RunResult {
                     r,
                     |t, ev| push(&mut queue, t, ev),
                 );
+                if sc.hearth.kv_events {
+                    let addr = sc.hearth.replica_addr(r);
+                    let routers = policy.routers();
+                    publish_kv(&mut engines[r], &mut kv_seq[r], &routers, addr, clock(t));
+                }
             }
             Ev::PeerDeliver(m) => {
                 if let Some((from, update)) = mailbox.slots.get_mut(m).and_then(Option::take) {
@@ -358,6 +375,10 @@ pub fn run(spec: &RunSpec) -> RunResult {
             }
             Ev::Restart(r) => {
                 engines[r].flush_cache();
+                // A new engine process: what the old one dropped is not
+                // published, and its sequence starts at 0 again.
+                engines[r].take_cache_events();
+                kv_seq[r] = 0;
                 prompt_counter[r] = 0.0;
                 started_s[r] = t as f64 / 1e6;
             }
@@ -393,7 +414,12 @@ pub fn run(spec: &RunSpec) -> RunResult {
                 for r in router.snapshot_at(clock(end_us)).replicas {
                     sum[0] += r.usage.shrinks_total;
                     sum[1] += r.usage.growths_total;
-                    sum[2] += r.usage.restarts_total;
+                    // Restarts the engine's metrics showed, and those
+                    // its KV events showed (with `--kv-events`).
+                    sum[2] += r.usage.restarts_total
+                        + r.kv_events
+                            .as_ref()
+                            .map_or(0, |k| k.restarts_sequence_total + k.restarts_cleared_total);
                 }
             }
             sum
@@ -410,6 +436,30 @@ pub fn run(spec: &RunSpec) -> RunResult {
         long_unfinished: pending.values().filter(|p| p.long).count(),
         corrections,
     }
+}
+
+/// Hands an engine's KV cache events since its last step to every
+/// sidecar, as the batch numbered `seq`.
+fn publish_kv(
+    engine: &mut EngineCore,
+    seq: &mut u64,
+    routers: &[std::sync::Arc<hearth_router::Router>],
+    addr: std::net::SocketAddr,
+    now: Instant,
+) {
+    let events = engine.take_cache_events();
+    if events.is_empty() {
+        return;
+    }
+    let batch = hearth_wire::kv_events::Batch {
+        ts: 0.0,
+        events,
+        data_parallel_rank: Some(0),
+    };
+    for router in routers {
+        router.apply_kv_batch_at(addr, *seq, &batch, now);
+    }
+    *seq += 1;
 }
 
 fn start_step(
@@ -490,6 +540,10 @@ pub struct SimArgs {
     /// (default: the scenario's; engine-restart: 2; 0 = none).
     #[arg(long)]
     pub engine_metrics: Option<f64>,
+    /// The engines publish their KV cache events and the sidecars read
+    /// them (every batch, in order: occupancy, capacity, restarts).
+    #[arg(long)]
+    pub kv_events: bool,
     /// Share of agents that reach the engines around Hearth, through a
     /// ring hash on their session (default: the scenario's; bypass: 0.25).
     #[arg(long)]
@@ -563,6 +617,7 @@ impl SimArgs {
             );
             sc.hearth.peer_delay_ms = Some(ms);
         }
+        sc.hearth.kv_events |= self.kv_events;
         if let Some(every) = self.engine_metrics {
             anyhow::ensure!(
                 every.is_finite() && every >= 0.0,
