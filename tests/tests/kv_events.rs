@@ -35,10 +35,10 @@ fn prompt(n: u64) -> serde_json::Value {
     })
 }
 
-/// Polls `/state` until `done` holds, up to 20 s; panics with the last
-/// state otherwise.
+/// Polls `/state` until `done` holds, up to 60 s (a loaded machine
+/// reconnects and replays slowly); panics with the last state otherwise.
 async fn until(fleet: &Fleet, what: &str, done: impl Fn(&Snapshot) -> bool) -> Snapshot {
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let s = fleet.state().await.expect("/state");
         if done(&s) {
@@ -46,7 +46,7 @@ async fn until(fleet: &Fleet, what: &str, done: impl Fn(&Snapshot) -> bool) -> S
         }
         assert!(
             Instant::now() < deadline,
-            "{what}: not within 20 s; last state: {:#?}",
+            "{what}: not within 60 s; last state: {:#?}",
             s.replicas.iter().map(|r| &r.kv_events).collect::<Vec<_>>()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -71,14 +71,25 @@ async fn reset_cache(fleet: &Fleet, url: &str) {
     panic!("{url} kept its prefix cache in use");
 }
 
-/// Sends first turns until one is served by `id`; returns how many went.
+/// Sends first turn `from` straight to the engine `id` (the feed is the
+/// engine's, whoever routed the prompt; through the gateway, which engine
+/// a new prompt lands on follows load and time); returns the next turn's
+/// number.
 async fn serve_on(fleet: &Fleet, id: &str, from: u64) -> u64 {
-    for n in from..from + 40 {
-        if fleet.chat(&prompt(n)).await.engine.as_deref() == Some(id) {
-            return n + 1;
-        }
-    }
-    panic!("no first turn went to {id} in 40");
+    let engine = fleet
+        .engines
+        .iter()
+        .find(|e| e.engine.config().id == id)
+        .unwrap_or_else(|| panic!("no engine {id}"));
+    let r = fleet
+        .client
+        .post(format!("{}/v1/chat/completions", engine.url()))
+        .json(&prompt(from))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{id}: {:?}", r.text().await);
+    from + 1
 }
 
 /// Each engine's event figures equal its own count of cached blocks.
@@ -351,7 +362,7 @@ pub.shutdown()
     let router = hearth_router::Router::new(hearth_router::RouterParams::default(), &[spec]);
     let feed = tokio::spawn(hearth_ext_proc::feeds::kv_events::run(router.clone()));
     let snap = || router.snapshot().replicas[0].kv_events.clone().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_secs(60);
     while !snap().connected {
         assert!(Instant::now() < deadline, "no connection: {:?}", snap());
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -495,7 +506,7 @@ async fn a_hostile_feed_reaches_only_its_own_replica_and_fences_nothing() {
     junk.extend(message(13, b"\xc1 not msgpack"));
     junk.extend([0x00, 0x01, b'x']); // one frame, not three
     s.write_all(&junk).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_secs(60);
     let snap = |id: &str| {
         let s = router.snapshot();
         let r = s.replicas.iter().find(|r| r.id == id).unwrap().clone();
