@@ -1,9 +1,12 @@
 //! Envoy's header maps on the ext_proc stream: reading a value, and
-//! writing the headers the sidecar sets.
+//! writing the headers the sidecar sets (and its immediate error answers).
 
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption};
-use envoy_types::pb::envoy::service::ext_proc::v3::HttpHeaders;
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    processing_response, HeaderMutation, HttpHeaders, ImmediateResponse, ProcessingResponse,
+};
 
 /// A header's value as text. Envoy sends values in `raw_value` (bytes);
 /// older senders use `value`. A value that is not UTF-8 reads as empty.
@@ -52,6 +55,39 @@ pub fn map(pairs: &[(&str, &str)]) -> HttpHeaders {
                 })
                 .collect(),
         }),
+        ..Default::default()
+    }
+}
+
+/// An immediate answer with an OpenAI-shaped JSON error body (`type`,
+/// `code`, `message`), `status`, and `extra` headers beside its content type;
+/// `details` is what Envoy logs as the response's code details.
+pub fn error_response(
+    status: i32,
+    kind: &str,
+    code: &str,
+    message: &str,
+    extra: &[(&str, &str)],
+    details: String,
+) -> ProcessingResponse {
+    let body = serde_json::json!({
+        "error": {"message": message, "type": kind, "code": code, "param": null}
+    });
+    let mut headers = vec![set("content-type", "application/json")];
+    headers.extend(extra.iter().map(|(k, v)| set(k, v)));
+    ProcessingResponse {
+        response: Some(processing_response::Response::ImmediateResponse(
+            ImmediateResponse {
+                status: Some(HttpStatus { code: status }),
+                headers: Some(HeaderMutation {
+                    set_headers: headers,
+                    remove_headers: vec![],
+                }),
+                body: body.to_string().into_bytes(),
+                details,
+                ..Default::default()
+            },
+        )),
         ..Default::default()
     }
 }

@@ -24,17 +24,15 @@
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
-use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation, processing_response, BodyMutation, BodyResponse, CommonResponse, HeaderMutation,
-    HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse,
+    body_mutation, processing_response, BodyMutation, BodyResponse, CommonResponse, HttpHeaders,
+    ProcessingRequest, ProcessingResponse,
 };
 use envoy_types::pb::google::protobuf::value::Kind;
 
 use hearth_router::Router;
 use hearth_wire::names::{LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE};
 
-use crate::envoy::headers;
 use crate::observe::metrics::PickerMetrics;
 
 /// Largest request body held for fingerprinting. Beyond it the request is
@@ -168,27 +166,14 @@ impl OverBudget {
             }
         };
         let code = "request_bodies_full";
-        let body = serde_json::json!({
-            "error": {"message": message, "type": "rate_limit_exceeded", "code": code, "param": null}
-        });
-        ProcessingResponse {
-            response: Some(processing_response::Response::ImmediateResponse(
-                ImmediateResponse {
-                    status: Some(HttpStatus { code: 429 }),
-                    headers: Some(HeaderMutation {
-                        set_headers: vec![
-                            headers::set("content-type", "application/json"),
-                            headers::set("retry-after", "1"),
-                        ],
-                        remove_headers: vec![],
-                    }),
-                    body: body.to_string().into_bytes(),
-                    details: format!("hearth_{code}"),
-                    ..Default::default()
-                },
-            )),
-            ..Default::default()
-        }
+        crate::envoy::headers::error_response(
+            429,
+            "rate_limit_exceeded",
+            code,
+            message,
+            &[("retry-after", "1")],
+            format!("hearth_{code}"),
+        )
     }
 }
 

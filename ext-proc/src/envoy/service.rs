@@ -18,14 +18,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request, processing_response, BodyResponse, CommonResponse, HeaderMutation,
-    HeadersResponse, HttpBody, HttpHeaders, ImmediateResponse, ProcessingRequest,
-    ProcessingResponse, ProtocolConfiguration, TrailersResponse,
+    HeadersResponse, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+    ProtocolConfiguration, TrailersResponse,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 use futures::Stream;
@@ -921,28 +920,14 @@ fn dropped(reason: DropReason) -> ProcessingResponse {
         DropReason::Ttl => "the fleet stayed saturated for as long as the request may wait",
         DropReason::Disconnected => "the client went away",
     };
-    let body = serde_json::json!({
-        "error": {"message": message, "type": "rate_limit_exceeded", "code": reason.as_str(), "param": null}
-    });
-    ProcessingResponse {
-        response: Some(processing_response::Response::ImmediateResponse(
-            ImmediateResponse {
-                status: Some(HttpStatus { code: 429 }),
-                headers: Some(HeaderMutation {
-                    set_headers: vec![
-                        headers::set("content-type", "application/json"),
-                        headers::set("retry-after", "1"),
-                        headers::set(DROP_REASON, reason.as_str()),
-                    ],
-                    remove_headers: vec![],
-                }),
-                body: body.to_string().into_bytes(),
-                details: format!("hearth_flow_{reason}"),
-                ..Default::default()
-            },
-        )),
-        ..Default::default()
-    }
+    headers::error_response(
+        429,
+        "rate_limit_exceeded",
+        reason.as_str(),
+        message,
+        &[("retry-after", "1"), (DROP_REASON, reason.as_str())],
+        format!("hearth_flow_{reason}"),
+    )
 }
 
 /// An OpenAI-shaped error as an immediate response: 503 when no replica can
@@ -955,28 +940,18 @@ fn refusal(e: &RouteError) -> ProcessingResponse {
         }
         RouteError::Saturated => (429, "rate_limit_exceeded", "overloaded", Some("1")),
     };
-    let body = serde_json::json!({
-        "error": {"message": e.to_string(), "type": kind, "code": code, "param": null}
-    });
-    let mut headers = vec![headers::set("content-type", "application/json")];
-    if let Some(secs) = retry_after {
-        headers.push(headers::set("retry-after", secs));
-    }
-    ProcessingResponse {
-        response: Some(processing_response::Response::ImmediateResponse(
-            ImmediateResponse {
-                status: Some(HttpStatus { code: status }),
-                headers: Some(HeaderMutation {
-                    set_headers: headers,
-                    remove_headers: vec![],
-                }),
-                body: body.to_string().into_bytes(),
-                details: format!("hearth_{code}"),
-                ..Default::default()
-            },
-        )),
-        ..Default::default()
-    }
+    let retry: Vec<(&str, &str)> = retry_after
+        .map(|s| ("retry-after", s))
+        .into_iter()
+        .collect();
+    headers::error_response(
+        status,
+        kind,
+        code,
+        &e.to_string(),
+        &retry,
+        format!("hearth_{code}"),
+    )
 }
 
 #[cfg(test)]

@@ -161,22 +161,23 @@ impl<T> Band<T> {
     /// Takes the entry at the front of flow `key`, removing the flow when
     /// it empties (its deficit with it: an idle flow banks nothing).
     fn take_front(&mut self, key: &str) -> Option<Entry<T>> {
-        let flow = self.flows.get_mut(key)?;
-        let entry = flow.entries.pop_front()?;
-        if flow.entries.is_empty() {
-            self.flows.remove(key);
-            self.order.retain(|k| k != key);
-        }
-        self.len -= 1;
-        self.bytes -= entry.bytes;
-        Some(entry)
+        self.take_where(key, |_| Some(0))
     }
 
     /// Takes entry `id` of flow `key`.
     fn take(&mut self, key: &str, id: u64) -> Option<Entry<T>> {
+        self.take_where(key, |entries| entries.iter().position(|e| e.id == id))
+    }
+
+    /// Takes the entry of flow `key` at the place `at` finds, removing the
+    /// flow when it empties.
+    fn take_where(
+        &mut self,
+        key: &str,
+        at: impl FnOnce(&VecDeque<Entry<T>>) -> Option<usize>,
+    ) -> Option<Entry<T>> {
         let flow = self.flows.get_mut(key)?;
-        let at = flow.entries.iter().position(|e| e.id == id)?;
-        let entry = flow.entries.remove(at)?;
+        let entry = flow.entries.remove(at(&flow.entries)?)?;
         if flow.entries.is_empty() {
             self.flows.remove(key);
             self.order.retain(|k| k != key);
