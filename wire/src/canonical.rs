@@ -240,7 +240,7 @@ impl Message {
                 Some("name") => m.name = Some(v),
                 _ => {}
             }
-            json.skip(v, 0)
+            Ok(json.end_of(v).0)
         })?;
         Ok(m)
     }
@@ -262,19 +262,26 @@ struct Records<'j, 's, S> {
 impl<S: Sink> Records<'_, '_, S> {
     /// A record of the string at `at`'s text; returns where the string ends.
     fn text(&mut self, tag: u8, at: usize) -> Res<usize> {
-        self.out.put(&[tag]);
+        self.out.put_byte(tag);
         let out = &mut *self.out;
         let end = self.json.decode(at, |piece| out.put(piece.as_bytes()))?;
-        self.out.put(&[RECORD_END]);
+        self.out.put_byte(RECORD_END);
         Ok(end)
     }
 
     /// A record of the value at `at`'s canonical JSON; returns where the
     /// value ends.
     fn value(&mut self, tag: u8, at: usize) -> Res<usize> {
-        self.out.put(&[tag]);
+        if let Some(end) = self.json.verbatim_end(at) {
+            // Canonical as it stands (a tiny item).
+            self.out.put_byte(tag);
+            self.out.put(self.json.bytes(at, end));
+            self.out.put_byte(RECORD_END);
+            return Ok(end);
+        }
+        self.out.put_byte(tag);
         let end = self.json.canonical(at, self.scratch, self.out)?;
-        self.out.put(&[RECORD_END]);
+        self.out.put_byte(RECORD_END);
         Ok(end)
     }
 
@@ -361,7 +368,7 @@ impl<S: Sink> Records<'_, '_, S> {
                 Some("text") => text = Some(v),
                 _ => {}
             }
-            json.skip(v, 0)
+            Ok(json.end_of(v).0)
         })?;
         let is_text = kind.is_some_and(|t| json.at(t) == b'"' && json.string_is(t, "text"));
         match text {
@@ -384,7 +391,7 @@ impl<S: Sink> Records<'_, '_, S> {
                     let c = json.at(item);
                     strings &= c == b'"';
                     ids &= c == b'[' || c == b'-' || c.is_ascii_digit();
-                    json.skip(item, 0)
+                    Ok(json.end_of(item).0)
                 })?;
                 if strings {
                     json.items(p, 0, |item| self.text(TAG_PROMPT, item))?;

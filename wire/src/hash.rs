@@ -84,38 +84,6 @@ pub(crate) struct Chain {
     state: u64,
     filled: usize,
     hashes: Vec<u64>,
-    /// Small pieces (a decoded escape, a record's tag) gathered before
-    /// they are hashed, so each costs a copy rather than a call.
-    staged: [u8; STAGE],
-    staged_len: usize,
-}
-
-const STAGE: usize = 256;
-
-/// The chain's block state, borrowed apart from its staging buffer.
-struct Blocks<'c> {
-    block: usize,
-    state: &'c mut u64,
-    filled: &'c mut usize,
-    hashes: &'c mut Vec<u64>,
-}
-
-impl Blocks<'_> {
-    fn hash(self, bytes: &[u8]) {
-        let mut rest = bytes;
-        while !rest.is_empty() {
-            let k = rest.len().min(self.block - *self.filled);
-            let (now, later) = rest.split_at(k);
-            *self.state = fnv_update(*self.state, now);
-            *self.filled += k;
-            if *self.filled == self.block {
-                self.hashes.push(*self.state);
-                *self.state = fnv_update(FNV_OFFSET, &self.state.to_le_bytes());
-                *self.filled = 0;
-            }
-            rest = later;
-        }
-    }
 }
 
 impl Chain {
@@ -132,32 +100,29 @@ impl Chain {
             state: fnv_update(FNV_OFFSET, &seed.to_le_bytes()),
             filled: 0,
             hashes: Vec::with_capacity(bound.min(expected).div_ceil(block)),
-            staged: [0; STAGE],
-            staged_len: 0,
         }
     }
 
     /// Hashes `bytes` (within the bound) into the chain, block by block.
     fn hash(&mut self, bytes: &[u8]) {
-        Blocks {
-            block: self.block,
-            state: &mut self.state,
-            filled: &mut self.filled,
-            hashes: &mut self.hashes,
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let k = rest.len().min(self.block - self.filled);
+            let (now, later) = rest.split_at(k);
+            self.state = fnv_update(self.state, now);
+            self.filled += k;
+            if self.filled == self.block {
+                self.end_block();
+            }
+            rest = later;
         }
-        .hash(bytes);
     }
 
-    fn flush(&mut self) {
-        let staged = self.staged.get(..self.staged_len).unwrap_or_default();
-        Blocks {
-            block: self.block,
-            state: &mut self.state,
-            filled: &mut self.filled,
-            hashes: &mut self.hashes,
-        }
-        .hash(staged);
-        self.staged_len = 0;
+    /// The current block is full: its hash is kept and chains the next.
+    fn end_block(&mut self) {
+        self.hashes.push(self.state);
+        self.state = fnv_update(FNV_OFFSET, &self.state.to_le_bytes());
+        self.filled = 0;
     }
 
     /// Every byte given so far.
@@ -167,7 +132,6 @@ impl Chain {
 
     /// The hashes, the trailing partial block's included.
     pub(crate) fn finish(mut self) -> Vec<u64> {
-        self.flush();
         if self.filled > 0 {
             self.hashes.push(self.state);
         }
@@ -182,24 +146,33 @@ impl Sink for Chain {
         let take = bytes.len().min(self.room);
         self.room -= take;
         let bytes = bytes.get(..take).unwrap_or_default();
-        if self.staged_len + bytes.len() <= STAGE {
-            if let Some(to) = self
-                .staged
-                .get_mut(self.staged_len..self.staged_len + bytes.len())
-            {
-                to.copy_from_slice(bytes);
-                self.staged_len += bytes.len();
+        if self.filled + bytes.len() < self.block {
+            // Inside the current block: no block ends, nothing to push.
+            if bytes.len() < 8 {
+                // A tiny piece (a short item, a key): no loop set-up.
+                for &b in bytes {
+                    self.state = (self.state ^ u64::from(b)).wrapping_mul(FNV_PRIME);
+                }
+            } else {
+                self.state = fnv_update(self.state, bytes);
             }
-            return;
-        }
-        self.flush();
-        if bytes.len() < STAGE / 2 {
-            if let Some(to) = self.staged.get_mut(..bytes.len()) {
-                to.copy_from_slice(bytes);
-                self.staged_len = bytes.len();
-            }
+            self.filled += bytes.len();
         } else {
             self.hash(bytes);
+        }
+    }
+
+    #[inline]
+    fn put_byte(&mut self, byte: u8) {
+        self.len += 1;
+        if self.room == 0 {
+            return;
+        }
+        self.room -= 1;
+        self.state = (self.state ^ u64::from(byte)).wrapping_mul(FNV_PRIME);
+        self.filled += 1;
+        if self.filled == self.block {
+            self.end_block();
         }
     }
 

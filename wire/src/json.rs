@@ -34,6 +34,12 @@ const BAD: SkipReason = SkipReason::NotJson;
 pub(crate) trait Sink {
     /// The next canonical bytes.
     fn put(&mut self, bytes: &[u8]);
+    /// The next canonical byte (a bracket, a record's tag): a sink may
+    /// take it faster than a slice.
+    #[inline]
+    fn put_byte(&mut self, byte: u8) {
+        self.put(&[byte]);
+    }
     /// Whether the sink still keeps what it is given. Once it only counts,
     /// [`Sink::count`] may stand for bytes that were never written out.
     fn keeps(&self) -> bool {
@@ -50,6 +56,16 @@ impl Sink for Vec<u8> {
     }
 
     /// Never called: a `Vec` keeps everything.
+    fn count(&mut self, _: usize) {}
+}
+
+/// A sink that drops what it is given: [`Json::array`] only validating.
+pub(crate) struct Nowhere;
+
+impl Sink for Nowhere {
+    #[inline]
+    fn put(&mut self, _: &[u8]) {}
+
     fn count(&mut self, _: usize) {}
 }
 
@@ -81,6 +97,10 @@ impl<'a> Json<'a> {
         self.s.get(from..to).unwrap_or_default()
     }
 
+    pub(crate) fn bytes(&self, from: usize, to: usize) -> &'a [u8] {
+        self.s.as_bytes().get(from..to).unwrap_or_default()
+    }
+
     #[inline]
     pub(crate) fn ws(&self, mut i: usize) -> usize {
         while matches!(self.at(i), b' ' | b'\t' | b'\n' | b'\r') {
@@ -106,7 +126,7 @@ impl<'a> Json<'a> {
         match self.at(i) {
             b'"' => self.string_end(i),
             b'{' => self.members(i, depth, |_, v| self.skip(v, depth + 1)),
-            b'[' => self.items(i, depth, |v| self.skip(v, depth + 1)),
+            b'[' => self.array(i, depth, &mut Nowhere, |v, d, _| self.skip(v, d)),
             b't' => self.literal(i, "true"),
             b'f' => self.literal(i, "false"),
             b'n' => self.literal(i, "null"),
@@ -120,6 +140,56 @@ impl<'a> Json<'a> {
             Ok(i + lit.len())
         } else {
             Err(BAD)
+        }
+    }
+
+    /// Where the value at `i` ends, for a body already validated (by
+    /// [`Json::document`] or a scan of the whole body): brackets counted
+    /// and strings stepped over, nothing checked again. The second item
+    /// says whether an object opens inside (or is the value). On a body
+    /// not validated it still ends, at the end of the body at the latest.
+    pub(crate) fn end_of(&self, i: usize) -> (usize, bool) {
+        let bytes = self.s.as_bytes();
+        match self.at(i) {
+            b'"' => (self.string_end(i).unwrap_or(bytes.len()), false),
+            b'[' | b'{' => {
+                let (mut open, mut objects) = (0usize, false);
+                let mut j = i;
+                loop {
+                    // Everything but quotes and brackets is passed over.
+                    while bytes.get(j).is_some_and(|&c| !STRUCTURE[usize::from(c)]) {
+                        j += 1;
+                    }
+                    match bytes.get(j) {
+                        None => return (bytes.len(), objects),
+                        Some(b'"') => {
+                            j = self.string_end(j).unwrap_or(bytes.len());
+                            continue;
+                        }
+                        Some(b'{') => {
+                            objects = true;
+                            open += 1;
+                        }
+                        Some(b'[') => open += 1,
+                        Some(_) => {
+                            open = open.saturating_sub(1);
+                            if open == 0 {
+                                return (j + 1, objects);
+                            }
+                        }
+                    }
+                    j += 1;
+                }
+            }
+            _ => {
+                // A number or a literal.
+                let mut j = i;
+                while self.at(j).is_ascii_alphanumeric() || matches!(self.at(j), b'-' | b'+' | b'.')
+                {
+                    j += 1;
+                }
+                (j, false)
+            }
         }
     }
 
@@ -180,6 +250,95 @@ impl<'a> Json<'a> {
                 _ => return Err(BAD),
             }
         }
+    }
+
+    /// Reads the array at `i` (inside `depth` arrays and objects) and the
+    /// arrays nested in it, in one loop rather than a call per item and
+    /// level, writing them to `out` as canonical JSON where they are
+    /// canonical as they stand: brackets, commas and the items of
+    /// [`Json::verbatim_end`], whitespace dropped, in runs of the body as
+    /// long as nothing else comes between. Any other item (an object, a
+    /// number or string to rewrite) goes to `item(value, its depth, out)`,
+    /// which returns where it ends. Returns where the array ends.
+    ///
+    /// So an array of many tiny items or many levels costs a scan of its
+    /// bytes, not a call and a write per item.
+    pub(crate) fn array<S: Sink>(
+        &self,
+        i: usize,
+        depth: usize,
+        out: &mut S,
+        mut item: impl FnMut(usize, usize, &mut S) -> Res<usize>,
+    ) -> Res<usize> {
+        if depth >= MAX_DEPTH || self.at(i) != b'[' {
+            return Err(BAD);
+        }
+        // The body's bytes from `run` to `j` are still to be written as
+        // they stand; whitespace ends a run, and what `item` writes.
+        let mut run = i;
+        let mut open = 1;
+        let mut j = i + 1;
+        // Just after a `[`: an item or `]`.
+        let mut opened = true;
+        loop {
+            j = self.gap(&mut run, j, out);
+            match self.at(j) {
+                b']' if opened => {
+                    j += 1;
+                    open -= 1;
+                }
+                b'[' => {
+                    if depth + open >= MAX_DEPTH {
+                        return Err(BAD);
+                    }
+                    open += 1;
+                    j += 1;
+                    opened = true;
+                    continue;
+                }
+                _ => match self.verbatim_end(j) {
+                    Some(end) if self.at(j) != b'{' || depth + open < MAX_DEPTH => j = end,
+                    _ => {
+                        out.put(self.bytes(run, j));
+                        j = item(j, depth + open, out)?;
+                        run = j;
+                    }
+                },
+            }
+            opened = false;
+            // After an item: `,` and the next, or `]` (and maybe more).
+            loop {
+                if open == 0 {
+                    out.put(self.bytes(run, j));
+                    return Ok(j);
+                }
+                j = self.gap(&mut run, j, out);
+                match self.at(j) {
+                    b',' => {
+                        j += 1;
+                        break;
+                    }
+                    b']' => {
+                        j += 1;
+                        open -= 1;
+                    }
+                    _ => return Err(BAD),
+                }
+            }
+        }
+    }
+
+    /// Skips the whitespace at `j`, which canonical JSON drops: the run
+    /// of body bytes before it (from `run`) is written out, and the next
+    /// run starts after it.
+    #[inline(always)]
+    fn gap<S: Sink>(&self, run: &mut usize, j: usize, out: &mut S) -> usize {
+        if !matches!(self.at(j), b' ' | b'\t' | b'\n' | b'\r') {
+            return j;
+        }
+        out.put(self.bytes(*run, j));
+        *run = self.ws(j);
+        *run
     }
 
     /// Where the value of the member whose key opens at `key` begins.
@@ -389,10 +548,41 @@ impl<'a> Json<'a> {
         if self.at(i) == b'[' {
             // An array's items are sorted apart, so each is indexed on its
             // own: a tool list costs what its largest tool does.
-            return self.write_items(i, out, |v, out| self.canonical(v, scratch, out));
+            return self.array(i, 0, out, |v, _, out| self.canonical(v, scratch, out));
         }
         scratch.index(self, i)?;
         self.write(i, scratch, out)
+    }
+
+    /// Where the value at `i` ends when it is its own canonical form and
+    /// simple to tell so: an integer of at most 18 digits, a literal, a
+    /// string with no escape, `{}` or `[]` (no whitespace inside). What it
+    /// accepts is valid JSON. `None` says nothing about the value, valid
+    /// or not.
+    #[inline(always)]
+    pub(crate) fn verbatim_end(&self, i: usize) -> Option<usize> {
+        let c = self.at(i);
+        let digits = i + usize::from(c == b'-');
+        let first = self.at(digits);
+        if first.is_ascii_digit() {
+            let end = self.digits(digits + 1);
+            let ok = end - digits <= 18
+                && (first != b'0' || end == digits + 1)
+                && !matches!(self.at(end), b'.' | b'e' | b'E');
+            return ok.then_some(end);
+        }
+        match c {
+            b'"' => {
+                let end = i + 1 + plain_run(self.s.as_bytes().get(i + 1..)?)?;
+                (self.at(end) == b'"').then_some(end + 1)
+            }
+            b't' => self.literal(i, "true").ok(),
+            b'f' => self.literal(i, "false").ok(),
+            b'n' => self.literal(i, "null").ok(),
+            b'{' => (self.at(i + 1) == b'}').then_some(i + 2),
+            b'[' => (self.at(i + 1) == b']').then_some(i + 2),
+            _ => None,
+        }
     }
 
     fn write(&self, i: usize, ix: &Scratch, out: &mut impl Sink) -> Res<usize> {
@@ -401,40 +591,40 @@ impl<'a> Json<'a> {
             b'{' => {
                 let Some(keys) = ix.keys_of(i) else {
                     // No member or one: as it comes.
-                    out.put(b"{");
+                    out.put_byte(b'{');
                     let end = self.members(i, 0, |k, v| {
                         self.write_string(k, out)?;
-                        out.put(b":");
+                        out.put_byte(b':');
                         self.write(v, ix, out)
                     })?;
-                    out.put(b"}");
+                    out.put_byte(b'}');
                     return Ok(end);
                 };
                 // The last member in the body is always kept, and the object
                 // closes after its value.
                 let last = keys.iter().copied().max().unwrap_or(0);
                 let mut end = None;
-                out.put(b"{");
+                out.put_byte(b'{');
                 for (n, &k) in keys.iter().enumerate() {
                     if n > 0 {
-                        out.put(b",");
+                        out.put_byte(b',');
                     }
                     let k = k as usize;
                     self.write_string(k, out)?;
-                    out.put(b":");
+                    out.put_byte(b':');
                     let e = self.write(self.value_of(k)?, ix, out)?;
                     if k == last as usize {
                         end = Some(e);
                     }
                 }
-                out.put(b"}");
+                out.put_byte(b'}');
                 let close = self.ws(end.ok_or(BAD)?);
                 if self.at(close) != b'}' {
                     return Err(BAD);
                 }
                 Ok(close + 1)
             }
-            b'[' => self.write_items(i, out, |v, out| self.write(v, ix, out)),
+            b'[' => self.array(i, 0, out, |v, _, out| self.write(v, ix, out)),
             b't' => {
                 out.put(b"true");
                 self.literal(i, "true")
@@ -451,30 +641,15 @@ impl<'a> Json<'a> {
         }
     }
 
-    /// Writes the array at `i` as `[`, each item by `item`, `]`.
-    fn write_items<S: Sink>(
-        &self,
-        i: usize,
-        out: &mut S,
-        mut item: impl FnMut(usize, &mut S) -> Res<usize>,
-    ) -> Res<usize> {
-        out.put(b"[");
-        let mut first = true;
-        let end = self.items(i, 0, |v| {
-            if !first {
-                out.put(b",");
-            }
-            first = false;
-            item(v, out)
-        })?;
-        out.put(b"]");
-        Ok(end)
-    }
-
     fn write_string(&self, i: usize, out: &mut impl Sink) -> Res<usize> {
-        out.put(b"\"");
+        if let Some(end) = self.verbatim_end(i) {
+            // No escape: canonical as it stands.
+            out.put(self.bytes(i, end));
+            return Ok(end);
+        }
+        out.put_byte(b'"');
         let end = self.decode(i, |piece| escape_into(out, piece))?;
-        out.put(b"\"");
+        out.put_byte(b'"');
         Ok(end)
     }
 
@@ -512,6 +687,17 @@ impl<'a> Json<'a> {
         Ok(end)
     }
 }
+
+/// The bytes [`Json::end_of`] stops at: quotes and brackets.
+static STRUCTURE: [bool; 256] = {
+    let mut t = [false; 256];
+    t[b'"' as usize] = true;
+    t[b'[' as usize] = true;
+    t[b']' as usize] = true;
+    t[b'{' as usize] = true;
+    t[b'}' as usize] = true;
+    t
+};
 
 /// Where the first byte that ends a string's plain run is in `bytes` (a
 /// quote, a backslash or a control character), eight bytes at a time.
@@ -689,8 +875,12 @@ impl Scratch {
                 self.open.truncate(mark);
                 Ok(end)
             }
-            b'[' => json.items(i, 0, |v| self.walk(json, v)),
-            _ => json.skip(i, 0),
+            b'[' => match json.end_of(i) {
+                // No object inside: no keys to index.
+                (end, false) => Ok(end),
+                _ => json.array(i, 0, &mut Nowhere, |v, _, _| self.walk(json, v)),
+            },
+            _ => Ok(json.end_of(i).0),
         }
     }
 
@@ -814,11 +1004,11 @@ impl Decimal {
     /// positional, no exponent, no trailing `.0`.
     fn write(&self, out: &mut impl Sink) {
         if self.negative {
-            out.put(b"-");
+            out.put_byte(b'-');
         }
         let digits = self.digits.get(..self.len).unwrap_or_default();
         if digits.is_empty() {
-            out.put(b"0");
+            out.put_byte(b'0');
             return;
         }
         let n = digits.len() as i64;
@@ -828,7 +1018,7 @@ impl Decimal {
         } else if n + self.exp > 0 {
             let point = (n + self.exp) as usize;
             out.put(digits.get(..point).unwrap_or_default());
-            out.put(b".");
+            out.put_byte(b'.');
             out.put(digits.get(point..).unwrap_or_default());
         } else {
             out.put(b"0.");
