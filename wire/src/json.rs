@@ -5,8 +5,8 @@
 //! its shape: a scan validates a value with no memory but its nesting, and
 //! canonical JSON is written from the body itself. The one thing a scan
 //! cannot do is sort an object's keys; for that, [`Scratch`] holds the key
-//! offsets of the value being written (4 bytes a key, 8 more per object of
-//! several members), at most [`MAX_KEYS`] of them.
+//! and value offsets of the value being written (8 bytes a member, 8 more
+//! per object of several members), at most [`MAX_KEYS`] members.
 //!
 //! Canonical JSON is written as `json.rs` always has (the crate docs): no
 //! whitespace, keys sorted by their bytes with the last of a repeated key
@@ -25,7 +25,7 @@ pub(crate) const MAX_DEPTH: usize = 127;
 /// a content part, an input item: the items of an array count apart).
 /// Past it the body is skipped as [`SkipReason::TooComplex`]: routed on
 /// load.
-pub(crate) const MAX_KEYS: usize = 1 << 16;
+pub(crate) const MAX_KEYS: usize = 1 << 15;
 
 pub(crate) type Res<T> = Result<T, SkipReason>;
 const BAD: SkipReason = SkipReason::NotJson;
@@ -341,15 +341,6 @@ impl<'a> Json<'a> {
         *run
     }
 
-    /// Where the value of the member whose key opens at `key` begins.
-    fn value_of(&self, key: usize) -> Res<usize> {
-        let j = self.ws(self.string_end(key)?);
-        if self.at(j) != b':' {
-            return Err(BAD);
-        }
-        Ok(self.ws(j + 1))
-    }
-
     // -- strings --------------------------------------------------------
 
     /// The end of the string opening at `i`, validated as [`Json::decode`]
@@ -470,8 +461,28 @@ impl<'a> Json<'a> {
         self.decoded(i).eq(lit.bytes())
     }
 
+    /// Orders the (valid) strings opening at `a` and `b` by their decoded
+    /// bytes: the body's own bytes while neither has an escape.
     fn cmp_strings(&self, a: usize, b: usize) -> Ordering {
-        self.decoded(a).cmp(self.decoded(b))
+        let (mut x, mut y) = (a + 1, b + 1);
+        loop {
+            let (p, q) = (self.at(x), self.at(y));
+            if p == b'\\' || q == b'\\' {
+                // From here on, decoded (what came before is equal).
+                return self.decoded(x - 1).cmp(self.decoded(y - 1));
+            }
+            // (A string ends at its quote; the body's end stops a scan
+            // of one not validated.)
+            match (matches!(p, b'"' | 0), matches!(q, b'"' | 0)) {
+                (true, true) => return Ordering::Equal,
+                (true, false) => return Ordering::Less,
+                (false, true) => return Ordering::Greater,
+                _ if p != q => return p.cmp(&q),
+                _ => {}
+            }
+            x += 1;
+            y += 1;
+        }
     }
 
     // -- numbers --------------------------------------------------------
@@ -589,7 +600,7 @@ impl<'a> Json<'a> {
         match self.at(i) {
             b'"' => self.write_string(i, out),
             b'{' => {
-                let Some(keys) = ix.keys_of(i) else {
+                let Some(members) = ix.keys_of(i) else {
                     // No member or one: as it comes.
                     out.put_byte(b'{');
                     let end = self.members(i, 0, |k, v| {
@@ -602,18 +613,17 @@ impl<'a> Json<'a> {
                 };
                 // The last member in the body is always kept, and the object
                 // closes after its value.
-                let last = keys.iter().copied().max().unwrap_or(0);
+                let last = members.iter().map(|m| m.0).max().unwrap_or(0);
                 let mut end = None;
                 out.put_byte(b'{');
-                for (n, &k) in keys.iter().enumerate() {
+                for (n, &(k, v)) in members.iter().enumerate() {
                     if n > 0 {
                         out.put_byte(b',');
                     }
-                    let k = k as usize;
-                    self.write_string(k, out)?;
+                    self.write_string(k as usize, out)?;
                     out.put_byte(b':');
-                    let e = self.write(self.value_of(k)?, ix, out)?;
-                    if k == last as usize {
+                    let e = self.write(v as usize, ix, out)?;
+                    if k == last {
                         end = Some(e);
                     }
                 }
@@ -708,6 +718,7 @@ fn plain_run(bytes: &[u8]) -> Option<usize> {
     // The high bit of each byte of `v` below `n` (n <= 128), and of each
     // zero byte: exact for the lowest such byte, which is all we read.
     let below = |v: u64, n: u8| v.wrapping_sub(ONES * u64::from(n)) & !v & HIGH;
+    let plain = |c: u8| c != b'"' && c != b'\\' && c >= 0x20;
     let mut chunks = bytes.chunks_exact(8);
     let mut at = 0;
     for c in &mut chunks {
@@ -725,7 +736,7 @@ fn plain_run(bytes: &[u8]) -> Option<usize> {
     chunks
         .remainder()
         .iter()
-        .position(|&c| c == b'"' || c == b'\\' || c < 0x20)
+        .position(|&c| !plain(c))
         .map(|k| at + k)
 }
 
@@ -809,17 +820,18 @@ impl Iterator for Decoded<'_> {
     }
 }
 
-/// The sorted keys of the objects of several members of one value.
+/// The sorted members of the objects of several members of one value.
 #[derive(Default)]
 pub(crate) struct Scratch {
-    /// Keys of the objects still open while indexing.
-    open: Vec<u32>,
+    /// Members (key and value offsets) of the objects still open while
+    /// indexing.
+    open: Vec<(u32, u32)>,
     /// Per object of several members, in order of where it starts: its
-    /// offset and where its group begins in `groups`.
-    objects: Vec<(u32, u32)>,
-    /// Per such object, a count and then its member keys, sorted, a
-    /// repeated key's last member only.
-    groups: Vec<u32>,
+    /// offset, and where its members begin in `groups` and how many.
+    objects: Vec<(u32, u32, u32)>,
+    /// Per such object, its members, sorted by key, a repeated key's last
+    /// member only.
+    groups: Vec<(u32, u32)>,
     /// Keys seen in the value being indexed.
     seen: usize,
 }
@@ -845,32 +857,28 @@ impl Scratch {
                     if self.seen > MAX_KEYS {
                         return Err(SkipReason::TooComplex);
                     }
-                    self.open.push(k as u32);
+                    self.open.push((k as u32, v as u32));
                     self.walk(json, v)
                 })?;
-                let keys = self.open.get_mut(mark..).unwrap_or_default();
-                if keys.len() >= 2 {
+                let members = self.open.get_mut(mark..).unwrap_or_default();
+                if members.len() >= 2 {
                     // By key, then by position: the last of equal keys wins.
-                    keys.sort_unstable_by(|&a, &b| {
+                    members.sort_unstable_by(|&(a, _), &(b, _)| {
                         json.cmp_strings(a as usize, b as usize).then(a.cmp(&b))
                     });
                     let start = self.groups.len();
-                    self.groups.push(0);
-                    for n in 0..keys.len() {
-                        let k = keys.get(n).copied().unwrap_or(0);
-                        let next = keys.get(n + 1).copied();
+                    for n in 0..members.len() {
+                        let m = members.get(n).copied().unwrap_or_default();
+                        let next = members.get(n + 1).copied();
                         let repeated = next.is_some_and(|next| {
-                            json.cmp_strings(k as usize, next as usize) == Ordering::Equal
+                            json.cmp_strings(m.0 as usize, next.0 as usize) == Ordering::Equal
                         });
                         if !repeated {
-                            self.groups.push(k);
+                            self.groups.push(m);
                         }
                     }
-                    let count = (self.groups.len() - start - 1) as u32;
-                    if let Some(c) = self.groups.get_mut(start) {
-                        *c = count;
-                    }
-                    self.objects.push((i as u32, start as u32));
+                    let count = (self.groups.len() - start) as u32;
+                    self.objects.push((i as u32, start as u32, count));
                 }
                 self.open.truncate(mark);
                 Ok(end)
@@ -884,15 +892,16 @@ impl Scratch {
         }
     }
 
-    /// The sorted keys of the object at `i`, when it has several members.
-    fn keys_of(&self, i: usize) -> Option<&[u32]> {
+    /// The members of the object at `i` (key and value offsets), sorted
+    /// by key, when it has several.
+    fn keys_of(&self, i: usize) -> Option<&[(u32, u32)]> {
         let at = self
             .objects
             .binary_search_by_key(&(i as u32), |o| o.0)
             .ok()?;
-        let start = self.objects.get(at)?.1 as usize;
-        let count = *self.groups.get(start)? as usize;
-        self.groups.get(start + 1..start + 1 + count)
+        let &(_, start, count) = self.objects.get(at)?;
+        self.groups
+            .get(start as usize..start as usize + count as usize)
     }
 }
 

@@ -7,7 +7,7 @@
 //!
 //! The bound: nothing of the body is copied or built into a tree, so what
 //! a parse holds is the hash list, the key index of the one JSON value
-//! being written (at most 65,536 keys) and nothing else: under a quarter
+//! being written (at most 32,768 keys) and nothing else: under a quarter
 //! of a 4 MiB body whatever its shape, and far less for most (the table
 //! it prints says how much).
 
