@@ -272,15 +272,15 @@ impl<S: Sink> Records<'_, '_, S> {
     /// A record of the value at `at`'s canonical JSON; returns where the
     /// value ends.
     fn value(&mut self, tag: u8, at: usize) -> Res<usize> {
-        if let Some(end) = self.json.verbatim_end(at) {
-            // Canonical as it stands (a tiny item).
-            self.out.put_byte(tag);
-            self.out.put(self.json.bytes(at, end));
-            self.out.put_byte(RECORD_END);
-            return Ok(end);
-        }
         self.out.put_byte(tag);
-        let end = self.json.canonical(at, self.scratch, self.out)?;
+        let end = match self.json.verbatim_end(at) {
+            // Canonical as it stands (a tiny item).
+            Some(end) => {
+                self.out.put(self.json.bytes(at, end));
+                end
+            }
+            None => self.json.canonical(at, self.scratch, self.out)?,
+        };
         self.out.put_byte(RECORD_END);
         Ok(end)
     }
@@ -360,6 +360,10 @@ impl<S: Sink> Records<'_, '_, S> {
         let json = self.json;
         if json.at(at) != b'{' {
             return Err(SkipReason::BadField);
+        }
+        if json.at(at + 1) == b'}' {
+            // `{}`: no text.
+            return self.value(TAG_PART, at);
         }
         let (mut kind, mut text) = (None, None);
         let end = json.members(at, 0, |k, v| {
