@@ -919,56 +919,62 @@ struct Decimal {
 }
 
 impl Decimal {
-    /// Reads JSON number text (or Rust's `{:e}`, which has the same shape).
+    /// Reads JSON number text (or Rust's `{:e}`, which has the same shape)
+    /// in one pass over its bytes.
     fn of(text: &str) -> Option<Decimal> {
-        let (negative, rest) = match text.strip_prefix('-') {
-            Some(r) => (true, r),
-            None => (false, text),
-        };
-        let (mantissa, exp) = match rest.find(['e', 'E']) {
-            Some(at) => {
-                let e = rest.get(at + 1..)?;
-                let e = e.strip_prefix('+').unwrap_or(e);
-                // A huge exponent saturates: the number is then no f64 or
-                // zero, which the slow path tells.
-                let e = e.parse::<i64>().unwrap_or(if e.starts_with('-') {
-                    i64::MIN / 4
-                } else {
-                    i64::MAX / 4
-                });
-                (rest.get(..at)?, e)
-            }
-            None => (rest, 0),
-        };
-        let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+        let bytes = text.as_bytes();
+        let negative = bytes.first() == Some(&b'-');
         let mut d = Decimal {
             negative,
             digits: [0; 17],
             len: 0,
             significant: 0,
-            exp: exp.saturating_sub(frac.len() as i64),
+            exp: 0,
         };
-        let mut zeros = 0usize;
-        for c in int.bytes().chain(frac.bytes()) {
-            let v = c.wrapping_sub(b'0');
-            if v > 9 {
+        let (mut k, mut zeros, mut point, mut frac) = (usize::from(negative), 0usize, false, 0i64);
+        while let Some(&c) = bytes.get(k) {
+            match c {
+                b'0' => {
+                    if d.significant > 0 {
+                        zeros += 1;
+                    }
+                    frac += i64::from(point);
+                }
+                b'1'..=b'9' => {
+                    // Zeros between significant digits are digits too.
+                    for _ in 0..zeros {
+                        d.push(0);
+                    }
+                    zeros = 0;
+                    d.push(c - b'0');
+                    frac += i64::from(point);
+                }
+                b'.' if !point => point = true,
+                b'e' | b'E' => break,
+                _ => return None,
+            }
+            k += 1;
+        }
+        let mut exp = 0i64;
+        if k < bytes.len() {
+            // The exponent; a huge one saturates (the number is then no
+            // f64 or zero, which the slow path tells).
+            let sign = match bytes.get(k + 1) {
+                Some(b'-') => -1,
+                _ => 1,
+            };
+            k += 1 + usize::from(matches!(bytes.get(k + 1), Some(b'-' | b'+')));
+            let digits = bytes.get(k..)?;
+            if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
                 return None;
             }
-            if v == 0 {
-                if d.significant > 0 {
-                    zeros += 1;
-                }
-                continue;
+            for &c in digits {
+                exp = (exp * 10 + i64::from(c - b'0')).min(i64::MAX / 4);
             }
-            // Zeros between significant digits are digits too.
-            for _ in 0..zeros {
-                d.push(0);
-            }
-            zeros = 0;
-            d.push(v);
+            exp *= sign;
         }
         // Trailing zeros move into the exponent.
-        d.exp = d.exp.saturating_add(zeros as i64);
+        d.exp = exp - frac + zeros as i64;
         Some(d)
     }
 
