@@ -174,7 +174,7 @@ impl FlowControl {
         let wake = Arc::new(Notify::new());
         let hook = Arc::clone(&wake);
         router.on_release(move || hook.notify_one());
-        Arc::new(FlowControl {
+        let flow = Arc::new(FlowControl {
             router,
             observer,
             enabled,
@@ -183,7 +183,14 @@ impl FlowControl {
             wake,
             objectives,
             fairness_header,
-        })
+        });
+        let look = Arc::downgrade(&flow);
+        flow.observer.set_queue_view(move || {
+            look.upgrade()
+                .map(|f| f.lock().view(Instant::now()))
+                .unwrap_or_default()
+        });
+        flow
     }
 
     fn lock(&self) -> MutexGuard<'_, FlowQueue<Waiter>> {
@@ -400,7 +407,7 @@ mod tests {
     use super::*;
     use crate::config::parse_objectives;
     use crate::observe::journal::Journal;
-    use hearth_router::{AffinityBasis, RouterParams};
+    use hearth_router::{AffinityBasis, QueueView, RouterParams};
 
     fn flow(enabled: bool) -> Arc<FlowControl> {
         let upstreams = ["127.0.0.1:1"].map(|u| u.parse().unwrap());
@@ -464,6 +471,10 @@ mod tests {
             panic!("a prompt did not wait")
         };
         assert_eq!(f.lock().len(), 1);
+        // The dashboard's view of it.
+        let view = f.observer.queue_view();
+        assert_eq!((view.requests, view.bytes), (1, 100));
+        assert_eq!(view.flows[0].fairness_id.as_deref(), Some("t"));
         assert!(matches!(
             f.admit(prompt(100), None, &class(-1)),
             Admission::Refuse(_, DropReason::Sheddable)
@@ -479,6 +490,7 @@ mod tests {
         let Dispatch { left, waited, .. } = (&mut ticket.from).await.unwrap();
         assert!(matches!(left, Left::Decided { ref decided, .. } if decided.is_ok()));
         assert!(f.lock().is_empty() && waited >= Duration::ZERO);
+        assert_eq!(f.observer.queue_view(), QueueView::default());
     }
 
     #[tokio::test]

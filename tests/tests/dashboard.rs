@@ -1,7 +1,8 @@
 //! The sidecar's dashboard in a real headless browser (Debian's chromium,
 //! installed by `scripts/setup`): after traffic through Envoy the page
-//! renders the fleet from `/state` and `/debug/series` with no console
-//! error, and a screenshot is kept for a human to look at.
+//! renders the fleet from `/state` and `/debug/series` (and the
+//! flow-control queue from `/debug/queue`) with no console error, and a
+//! screenshot is kept for a human to look at.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -122,8 +123,16 @@ async fn the_dashboard_renders_the_fleet_in_a_headless_browser() {
         "health column:\n{rendered}"
     );
     assert!(
-        !rendered.contains(r#"class="empty""#),
+        !rendered.contains(r#"<tbody id="decisions"><tr><td colspan="5" class="empty">"#),
         "latest decisions not shown:\n{rendered}"
+    );
+    // Nothing saturated the fleet: the flow-control queue is empty, and
+    // says so.
+    assert!(
+        rendered.contains(
+            r#"<tbody id="queue"><tr><td colspan="5" class="empty">nothing waits</td></tr></tbody>"#
+        ),
+        "queue panel:\n{rendered}"
     );
     // Every figure has a value (returning turns happened, blocks were
     // routed), none is a placeholder.

@@ -45,7 +45,10 @@ pub mod warmth;
 pub use decide::policy::Candidate;
 pub use decide::{Decision, RequestInfo, Reservation, RouteError, ScoredCandidate};
 pub use fleet::EngineSignals;
-pub use flow::{BandLoad, DropReason, Dropped, Entry, FlowParams, FlowQueue, QueueParams, Room};
+pub use flow::{
+    BandLoad, DropReason, Dropped, Entry, FlowLoad, FlowParams, FlowQueue, QueueParams, QueueView,
+    Room,
+};
 pub use health::{
     Failure, FleetHealth, HealthParams, HealthSnapshot, HealthState, Outcome, ProbeReason,
     ReplicaHealth,

@@ -10,8 +10,11 @@
 //! Observability: `GET /metrics` (Prometheus text), `GET /debug/decisions`
 //! (`?request_id=ID` for one request's decisions, else `?limit=N` for the
 //! latest, newest first), `GET /debug/series` (`?seconds=N` of per-second
-//! history) and the dashboard at `GET /` (also `/dashboard`), one
-//! self-contained page that polls `/state` and `/debug/series`.
+//! history), `GET /debug/queue` (what waits in the flow-control queue, by
+//! band and by tenant; the tenants' fairness ids only to a caller that has
+//! the control token) and the dashboard at `GET /` (also `/dashboard`),
+//! one self-contained page that polls `/state`, `/debug/series` and
+//! `/debug/queue`.
 
 use std::sync::Arc;
 
@@ -23,7 +26,7 @@ use axum::{Extension, Json, Router as HttpRouter};
 use serde::{Deserialize, Serialize};
 
 use hearth_router::health::FleetHealth;
-use hearth_router::{Router, Snapshot};
+use hearth_router::{QueueView, Router, Snapshot};
 
 use crate::guard::{self, Caller, ControlToken};
 use crate::observe::journal::DecisionRecord;
@@ -51,6 +54,7 @@ pub fn routes(
                 .route("/metrics", get(metrics))
                 .route("/debug/decisions", get(decisions))
                 .route("/debug/series", get(series))
+                .route("/debug/queue", get(queue))
                 .route("/", get(dashboard))
                 .route("/dashboard", get(dashboard))
                 .with_state(observer),
@@ -61,6 +65,21 @@ pub fn routes(
             token,
             guard::admin_guard,
         ))
+}
+
+/// `/debug/queue`: fairness ids (which may be derived from API keys) are
+/// the gateway's business, like request ids.
+async fn queue(
+    State(observer): State<Arc<Observer>>,
+    Extension(caller): Extension<Caller>,
+) -> Json<QueueView> {
+    let mut view = observer.queue_view();
+    if caller == Caller::Anyone {
+        for flow in &mut view.flows {
+            flow.fairness_id = None;
+        }
+    }
+    Json(view)
 }
 
 async fn metrics(State(observer): State<Arc<Observer>>) -> impl IntoResponse {
@@ -202,6 +221,11 @@ mod tests {
     /// The admin port as the sidecar serves it (the outcome route merged
     /// in), with the control token set, in front of one replica.
     fn admin(writes: Option<HttpRouter>) -> HttpRouter {
+        admin_with(writes, |_| {})
+    }
+
+    /// [`admin`], with `set` given the observer first.
+    fn admin_with(writes: Option<HttpRouter>, set: impl FnOnce(&Observer)) -> HttpRouter {
         let upstreams = ["127.0.0.1:1;id=a".parse().unwrap()];
         let params = hearth_router::RouterParams::default();
         let router = Router::new(params, &upstreams);
@@ -211,6 +235,7 @@ mod tests {
             Journal::open(16, None).unwrap(),
             "hearth",
         );
+        set(&observer);
         // The token is set: reports reach the route authenticated.
         let writes = writes.unwrap_or_else(|| {
             crate::envoy::report::routes(Outcomes::new(Arc::clone(&observer)), true)
@@ -273,6 +298,7 @@ mod tests {
             "/metrics",
             "/debug/series",
             "/debug/decisions",
+            "/debug/queue",
             "/",
             "/dashboard",
         ] {
@@ -282,6 +308,56 @@ mod tests {
         // The same report with the token is taken.
         let (status, text) = send(&admin, Method::POST, "/outcome", report, true).await;
         assert_eq!(status, StatusCode::NO_CONTENT, "{text}");
+    }
+
+    #[tokio::test]
+    async fn the_queue_shows_its_bands_to_anyone_and_its_tenants_to_the_gateway() {
+        use hearth_router::{FlowQueue, QueueParams};
+        let port = admin_with(None, |observer| {
+            observer.set_queue_view(|| {
+                let now = std::time::Instant::now();
+                let mut q = FlowQueue::new(QueueParams::default());
+                for (flow, priority) in [("team-a", 0), ("team-a", 0), ("team-b", 5)] {
+                    q.push((), priority, flow, 1000, now).unwrap();
+                }
+                q.view(now)
+            })
+        });
+        let view = |text: &str| serde_json::from_str::<QueueView>(text).unwrap();
+        let (status, text) = send(&port, Method::GET, "/debug/queue", Body::empty(), false).await;
+        assert_eq!(status, StatusCode::OK);
+        let anyone = view(&text);
+        assert_eq!(
+            (anyone.requests, anyone.bytes, anyone.flows_total),
+            (3, 3000, 2)
+        );
+        assert_eq!(
+            anyone
+                .bands
+                .iter()
+                .map(|b| (b.priority, b.requests))
+                .collect::<Vec<_>>(),
+            [(5, 1), (0, 2)]
+        );
+        assert_eq!(anyone.flows.len(), 2);
+        assert!(
+            anyone.flows.iter().all(|f| f.fairness_id.is_none()),
+            "{text}"
+        );
+        let (_, text) = send(&port, Method::GET, "/debug/queue", Body::empty(), true).await;
+        let gateway = view(&text);
+        assert_eq!(gateway.flows[0].fairness_id.as_deref(), Some("team-a"));
+        assert_eq!(gateway.flows[0].requests, 2);
+        // Without flow control there is nothing to show.
+        let (_, text) = send(
+            &admin(None),
+            Method::GET,
+            "/debug/queue",
+            Body::empty(),
+            true,
+        )
+        .await;
+        assert_eq!(view(&text), QueueView::default());
     }
 
     #[tokio::test]

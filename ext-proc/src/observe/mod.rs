@@ -18,12 +18,12 @@ pub mod series;
 pub mod usage;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use prometheus_client::registry::Registry;
 
-use hearth_router::{AffinityBasis, Decision, RequestInfo, RouteError, Router, Served};
+use hearth_router::{AffinityBasis, Decision, QueueView, RequestInfo, RouteError, Router, Served};
 
 use crate::observe::epp::EppMetrics;
 use crate::observe::journal::{hex, CandidateRecord, DecisionRecord, Journal, ServedRecord};
@@ -52,7 +52,12 @@ pub struct Observer {
     pub flow: FlowMetrics,
     pub series: Arc<Series>,
     pub journal: Journal,
+    /// How to look at the flow-control queue (set by flow control; the
+    /// dashboard's `/debug/queue`).
+    queue_view: RwLock<Option<QueueLook>>,
 }
+
+type QueueLook = Box<dyn Fn() -> QueueView + Send + Sync>;
 
 impl Observer {
     /// `pool`: the pool's name in the `llm_d_epp_*` pool series.
@@ -91,11 +96,28 @@ impl Observer {
             flow,
             series,
             journal,
+            queue_view: RwLock::new(None),
         })
     }
 
     pub fn router(&self) -> &Arc<Router> {
         &self.router
+    }
+
+    /// Where [`Observer::queue_view`] looks: flow control's queue.
+    pub fn set_queue_view(&self, look: impl Fn() -> QueueView + Send + Sync + 'static) {
+        *self.queue_view.write().unwrap_or_else(|p| p.into_inner()) = Some(Box::new(look));
+    }
+
+    /// What waits in the flow-control queue now (nothing without flow
+    /// control).
+    pub fn queue_view(&self) -> QueueView {
+        self.queue_view
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|look| look())
+            .unwrap_or_default()
     }
 
     /// A routed request. `elapsed`: the time `Router::decide` took.

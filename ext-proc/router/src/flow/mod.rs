@@ -14,7 +14,9 @@ pub mod queue;
 pub mod saturation;
 
 pub use crate::params::FlowParams;
-pub use queue::{BandLoad, DropReason, Dropped, Entry, FlowQueue, QueueParams};
+pub use queue::{
+    BandLoad, DropReason, Dropped, Entry, FlowLoad, FlowQueue, QueueParams, QueueView,
+};
 pub use saturation::Room;
 
 #[cfg(doc)]

@@ -16,6 +16,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 use std::time::{Duration, Instant};
 
+use serde::{Deserialize, Serialize};
+
 /// The least a request costs in the round robin, in bytes: a request of
 /// unknown size (unhashed) is not free.
 pub const MIN_COST: u64 = 1024;
@@ -126,11 +128,42 @@ pub struct Dropped<T> {
 }
 
 /// One band's occupancy, for metrics.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BandLoad {
     pub priority: i32,
     pub requests: usize,
     pub bytes: u64,
+}
+
+/// One flow's waiting requests, for the dashboard.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FlowLoad {
+    pub priority: i32,
+    /// Its fairness id (left out for a caller who may not see them).
+    pub fairness_id: Option<String>,
+    pub requests: usize,
+    pub bytes: u64,
+    /// How long its oldest request has waited.
+    pub oldest_wait_s: f64,
+}
+
+/// What waits now: each band, and the flows with the most requests.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct QueueView {
+    pub requests: usize,
+    pub bytes: u64,
+    /// Highest band first.
+    pub bands: Vec<BandLoad>,
+    /// The [`QueueView::MAX_FLOWS`] flows with the most requests, most
+    /// first.
+    pub flows: Vec<FlowLoad>,
+    /// Flows with requests, shown or not.
+    pub flows_total: usize,
+}
+
+impl QueueView {
+    /// Flows a view lists at most.
+    pub const MAX_FLOWS: usize = 50;
 }
 
 struct Flow<T> {
@@ -237,6 +270,41 @@ impl<T> FlowQueue<T> {
                 bytes: b.bytes,
             })
             .collect()
+    }
+
+    /// What waits at `now` ([`QueueView`]).
+    pub fn view(&self, now: Instant) -> QueueView {
+        let mut flows: Vec<FlowLoad> = self
+            .bands
+            .iter()
+            .flat_map(|(Reverse(priority), band)| {
+                band.flows.iter().map(move |(id, flow)| FlowLoad {
+                    priority: *priority,
+                    fairness_id: Some(id.clone()),
+                    requests: flow.entries.len(),
+                    bytes: flow.entries.iter().map(|e| e.bytes).sum(),
+                    oldest_wait_s: flow
+                        .entries
+                        .front()
+                        .map_or(0.0, |e| e.waited(now).as_secs_f64()),
+                })
+            })
+            .collect();
+        let flows_total = flows.len();
+        flows.sort_by(|a, b| {
+            b.requests
+                .cmp(&a.requests)
+                .then(b.priority.cmp(&a.priority))
+                .then_with(|| a.fairness_id.cmp(&b.fairness_id))
+        });
+        flows.truncate(QueueView::MAX_FLOWS);
+        QueueView {
+            requests: self.len(),
+            bytes: self.bytes,
+            bands: self.bands(),
+            flows,
+            flows_total,
+        }
     }
 
     /// Queues `item` at `now`, in band `priority` and flow `flow`, costing
@@ -507,5 +575,59 @@ mod tests {
         );
         assert_eq!(q.pop_where(|_| Some(())).map(|(e, _)| e.item), Some("c"));
         assert!(q.is_empty() && q.bands().is_empty() && q.next_expiry().is_none());
+    }
+
+    #[test]
+    fn the_view_lists_each_band_and_the_busiest_flows_first() {
+        let t = Instant::now();
+        let mut q = FlowQueue::new(params());
+        q.push(0, 0, "quiet", 100, t).unwrap();
+        for k in 0..3 {
+            q.push(1 + k, 0, "noisy", 1000, t + Duration::from_secs(k))
+                .unwrap();
+        }
+        q.push(9, 5, "interactive", 10, t + Duration::from_secs(4))
+            .unwrap();
+        let v = q.view(t + Duration::from_secs(10));
+        assert_eq!((v.requests, v.bytes, v.flows_total), (5, 3110, 3));
+        assert_eq!(
+            v.bands
+                .iter()
+                .map(|b| (b.priority, b.requests))
+                .collect::<Vec<_>>(),
+            [(5, 1), (0, 4)]
+        );
+        let flows: Vec<_> = v
+            .flows
+            .iter()
+            .map(|f| {
+                (
+                    f.fairness_id.as_deref().unwrap(),
+                    f.priority,
+                    f.requests,
+                    f.bytes,
+                )
+            })
+            .collect();
+        assert_eq!(
+            flows,
+            [
+                ("noisy", 0, 3, 3000),
+                ("interactive", 5, 1, 10),
+                ("quiet", 0, 1, 100)
+            ]
+        );
+        // The oldest request of each flow: its wait.
+        assert_eq!(v.flows[0].oldest_wait_s, 10.0);
+        assert_eq!(v.flows[1].oldest_wait_s, 6.0);
+
+        // Many flows: the busiest are listed, all are counted.
+        for k in 0..QueueView::MAX_FLOWS {
+            q.push(100 + k as u64, 0, &format!("t{k}"), 1, t).unwrap();
+        }
+        let v = q.view(t);
+        assert_eq!(v.flows.len(), QueueView::MAX_FLOWS);
+        assert_eq!(v.flows_total, 3 + QueueView::MAX_FLOWS);
+        assert_eq!(v.flows[0].fairness_id.as_deref(), Some("noisy"));
     }
 }
