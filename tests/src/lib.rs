@@ -537,6 +537,33 @@ pub async fn post_all_sampling_rss(
     (statuses, baseline, max.max(baseline))
 }
 
+/// A plain chat body for `model` of about `size` bytes: one message of
+/// agent-style text (words, escaped quotes and newlines, a path, a
+/// non-ASCII letter), what [`worst_shapes`] are compared with.
+pub fn plain_chat_body(size: usize, model: &str) -> String {
+    let words = [
+        "the",
+        "request",
+        r#"\"quoted\""#,
+        "cache",
+        r"\n",
+        "replica",
+        "path/to/file.rs",
+        "prefix",
+        "é",
+        "fn",
+        "match",
+    ];
+    let mut text = String::with_capacity(size + 16);
+    let mut k = 0usize;
+    while text.len() < size {
+        text.push_str(words[k % words.len()]);
+        text.push(if k % 11 == 10 { '.' } else { ' ' });
+        k += 1;
+    }
+    format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"{text}"}}]}}"#)
+}
+
 /// Chat bodies for `model` of about `size` bytes, one per shape that once
 /// cost the parser many times its size (a tree node per tiny item): tiny
 /// messages (no readable prompt), tiny tools, huge numbers, deep unsorted
