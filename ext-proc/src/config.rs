@@ -44,6 +44,13 @@ pub enum Command {
     /// Print the Envoy bootstrap for a standalone gateway in front of the
     /// configured upstreams, pointed at this sidecar, and exit.
     EnvoyConfig(EnvoyConfigArgs),
+    /// Print the public key of a peer identity file (what
+    /// HEARTH_PEERS_IDENTITY_FILE holds), as HEARTH_PEERS_MEMBERS_FILE
+    /// lists it, and exit.
+    PeerPublicKey {
+        /// The identity file: an Ed25519 seed as 64 hex characters.
+        file: PathBuf,
+    },
 }
 
 /// Every sidecar setting. Each flag has a `HEARTH_*` twin.
@@ -539,6 +546,25 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_PEERS_KEY_FILE")]
     pub peers_key_file: Option<PathBuf>,
 
+    /// A file holding this sidecar's own peer key: an Ed25519 seed as 64
+    /// hex characters (e.g. `openssl rand -hex 32`; never logged). Its
+    /// public key (`hearth-ext-proc peer-public-key FILE` prints it) names
+    /// the sidecar on the bus. Without it, a new key each start.
+    #[arg(long, env = "HEARTH_PEERS_IDENTITY_FILE")]
+    pub peers_identity_file: Option<PathBuf>,
+
+    /// A file listing the public keys (64 hex characters each, one a
+    /// line, `#` comments) of the sidecars allowed on the bus: a message
+    /// signed by any other key is dropped (`unknown_member`), even with
+    /// the fleet's MAC. Needs HEARTH_PEERS_IDENTITY_FILE, whose key must
+    /// be listed. Without it, any holder of the fleet's key may join.
+    #[arg(
+        long,
+        env = "HEARTH_PEERS_MEMBERS_FILE",
+        requires = "peers_identity_file"
+    )]
+    pub peers_members_file: Option<PathBuf>,
+
     /// A PEM file of CA certificates the NATS server's certificate is
     /// checked against, besides the system's (a `tls://` bus whose server
     /// has a private CA's certificate).
@@ -931,6 +957,92 @@ impl std::fmt::Debug for PeerKey {
     }
 }
 
+/// A sidecar's own peer key: an Ed25519 seed. Printed as `<redacted>` by
+/// `Debug`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct PeerSeed([u8; 32]);
+
+impl PeerSeed {
+    /// Reads an identity file (64 hex characters, whitespace around them
+    /// ignored); the error names the file, never its contents.
+    pub fn read(path: &std::path::Path) -> Result<PeerSeed, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            format!(
+                "HEARTH_PEERS_IDENTITY_FILE: cannot read {}: {e}",
+                path.display()
+            )
+        })?;
+        hex32(text.trim()).map(PeerSeed).ok_or_else(|| {
+            format!(
+                "HEARTH_PEERS_IDENTITY_FILE: {} does not hold 64 hex characters (an Ed25519 seed, e.g. `openssl rand -hex 32`)",
+                path.display()
+            )
+        })
+    }
+
+    /// The seed itself, to make the key pair.
+    pub fn expose(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for PeerSeed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// Most public keys a members file may list.
+pub const MAX_PEER_MEMBERS: usize = 4096;
+
+/// Reads a members file: one public key (64 hex characters) a line,
+/// blank lines and `#` comments ignored.
+fn read_members(path: &std::path::Path) -> Result<Vec<[u8; 32]>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        format!(
+            "HEARTH_PEERS_MEMBERS_FILE: cannot read {}: {e}",
+            path.display()
+        )
+    })?;
+    let mut keys = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.split('#').next().unwrap_or_default().trim();
+        if line.is_empty() {
+            continue;
+        }
+        let key = hex32(line).ok_or_else(|| {
+            format!(
+                "HEARTH_PEERS_MEMBERS_FILE: {} line {}: not a public key (64 hex characters)",
+                path.display(),
+                n + 1
+            )
+        })?;
+        keys.push(key);
+    }
+    if keys.is_empty() || keys.len() > MAX_PEER_MEMBERS {
+        return Err(format!(
+            "HEARTH_PEERS_MEMBERS_FILE: {} lists {} keys (1 to {MAX_PEER_MEMBERS})",
+            path.display(),
+            keys.len()
+        ));
+    }
+    Ok(keys)
+}
+
+/// 64 hex characters as 32 bytes.
+pub fn hex32(text: &str) -> Option<[u8; 32]> {
+    let digits = text.as_bytes();
+    if digits.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (byte, pair) in out.iter_mut().zip(digits.chunks_exact(2)) {
+        let pair = std::str::from_utf8(pair).ok()?;
+        *byte = u8::from_str_radix(pair, 16).ok()?;
+    }
+    Some(out)
+}
+
 /// The host each address of a `HEARTH_PEERS_URL` names, and whether the
 /// address carries credentials of its own (`nats://user:pass@host:port`).
 pub fn url_hosts(url: &str) -> Vec<(String, bool)> {
@@ -992,12 +1104,39 @@ impl Settings {
         ))
     }
 
+    /// This sidecar's own peer key seed, when
+    /// `HEARTH_PEERS_IDENTITY_FILE` is set.
+    pub fn peers_identity(&self) -> Result<Option<PeerSeed>, String> {
+        self.peers_identity_file
+            .as_deref()
+            .map(PeerSeed::read)
+            .transpose()
+    }
+
+    /// The public keys allowed on the bus, when
+    /// `HEARTH_PEERS_MEMBERS_FILE` is set.
+    pub fn peers_members(&self) -> Result<Option<Vec<[u8; 32]>>, String> {
+        self.peers_members_file
+            .as_deref()
+            .map(read_members)
+            .transpose()
+    }
+
     /// What keeps the peer bus from starting: an unreadable or short key
-    /// file or CA file, and, unless `HEARTH_PEERS_INSECURE`, a bus without
-    /// a key or a server off loopback without credentials.
+    /// file, identity, members or CA file, and, unless
+    /// `HEARTH_PEERS_INSECURE`, a bus without a key or a server off
+    /// loopback without credentials. (That the sidecar's own key is among
+    /// the members is checked where the key is made,
+    /// `feeds::peer_guard::Identity::of`.)
     pub fn peer_bus_problems(&self) -> Vec<String> {
         let mut problems = Vec::new();
         if let Err(e) = self.peers_key() {
+            problems.push(e);
+        }
+        if let Err(e) = self.peers_identity() {
+            problems.push(e);
+        }
+        if let Err(e) = self.peers_members() {
             problems.push(e);
         }
         if let Some(path) = &self.peers_ca_file {
@@ -1548,6 +1687,37 @@ pub fn settings_from_pairs(pairs: &[(String, String)]) -> Result<Settings, Vec<S
 mod tests {
     use super::*;
     use std::path::Path;
+
+    #[test]
+    fn identity_and_members_files_are_read_and_their_mistakes_named() {
+        let dir = std::env::temp_dir().join(format!("hearth-members-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = |name: &str, text: &str| {
+            let p = dir.join(name);
+            std::fs::write(&p, text).unwrap();
+            p
+        };
+        let a = "ab".repeat(32);
+        let seed = PeerSeed::read(&file("seed", &format!("  {a}\n"))).unwrap();
+        assert_eq!(seed.expose(), &[0xab; 32]);
+        assert_eq!(format!("{seed:?}"), "<redacted>");
+        for bad in ["", "abc", &"zz".repeat(32), &"ab".repeat(33)] {
+            let e = PeerSeed::read(&file("bad-seed", bad)).unwrap_err();
+            assert!(e.contains("does not hold 64 hex characters"), "{e}");
+            // The file's contents (a secret) are never in the error.
+            assert!(bad.len() < 8 || !e.contains(&bad[..8]), "{e}");
+        }
+        let members = file(
+            "members",
+            &format!("# the fleet\n{a}\n\n{}  # b\n", "cd".repeat(32)),
+        );
+        assert_eq!(read_members(&members).unwrap(), [[0xab; 32], [0xcd; 32]]);
+        let e = read_members(&file("bad-members", &format!("{a}\nnot-a-key\n"))).unwrap_err();
+        assert!(e.contains("line 2"), "{e}");
+        let e = read_members(&file("no-members", "# nobody\n")).unwrap_err();
+        assert!(e.contains("lists 0 keys"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn fleet_names_are_subject_tokens() {

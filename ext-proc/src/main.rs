@@ -4,7 +4,7 @@
 //! Envoy configuration instead.
 
 use clap::Parser;
-use hearth_ext_proc::config::{check_env, Cli, Command};
+use hearth_ext_proc::config::{check_env, Cli, Command, PeerSeed};
 use hearth_ext_proc::Sidecar;
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -26,6 +26,14 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run() -> anyhow::Result<()> {
+    // `peer-public-key FILE` needs none of the sidecar's settings.
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [command, file] = args.as_slice() {
+        if command == "peer-public-key" {
+            print_public_key(std::path::Path::new(file));
+            return Ok(());
+        }
+    }
     if let Err(e) = check_env(std::env::vars().map(|(k, _)| k)) {
         exit_with("", &[e]);
     }
@@ -46,6 +54,10 @@ async fn run() -> anyhow::Result<()> {
         (Some(Err(_)), Some(Command::EnvoyConfig(args))) if args.gateway(&cli.settings).eds => {}
         (Some(Err(problems)), _) => exit_with("HEARTH_UPSTREAMS_FILE: ", &problems),
         (None, _) => {}
+    }
+    if let Some(Command::PeerPublicKey { file }) = &cli.command {
+        print_public_key(file);
+        return Ok(());
     }
     if let Some(Command::EnvoyConfig(args)) = &cli.command {
         if let Err(e) = args.check(&cli.settings) {
@@ -103,4 +115,15 @@ async fn terminated() -> anyhow::Result<()> {
         _ = term.recv() => {}
     }
     Ok(())
+}
+
+/// `peer-public-key FILE`: the identity file's public key, as a members
+/// file lists it.
+fn print_public_key(file: &std::path::Path) {
+    let identity = PeerSeed::read(file)
+        .and_then(|seed| hearth_ext_proc::feeds::peer_guard::Identity::of(&seed, None));
+    match identity {
+        Ok(identity) => println!("{}", identity.public_key_hex()),
+        Err(e) => exit_with("peer-public-key: ", &[e]),
+    }
 }

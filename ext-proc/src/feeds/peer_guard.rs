@@ -5,10 +5,12 @@
 //! - [`FleetKey`]: the MAC, HMAC-SHA256 with the fleet's key over the
 //!   subject, the message and its signature, verified in constant time
 //!   before anything else;
-//! - [`Identity`]: each sidecar's own Ed25519 key pair, made at start;
-//!   its public key names it on the bus (its sender id is the key's
-//!   digest) and signs every message, so a member of the fleet cannot
-//!   speak under another's id;
+//! - [`Identity`]: each sidecar's own Ed25519 key pair, made at start or
+//!   read from its identity file; its public key names it on the bus (its
+//!   sender id is the key's digest) and signs every message, so a member
+//!   of the fleet cannot speak under another's id;
+//! - [`Members`]: with a members file, the only keys that may speak at
+//!   all, so holding the fleet's key is not enough to join;
 //! - [`SeqClock`] and [`Replays`]: a sender's sequence numbers follow its
 //!   clock and must grow, so a replayed message is refused, and one older
 //!   than [`MAX_SKEW`] is refused even from a sender no longer remembered;
@@ -18,7 +20,7 @@
 //! Everything here is plain code over bytes and times given as arguments;
 //! the bus (`feeds/peers.rs`) reads the clocks.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use hearth_wire::peer::{sender_id, split_seal, KEY_BYTES, MAC_BYTES, SIGNATURE_BYTES};
@@ -26,7 +28,7 @@ use ring::rand::SystemRandom;
 use ring::signature::{self, Ed25519KeyPair, KeyPair};
 use ring::{digest, hmac};
 
-use crate::config::PeerKey;
+use crate::config::{PeerKey, PeerSeed};
 
 /// HMAC-SHA256 with the fleet's key. Printed as `<redacted>` by `Debug`.
 pub struct FleetKey(hmac::Key);
@@ -48,6 +50,8 @@ pub enum SealError {
     BadMac,
     /// Its signature does not check with the key in its seal.
     BadSignature,
+    /// Signed by a key the members file does not list.
+    UnknownMember,
 }
 
 impl SealError {
@@ -58,6 +62,7 @@ impl SealError {
             SealError::Unsigned => "unsigned",
             SealError::BadMac => "bad_mac",
             SealError::BadSignature => "bad_signature",
+            SealError::UnknownMember => "unknown_member",
         }
     }
 }
@@ -117,9 +122,56 @@ impl Identity {
         Identity { pair, id }
     }
 
+    /// The key pair of an identity file's seed, after checking that the
+    /// members file (when there is one) lists its public key.
+    pub fn of(seed: &PeerSeed, members: Option<&Members>) -> Result<Identity, String> {
+        let pair = Ed25519KeyPair::from_seed_unchecked(seed.expose())
+            .map_err(|_| "HEARTH_PEERS_IDENTITY_FILE: not an Ed25519 seed".to_string())?;
+        let identity = Identity {
+            id: id_of(pair.public_key().as_ref()),
+            pair,
+        };
+        if members.is_some_and(|m| !m.admits(&identity.public_key())) {
+            return Err(format!(
+                "HEARTH_PEERS_MEMBERS_FILE does not list this sidecar's own public key {}: \
+                 the other sidecars would drop its messages",
+                identity.public_key_hex()
+            ));
+        }
+        Ok(identity)
+    }
+
     /// The id this sidecar's messages carry as their sender.
     pub fn sender(&self) -> u64 {
         self.id
+    }
+
+    pub fn public_key(&self) -> [u8; KEY_BYTES] {
+        let mut key = [0; KEY_BYTES];
+        key.copy_from_slice(self.pair.public_key().as_ref());
+        key
+    }
+
+    /// The public key as a members file lists it.
+    pub fn public_key_hex(&self) -> String {
+        self.public_key()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+}
+
+/// The public keys allowed on the bus (`HEARTH_PEERS_MEMBERS_FILE`).
+#[derive(Debug, Default)]
+pub struct Members(HashSet<[u8; KEY_BYTES]>);
+
+impl Members {
+    pub fn new(keys: &[[u8; KEY_BYTES]]) -> Members {
+        Members(keys.iter().copied().collect())
+    }
+
+    pub fn admits(&self, key: &[u8]) -> bool {
+        <[u8; KEY_BYTES]>::try_from(key).is_ok_and(|k| self.0.contains(&k))
     }
 }
 
@@ -161,9 +213,11 @@ pub struct Opened<'a> {
 
 /// The message inside a sealed one received on `subject`, when its MAC
 /// checks (the MAC is not read without a fleet key: an open bus,
-/// `HEARTH_PEERS_INSECURE`) and then its signature.
+/// `HEARTH_PEERS_INSECURE`), then (with a members file) that its key is a
+/// member's, then its signature.
 pub fn open<'a>(
     key: Option<&FleetKey>,
+    members: Option<&Members>,
     subject: &str,
     sealed: &'a [u8],
 ) -> Result<Opened<'a>, SealError> {
@@ -180,6 +234,9 @@ pub fn open<'a>(
         (s.key.len(), s.signature.len()),
         (KEY_BYTES, SIGNATURE_BYTES)
     );
+    if members.is_some_and(|m| !m.admits(s.key)) {
+        return Err(SealError::UnknownMember);
+    }
     signature::UnparsedPublicKey::new(&signature::ED25519, s.key)
         .verify(&signed(subject, s.message), s.signature)
         .map_err(|_| SealError::BadSignature)?;
@@ -441,6 +498,46 @@ mod tests {
     }
 
     #[test]
+    fn with_a_members_file_only_the_listed_keys_speak_even_with_the_fleets_key() {
+        let key = FleetKey::from_bytes(&[1; 32]);
+        let seed = |b: u8| {
+            let dir = std::env::temp_dir().join(format!("hearth-seed-{}-{b}", std::process::id()));
+            std::fs::write(&dir, format!("{}\n", hex(&[b; 32]))).unwrap();
+            let s = PeerSeed::read(&dir).unwrap();
+            std::fs::remove_file(&dir).unwrap();
+            s
+        };
+        let a = Identity::of(&seed(7), None).unwrap();
+        // The same seed is the same key (and id) at every start.
+        assert_eq!(
+            a.public_key(),
+            Identity::of(&seed(7), None).unwrap().public_key()
+        );
+        assert_eq!(a.public_key_hex(), hex(&a.public_key()));
+        let members = Members::new(&[a.public_key()]);
+        let b = Identity::of(&seed(8), Some(&members));
+        assert!(
+            b.as_ref().is_err_and(|e| e.contains("does not list")),
+            "{b:?}"
+        );
+        let outsider = Identity::generate();
+        let subject = "hearth.f.updates";
+        let from_a = seal(Some(&key), &a, subject, b"a".to_vec());
+        let from_outsider = seal(Some(&key), &outsider, subject, b"o".to_vec());
+        assert_eq!(
+            open(Some(&key), Some(&members), subject, &from_a).map(|o| o.sender),
+            Ok(a.sender())
+        );
+        assert_eq!(
+            open(Some(&key), Some(&members), subject, &from_outsider),
+            Err(SealError::UnknownMember)
+        );
+        // Without the members file, the fleet's key is enough.
+        assert!(open(Some(&key), None, subject, &from_outsider).is_ok());
+        assert_eq!(SealError::UnknownMember.reason(), "unknown_member");
+    }
+
+    #[test]
     fn a_message_opens_only_with_its_key_its_bytes_and_its_subject() {
         let key = FleetKey::from_bytes(&[1; 32]);
         let other = FleetKey::from_bytes(&[2; 32]);
@@ -451,13 +548,16 @@ mod tests {
             message: &b"message"[..],
             sender: me.sender(),
         };
-        assert_eq!(open(Some(&key), "hearth.f.updates", &sealed), Ok(opened));
         assert_eq!(
-            open(Some(&other), "hearth.f.updates", &sealed),
+            open(Some(&key), None, "hearth.f.updates", &sealed),
+            Ok(opened)
+        );
+        assert_eq!(
+            open(Some(&other), None, "hearth.f.updates", &sealed),
             Err(SealError::BadMac)
         );
         assert_eq!(
-            open(Some(&key), "_INBOX.x", &sealed),
+            open(Some(&key), None, "_INBOX.x", &sealed),
             Err(SealError::BadMac),
             "bound to its subject"
         );
@@ -465,25 +565,25 @@ mod tests {
             let mut changed = sealed.clone();
             changed[i] ^= 1;
             assert_eq!(
-                open(Some(&key), "hearth.f.updates", &changed),
+                open(Some(&key), None, "hearth.f.updates", &changed),
                 Err(SealError::BadMac),
                 "byte {i}"
             );
         }
         let unsigned = seal(None, &me, "hearth.f.updates", b"message".to_vec());
         assert_eq!(
-            open(Some(&key), "hearth.f.updates", &unsigned),
+            open(Some(&key), None, "hearth.f.updates", &unsigned),
             Err(SealError::Unsigned)
         );
         assert_eq!(
-            open(Some(&key), "s", &[0; SEAL_BYTES - 1]),
+            open(Some(&key), None, "s", &[0; SEAL_BYTES - 1]),
             Err(SealError::Short)
         );
         // Without a fleet key (an open bus), the MAC is not read, the
         // signature still is.
-        assert_eq!(open(None, "hearth.f.updates", &sealed), Ok(opened));
+        assert_eq!(open(None, None, "hearth.f.updates", &sealed), Ok(opened));
         assert_eq!(
-            open(None, "_INBOX.x", &sealed),
+            open(None, None, "_INBOX.x", &sealed),
             Err(SealError::BadSignature)
         );
         assert_eq!(format!("{key:?}"), "<redacted>");
@@ -497,7 +597,7 @@ mod tests {
         // The forger holds the fleet key: its message opens, as its own.
         let forged = seal(Some(&key), &forger, "s", b"as the real one".to_vec());
         assert_eq!(
-            open(Some(&key), "s", &forged).unwrap().sender,
+            open(Some(&key), None, "s", &forged).unwrap().sender,
             forger.sender()
         );
         // Another's key and the forger's signature: refused.
@@ -509,7 +609,7 @@ mod tests {
         let mac = key.mac("s", &swapped[..body]);
         swapped[body..].copy_from_slice(&mac);
         assert_eq!(
-            open(Some(&key), "s", &swapped),
+            open(Some(&key), None, "s", &swapped),
             Err(SealError::BadSignature)
         );
         // The id is the key's digest: the same key, the same id.

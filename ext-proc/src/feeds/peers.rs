@@ -43,9 +43,9 @@ use hearth_wire::peer::{self, Body, Envelope, PeerError, Update, MAX_MESSAGE_BYT
 use tokio::sync::mpsc;
 
 use super::peer_guard::{
-    self, FleetKey, HelloLimit, Identity, Replays, SeqClock, Snapshots, WarmthBudget,
+    self, FleetKey, HelloLimit, Identity, Members, Replays, SeqClock, Snapshots, WarmthBudget,
 };
-use crate::config::{PeerKey, Secret, Settings};
+use crate::config::{PeerKey, PeerSeed, Secret, Settings};
 use crate::observe::metrics::PeerMetrics;
 
 /// An idle sidecar still sends its load this often (peers forget a
@@ -64,6 +64,12 @@ pub struct PeerSettings {
     pub token: Option<Secret>,
     /// The fleet's key; None only on an open bus (`HEARTH_PEERS_INSECURE`).
     pub key: Option<PeerKey>,
+    /// This sidecar's own key (`HEARTH_PEERS_IDENTITY_FILE`); None: a new
+    /// one each start.
+    pub identity: Option<PeerSeed>,
+    /// The public keys allowed on the bus (`HEARTH_PEERS_MEMBERS_FILE`);
+    /// None: any holder of the fleet's key.
+    pub members: Option<Vec<[u8; 32]>>,
     /// CA certificates to trust besides the system's.
     pub ca_file: Option<PathBuf>,
     pub flush: Duration,
@@ -83,6 +89,8 @@ impl PeerSettings {
             user: s.peers_user.clone().zip(s.peers_password.clone()),
             token: s.peers_token.clone(),
             key: s.peers_key()?,
+            identity: s.peers_identity()?,
+            members: s.peers_members()?,
             ca_file: s.peers_ca_file.clone(),
             flush: Duration::from_millis(s.peers_flush_ms.max(1)),
             sync: crate::config::seconds(s.peers_sync_seconds),
@@ -106,6 +114,7 @@ pub struct PeerBus {
     client: Client,
     me: Identity,
     key: Option<FleetKey>,
+    members: Option<Members>,
     seq: SeqClock,
     replays: Replays,
     hellos: HelloLimit,
@@ -182,13 +191,24 @@ impl PeerBus {
         router.enable_peers();
         router.set_peer_bus(&settings.fleet, false);
         let key = settings.key.as_ref().map(FleetKey::new);
+        let members = settings.members.as_deref().map(Members::new);
+        let me = match &settings.identity {
+            Some(seed) => Identity::of(seed, members.as_ref()).map_err(anyhow::Error::msg)?,
+            None => Identity::generate(),
+        };
+        tracing::info!(
+            public_key = %me.public_key_hex(),
+            members = members.is_some(),
+            "peer bus identity"
+        );
         Ok(PeerBus {
             router,
             settings,
             metrics,
             client,
-            me: Identity::generate(),
+            me,
             key,
+            members,
             seq: SeqClock::default(),
             replays: Replays::default(),
             hellos: HelloLimit::default(),
@@ -374,13 +394,14 @@ impl PeerBus {
             self.metrics.dropped("oversized");
             return false;
         }
-        let opened = match peer_guard::open(self.key.as_ref(), subject, payload) {
-            Ok(m) => m,
-            Err(e) => {
-                self.metrics.dropped(e.reason());
-                return false;
-            }
-        };
+        let opened =
+            match peer_guard::open(self.key.as_ref(), self.members.as_ref(), subject, payload) {
+                Ok(m) => m,
+                Err(e) => {
+                    self.metrics.dropped(e.reason());
+                    return false;
+                }
+            };
         let envelope = match peer::decode(opened.message) {
             Ok(e) => e,
             Err(e) => {
