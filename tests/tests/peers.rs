@@ -9,7 +9,8 @@
 //! changes nothing, a key holder can neither speak under a sidecar's id
 //! (its sequence far ahead would have silenced it) nor send a whole state
 //! nobody asked for, a starting sidecar takes only a snapshot whose MAC
-//! checks, and over NATS with TLS and a user (the shipped configuration)
+//! checks; with a members file, holding the fleet's key is not enough to
+//! be heard; and over NATS with TLS and a user (the shipped configuration)
 //! the sidecars share as before while one without credentials is refused.
 
 use std::net::SocketAddr;
@@ -23,6 +24,7 @@ use hearth_e2e::nats::NatsServer;
 use hearth_e2e::{
     filler, metric_sample, reply_text, Conversation, Fleet, FleetOptions, Home, Turn, MODEL,
 };
+use hearth_ext_proc::config::PeerSeed;
 use hearth_ext_proc::envoy::render::{render, Gateway};
 use hearth_ext_proc::feeds::peer_guard::{open, seal, FleetKey, Identity};
 use hearth_ext_proc::Sidecar;
@@ -36,7 +38,16 @@ struct Peer {
 }
 
 async fn peer(fleet: &Fleet) -> Peer {
+    peer_with(fleet, |_| {}).await
+}
+
+/// [`peer`], its settings changed by `change` first.
+async fn peer_with(
+    fleet: &Fleet,
+    change: impl FnOnce(&mut hearth_ext_proc::config::Settings),
+) -> Peer {
     let mut settings = fleet.settings.clone();
+    change(&mut settings);
     settings.listen = "127.0.0.1:0".parse().unwrap();
     settings.admin_listen = "127.0.0.1:0".parse().unwrap();
     let sidecar = Sidecar::start(&settings).await.unwrap();
@@ -668,6 +679,117 @@ async fn forged_replayed_and_unsigned_peer_messages_are_dropped_counted_and_chan
     fleet.assert_wasm_healthy();
 }
 
+/// A file with `text`, removed when dropped.
+struct TempFile(PathBuf);
+
+impl TempFile {
+    fn new(name: &str, text: &str) -> TempFile {
+        let path = std::env::temp_dir().join(format!("hearth-e2e-{name}-{}", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        TempFile(path)
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+#[tokio::test]
+async fn with_a_members_file_a_holder_of_the_fleet_key_who_is_not_listed_is_not_heard() {
+    let nats = NatsServer::start().unwrap();
+    let key = KeyFile::new();
+    // Each sidecar's own key, and the members file listing both.
+    let seed_a = TempFile::new("seed-a", &format!("{}\n", "a1".repeat(32)));
+    let seed_b = TempFile::new("seed-b", &format!("{}\n", "b2".repeat(32)));
+    let public = |f: &TempFile| {
+        Identity::of(&PeerSeed::read(&f.0).unwrap(), None)
+            .unwrap()
+            .public_key_hex()
+    };
+    let members = TempFile::new(
+        "members",
+        &format!(
+            "# sidecar A\n{}\n# sidecar B\n{}\n",
+            public(&seed_a),
+            public(&seed_b)
+        ),
+    );
+    let mut options = fleet_options(&nats, &key);
+    options.sidecar_flags.extend([
+        format!("--peers-identity-file={}", seed_a.0.display()),
+        format!("--peers-members-file={}", members.0.display()),
+    ]);
+    let fleet = Fleet::start(options).await.unwrap();
+    let b = peer_with(&fleet, |s| s.peers_identity_file = Some(seed_b.0.clone())).await;
+    let (a_admin, b_admin) = (fleet.settings.admin_listen, b.sidecar.admin_addr);
+    wait_for(a_admin, "A on the bus", connected).await;
+    wait_for(b_admin, "B on the bus", connected).await;
+
+    // The members hear each other: A's request is counted by B.
+    let router = &fleet.sidecar.as_ref().unwrap().router;
+    let held = router.decide(&RequestInfo::default()).unwrap();
+    let busy = held.primary();
+    counted_then_released(b_admin, held, busy, "B counts A's request").await;
+
+    // A holder of the fleet's key with a key of its own, not listed: its
+    // update (it checks: the MAC is the fleet's, the signature its own)
+    // is dropped and changes nothing.
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let subject = "hearth.e2e.updates";
+    let outsider = Identity::generate();
+    let list = list_digest(&state(b_admin).await);
+    let mut update = hostile_update(&fleet, list);
+    update.body = Body::Update(Update {
+        load: vec![Load {
+            replica: 0,
+            in_flight: 3,
+            load: 3.0,
+        }],
+        ..Update::default()
+    });
+    for _ in 0..3 {
+        update.seq = now_seq();
+        client
+            .publish(
+                subject,
+                sealed(Some(KEY), &outsider, subject, &update).into(),
+            )
+            .await
+            .unwrap();
+    }
+    client.flush().await.unwrap();
+    wait_dropped(b_admin, &[("unknown_member", 3.0)]).await;
+    wait_dropped(a_admin, &[("unknown_member", 3.0)]).await;
+    let after = state(b_admin).await;
+    assert!(
+        after.replicas.iter().all(|r| r.peer_in_flight == 0),
+        "{:?}",
+        after.replicas
+    );
+    // Still in step: a second request of A's is counted by B.
+    let held = router.decide(&RequestInfo::default()).unwrap();
+    let busy = held.primary();
+    counted_then_released(b_admin, held, busy, "B still counts A's requests").await;
+
+    // A sidecar whose own key the members file does not list does not
+    // start: the others would drop everything it says.
+    let seed_c = TempFile::new("seed-c", &format!("{}\n", "c3".repeat(32)));
+    let mut settings = fleet.settings.clone();
+    settings.listen = "127.0.0.1:0".parse().unwrap();
+    settings.admin_listen = "127.0.0.1:0".parse().unwrap();
+    settings.peers_identity_file = Some(seed_c.0.clone());
+    let refused = Sidecar::start(&settings)
+        .await
+        .err()
+        .expect("C must not start");
+    assert!(
+        format!("{refused:#}").contains("does not list this sidecar's own public key"),
+        "{refused:#}"
+    );
+}
+
 #[tokio::test]
 async fn hellos_are_rate_limited_and_a_starting_sidecar_takes_only_a_snapshot_whose_mac_checks() {
     let nats = NatsServer::start().unwrap();
@@ -721,7 +843,8 @@ async fn hellos_are_rate_limited_and_a_starting_sidecar_takes_only_a_snapshot_wh
     while let Ok(Some(m)) = tokio::time::timeout_at(until.into(), answers.next()).await {
         asked.insert(m.subject.to_string());
         let fleet_key = FleetKey::from_bytes(KEY);
-        let opened = open(Some(&fleet_key), &m.subject, &m.payload).expect("A's answer checks");
+        let opened =
+            open(Some(&fleet_key), None, &m.subject, &m.payload).expect("A's answer checks");
         if let Body::Snapshot { update, .. } = decode(opened.message).unwrap().body {
             if m.subject.as_str() == "_INBOX.e2e.0" {
                 parts.push(update);
