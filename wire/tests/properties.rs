@@ -165,6 +165,39 @@ fn write_str(s: &str, seed: u64, out: &mut String) {
     }
 }
 
+/// Canonical JSON as the crate docs define it, written from serde_json's
+/// tree (whose maps keep keys sorted, the last of a repeated key): the
+/// reference the in-place writer is checked against.
+fn reference(v: &Value, out: &mut String) {
+    match v {
+        Value::Object(m) => {
+            out.push('{');
+            for (i, (k, val)) in m.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&serde_json::to_string(k).unwrap());
+                out.push(':');
+                reference(val, out);
+            }
+            out.push('}');
+        }
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                reference(item, out);
+            }
+            out.push(']');
+        }
+        Value::Number(n) if n.is_i64() || n.is_u64() => out.push_str(&n.to_string()),
+        Value::Number(n) => out.push_str(&format!("{}", n.as_f64().unwrap())),
+        other => out.push_str(&other.to_string()),
+    }
+}
+
 fn canon(body: &Value) -> Vec<u8> {
     canonical_prompt(CHAT, body.to_string().as_bytes())
         .expect("fingerprintable")
@@ -247,6 +280,23 @@ proptest! {
         let fp = fingerprint(CHAT, text.as_bytes(), &p).unwrap();
         prop_assert_eq!(fp.prompt_bytes, got.1.len() as u64);
         prop_assert_eq!(fp.hashes, chain_hashes(&got.0, &got.1, &p));
+    }
+
+    /// The tools' record is the reference canonical JSON of the tools,
+    /// whatever whitespace, key order and escaping the body was sent with
+    /// (runs of the body written as they stand, or piece by piece).
+    #[test]
+    fn a_json_record_is_the_reference_canonical_json(tools in small_json(), seed in any::<u64>()) {
+        prop_assume!(!tools.is_null());
+        let body = json!({"model": "m", "tools": tools, "messages": [{"role": "user", "content": "hi"}]});
+        let mut want = String::from("T");
+        reference(&tools, &mut want);
+        let mut want = want.into_bytes();
+        want.push(0xFF);
+        for text in [body.to_string(), { let mut t = String::new(); reserialize(&body, seed, &mut t); t }] {
+            let got = canonical_prompt(CHAT, text.as_bytes()).unwrap().1;
+            prop_assert!(got.starts_with(&want), "{}\n{:?}\n{:?}", text, String::from_utf8_lossy(&got), String::from_utf8_lossy(&want));
+        }
     }
 
     /// (3) Per-turn fields (top level and per message) do not matter.
