@@ -75,6 +75,9 @@ pub struct StackBuilder {
     eds: bool,
     upstreams_file: bool,
     control_token: bool,
+    /// Engines that publish KV events are listed `kv_events=auto` (the
+    /// sidecar asks them) rather than with their endpoints.
+    kv_events_auto: bool,
     listen: SocketAddr,
     edit: Option<EnvoyEdit>,
     envoy_deadline: Duration,
@@ -93,6 +96,7 @@ impl StackBuilder {
             eds: false,
             upstreams_file: false,
             control_token: false,
+            kv_events_auto: false,
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             edit: None,
             envoy_deadline: Duration::from_secs(60),
@@ -126,6 +130,13 @@ impl StackBuilder {
     {
         self.settings
             .extend(pairs.into_iter().map(|(k, v)| (k.into(), v.into())));
+        self
+    }
+
+    /// Lists the engines that publish KV events `;kv_events=auto`: the
+    /// sidecar asks each where (its `/kv_event_sources`).
+    pub fn kv_events_auto(mut self, on: bool) -> Self {
+        self.kv_events_auto = on;
         self
     }
 
@@ -205,10 +216,16 @@ impl StackBuilder {
                     let mut kv = e
                         .engine
                         .kv_events_endpoint()
-                        .map(|kv| format!(";kv_events={kv}"))
+                        .map(|kv| match self.kv_events_auto {
+                            true => ";kv_events=auto".to_string(),
+                            false => format!(";kv_events={kv}"),
+                        })
                         .unwrap_or_default();
-                    if let Some(replay) = e.engine.kv_events_replay_endpoint() {
-                        kv.push_str(&format!(";kv_events_replay={replay}"));
+                    match e.engine.kv_events_replay_endpoint() {
+                        Some(replay) if !self.kv_events_auto => {
+                            kv.push_str(&format!(";kv_events_replay={replay}"))
+                        }
+                        _ => {}
                     }
                     listed.push((
                         format!("{};id={}{kv}", e.addr, e.engine.config().id),

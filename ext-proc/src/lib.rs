@@ -269,8 +269,9 @@ impl Drop for Sidecar {
     }
 }
 
-/// What the sidecar asks of the engines itself: probes and metrics
-/// scrapes, with the engines' credentials.
+/// What the sidecar asks of the engines itself: probes, metrics scrapes
+/// and (`kv_events=auto`) where they publish their KV events, with the
+/// engines' credentials.
 struct Feeds {
     engines: feeds::engines::EngineClient,
     probes: feeds::probe::ProbeParams,
@@ -332,7 +333,10 @@ async fn serve(
     );
     spawn_until(&stop, observe::sample_every_second(Arc::clone(&observer)));
     spawn_until(&stop, Arc::clone(&flow).run());
-    spawn_until(&stop, feeds::kv_events::run(Arc::clone(&router)));
+    spawn_until(
+        &stop,
+        feeds::kv_events::run(Arc::clone(&router), feeds.engines.clone()),
+    );
     spawn_until(
         &stop,
         feeds::signals::run(Arc::clone(&router), feeds.engines, feeds.engine_metrics),

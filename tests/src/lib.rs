@@ -79,6 +79,9 @@ pub struct FleetOptions {
     /// With `kv_events`: each engine also answers replay requests
     /// (`;kv_events_replay=`).
     pub kv_events_replay: bool,
+    /// With `kv_events`: the engines are listed `;kv_events=auto`, and the
+    /// sidecar asks each where it publishes (and replays).
+    pub kv_events_auto: bool,
 }
 
 impl Default for FleetOptions {
@@ -101,6 +104,7 @@ impl Default for FleetOptions {
             external_engines: Vec::new(),
             kv_events: false,
             kv_events_replay: false,
+            kv_events_auto: false,
         }
     }
 }
@@ -296,7 +300,8 @@ impl Fleet {
             )
             .eds(opts.eds)
             .upstreams_file(opts.upstreams_file)
-            .control_token(opts.control_token);
+            .control_token(opts.control_token)
+            .kv_events_auto(opts.kv_events_auto);
         if opts.model_tag {
             builder = builder.model_tag(MODEL);
         }

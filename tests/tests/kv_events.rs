@@ -289,6 +289,59 @@ async fn missed_batches_come_back_from_the_replay_socket() {
     fleet.assert_wasm_healthy();
 }
 
+/// Listed `kv_events=auto`, each engine is asked where it publishes and
+/// replays (`GET /kv_event_sources`, as vLLM answers it: a wildcard
+/// host, read as the engine's own address), and its feed works as a
+/// listed one does: exact figures, a dropped batch replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_listed_auto_are_asked_where_they_publish() {
+    let fleet = Fleet::start(FleetOptions {
+        engines: 2,
+        kv_events: true,
+        kv_events_replay: true,
+        kv_events_auto: true,
+        cache_capacity_tokens: CAPACITY_TOKENS,
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    assert!(fleet
+        .specs
+        .iter()
+        .all(|s| s.contains(";kv_events=auto") && !s.contains("kv_events_replay")));
+    let s = until(
+        &fleet,
+        "both engines asked and their feeds connected",
+        |s| {
+            s.replicas
+                .iter()
+                .all(|r| r.kv_events.as_ref().is_some_and(|k| k.connected))
+        },
+    )
+    .await;
+    for e in &fleet.engines {
+        let id = e.engine.config().id.clone();
+        let own = e.engine.kv_events_endpoint().unwrap();
+        assert_eq!(kv(&s, &id).endpoint, format!("auto: {own}"), "{id}");
+    }
+    let mut n = 2000;
+    for k in 0..4 {
+        n = serve_on(&fleet, &format!("engine-{}", k % 2), n).await;
+    }
+    occupancy_matches(&fleet, "exact through auto").await;
+    fleet.engines[1].engine.drop_kv_batches(1);
+    n = serve_on(&fleet, "engine-1", n).await;
+    serve_on(&fleet, "engine-1", n).await;
+    until(
+        &fleet,
+        "the dropped batch replayed from the stated socket",
+        |s| kv(s, "engine-1").replayed_batches_total >= 1,
+    )
+    .await;
+    occupancy_matches(&fleet, "exact after the replay").await;
+    fleet.assert_wasm_healthy();
+}
+
 /// vLLM's own publisher (`ZmqEventPublisher`: libzmq through pyzmq, its
 /// msgspec batches, its ROUTER replay socket) over `ipc://`, the only
 /// local endpoint vLLM binds, read by the sidecar's subscriber: byte-string
@@ -362,7 +415,10 @@ pub.shutdown()
             .parse()
             .unwrap();
     let router = hearth_router::Router::new(hearth_router::RouterParams::default(), &[spec]);
-    let feed = tokio::spawn(hearth_ext_proc::feeds::kv_events::run(router.clone()));
+    let feed = tokio::spawn(hearth_ext_proc::feeds::kv_events::run(
+        router.clone(),
+        hearth_ext_proc::feeds::engines::EngineClient::new(None, None).unwrap(),
+    ));
     let snap = || router.snapshot().replicas[0].kv_events.clone().unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
     while !snap().connected {
@@ -452,7 +508,10 @@ async fn a_hostile_feed_reaches_only_its_own_replica_and_fences_nothing() {
     .map(|s| s.parse().unwrap())
     .collect();
     let router = hearth_router::Router::new(hearth_router::RouterParams::default(), &specs);
-    let feed = tokio::spawn(hearth_ext_proc::feeds::kv_events::run(router.clone()));
+    let feed = tokio::spawn(hearth_ext_proc::feeds::kv_events::run(
+        router.clone(),
+        hearth_ext_proc::feeds::engines::EngineClient::new(None, None).unwrap(),
+    ));
 
     // The hostile side: a PUB's handshake, then what it likes.
     let serve = async {

@@ -487,8 +487,9 @@ async fn a_keyed_vllm_engine_killed_and_restarted_is_fenced_readmitted_and_start
 }
 
 /// A vLLM engine publishing its KV cache events over `ipc://` (vLLM binds
-/// only wildcard and ipc endpoints itself), listed with `kv_events=`: the
-/// sidecar reads its blocks in the engine's own block size, no more than
+/// only wildcard and ipc endpoints itself), listed `kv_events=auto`: the
+/// sidecar asks the engine where it publishes (`GET /kv_event_sources`),
+/// then reads its blocks in the engine's own block size, no more than
 /// the engine has, at least the whole blocks of the last prompt it read;
 /// a killed and restarted engine is read from its sequence (its metrics
 /// say it too: both drop the replica's warmth).
@@ -522,7 +523,7 @@ async fn a_vllm_engines_kv_events_show_its_blocks_and_its_restart() {
     let fleet = Fleet::start(hearth_e2e::FleetOptions {
         sidecar_flags: flags,
         external_engines: vec![("vllm-0".into(), engine.addr)],
-        upstream_options: vec![(0, format!(";kv_events={endpoint}"))],
+        upstream_options: vec![(0, ";kv_events=auto".into())],
         ..hearth_e2e::FleetOptions::default()
     })
     .await
@@ -532,10 +533,15 @@ async fn a_vllm_engines_kv_events_show_its_blocks_and_its_restart() {
         started.elapsed()
     );
     let kv = |s: &Snapshot| replica(s, "vllm-0").kv_events.clone().unwrap();
-    wait_for(&fleet, Duration::from_secs(30), "the feed connected", |s| {
+    let s = wait_for(&fleet, Duration::from_secs(30), "the feed connected", |s| {
         kv(s).connected
     })
     .await;
+    assert_eq!(
+        kv(&s).endpoint,
+        format!("auto: {endpoint}"),
+        "as vLLM states it"
+    );
 
     // One conversation, three turns: each stores its prompt's whole blocks.
     let mut session = Session::new(500);

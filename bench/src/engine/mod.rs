@@ -661,6 +661,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/metrics", get(metrics))
         .route("/admin/fault", get(get_fault).put(put_fault))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/kv_event_sources", get(kv_event_sources))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::map_response_with_state(
@@ -673,6 +674,27 @@ pub fn router(engine: Arc<Engine>) -> Router {
             require_api_key,
         ))
         .with_state(engine)
+}
+
+/// Where the KV events are published, as vLLM's `GET /kv_event_sources`
+/// states its `--kv-events-config` per data-parallel rank: the bound
+/// endpoints with a wildcard host, as an engine binding every interface
+/// writes them (`{}` without events).
+async fn kv_event_sources(State(engine): State<Arc<Engine>>) -> Json<serde_json::Value> {
+    let wildcard = |e: String| match e.strip_prefix("tcp://").and_then(|a| a.rsplit_once(':')) {
+        Some((_, port)) => format!("tcp://*:{port}"),
+        None => e,
+    };
+    Json(match engine.kv_events_endpoint() {
+        Some(endpoint) => serde_json::json!({"0": {
+            "enable_kv_cache_events": true,
+            "publisher": "zmq",
+            "endpoint": wildcard(endpoint),
+            "replay_endpoint": engine.kv_events_replay_endpoint().map(wildcard),
+            "topic": "",
+        }}),
+        None => serde_json::json!({}),
+    })
 }
 
 /// 401 for a request without the engine's key (when it has one), except

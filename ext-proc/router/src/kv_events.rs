@@ -79,6 +79,8 @@ pub enum RestartReason {
 /// One replica's event feed, as the router knows it.
 #[derive(Debug)]
 pub(crate) struct KvEvents {
+    /// Where the engine said it publishes (`kv_events=auto`), once it has.
+    pub(crate) stated_endpoint: Option<String>,
     held: HashSet<u64, BlockHashState>,
     /// The sequence number the next batch should carry.
     next_seq: Option<u64>,
@@ -107,6 +109,7 @@ pub(crate) struct KvEvents {
 impl Default for KvEvents {
     fn default() -> Self {
         KvEvents {
+            stated_endpoint: None,
             held: HashSet::default(),
             next_seq: None,
             inexact: Some(Inexact::NoBatch),

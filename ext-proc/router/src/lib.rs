@@ -57,8 +57,8 @@ pub use kv_events::{KvEventsSnapshot, RestartReason};
 pub use params::{AffinityBasis, LongLane, RouterParams, ScoreParams};
 pub use peers::{Applied, PeerRefusal, PeersSnapshot, PEER_SILENCE};
 pub use replica::{
-    check_upstreams, default_replica_id, engine_url, targets, EventEndpoint, ProbeTarget,
-    ReloadSummary, Replica, ReplicaKey, UpstreamSpec,
+    check_upstreams, default_replica_id, engine_url, targets, EventEndpoint, EventSource,
+    ProbeTarget, ReloadSummary, Replica, ReplicaKey, UpstreamSpec,
 };
 pub use router::{Router, SourceStatus};
 pub use snapshot::{EngineSnapshot, ReplicaSnapshot, Snapshot, UpstreamsSnapshot};

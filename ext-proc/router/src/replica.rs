@@ -36,16 +36,32 @@ pub struct UpstreamSpec {
 
 /// A ZMQ endpoint an engine publishes its KV cache events on: an IP and
 /// port, or a Unix socket path (vLLM binds only wildcard and `ipc://`
-/// endpoints itself).
+/// endpoints itself), or `auto`: the one the engine states (vLLM's
+/// `GET /kv_event_sources`), taken only where it is the engine's own.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum EventEndpoint {
     Tcp(SocketAddr),
     Ipc(String),
+    FromEngine,
+}
+
+/// One engine's event feed, as the sidecar follows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EventSource {
+    /// The engine's address (its replicas' feed is one).
+    pub addr: SocketAddr,
+    pub endpoint: EventEndpoint,
+    pub replay: Option<EventEndpoint>,
+    /// `http(s)://addr`, where `auto` asks for the endpoint.
+    pub engine_url: String,
 }
 
 impl FromStr for EventEndpoint {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "auto" {
+            return Ok(EventEndpoint::FromEngine);
+        }
         if let Some(addr) = s.strip_prefix("tcp://") {
             return addr.parse().map(EventEndpoint::Tcp).map_err(|_| {
                 format!("kv_events={s:?}: tcp:// takes ip:port (the engine's own address)")
@@ -56,7 +72,8 @@ impl FromStr for EventEndpoint {
                 Ok(EventEndpoint::Ipc(path.to_owned()))
             }
             _ => Err(format!(
-                "kv_events={s:?} is not tcp://ip:port or ipc:///absolute/path (at most 107 bytes)"
+                "kv_events={s:?} is not tcp://ip:port, ipc:///absolute/path (at most 107 bytes) \
+                 or auto"
             )),
         }
     }
@@ -67,6 +84,7 @@ impl std::fmt::Display for EventEndpoint {
         match self {
             EventEndpoint::Tcp(addr) => write!(f, "tcp://{addr}"),
             EventEndpoint::Ipc(path) => write!(f, "ipc://{path}"),
+            EventEndpoint::FromEngine => f.write_str("auto"),
         }
     }
 }
@@ -147,6 +165,16 @@ impl FromStr for UpstreamSpec {
         }
         if spec.kv_events_replay.is_some() && spec.kv_events.is_none() {
             return Err("kv_events_replay= needs kv_events=".to_owned());
+        }
+        if spec.kv_events_replay.is_some() && spec.kv_events == Some(EventEndpoint::FromEngine) {
+            return Err(
+                "kv_events=auto takes the replay endpoint from the engine too: \
+                 drop kv_events_replay="
+                    .to_owned(),
+            );
+        }
+        if spec.kv_events_replay == Some(EventEndpoint::FromEngine) {
+            return Err("kv_events_replay=auto: write kv_events=auto alone".to_owned());
         }
         if spec.kv_events.is_some() && spec.dp_ranks > 1 {
             // Each rank publishes on its own endpoint (vLLM: the port plus

@@ -12,7 +12,7 @@ use crate::health::{FleetHealth, Outcome, ProbeReason, Work};
 use crate::kv_events::RestartReason;
 use crate::params::RouterParams;
 use crate::replica::{
-    targets, EventEndpoint, ProbeTarget, ReloadSummary, Replica, ReplicaKey, UpstreamSpec,
+    targets, EventSource, ProbeTarget, ReloadSummary, Replica, ReplicaKey, UpstreamSpec,
 };
 use crate::tips::Tips;
 use crate::usage::{
@@ -256,17 +256,35 @@ impl Router {
 
     /// The replicas whose engines publish KV cache events, by address
     /// (each address once), with where, and where they replay.
-    pub fn kv_event_endpoints(&self) -> Vec<(SocketAddr, EventEndpoint, Option<EventEndpoint>)> {
+    pub fn kv_event_endpoints(&self) -> Vec<EventSource> {
         let fleet = self.lock();
-        let mut out: Vec<(SocketAddr, EventEndpoint, Option<EventEndpoint>)> = Vec::new();
+        let mut out: Vec<EventSource> = Vec::new();
         for (_, r) in fleet.serving() {
             if let Some(e) = &r.kv_events {
-                if !out.iter().any(|(a, _, _)| *a == r.addr) {
-                    out.push((r.addr, e.clone(), r.kv_events_replay.clone()));
+                if !out.iter().any(|s| s.addr == r.addr) {
+                    out.push(EventSource {
+                        addr: r.addr,
+                        endpoint: e.clone(),
+                        replay: r.kv_events_replay.clone(),
+                        engine_url: r.engine_url(),
+                    });
                 }
             }
         }
         out
+    }
+
+    /// Where the engine at `addr` said it publishes (`kv_events=auto`),
+    /// or `None` while it has not: what `/state` shows as the feed's
+    /// endpoint.
+    pub fn note_kv_endpoint(&self, addr: SocketAddr, stated: Option<String>) {
+        let mut fleet = self.lock();
+        let fleet = &mut *fleet;
+        for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
+            if r.addr == addr && !r.retired && r.kv_events.is_some() {
+                s.kv.stated_endpoint = stated.clone();
+            }
+        }
     }
 
     /// The sequence number the event feed of the engine at `addr` should

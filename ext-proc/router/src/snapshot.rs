@@ -10,6 +10,7 @@ use crate::health::{FleetHealth, HealthSnapshot};
 use crate::kv_events::KvEventsSnapshot;
 use crate::params::AffinityBasis;
 use crate::peers::PeersSnapshot;
+use crate::replica::EventEndpoint;
 use crate::router::Router;
 use crate::usage::UsageSnapshot;
 
@@ -175,10 +176,15 @@ impl Router {
                         age_s: now.duration_since(e.at).as_secs_f64(),
                     }),
                     usage: s.usage.snapshot(),
-                    kv_events: r
-                        .kv_events
-                        .as_ref()
-                        .map(|e| s.kv.snapshot(e.to_string(), now)),
+                    kv_events: r.kv_events.as_ref().map(|e| {
+                        let endpoint = match (e, &s.kv.stated_endpoint) {
+                            (EventEndpoint::FromEngine, Some(stated)) => {
+                                format!("auto: {stated}")
+                            }
+                            _ => e.to_string(),
+                        };
+                        s.kv.snapshot(endpoint, now)
+                    }),
                 })
                 .collect(),
         }

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hearth_router::health::HealthState;
-use hearth_router::{RequestInfo, RestartReason, Router, RouterParams, UpstreamSpec};
+use hearth_router::{
+    EventEndpoint, RequestInfo, RestartReason, Router, RouterParams, UpstreamSpec,
+};
 use hearth_wire::kv_events::{Batch, Event, Medium};
 
 fn fleet(list: &str) -> Arc<Router> {
@@ -61,7 +63,14 @@ fn the_upstream_option_parses_and_refuses_what_it_cannot_read() {
         spec.kv_events_replay.unwrap().to_string(),
         "ipc:///tmp/replay.sock"
     );
+    // `auto`: asked of the engine, which names its replay socket too.
+    let spec: UpstreamSpec = format!("{A};kv_events=auto").parse().unwrap();
+    assert_eq!(spec.kv_events, Some(EventEndpoint::FromEngine));
+    assert_eq!(spec.kv_events.unwrap().to_string(), "auto");
     for bad in [
+        "kv_events=auto;kv_events_replay=tcp://127.0.0.1:5558",
+        "kv_events=tcp://127.0.0.1:5557;kv_events_replay=auto",
+        "kv_events=auto;dp=2",
         "kv_events_replay=tcp://127.0.0.1:5558",
         "kv_events=tcp://*:5557",
         "kv_events=tcp://engine:5557",

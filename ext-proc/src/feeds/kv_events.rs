@@ -29,7 +29,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hearth_router::{EventEndpoint, Router};
+use hearth_router::{EventEndpoint, EventSource, Router};
+use serde_json::Value;
+
+use super::engines::EngineClient;
 use hearth_wire::kv_events::{decode_batch, decode_sequence};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::task::{AbortHandle, JoinSet};
@@ -63,6 +66,13 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often the replica list is looked at for feeds to start or stop.
 const LIST_POLL: Duration = Duration::from_secs(1);
 
+/// How long `kv_events=auto` waits between asking an engine that does not
+/// say (yet) where it publishes, at most.
+const MAX_ASK_BACKOFF: Duration = Duration::from_secs(30);
+
+/// The largest `/kv_event_sources` answer read.
+const MAX_SOURCES_BYTES: usize = 64 << 10;
+
 /// Why a feed was dropped.
 #[derive(Debug, thiserror::Error)]
 pub enum FeedError {
@@ -80,42 +90,176 @@ pub enum FeedError {
 
 /// Runs one subscriber per replica with an event endpoint, started and
 /// stopped as the replica list changes, until the task is dropped.
-pub async fn run(router: Arc<Router>) {
-    type Running = (EventEndpoint, Option<EventEndpoint>, AbortHandle);
-    let mut feeds: HashMap<SocketAddr, Running> = HashMap::new();
+/// `engines` asks the engines listed `kv_events=auto` where they publish.
+pub async fn run(router: Arc<Router>, engines: EngineClient) {
+    let mut feeds: HashMap<SocketAddr, (EventSource, AbortHandle)> = HashMap::new();
     let mut tasks = JoinSet::new();
     let mut tick = tokio::time::interval(LIST_POLL);
     loop {
         tick.tick().await;
         while tasks.try_join_next().is_some() {}
         let wanted = router.kv_event_endpoints();
-        feeds.retain(|addr, (endpoint, replay, task)| {
-            let keep = wanted
-                .iter()
-                .any(|(a, e, r)| a == addr && e == endpoint && r == replay);
+        feeds.retain(|addr, (source, task)| {
+            let keep = wanted.contains(source);
             if !keep {
                 task.abort();
                 router.note_kv_feed(*addr, false);
             }
             keep
         });
-        for (addr, endpoint, replay) in wanted {
-            if let std::collections::hash_map::Entry::Vacant(slot) = feeds.entry(addr) {
-                let feed = Feed {
-                    endpoint: endpoint.clone(),
-                    replay: replay.clone(),
-                };
-                let task = tasks.spawn(follow(Arc::clone(&router), addr, feed));
-                slot.insert((endpoint, replay, task));
+        for source in wanted {
+            if let std::collections::hash_map::Entry::Vacant(slot) = feeds.entry(source.addr) {
+                let task =
+                    tasks.spawn(follow(Arc::clone(&router), engines.clone(), source.clone()));
+                slot.insert((source, task));
             }
         }
     }
 }
 
 /// Where one engine publishes, and replays.
-struct Feed {
-    endpoint: EventEndpoint,
-    replay: Option<EventEndpoint>,
+#[derive(Debug, PartialEq, Eq)]
+pub struct Feed {
+    pub endpoint: EventEndpoint,
+    pub replay: Option<EventEndpoint>,
+}
+
+/// Asks the engine of `source` (`kv_events=auto`) where it publishes,
+/// until it says so in a way [`stated_feed`] takes.
+async fn ask(router: &Router, engines: &EngineClient, source: &EventSource) -> Feed {
+    let mut backoff = FIRST_BACKOFF;
+    let mut said = None;
+    loop {
+        match ask_once(engines, source).await {
+            Ok(feed) => {
+                router.note_kv_endpoint(source.addr, Some(feed.endpoint.to_string()));
+                return feed;
+            }
+            Err(e) => {
+                router.note_kv_endpoint(source.addr, None);
+                // Said once per different reason, not at every retry.
+                if said.as_ref() != Some(&e) {
+                    tracing::warn!(engine = %source.addr, "kv_events=auto: {e}");
+                    said = Some(e);
+                }
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_ASK_BACKOFF);
+    }
+}
+
+async fn ask_once(engines: &EngineClient, source: &EventSource) -> Result<Feed, String> {
+    let url = format!("{}/kv_event_sources", source.engine_url);
+    let mut resp = engines
+        .get(&url, CONNECT_TIMEOUT)
+        .await
+        .map_err(|e| format!("GET /kv_event_sources: {e}"))?;
+    if !resp.status().is_success() {
+        return Err(format!(
+            "GET /kv_event_sources answered {} (vLLM serves it; other engines: list the \
+             endpoint)",
+            resp.status()
+        ));
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .map_err(|e| format!("GET /kv_event_sources: {e}"))?
+    {
+        if body.len() + chunk.len() > MAX_SOURCES_BYTES {
+            return Err(format!(
+                "GET /kv_event_sources: an answer past {MAX_SOURCES_BYTES} bytes"
+            ));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    let answer: Value = serde_json::from_slice(&body)
+        .map_err(|e| format!("GET /kv_event_sources: not JSON: {e}"))?;
+    stated_feed(&answer, source.addr)
+}
+
+/// Where an engine at `engine` publishes and replays, from its
+/// `/kv_event_sources` answer (vLLM: its `--kv-events-config` per
+/// data-parallel rank, `{"0": {"enable_kv_cache_events": true,
+/// "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint":
+/// ...}}`), rank 0's. Taken only where the endpoint is the engine's own:
+/// over TCP a wildcard (`*`, `0.0.0.0`, `::`, read as the engine's
+/// address) or the engine's own IP, at the port stated; `ipc://` only for
+/// an engine on this host (a loopback address). Anything else is refused
+/// with the reason, so an engine cannot point the sidecar elsewhere.
+pub fn stated_feed(answer: &Value, engine: SocketAddr) -> Result<Feed, String> {
+    let sources = answer
+        .as_object()
+        .ok_or("GET /kv_event_sources: not a JSON object")?;
+    let Some(config) = sources.get("0") else {
+        return Err(if sources.is_empty() {
+            "the engine states no KV event publisher (vLLM: --kv-events-config)".into()
+        } else {
+            "the engine states no publisher for data-parallel rank 0".into()
+        });
+    };
+    if config.get("enable_kv_cache_events") == Some(&Value::Bool(false))
+        || config
+            .get("publisher")
+            .and_then(Value::as_str)
+            .is_some_and(|p| p != "zmq")
+    {
+        return Err("the engine's KV events are off, or not published over ZMQ".into());
+    }
+    let endpoint = |field: &str| -> Result<Option<EventEndpoint>, String> {
+        match config.get(field) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) if s.is_empty() => Ok(None),
+            Some(Value::String(s)) => own_endpoint(s, engine).map(Some),
+            Some(_) => Err(format!("{field}: not a string")),
+        }
+    };
+    let published = endpoint("endpoint")?.ok_or("the engine states no endpoint")?;
+    Ok(Feed {
+        endpoint: published,
+        replay: endpoint("replay_endpoint")?,
+    })
+}
+
+/// An endpoint an engine at `engine` states, when it is the engine's own.
+fn own_endpoint(stated: &str, engine: SocketAddr) -> Result<EventEndpoint, String> {
+    if let Some(rest) = stated.strip_prefix("tcp://") {
+        let (host, port) = rest
+            .rsplit_once(':')
+            .ok_or_else(|| format!("{stated:?}: no port"))?;
+        let port: u16 = port
+            .parse()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| format!("{stated:?}: not a port to connect to"))?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let ip = match host {
+            "*" | "0.0.0.0" | "::" => engine.ip(),
+            _ => host
+                .parse::<std::net::IpAddr>()
+                .ok()
+                .filter(|ip| *ip == engine.ip())
+                .ok_or_else(|| {
+                    format!(
+                        "{stated:?} is not the engine's own address ({})",
+                        engine.ip()
+                    )
+                })?,
+        };
+        return Ok(EventEndpoint::Tcp(SocketAddr::new(ip, port)));
+    }
+    if stated.starts_with("ipc://") {
+        if !engine.ip().is_loopback() {
+            return Err(format!(
+                "{stated:?}: a Unix socket of another host (the engine is at {engine}); \
+                 have it publish on tcp://*:PORT"
+            ));
+        }
+        return stated.parse();
+    }
+    Err(format!("{stated:?} is neither tcp:// nor ipc://"))
 }
 
 /// A stream to `endpoint`, within [`CONNECT_TIMEOUT`].
@@ -136,6 +280,8 @@ async fn connect(endpoint: &EventEndpoint) -> Result<Stream, FeedError> {
                 .map_err(|_| FeedError::Timeout)?
                 .map(Stream::Unix)?
         }
+        // Asked for before connecting (`follow`).
+        EventEndpoint::FromEngine => return Err(FeedError::Handshake("no endpoint yet")),
     };
     Ok(stream)
 }
@@ -191,9 +337,17 @@ impl AsyncWrite for Stream {
 }
 
 /// Follows one engine's feed: connect, read until it fails, wait, again.
-async fn follow(router: Arc<Router>, addr: SocketAddr, feed: Feed) {
+async fn follow(router: Arc<Router>, engines: EngineClient, source: EventSource) {
+    let addr = source.addr;
     let mut backoff = FIRST_BACKOFF;
     loop {
+        let feed = match source.endpoint {
+            EventEndpoint::FromEngine => ask(&router, &engines, &source).await,
+            _ => Feed {
+                endpoint: source.endpoint.clone(),
+                replay: source.replay.clone(),
+            },
+        };
         let result = match connect(&feed.endpoint).await {
             Ok(stream) => read_feed(&router, addr, &feed, stream, &mut backoff).await,
             Err(e) => Err(e),
@@ -459,6 +613,78 @@ pub async fn read_message<S: AsyncRead + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_takes_only_the_engines_own_endpoints() {
+        let engine: SocketAddr = "10.0.0.5:8000".parse().unwrap();
+        let local: SocketAddr = "127.0.0.1:8000".parse().unwrap();
+        let sources = |endpoint: &str, replay: Value| {
+            serde_json::json!({"0": {
+                "enable_kv_cache_events": true, "publisher": "zmq", "topic": "kv",
+                "endpoint": endpoint, "replay_endpoint": replay,
+            }})
+        };
+        let tcp = |a: &str| EventEndpoint::Tcp(a.parse().unwrap());
+        // vLLM's wildcard binds read as the engine's own address.
+        assert_eq!(
+            stated_feed(&sources("tcp://*:5557", "tcp://*:5558".into()), engine),
+            Ok(Feed {
+                endpoint: tcp("10.0.0.5:5557"),
+                replay: Some(tcp("10.0.0.5:5558")),
+            })
+        );
+        for own in [
+            "tcp://0.0.0.0:5557",
+            "tcp://10.0.0.5:5557",
+            "tcp://[::]:5557",
+        ] {
+            let feed = stated_feed(&sources(own, Value::Null), engine).unwrap();
+            assert_eq!(
+                (feed.endpoint, feed.replay),
+                (tcp("10.0.0.5:5557"), None),
+                "{own}"
+            );
+        }
+        // A Unix socket only for an engine on this host.
+        let ipc = sources("ipc:///tmp/kv.sock", Value::Null);
+        assert_eq!(
+            stated_feed(&ipc, local).map(|f| f.endpoint),
+            Ok(EventEndpoint::Ipc("/tmp/kv.sock".into()))
+        );
+        assert!(stated_feed(&ipc, engine)
+            .unwrap_err()
+            .contains("another host"));
+        // Another host, a port of 0, another transport: refused, saying why.
+        for (stated, why) in [
+            ("tcp://10.0.0.6:5557", "not the engine's own address"),
+            ("tcp://127.0.0.1:5557", "not the engine's own address"),
+            ("tcp://*:0", "not a port"),
+            ("inproc://cache", "neither tcp:// nor ipc://"),
+        ] {
+            let e = stated_feed(&sources(stated, Value::Null), engine).unwrap_err();
+            assert!(e.contains(why), "{stated}: {e}");
+        }
+        let e = stated_feed(&sources("tcp://*:5557", "tcp://10.9.9.9:1".into()), engine);
+        assert!(e.is_err_and(|e| e.contains("not the engine's own")));
+        // No publisher, events off, or not an answer at all.
+        for (answer, why) in [
+            (serde_json::json!({}), "states no KV event publisher"),
+            (serde_json::json!({"1": {}}), "rank 0"),
+            (
+                serde_json::json!({"0": {"enable_kv_cache_events": false, "endpoint": "tcp://*:1"}}),
+                "off",
+            ),
+            (serde_json::json!({"0": {"publisher": "null"}}), "off"),
+            (
+                serde_json::json!({"0": {"publisher": "zmq"}}),
+                "no endpoint",
+            ),
+            (serde_json::json!([1]), "not a JSON object"),
+        ] {
+            let e = stated_feed(&answer, engine).unwrap_err();
+            assert!(e.contains(why), "{answer}: {e}");
+        }
+    }
 
     /// A publisher's side of the handshake, written per the ZMTP 3.0
     /// text: greeting, READY as PUB, then the subscription it must get.
