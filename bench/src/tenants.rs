@@ -475,7 +475,9 @@ fn scenario(args: &TenantsArgs) -> anyhow::Result<(Scenario, Duration, Duration)
 }
 
 /// Every Hearth cell's settings: the scenario's, the objectives, the
-/// scrape interval, then the command line's.
+/// scrape interval, the flow control's default waits in engine time
+/// (the sidecar's clock is the wall's: its 2 s affinity wait and 60 s
+/// time to live divided by the time scale), then the command line's.
 fn hearth_settings(args: &TenantsArgs, sc: &Scenario) -> Vec<(String, String)> {
     let mut settings = sc.hearth.settings().to_vec();
     settings.push(("HEARTH_FLOW_OBJECTIVES".into(), OBJECTIVES.into()));
@@ -483,6 +485,16 @@ fn hearth_settings(args: &TenantsArgs, sc: &Scenario) -> Vec<(String, String)> {
         "HEARTH_ENGINE_METRICS_SECONDS".into(),
         args.scrape_seconds.to_string(),
     ));
+    let defaults = crate::settings::parse(&[]).expect("the sidecar's defaults parse");
+    for (name, engine_s) in [
+        (
+            "HEARTH_FLOW_AFFINITY_WAIT_SECONDS",
+            defaults.flow_affinity_wait_seconds,
+        ),
+        ("HEARTH_FLOW_TTL_SECONDS", defaults.flow_ttl_seconds),
+    ] {
+        settings.push((name.into(), format!("{:.3}", engine_s / args.time_scale)));
+    }
     settings.extend(args.sidecar.set.iter().cloned());
     settings
 }
@@ -520,7 +532,7 @@ async fn run_cell(
     sc: &Scenario,
     hearth: &[(String, String)],
     (wall, warmup): (Duration, Duration),
-) -> anyhow::Result<Vec<ClassRow>> {
+) -> anyhow::Result<Cell> {
     let (mix, setup) = cell;
     let configs = live::engine_configs(sc, args.time_scale);
     let stack = live::envoy_stack(setup.policy(), configs, setup.settings(hearth)).await?;
@@ -542,6 +554,14 @@ async fn run_cell(
     let url = format!("{}/v1/chat/completions", stack.url());
     let driven =
         live::drive_agents(&url, &stack.engines, agents, args.time_scale, wall, warmup).await;
+    let waits = match setup.policy() {
+        LivePolicy::Hearth => {
+            let (status, text) = stack.admin_get("/metrics").await?;
+            anyhow::ensure!(status == 200, "the sidecar's /metrics answered {status}");
+            Some(queue_waits(&text, args.time_scale))
+        }
+        _ => None,
+    };
     stack.shutdown().await;
     let row = |class: Option<Class>, agents, records, limited| {
         class_row(
@@ -573,7 +593,46 @@ async fn run_cell(
         driven.records.iter().map(|(_, r)| r.clone()).collect(),
         driven.rate_limited.iter().sum(),
     ));
-    Ok(rows)
+    Ok(Cell { rows, waits })
+}
+
+/// What one cell measured: its rows, and for Hearth the flow queue's
+/// dispatches.
+struct Cell {
+    rows: Vec<ClassRow>,
+    waits: Option<QueueWaits>,
+}
+
+/// The requests that left the sidecar's flow queue for a replica over a
+/// whole cell (warm-up included), and their mean wait there.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct QueueWaits {
+    pub dispatched: u64,
+    /// In engine seconds.
+    pub mean_wait_s: f64,
+}
+
+/// [`QueueWaits`] from the sidecar's `/metrics` text, every band
+/// together, waits scaled from the sidecar's wall clock to engine time.
+pub fn queue_waits(metrics: &str, scale: f64) -> QueueWaits {
+    const NAME: &str = "llm_d_epp_flow_control_request_queue_duration_seconds";
+    let total = |suffix: &str| -> f64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with(&format!("{NAME}{suffix}{{")))
+            .filter(|l| l.contains("outcome=\"Dispatched\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let (count, sum) = (total("_count"), total("_sum"));
+    QueueWaits {
+        dispatched: count as u64,
+        mean_wait_s: if count > 0.0 {
+            sum / count * scale
+        } else {
+            0.0
+        },
+    }
 }
 
 pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
@@ -600,21 +659,27 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
             .join(" ")
     );
     let mut rows = Vec::new();
-    for cell in CELLS {
-        eprintln!(
-            "hearth-bench tenants: running {} under {}",
-            cell.0.name(),
-            cell.1.name()
-        );
-        rows.extend(
-            run_cell(cell, &args, &sc, &hearth, (wall, warmup))
-                .await
-                .with_context(|| format!("{} under {}", cell.0.name(), cell.1.name()))?,
-        );
+    let mut queued = Vec::new();
+    for (mix, setup) in CELLS {
+        let name = format!("{} under {}", mix.name(), setup.name());
+        eprintln!("hearth-bench tenants: running {name}");
+        let cell = run_cell((mix, setup), &args, &sc, &hearth, (wall, warmup))
+            .await
+            .with_context(|| name.clone())?;
+        rows.extend(cell.rows);
+        if let Some(w) = cell.waits {
+            queued.push((name, w));
+        }
     }
     let ratios = ratios(&rows);
     println!("{}", markdown(&rows));
     println!("{}", ratios_markdown(&ratios));
+    for (name, w) in &queued {
+        println!(
+            "# {name}: {} requests left the flow queue for a replica, after {:.2} s there on average (engine time, warm-up included)",
+            w.dispatched, w.mean_wait_s
+        );
+    }
     if let Some(path) = &args.json {
         let doc = serde_json::json!({
             "command": command(&args),
@@ -627,6 +692,10 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
             "scenario": sc,
             "rows": rows,
             "ratios": ratios,
+            "flow_queue": queued
+                .iter()
+                .map(|(name, w)| (name.clone(), *w))
+                .collect::<std::collections::BTreeMap<_, _>>(),
         });
         std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
         println!("wrote {}", path.display());
@@ -725,6 +794,24 @@ mod tests {
         let off = Setup::HearthNoFlowControl.settings(&[]);
         assert!(!crate::settings::parse(&off).unwrap().flow_control);
         assert!(Setup::LeastRequest.settings(&settings).is_empty());
+    }
+
+    #[test]
+    fn the_queue_waits_are_the_dispatched_ones_of_every_band_in_engine_time() {
+        let text = "\
+# HELP llm_d_epp_flow_control_request_queue_duration_seconds Time requests spent.
+llm_d_epp_flow_control_request_queue_duration_seconds_sum{priority=\"0\",outcome=\"Dispatched\"} 1.5
+llm_d_epp_flow_control_request_queue_duration_seconds_count{priority=\"0\",outcome=\"Dispatched\"} 3
+llm_d_epp_flow_control_request_queue_duration_seconds_bucket{priority=\"0\",outcome=\"Dispatched\",le=\"1.0\"} 3
+llm_d_epp_flow_control_request_queue_duration_seconds_sum{priority=\"10\",outcome=\"Dispatched\"} 0.5
+llm_d_epp_flow_control_request_queue_duration_seconds_count{priority=\"10\",outcome=\"Dispatched\"} 1
+llm_d_epp_flow_control_request_queue_duration_seconds_sum{priority=\"-1\",outcome=\"RejectedCapacity\"} 0
+llm_d_epp_flow_control_request_queue_duration_seconds_count{priority=\"-1\",outcome=\"RejectedCapacity\"} 7
+";
+        let w = queue_waits(text, 5.0);
+        assert_eq!(w.dispatched, 4);
+        assert!((w.mean_wait_s - 2.5).abs() < 1e-9, "{w:?}");
+        assert_eq!(queue_waits("", 5.0).dispatched, 0);
     }
 
     fn record(ttft_s: f64, cached: u32, failed: bool) -> RequestRecord {
