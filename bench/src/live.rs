@@ -415,22 +415,39 @@ pub async fn run(cli: LiveCli) -> anyhow::Result<()> {
 /// replicas and settings, and windows from the wall-clock seconds), the
 /// whole run and its warm-up in wall-clock time.
 fn cell(args: &LiveArgs) -> anyhow::Result<(Scenario, Duration, Duration)> {
-    anyhow::ensure!(
-        args.time_scale > 0.0 && args.time_scale.is_finite(),
-        "--time-scale must be > 0"
-    );
-    anyhow::ensure!(args.seconds >= 10, "--seconds must be at least 10");
-    let mut sc: Scenario = Scenario::preset(&args.scenario)
-        .with_context(|| format!("unknown scenario {:?}", args.scenario))?;
+    let mut sc = preset(&args.scenario)?;
     if let Some(r) = args.replicas {
         sc.replicas = r;
     }
     sc.hearth.set(args.sidecar.set.iter().cloned())?;
-    let wall = Duration::from_secs(args.seconds);
-    let warmup = wall / 5;
-    sc.warmup_s = warmup.as_secs_f64() * args.time_scale;
-    sc.duration_s = (wall - warmup).as_secs_f64() * args.time_scale;
+    let (wall, warmup) = windows(&mut sc, args.seconds, args.time_scale)?;
     Ok((sc, wall, warmup))
+}
+
+/// The scenario preset `name`.
+pub(crate) fn preset(name: &str) -> anyhow::Result<Scenario> {
+    Scenario::preset(name).with_context(|| format!("unknown scenario {name:?}"))
+}
+
+/// A live cell's windows: `seconds` of wall-clock traffic, the first
+/// fifth warm-up, engine time `time_scale` times the wall's. Sets the
+/// scenario's (engine-time) warm-up and duration; returns the whole run
+/// and its warm-up in wall-clock time.
+pub(crate) fn windows(
+    sc: &mut Scenario,
+    seconds: u64,
+    time_scale: f64,
+) -> anyhow::Result<(Duration, Duration)> {
+    anyhow::ensure!(
+        time_scale > 0.0 && time_scale.is_finite(),
+        "--time-scale must be > 0"
+    );
+    anyhow::ensure!(seconds >= 10, "--seconds must be at least 10");
+    let wall = Duration::from_secs(seconds);
+    let warmup = wall / 5;
+    sc.warmup_s = warmup.as_secs_f64() * time_scale;
+    sc.duration_s = (wall - warmup).as_secs_f64() * time_scale;
+    Ok((wall, warmup))
 }
 
 /// `hearth-bench live ...` as run (settings shown, credentials hidden).
@@ -443,11 +460,7 @@ fn command(args: &LiveArgs, sc: &Scenario, policies: Option<&[LivePolicy]>) -> S
         args.seconds,
         args.time_scale,
         args.seed,
-        args.sidecar
-            .set
-            .iter()
-            .map(|kv| format!(" --set {}", crate::settings::shown_setting(kv)))
-            .collect::<String>(),
+        args.sidecar.shown(),
         policies.map_or(String::new(), |ps| format!(
             " --policies {}",
             ps.iter().map(|p| p.name()).collect::<Vec<_>>().join(",")

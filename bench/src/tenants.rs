@@ -455,22 +455,13 @@ pub fn ratios_markdown(ratios: &[Ratio]) -> String {
 /// command line's replicas, engine size and windows.
 fn scenario(args: &TenantsArgs) -> anyhow::Result<(Scenario, Duration, Duration)> {
     anyhow::ensure!(
-        args.time_scale > 0.0 && args.time_scale.is_finite(),
-        "--time-scale must be > 0"
-    );
-    anyhow::ensure!(args.seconds >= 10, "--seconds must be at least 10");
-    anyhow::ensure!(
         args.replicas > 0 && args.max_running > 0,
         "--replicas and --max-running must be at least 1"
     );
-    let mut sc = Scenario::preset(&args.scenario)
-        .with_context(|| format!("unknown scenario {:?}", args.scenario))?;
+    let mut sc = live::preset(&args.scenario)?;
     sc.replicas = args.replicas;
     sc.engine.cost.max_running = args.max_running;
-    let wall = Duration::from_secs(args.seconds);
-    let warmup = wall / 5;
-    sc.warmup_s = warmup.as_secs_f64() * args.time_scale;
-    sc.duration_s = (wall - warmup).as_secs_f64() * args.time_scale;
+    let (wall, warmup) = live::windows(&mut sc, args.seconds, args.time_scale)?;
     Ok((sc, wall, warmup))
 }
 
@@ -517,11 +508,7 @@ fn command(args: &TenantsArgs) -> String {
         args.time_scale,
         args.scrape_seconds,
         args.seed,
-        args.sidecar
-            .set
-            .iter()
-            .map(|kv| format!(" --set {}", crate::settings::shown_setting(kv)))
-            .collect::<String>(),
+        args.sidecar.shown(),
     )
 }
 
