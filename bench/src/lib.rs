@@ -17,6 +17,8 @@
 //! - [`soak`]: the `hearth-bench soak` subcommand (faults under load).
 //! - [`live`]: a scenario through the real Envoy, filter and sidecar,
 //!   beside the same cell simulated.
+//! - [`tenants`]: tenant fairness and priority under overload (flow
+//!   control against least_request and Hearth without it), live.
 //! - [`peers`]: the peer routers as released (smg, vllm-router),
 //!   started in front of given engines.
 //! - [`real`]: plain Envoy (ring_hash, least_request) and Hearth side by
@@ -47,5 +49,6 @@ pub mod sidecar;
 pub mod sim;
 pub mod soak;
 pub mod stack;
+pub mod tenants;
 pub mod vllm;
 pub mod workload;

@@ -41,9 +41,9 @@ use crate::report::{self, RequestRecord, RunResult};
 use crate::scenario::Scenario;
 use crate::sim::{self, RunSpec};
 use crate::stack::{Front, Stack};
-use crate::workload::{Client, Generator};
+use crate::workload::{Client, Generator, Turn};
 
-const MODEL: &str = "hearth-sim";
+pub(crate) const MODEL: &str = "hearth-sim";
 
 #[derive(Debug, Clone, Args)]
 pub struct LiveArgs {
@@ -205,7 +205,10 @@ pub fn order_for_seed(policies: &[LivePolicy], seed: u64) -> Vec<LivePolicy> {
 }
 
 struct Shared {
-    records: Vec<RequestRecord>,
+    /// Each measured turn's record, and the class of the agent that sent it.
+    records: Vec<(usize, RequestRecord)>,
+    /// Measured turns refused with 429, by class.
+    rate_limited: Vec<u64>,
     /// Measured answers whose router named the engine it chose, and how
     /// many of those named the engine that says it served.
     router_named: u64,
@@ -219,29 +222,53 @@ struct Names {
     ids: Vec<String>,
 }
 
-/// One turn through the gateway; fills a record (times in engine seconds).
+/// What one turn through the gateway came back with (times in engine
+/// seconds).
+#[derive(Default)]
+struct Answer {
+    served: Served,
+    ttft_s: f64,
+    e2e_s: f64,
+    prompt: u32,
+    cached: u32,
+    /// None: answered in full; the HTTP status of a refusal; 0: no answer
+    /// or a broken stream.
+    failure: Option<u16>,
+}
+
+impl Answer {
+    fn failed(status: u16) -> Answer {
+        Answer {
+            failure: Some(status),
+            ..Answer::default()
+        }
+    }
+}
+
+/// One turn through the gateway, with the agent's own headers.
 async fn send(
     client: &reqwest::Client,
     url: &str,
-    body: &[u8],
-    session: u64,
+    turn: &Turn,
+    headers: &[(String, String)],
     names: &Names,
     scale: f64,
-) -> (Served, f64, f64, u32, u32, bool) {
-    let mut v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+) -> Answer {
+    let mut v: Value = serde_json::from_slice(&turn.body).unwrap_or(Value::Null);
     v["stream"] = Value::Bool(true);
     let started = Instant::now();
-    let resp = match client
+    let mut req = client
         .post(url)
-        .header(crate::real::SESSION_HEADER, session.to_string())
-        .json(&v)
-        .send()
-        .await
-    {
+        .header(crate::real::SESSION_HEADER, turn.session.to_string());
+    for (name, value) in headers {
+        req = req.header(name, value);
+    }
+    let resp = match req.json(&v).send().await {
         Ok(r) if r.status().is_success() => r,
-        _ => return (Served::default(), 0.0, 0.0, 0, 0, true),
+        Ok(r) => return Answer::failed(r.status().as_u16()),
+        Err(_) => return Answer::failed(0),
     };
-    let replica = Served::from_headers(resp.headers(), &names.addrs, &names.ids);
+    let served = Served::from_headers(resp.headers(), &names.addrs, &names.ids);
     let mut ttft = None;
     let mut text = Vec::new();
     let mut chunks = resp.bytes_stream();
@@ -251,7 +278,12 @@ async fn send(
                 ttft.get_or_insert_with(|| started.elapsed().as_secs_f64());
                 text.extend_from_slice(&c);
             }
-            Err(_) => return (replica, 0.0, 0.0, 0, 0, true),
+            Err(_) => {
+                return Answer {
+                    served,
+                    ..Answer::failed(0)
+                }
+            }
         }
     }
     let e2e = started.elapsed().as_secs_f64();
@@ -262,18 +294,16 @@ async fn send(
         .find(|v| v["usage"].is_object())
         .map(|v| v["usage"].clone())
         .unwrap_or(Value::Null);
-    let prompt = usage["prompt_tokens"].as_u64().unwrap_or(0) as u32;
-    let cached = usage["prompt_tokens_details"]["cached_tokens"]
-        .as_u64()
-        .unwrap_or(0) as u32;
-    (
-        replica,
-        ttft.unwrap_or(e2e) * scale,
-        e2e * scale,
-        prompt,
-        cached,
-        false,
-    )
+    Answer {
+        served,
+        ttft_s: ttft.unwrap_or(e2e) * scale,
+        e2e_s: e2e * scale,
+        prompt: usage["prompt_tokens"].as_u64().unwrap_or(0) as u32,
+        cached: usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0) as u32,
+        failure: None,
+    }
 }
 
 /// A run's clock: the time scale, its start, warm-up and end.
@@ -285,13 +315,27 @@ struct Clock {
     until: Instant,
 }
 
-async fn agent(mut c: Client, url: String, names: Names, clock: Clock, shared: Arc<Mutex<Shared>>) {
+/// One simulated user of a live run: its conversations, the headers it
+/// sends with every turn (a tenant's fairness id, an objective), and the
+/// class its turns are counted under.
+pub struct Agent {
+    pub client: Client,
+    pub headers: Vec<(String, String)>,
+    pub class: usize,
+}
+
+async fn agent(a: Agent, url: String, names: Names, clock: Clock, shared: Arc<Mutex<Shared>>) {
     let Clock {
         scale,
         start,
         warmup,
         until,
     } = clock;
+    let Agent {
+        client: mut c,
+        headers,
+        class,
+    } = a;
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(120))
         .build()
@@ -300,10 +344,9 @@ async fn agent(mut c: Client, url: String, names: Names, clock: Clock, shared: A
     while Instant::now() < until {
         let turn = c.next_turn();
         let sent = Instant::now();
-        let (served, ttft_s, e2e_s, prompt, cached, failed) =
-            send(&http, &url, &turn.body, turn.session, &names, scale).await;
+        let answer = send(&http, &url, &turn, &headers, &names, scale).await;
         // The engine's own word, for every policy alike.
-        let replica = served.engine;
+        let replica = answer.served.engine;
         let stayed = match (turn.first_of_session, last, replica) {
             (false, Some((session, prev)), Some(r)) if session == turn.session => Some(prev == r),
             _ => None,
@@ -315,24 +358,27 @@ async fn agent(mut c: Client, url: String, names: Names, clock: Clock, shared: A
             let record = RequestRecord {
                 replica: replica.unwrap_or(0),
                 sent_s: sent.duration_since(start).as_secs_f64() * scale,
-                ttft_s,
-                e2e_s,
-                prompt_tokens: prompt,
-                cached_tokens: cached,
+                ttft_s: answer.ttft_s,
+                e2e_s: answer.e2e_s,
+                prompt_tokens: answer.prompt,
+                cached_tokens: answer.cached,
                 // A live run cannot see what one fleet-wide cache would hold.
-                ideal_cached_tokens: cached,
+                ideal_cached_tokens: answer.cached,
                 output_tokens: turn.output_tokens,
                 stayed,
                 restart: turn.restart,
                 long: false,
-                failed,
+                failed: answer.failure.is_some(),
                 predicted_cached_tokens: None,
             };
             let mut shared = shared.lock().unwrap_or_else(|p| p.into_inner());
-            shared.records.push(record);
-            if let Some(named) = served.router {
+            shared.records.push((class, record));
+            if answer.failure == Some(429) {
+                shared.rate_limited[class] += 1;
+            }
+            if let Some(named) = answer.served.router {
                 shared.router_named += 1;
-                shared.router_agreed += u64::from(Some(named) == served.engine);
+                shared.router_agreed += u64::from(Some(named) == answer.served.engine);
             }
         }
         let think = Duration::from_secs_f64(c.think_seconds() / scale);
@@ -369,22 +415,39 @@ pub async fn run(cli: LiveCli) -> anyhow::Result<()> {
 /// replicas and settings, and windows from the wall-clock seconds), the
 /// whole run and its warm-up in wall-clock time.
 fn cell(args: &LiveArgs) -> anyhow::Result<(Scenario, Duration, Duration)> {
-    anyhow::ensure!(
-        args.time_scale > 0.0 && args.time_scale.is_finite(),
-        "--time-scale must be > 0"
-    );
-    anyhow::ensure!(args.seconds >= 10, "--seconds must be at least 10");
-    let mut sc: Scenario = Scenario::preset(&args.scenario)
-        .with_context(|| format!("unknown scenario {:?}", args.scenario))?;
+    let mut sc = preset(&args.scenario)?;
     if let Some(r) = args.replicas {
         sc.replicas = r;
     }
     sc.hearth.set(args.sidecar.set.iter().cloned())?;
-    let wall = Duration::from_secs(args.seconds);
-    let warmup = wall / 5;
-    sc.warmup_s = warmup.as_secs_f64() * args.time_scale;
-    sc.duration_s = (wall - warmup).as_secs_f64() * args.time_scale;
+    let (wall, warmup) = windows(&mut sc, args.seconds, args.time_scale)?;
     Ok((sc, wall, warmup))
+}
+
+/// The scenario preset `name`.
+pub(crate) fn preset(name: &str) -> anyhow::Result<Scenario> {
+    Scenario::preset(name).with_context(|| format!("unknown scenario {name:?}"))
+}
+
+/// A live cell's windows: `seconds` of wall-clock traffic, the first
+/// fifth warm-up, engine time `time_scale` times the wall's. Sets the
+/// scenario's (engine-time) warm-up and duration; returns the whole run
+/// and its warm-up in wall-clock time.
+pub(crate) fn windows(
+    sc: &mut Scenario,
+    seconds: u64,
+    time_scale: f64,
+) -> anyhow::Result<(Duration, Duration)> {
+    anyhow::ensure!(
+        time_scale > 0.0 && time_scale.is_finite(),
+        "--time-scale must be > 0"
+    );
+    anyhow::ensure!(seconds >= 10, "--seconds must be at least 10");
+    let wall = Duration::from_secs(seconds);
+    let warmup = wall / 5;
+    sc.warmup_s = warmup.as_secs_f64() * time_scale;
+    sc.duration_s = (wall - warmup).as_secs_f64() * time_scale;
+    Ok((wall, warmup))
 }
 
 /// `hearth-bench live ...` as run (settings shown, credentials hidden).
@@ -397,11 +460,7 @@ fn command(args: &LiveArgs, sc: &Scenario, policies: Option<&[LivePolicy]>) -> S
         args.seconds,
         args.time_scale,
         args.seed,
-        args.sidecar
-            .set
-            .iter()
-            .map(|kv| format!(" --set {}", crate::settings::shown_setting(kv)))
-            .collect::<String>(),
+        args.sidecar.shown(),
         policies.map_or(String::new(), |ps| format!(
             " --policies {}",
             ps.iter().map(|p| p.name()).collect::<Vec<_>>().join(",")
@@ -411,7 +470,7 @@ fn command(args: &LiveArgs, sc: &Scenario, policies: Option<&[LivePolicy]>) -> S
 
 /// Engines running the simulator's own scheduler and cost model
 /// (time-scaled), one per replica of the scenario.
-fn engine_configs(sc: &Scenario, scale: f64) -> Vec<EngineConfig> {
+pub(crate) fn engine_configs(sc: &Scenario, scale: f64) -> Vec<EngineConfig> {
     (0..sc.replicas)
         .map(|i| EngineConfig {
             id: format!("engine-{i}"),
@@ -427,24 +486,37 @@ fn engine_configs(sc: &Scenario, scale: f64) -> Vec<EngineConfig> {
 
 /// The workload's salt for a seed (every policy of a run gets the same
 /// conversations; each runs on fresh engines).
-fn salt_for(seed: u64) -> u64 {
+pub(crate) fn salt_for(seed: u64) -> u64 {
     seed ^ 0x11FE
 }
 
-/// What [`drive`] measured.
-struct Driven {
-    records: Vec<RequestRecord>,
+/// What [`drive_agents`] measured.
+pub struct Driven {
+    /// Each measured turn's record, and its agent's class.
+    pub records: Vec<(usize, RequestRecord)>,
+    /// Measured turns refused with 429, by class.
+    pub rate_limited: Vec<u64>,
     /// Per engine, time-averaged requests in flight (running or waiting).
-    mean_inflight: Vec<f64>,
+    pub mean_inflight: Vec<f64>,
     /// Measured answers whose router named its engine, and how many of
     /// those agreed with the engine's own header.
-    router_named: u64,
-    router_agreed: u64,
+    pub router_named: u64,
+    pub router_agreed: u64,
+}
+
+impl Driven {
+    /// The records of the turns of class `class`.
+    pub fn of_class(&self, class: usize) -> Vec<RequestRecord> {
+        self.records
+            .iter()
+            .filter(|(c, _)| *c == class)
+            .map(|(_, r)| r.clone())
+            .collect()
+    }
 }
 
 /// The scenario's agents through `url` for the wall-clock `wall` (the
-/// first `warmup` not measured), and the engines' time-averaged requests
-/// in flight over the measured window, read from the engines themselves.
+/// first `warmup` not measured).
 async fn drive(
     url: &str,
     engines: &[EngineHandle],
@@ -453,7 +525,29 @@ async fn drive(
     wall: Duration,
     warmup: Duration,
 ) -> Driven {
-    let scale = args.time_scale;
+    let generator = Generator::new(sc.workload.clone(), MODEL, args.seed, salt_for(args.seed));
+    let agents = (0..args.agents as u64)
+        .map(|i| Agent {
+            client: generator.client(i),
+            headers: Vec::new(),
+            class: 0,
+        })
+        .collect();
+    drive_agents(url, engines, agents, args.time_scale, wall, warmup).await
+}
+
+/// `agents` through `url` for the wall-clock `wall` (the first `warmup`
+/// not measured), engine times divided by `scale`, and the engines'
+/// time-averaged requests in flight over the measured window, read from
+/// the engines themselves.
+pub async fn drive_agents(
+    url: &str,
+    engines: &[EngineHandle],
+    agents: Vec<Agent>,
+    scale: f64,
+    wall: Duration,
+    warmup: Duration,
+) -> Driven {
     let names = Names {
         addrs: engines.iter().map(|e| e.addr).collect(),
         ids: engines
@@ -461,18 +555,20 @@ async fn drive(
             .map(|e| e.engine.config().id.clone())
             .collect(),
     };
-    let generator = Generator::new(sc.workload.clone(), MODEL, args.seed, salt_for(args.seed));
+    let classes = agents.iter().map(|a| a.class + 1).max().unwrap_or(0);
     let start = Instant::now();
     let until = start + wall;
     let shared = Arc::new(Mutex::new(Shared {
         records: Vec::new(),
+        rate_limited: vec![0; classes],
         router_named: 0,
         router_agreed: 0,
     }));
-    let tasks: Vec<_> = (0..args.agents as u64)
-        .map(|i| {
+    let tasks: Vec<_> = agents
+        .into_iter()
+        .map(|a| {
             tokio::spawn(agent(
-                generator.client(i),
+                a,
                 url.to_string(),
                 names.clone(),
                 Clock {
@@ -503,6 +599,7 @@ async fn drive(
     let mut shared = shared.lock().unwrap_or_else(|p| p.into_inner());
     Driven {
         records: std::mem::take(&mut shared.records),
+        rate_limited: std::mem::take(&mut shared.rate_limited),
         mean_inflight: sums.iter().map(|s| s / f64::from(samples.max(1))).collect(),
         router_named: shared.router_named,
         router_agreed: shared.router_agreed,
@@ -530,6 +627,26 @@ enum Serving {
     Peer(Vec<EngineHandle>, Box<Peer>),
 }
 
+/// Envoy in front of fresh simulated engines for one of the policies
+/// Envoy runs itself: Hearth (the sidecar with `settings`), plain
+/// `least_request`, or `ring_hash` on the session.
+pub async fn envoy_stack(
+    policy: LivePolicy,
+    configs: Vec<EngineConfig>,
+    settings: Vec<(String, String)>,
+) -> anyhow::Result<Stack> {
+    let builder = Stack::simulated(configs).envoy_deadline(Duration::from_secs(30));
+    let builder = match policy {
+        LivePolicy::Hearth => builder.settings(settings),
+        LivePolicy::LeastRequest => builder.front(Front::Plain),
+        LivePolicy::RingHash => builder
+            .front(Front::Plain)
+            .edit_envoy(|yaml| crate::real::ring_hash(&yaml)),
+        _ => anyhow::bail!("{} is not Envoy's own policy", policy.name()),
+    };
+    builder.start().await
+}
+
 /// One policy live on fresh engines.
 async fn run_one(
     policy: LivePolicy,
@@ -544,32 +661,20 @@ async fn run_one(
         // The sidecar with the settings the simulator gives its Router
         // (the scenario's and the command line's), then what the
         // simulated router lacks: probes and engine scrapes.
-        LivePolicy::Hearth => Serving::Stack(Box::new(
-            Stack::simulated(configs)
-                .settings(sc.hearth.settings().iter().cloned())
-                .settings([
+        LivePolicy::Hearth => {
+            let mut settings = sc.hearth.settings().to_vec();
+            settings.extend(
+                [
                     ("HEARTH_PROBE_INTERVAL_SECONDS", "0"),
                     ("HEARTH_ENGINE_METRICS_SECONDS", "0"),
-                ])
-                .envoy_deadline(Duration::from_secs(30))
-                .start()
-                .await?,
-        )),
-        LivePolicy::LeastRequest => Serving::Stack(Box::new(
-            Stack::simulated(configs)
-                .front(Front::Plain)
-                .envoy_deadline(Duration::from_secs(30))
-                .start()
-                .await?,
-        )),
-        LivePolicy::RingHash => Serving::Stack(Box::new(
-            Stack::simulated(configs)
-                .front(Front::Plain)
-                .edit_envoy(|yaml| crate::real::ring_hash(&yaml))
-                .envoy_deadline(Duration::from_secs(30))
-                .start()
-                .await?,
-        )),
+                ]
+                .map(|(k, v)| (k.to_string(), v.to_string())),
+            );
+            Serving::Stack(Box::new(envoy_stack(policy, configs, settings).await?))
+        }
+        LivePolicy::LeastRequest | LivePolicy::RingHash => {
+            Serving::Stack(Box::new(envoy_stack(policy, configs, Vec::new()).await?))
+        }
         _ => {
             let config = policy.peer().context("a peer policy names its router")?;
             // Found before any engine starts: a missing install fails at once.
@@ -618,7 +723,7 @@ async fn run_one(
             agents: args.agents,
             replicas: sc.replicas,
             duration_s: sc.duration_s,
-            records: driven.records,
+            records: driven.records.into_iter().map(|(_, r)| r).collect(),
             mean_inflight: driven.mean_inflight,
             long_unfinished: 0,
             corrections: None,

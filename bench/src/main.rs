@@ -34,6 +34,10 @@ enum Command {
     /// with `--policies`, plain Envoy and the peer routers (smg,
     /// vllm-router) too, each on fresh engines.
     Live(hearth_bench::live::LiveCli),
+    /// Tenant fairness and priority on an overloaded fleet, live: a noisy
+    /// tenant beside quiet ones and a high band beside sheddable load,
+    /// under Envoy least_request and Hearth without and with flow control.
+    Tenants(hearth_bench::tenants::TenantsArgs),
     /// Routing policies (plain Envoy, Hearth, the peer routers smg and
     /// vllm-router) in front of real OpenAI-compatible engines given by
     /// address, one after the other: the same seeded workload
@@ -64,6 +68,7 @@ async fn main() -> ExitCode {
         Command::Demo(args) => hearth_bench::demo::run(args).await,
         Command::Soak(args) => hearth_bench::soak::run(args).await,
         Command::Live(args) => hearth_bench::live::run(args).await,
+        Command::Tenants(args) => hearth_bench::tenants::run(args).await,
         Command::Real(args) => hearth_bench::real::run(args).await,
         Command::Vllm(args) => hearth_bench::vllm::run(args).await,
         Command::Pool(args) => hearth_bench::pool::run(args).await,

@@ -1274,10 +1274,7 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
         "# = --engines {engines} --model {model} {driver} --max-tokens {} --seed {} --salt {run_salt} --policies {policies}{}",
         args.max_tokens,
         args.seed,
-        args.sidecar.set
-            .iter()
-            .map(|kv| format!(" --set {}", shown_setting(kv)))
-            .collect::<String>(),
+        args.sidecar.shown(),
     );
     let load = match args.driver {
         Driver::HearthBench => format!(

@@ -28,6 +28,15 @@ impl SidecarSettings {
     pub fn parse(&self) -> anyhow::Result<Settings> {
         parse(&self.set)
     }
+
+    /// ` --set NAME=VALUE` for each, as a command line shows them
+    /// (credentials hidden).
+    pub fn shown(&self) -> String {
+        self.set
+            .iter()
+            .map(|kv| format!(" --set {}", shown_setting(kv)))
+            .collect()
+    }
 }
 
 /// `pairs` through the sidecar's parser: every problem in one error.

@@ -199,7 +199,7 @@ impl StackBuilder {
         // is started.
         let mut flags = self.flags;
         flags.extend(
-            hearth_ext_proc::config::setting_args(&self.settings)
+            hearth_ext_proc::config::setting_args(&last_wins(self.settings))
                 .map_err(|p| anyhow::anyhow!("sidecar settings: {}", p.join("; ")))?,
         );
         let mut engines = Vec::new();
@@ -536,6 +536,19 @@ impl Drop for Stack {
     }
 }
 
+/// `pairs` with one value per name, the last given, in the order the
+/// names first came (each becomes a flag, which the sidecar takes once).
+fn last_wins(pairs: Vec<(String, String)>) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for (k, v) in pairs {
+        match out.iter_mut().find(|(name, _)| *name == k) {
+            Some(kept) => kept.1 = v,
+            None => out.push((k, v)),
+        }
+    }
+    out
+}
+
 /// A control token for stack number `n` of this process: 48 hex digits,
 /// different for every stack and every run.
 fn token(n: usize) -> String {
@@ -544,4 +557,20 @@ fn token(n: usize) -> String {
         .map(|d| d.as_nanos())
         .unwrap_or_default();
     format!("{nanos:032x}{:08x}{n:08x}", std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_setting_given_twice_keeps_its_last_value_in_its_first_place() {
+        let pair = |k: &str, v: &str| (k.to_string(), v.to_string());
+        let kept = last_wins(vec![
+            pair("HEARTH_A", "1"),
+            pair("HEARTH_B", "2"),
+            pair("HEARTH_A", "3"),
+        ]);
+        assert_eq!(kept, [pair("HEARTH_A", "3"), pair("HEARTH_B", "2")]);
+    }
 }

@@ -84,6 +84,37 @@ fn the_fleet_is_saturated_for_a_request_only_when_every_replica_it_may_use_is() 
 }
 
 #[test]
+fn an_engine_queue_is_carried_forward_by_what_was_sent_and_ended_since_its_figure() {
+    let r = fleet(|p| p.flow.uncached_bytes = 0);
+    let t0 = Instant::now();
+    let only0: Option<&[usize]> = Some(&[0]);
+    let next = req(&[9]);
+    // Three wait in replica 0's engine (the threshold is 5): room.
+    r.set_engine_signals(addr(0), signals(3.0, None, t0));
+    assert!(!r.saturated_for_at(&next, only0, t0));
+    // Two sent there since join that queue: five wait, before any new figure.
+    let a = r.decide_within_at(&req(&[1]), only0, t0).unwrap();
+    let b = r.decide_within_at(&req(&[2]), only0, t0).unwrap();
+    assert!(r.saturated_for_at(&next, only0, t0));
+    // One ends: one of those waiting runs in its place.
+    drop(a);
+    assert!(!r.saturated_for_at(&next, only0, t0));
+    // A new figure is read as of its own moment.
+    r.set_engine_signals(addr(0), signals(5.0, None, t0));
+    assert!(r.saturated_for_at(&next, only0, t0));
+    drop(b);
+    assert!(!r.saturated_for_at(&next, only0, t0));
+    // With nothing waiting at the figure, the engine had free slots it
+    // did not count: requests sent since add nothing.
+    r.set_engine_signals(addr(0), signals(0.0, None, t0));
+    let sent: Vec<_> = (10..20)
+        .map(|h| r.decide_within_at(&req(&[h]), only0, t0).unwrap())
+        .collect();
+    assert!(!r.saturated_for_at(&next, only0, t0));
+    drop(sent);
+}
+
+#[test]
 fn hearths_own_uncached_prompt_in_flight_saturates_a_replica_until_released() {
     let r = fleet(|p| p.flow.uncached_bytes = 10 * BLOCK);
     let t0 = Instant::now();

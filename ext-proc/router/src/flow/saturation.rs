@@ -6,14 +6,15 @@
 //! prompt bytes in flight on it through this sidecar and its peers pass
 //! `uncached_bytes`. The engine's figures come from the metrics scrape, so
 //! they lag; Hearth's own in-flight figure moves with every decision and
-//! every release.
+//! every release, and the engine's figures are carried forward by what
+//! Hearth sent and saw end since they were read.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::decide::candidates;
 use crate::decide::RequestInfo;
-use crate::fleet::ReplicaState;
+use crate::fleet::{EngineSignals, ReplicaState};
 use crate::router::Router;
 use crate::warmth::LruBlocks;
 
@@ -31,15 +32,31 @@ pub enum Room {
     Warm,
 }
 
+/// The engine's waiting queue now, from its last figure: when requests
+/// waited there, every request sent since (through this sidecar and its
+/// peers) has joined them and every one that ended since has let one in;
+/// when none did, the engine had free slots the figure does not count, so
+/// nothing is added. Without this, one look at the flow queue lets every
+/// waiting request out onto a replica whose last figure was under the
+/// threshold, and a replica whose last figure was over it takes nothing
+/// until the next scrape, however many requests ended.
+fn waiting_now(e: &EngineSignals, s: &ReplicaState) -> f64 {
+    if e.waiting <= 0.0 {
+        return e.waiting.max(0.0);
+    }
+    let own = s.in_flight.saturating_add(s.peer_in_flight);
+    (e.waiting + f64::from(own) - f64::from(e.own_in_flight)).max(0.0)
+}
+
 impl Router {
     /// Whether replica state `s` is saturated at `now`.
     pub(crate) fn saturated(&self, s: &ReplicaState, now: Instant) -> bool {
         let p = &self.params.flow;
         let engine = self.fresh_engine(s, now).is_some_and(|e| {
-            let queue = p.engine_waiting > 0.0 && e.waiting >= p.engine_waiting;
-            let kv = p.kv_usage > 0.0
-                && e.waiting > 0.0
-                && e.kv_usage.is_some_and(|kv| kv >= p.kv_usage);
+            let waiting = waiting_now(&e, s);
+            let queue = p.engine_waiting > 0.0 && waiting >= p.engine_waiting;
+            let kv =
+                p.kv_usage > 0.0 && waiting > 0.0 && e.kv_usage.is_some_and(|kv| kv >= p.kv_usage);
             queue || kv
         });
         engine || (p.uncached_bytes > 0 && self.uncached_in_flight(s) > p.uncached_bytes)
