@@ -268,25 +268,30 @@ async fn missed_batches_come_back_from_the_replay_socket() {
         .specs
         .iter()
         .all(|s| s.contains(";kv_events_replay=tcp://")));
-    // Three first turns on each engine (through the gateway, one engine
-    // might get them all, and the other's feed would have nothing to be
-    // exact about).
-    let mut n = 1000;
+    exact_through_a_dropped_batch(&fleet, 1000).await;
+    fleet.assert_wasm_healthy();
+}
+
+/// First turns from `n` on each engine (three each, sent to it directly:
+/// through the gateway one engine might get them all, and the other's
+/// feed would have nothing to be exact about), then a batch of engine-1's
+/// dropped: the figures are exact from the first batch, with no reset,
+/// and again once the replay socket gave the dropped batch back.
+async fn exact_through_a_dropped_batch(fleet: &Fleet, mut n: u64) {
     for k in 0..6 {
-        n = serve_on(&fleet, &format!("engine-{}", k % 2), n).await;
+        n = serve_on(fleet, &format!("engine-{}", k % 2), n).await;
     }
-    occupancy_matches(&fleet, "exact from the first batch, no reset").await;
+    occupancy_matches(fleet, "exact from the first batch, no reset").await;
     fleet.engines[1].engine.drop_kv_batches(1);
-    n = serve_on(&fleet, "engine-1", n).await;
-    serve_on(&fleet, "engine-1", n).await;
-    let s = until(&fleet, "the dropped batch replayed", |s| {
+    n = serve_on(fleet, "engine-1", n).await;
+    serve_on(fleet, "engine-1", n).await;
+    let s = until(fleet, "the dropped batch replayed", |s| {
         kv(s, "engine-1").replayed_batches_total >= 1
     })
     .await;
     let k = kv(&s, "engine-1");
     assert_eq!((k.gaps_total, k.refused_total), (0, 0), "{k:?}");
-    occupancy_matches(&fleet, "exact after the replay").await;
-    fleet.assert_wasm_healthy();
+    occupancy_matches(fleet, "exact after the replay").await;
 }
 
 /// Listed `kv_events=auto`, each engine is asked where it publishes and
@@ -324,21 +329,7 @@ async fn engines_listed_auto_are_asked_where_they_publish() {
         let own = e.engine.kv_events_endpoint().unwrap();
         assert_eq!(kv(&s, &id).endpoint, format!("auto: {own}"), "{id}");
     }
-    let mut n = 2000;
-    for k in 0..4 {
-        n = serve_on(&fleet, &format!("engine-{}", k % 2), n).await;
-    }
-    occupancy_matches(&fleet, "exact through auto").await;
-    fleet.engines[1].engine.drop_kv_batches(1);
-    n = serve_on(&fleet, "engine-1", n).await;
-    serve_on(&fleet, "engine-1", n).await;
-    until(
-        &fleet,
-        "the dropped batch replayed from the stated socket",
-        |s| kv(s, "engine-1").replayed_batches_total >= 1,
-    )
-    .await;
-    occupancy_matches(&fleet, "exact after the replay").await;
+    exact_through_a_dropped_batch(&fleet, 2000).await;
     fleet.assert_wasm_healthy();
 }
 
