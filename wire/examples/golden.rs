@@ -31,6 +31,8 @@ fn cases() -> Vec<(&'static str, &'static str, String, usize, usize)> {
          r#"{"model":"llama-3.1-70b","messages":[{"role":"system","content":"You are helpful."},{"role":"user","content":"Hello there"}]}"#.into(), d.0, d.1),
         ("chat_tools", CHAT,
          r#"{"model":"qwen3-coder","tools":[{"type":"function","function":{"name":"read_file","parameters":{"type":"object","properties":{"path":{"type":"string"}}}}}],"tool_choice":"auto","messages":[{"role":"system","content":"You are a coding agent."},{"role":"user","content":"Open main.rs"},{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"read_file","arguments":"{\"path\":\"main.rs\"}"}}]},{"role":"tool","tool_call_id":"call_1","name":"read_file","content":"fn main() {}\n"}]}"#.into(), d.0, d.1),
+        ("chat_tool_numbers", CHAT,
+         r#"{"model":"qwen3-coder","tools":[{"type":"function","function":{"name":"sample","parameters":{"type":"object","properties":{"t":{"type":"number","minimum":0.0,"maximum":2,"default":0.70,"multipleOf":1e-3}}}}}],"messages":[{"role":"user","content":"Pick a temperature"}]}"#.into(), d.0, d.1),
         ("chat_developer_role", CHAT,
          r#"{"model":"gpt-oss-20b","response_format":{"type":"json_object"},"messages":[{"role":"developer","content":"Answer in JSON."},{"role":"user","content":"List three colours."}]}"#.into(), d.0, d.1),
         ("chat_content_parts_image", CHAT,

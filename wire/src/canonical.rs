@@ -626,13 +626,13 @@ mod tests {
 
     #[test]
     fn numbers_are_the_nearest_f64_as_written() {
-        // 6e25 is not 6 x (the f64 nearest 1e25); 0.1 is written 0.1.
+        // 6e25 is not 6 x (the f64 nearest 1e25); 0.1 is written 1e-1.
         let c = canon(
             Endpoint::ChatCompletions,
             r#"{"model":"m","tools":[6e25,0.1,1e-7,-0.0,2.50],"messages":[{"role":"user","content":"x"}]}"#,
         )
         .unwrap();
-        let want = rec(b'T', "[60000000000000000000000000,0.1,0.0000001,-0,2.5]");
+        let want = rec(b'T', "[6e25,1e-1,1e-7,-0e0,2.5e0]");
         assert!(c.starts_with(&want), "{}", String::from_utf8_lossy(&c));
         assert_eq!(
             canon(

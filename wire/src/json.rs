@@ -11,11 +11,14 @@
 //! Canonical JSON is written as `json.rs` always has (the crate docs): no
 //! whitespace, keys sorted by their bytes with the last of a repeated key
 //! kept, one escaping of strings, integers as given and every other number
-//! as the nearest f64 written by Rust's `Display`. It is hand-written so the
-//! bytes do not depend on serde_json's features.
+//! as the nearest f64 written by Rust's `{:e}` (shortest digits, always
+//! with an exponent, so no number's canonical form is much longer than its
+//! text). It is hand-written so the bytes do not depend on serde_json's
+//! features.
 
 use crate::SkipReason;
 use std::cmp::Ordering;
+use std::fmt::Write as _;
 
 /// Deepest nesting of arrays and objects (serde_json's limit: the same
 /// bodies parse).
@@ -566,7 +569,8 @@ impl<'a> Json<'a> {
     }
 
     /// Where the value at `i` ends when it is its own canonical form and
-    /// simple to tell so: an integer of at most 18 digits, a literal, a
+    /// simple to tell so: an integer of at most 18 digits, a number in the
+    /// form `{:e}` writes (see [`Json::scientific_end`]), a literal, a
     /// string with no escape, `{}` or `[]` (no whitespace inside). What it
     /// accepts is valid JSON. `None` says nothing about the value, valid
     /// or not.
@@ -577,9 +581,10 @@ impl<'a> Json<'a> {
         let first = self.at(digits);
         if first.is_ascii_digit() {
             let end = self.digits(digits + 1);
-            let ok = end - digits <= 18
-                && (first != b'0' || end == digits + 1)
-                && !matches!(self.at(end), b'.' | b'e' | b'E');
+            if matches!(self.at(end), b'.' | b'e' | b'E') {
+                return self.scientific_end(digits, end);
+            }
+            let ok = end - digits <= 18 && (first != b'0' || end == digits + 1);
             return ok.then_some(end);
         }
         match c {
@@ -594,6 +599,43 @@ impl<'a> Json<'a> {
             b'[' => (self.at(i + 1) == b']').then_some(i + 2),
             _ => None,
         }
+    }
+
+    /// Where the number whose digits start at `d` ends (`end` is just past
+    /// its first run of digits) when it is written as canonical JSON
+    /// writes a non-integer: one digit from 1 to 9, maybe a point and
+    /// digits not ending in 0, `e`, maybe `-`, and a power of ten without
+    /// leading zeros; at most 15 significant digits and a magnitude inside
+    /// f64's normal range, so the nearest f64's shortest digits are these
+    /// ([`Decimal::is_exact_f64`]). `1e300`, `2.5e-7`, `1e0`.
+    #[inline]
+    fn scientific_end(&self, d: usize, end: usize) -> Option<usize> {
+        if end != d + 1 || self.at(d) == b'0' {
+            return None;
+        }
+        let mut e = end;
+        if self.at(e) == b'.' {
+            e = self.digits(end + 1);
+            if e == end + 1 || e - end > 15 || self.at(e - 1) == b'0' {
+                return None;
+            }
+        }
+        if self.at(e) != b'e' {
+            return None;
+        }
+        let negative = self.at(e + 1) == b'-';
+        let from = e + 1 + usize::from(negative);
+        // At most three digits: 307 is the largest power taken.
+        let (mut to, mut power) = (from, 0u32);
+        while to < from + 4 && self.at(to).is_ascii_digit() {
+            power = power * 10 + u32::from(self.at(to) - b'0');
+            to += 1;
+        }
+        let leading_zero = self.at(from) == b'0' && (to > from + 1 || negative);
+        if to == from || to == from + 4 || leading_zero {
+            return None;
+        }
+        (power <= 307).then_some(to)
     }
 
     fn write(&self, i: usize, ix: &Scratch, out: &mut impl Sink) -> Res<usize> {
@@ -664,37 +706,89 @@ impl<'a> Json<'a> {
     }
 
     fn write_number(&self, i: usize, out: &mut impl Sink) -> Res<usize> {
-        let end = self.number_end(i)?;
+        if let Some(end) = self.verbatim_end(i) {
+            out.put(self.bytes(i, end));
+            return Ok(end);
+        }
+        // The value was validated: the number ends at the first byte that
+        // cannot be in one.
+        let (mut end, mut integer) = (i, true);
+        loop {
+            match self.at(end) {
+                b'0'..=b'9' | b'-' | b'+' => {}
+                b'.' | b'e' | b'E' => integer = false,
+                _ => break,
+            }
+            end += 1;
+        }
         let tok = self.text(i, end);
-        let integer = !tok.bytes().any(|c| matches!(c, b'.' | b'e' | b'E'));
         // An integer in range is its own canonical form (JSON has no
-        // leading zeros; "-0" is written as serde_json's -0.0 would be):
-        // 19 digits always fit a u64, a minus and 18 an i64.
+        // leading zeros; "-0" stays "-0"): 19 digits always fit a u64, a
+        // minus and 18 an i64.
         let short = tok.len() <= 19;
         if integer && (short || tok.parse::<u64>().is_ok() || tok.parse::<i64>().is_ok()) {
             out.put(tok.as_bytes());
             return Ok(end);
         }
         let d = Decimal::of(tok).ok_or(BAD)?;
+        // At most 24 bytes ("-", 17 digits, ".", "e-", 3 digits).
+        let mut shortest = Scientific::default();
         if d.is_exact_f64() {
-            if out.keeps() {
-                d.write(out);
-            } else {
-                out.count(d.display_len());
+            d.write(&mut shortest);
+        } else {
+            let f: f64 = tok.parse().map_err(|_| BAD)?;
+            if !f.is_finite() {
+                return Err(BAD);
             }
-            return Ok(end);
-        }
-        let f: f64 = tok.parse().map_err(|_| BAD)?;
-        if !f.is_finite() {
-            return Err(BAD);
+            write!(shortest, "{f:e}").map_err(|_| BAD)?;
         }
         if out.keeps() {
-            out.put(format!("{f}").as_bytes());
+            out.put(shortest.bytes());
         } else {
-            let shortest = Decimal::of(&format!("{f:e}")).ok_or(BAD)?;
-            out.count(shortest.display_len());
+            out.count(shortest.len);
         }
         Ok(end)
+    }
+}
+
+/// A number's canonical form, written without allocating: by
+/// [`Decimal::write`], or by `{:e}` (past 32 bytes, an error; an f64's
+/// form is at most 24).
+#[derive(Default)]
+struct Scientific {
+    buf: [u8; 32],
+    len: usize,
+}
+
+impl Scientific {
+    fn bytes(&self) -> &[u8] {
+        self.buf.get(..self.len).unwrap_or_default()
+    }
+
+    /// Appends a byte (dropped past the buffer, which an f64 never fills).
+    fn push(&mut self, byte: u8) {
+        if let Some(slot) = self.buf.get_mut(self.len) {
+            *slot = byte;
+            self.len += 1;
+        }
+    }
+
+    fn extend(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.push(b);
+        }
+    }
+}
+
+impl std::fmt::Write for Scientific {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let slot = self
+            .buf
+            .get_mut(self.len..self.len + s.len())
+            .ok_or(std::fmt::Error)?;
+        slot.copy_from_slice(s.as_bytes());
+        self.len += s.len();
+        Ok(())
     }
 }
 
@@ -998,57 +1092,49 @@ impl Decimal {
             })
     }
 
-    /// The length of [`Decimal::write`]'s output.
-    fn display_len(&self) -> usize {
-        let sign = usize::from(self.negative);
+    /// The power of ten of the first significant digit (0 for zero).
+    fn exponent(&self) -> i64 {
         if self.len == 0 {
-            return sign + 1;
-        }
-        let n = self.len as i64;
-        let len = if self.exp >= 0 {
-            n + self.exp
-        } else if n + self.exp > 0 {
-            n + 1
+            0
         } else {
-            2 - (n + self.exp) + n
-        };
-        sign + len as usize
+            self.exp + self.len as i64 - 1
+        }
     }
 
-    /// Writes the number as Rust's `Display` writes an f64 of these digits:
-    /// positional, no exponent, no trailing `.0`.
-    fn write(&self, out: &mut impl Sink) {
+    /// Writes the number as Rust's `{:e}` writes an f64 of these digits:
+    /// the first digit, the others after a point if any, `e` and the power
+    /// of ten (`1e300`, `1.25e1`, `-5e-1`, `0e0`). Never much longer than
+    /// the number's own text, whatever its magnitude.
+    fn write(&self, out: &mut Scientific) {
         if self.negative {
-            out.put_byte(b'-');
+            out.push(b'-');
         }
         let digits = self.digits.get(..self.len).unwrap_or_default();
-        if digits.is_empty() {
-            out.put_byte(b'0');
-            return;
+        match digits.split_first() {
+            None => out.push(b'0'),
+            Some((&first, rest)) => {
+                out.push(first);
+                if !rest.is_empty() {
+                    out.push(b'.');
+                    out.extend(rest);
+                }
+            }
         }
-        let n = digits.len() as i64;
-        if self.exp >= 0 {
-            out.put(digits);
-            put_zeros(out, self.exp as usize);
-        } else if n + self.exp > 0 {
-            let point = (n + self.exp) as usize;
-            out.put(digits.get(..point).unwrap_or_default());
-            out.put_byte(b'.');
-            out.put(digits.get(point..).unwrap_or_default());
-        } else {
-            out.put(b"0.");
-            put_zeros(out, (-(n + self.exp)) as usize);
-            out.put(digits);
+        out.push(b'e');
+        let e = self.exponent();
+        if e < 0 {
+            out.push(b'-');
         }
-    }
-}
-
-fn put_zeros(out: &mut impl Sink, mut n: usize) {
-    const ZEROS: [u8; 64] = [b'0'; 64];
-    while n > 0 {
-        let k = n.min(ZEROS.len());
-        out.put(ZEROS.get(..k).unwrap_or_default());
-        n -= k;
+        // The power's digits (at most three for an f64's), most
+        // significant first.
+        let power = e.unsigned_abs();
+        if power >= 100 {
+            out.push(b'0' + (power / 100 % 10) as u8);
+        }
+        if power >= 10 {
+            out.push(b'0' + (power / 10 % 10) as u8);
+        }
+        out.push(b'0' + (power % 10) as u8);
     }
 }
 
@@ -1085,7 +1171,7 @@ mod tests {
     fn sorts_keys_and_compacts() {
         assert_eq!(
             canon(r#" { "b" : [1, 2.5, true, null], "a": {"d": "x", "c": -3} } "#).unwrap(),
-            r#"{"a":{"c":-3,"d":"x"},"b":[1,2.5,true,null]}"#
+            r#"{"a":{"c":-3,"d":"x"},"b":[1,2.5e0,true,null]}"#
         );
     }
 
@@ -1100,17 +1186,84 @@ mod tests {
     #[test]
     fn numbers() {
         assert_eq!(
-            canon("[1.0, 1e2, -0.5, 18446744073709551615, -9223372036854775808, -0, 0.0, -0.0, 1.5e-7, 12.50, 1e21, 18446744073709551616, 0.1e1]").unwrap(),
-            "[1,100,-0.5,18446744073709551615,-9223372036854775808,-0,0,-0,0.00000015,12.5,1000000000000000000000,18446744073709552000,1]"
+            canon("[1.0, 1e2, -0.5, 18446744073709551615, -9223372036854775808, -0, 0.0, -0.0, 1.5e-7, 12.50, 1e21, 18446744073709551616, 0.1e1, 1e300, 100]").unwrap(),
+            "[1e0,1e2,-5e-1,18446744073709551615,-9223372036854775808,-0,0e0,-0e0,1.5e-7,1.25e1,1e21,1.8446744073709552e19,1e0,1e300,100]"
         );
         // Past 15 digits or the range, the nearest f64 decides.
         assert_eq!(
-            canon("[0.1000000000000000055511151231257827, 1.7976931348623157e308, 5e-324]")
-                .unwrap()
-                .len(),
-            format!("[0.1,{},{}]", 1.7976931348623157e308f64, 5e-324f64).len()
+            canon("[0.1000000000000000055511151231257827, 1.7976931348623157e308, 5e-324, -2.2250738585072014e-308]")
+                .unwrap(),
+            "[1e-1,1.7976931348623157e308,5e-324,-2.2250738585072014e-308]"
         );
         assert_eq!(canon("1e400"), Err(SkipReason::NotJson));
+    }
+
+    #[test]
+    fn a_number_taken_as_it_stands_is_its_canonical_form() {
+        // Every number `verbatim_end` passes as canonical is what the
+        // writer would write.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut taken = 0;
+        for _ in 0..200_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let digit = |k: u64| char::from(b'0' + ((x >> k) % 10) as u8);
+            let mut t = String::new();
+            if x.is_multiple_of(5) {
+                t.push('-');
+            }
+            t.push(digit(3));
+            let frac = (x >> 8) % 18;
+            if frac > 0 {
+                t.push('.');
+                for k in 0..frac {
+                    t.push(digit(12 + 2 * k));
+                }
+            }
+            t.push(if x.is_multiple_of(7) { 'E' } else { 'e' });
+            match (x >> 50) % 4 {
+                0 => t.push('-'),
+                1 => t.push('+'),
+                _ => {}
+            }
+            t.push_str(&((x >> 52) % 340).to_string());
+            if x.is_multiple_of(11) {
+                // A leading zero in the power.
+                let at = t.rfind(|c: char| !c.is_ascii_digit()).unwrap_or(0) + 1;
+                t.insert(at, '0');
+            }
+            let json = Json::new(t.as_bytes()).unwrap();
+            let Ok(written) = canon(&t) else {
+                assert_ne!(json.verbatim_end(0), Some(t.len()), "{t}");
+                continue;
+            };
+            // (A refused number may still be canonical, e.g. with 16
+            // digits: the writer then writes it again.)
+            if json.verbatim_end(0) == Some(t.len()) {
+                assert_eq!(written, t);
+                taken += 1;
+            }
+        }
+        assert!(taken > 10_000, "{taken}");
+    }
+
+    #[test]
+    fn no_numbers_canonical_form_is_much_longer_than_its_text() {
+        // The shortest non-integers ("0.1", "1.5") grow by a byte or two;
+        // a huge or tiny magnitude never grows.
+        for (text, want) in [
+            ("0.1", "1e-1"),
+            ("1.5", "1.5e0"),
+            ("1e300", "1e300"),
+            ("1e-300", "1e-300"),
+            ("9.999e99", "9.999e99"),
+            ("123456789012345678901234567890", "1.2345678901234568e29"),
+        ] {
+            let got = canon(text).unwrap();
+            assert_eq!(got, want);
+            assert!(got.len() <= text.len() + 2, "{text} -> {got}");
+        }
     }
 
     #[test]
@@ -1173,15 +1326,14 @@ mod tests {
                 continue;
             }
             let f: f64 = text.parse().unwrap();
-            let mut out = Vec::new();
+            let mut out = Scientific::default();
             d.write(&mut out);
-            assert_eq!(String::from_utf8(out).unwrap(), format!("{f}"), "{text}");
-            assert_eq!(d.display_len(), format!("{f}").len(), "{text}");
+            assert_eq!(out.bytes(), format!("{f:e}").as_bytes(), "{text}");
         }
     }
 
     #[test]
-    fn decimal_lengths_match_what_is_written() {
+    fn a_decimal_is_written_as_its_f64_is() {
         for x in [
             1.5e-7,
             123.456,
@@ -1191,12 +1343,15 @@ mod tests {
             1e15,
             123456789012345.0,
             -2.5,
+            0.0,
+            -0.0,
+            1e-7,
+            12.5,
         ] {
             let d = Decimal::of(&format!("{x:e}")).unwrap();
-            let mut out = Vec::new();
+            let mut out = Scientific::default();
             d.write(&mut out);
-            assert_eq!(String::from_utf8(out).unwrap(), format!("{x}"));
-            assert_eq!(d.display_len(), format!("{x}").len(), "{x}");
+            assert_eq!(out.bytes(), format!("{x:e}").as_bytes(), "{x}");
         }
     }
 }

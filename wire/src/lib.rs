@@ -92,9 +92,11 @@
 //! `\"`, `\` as `\\`, U+0008/0009/000A/000C/000D as `\b \t \n \f \r`, other
 //! control characters below U+0020 as `\u00xx` (lowercase hex), and write
 //! everything else as raw UTF-8; numbers that are integers in the i64/u64
-//! range are written in decimal, every other number is parsed to the nearest
-//! f64 and written as Rust's `format!("{}", f64)` does (shortest round-trip
-//! digits, positional notation, no exponent, `1.0` → `1`).
+//! range are written in decimal as given, every other number is parsed to
+//! the nearest f64 and written as Rust's `format!("{:e}", f64)` does
+//! (shortest round-trip digits, always with an exponent: `1.0` → `1e0`,
+//! `0.25` → `2.5e-1`, `1e300` → `1e300`), so no number's canonical form is
+//! more than two bytes longer than its text, however large or small it is.
 //!
 //! # Hashes
 //!

@@ -86,6 +86,23 @@ fn related_cases_agree() {
 }
 
 #[test]
+fn numbers_in_a_tool_are_hashed_in_their_short_scientific_form() {
+    let cases = cases();
+    let case = by_name(&cases, "chat_tool_numbers");
+    let body = case["body"].as_str().expect("body");
+    let (_, canonical) =
+        hearth_wire::canonical_prompt(Endpoint::ChatCompletions, body.as_bytes()).unwrap();
+    let text = String::from_utf8_lossy(&canonical);
+    // Keys sorted; 0.0, 0.70 and 1e-3 as `{:e}` writes their f64s; the
+    // integer 2 as given.
+    assert!(
+        text.contains(r#""default":7e-1,"maximum":2,"minimum":0e0,"multipleOf":1e-3"#),
+        "{text}"
+    );
+    assert_eq!(Some(canonical.len() as u64), case["prompt_bytes"].as_u64());
+}
+
+#[test]
 fn the_output_cap_is_read_but_never_hashed() {
     use hearth_wire::{fingerprint, Endpoint, Params};
     let p = Params::default();

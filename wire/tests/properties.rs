@@ -193,7 +193,7 @@ fn reference(v: &Value, out: &mut String) {
             out.push(']');
         }
         Value::Number(n) if n.is_i64() || n.is_u64() => out.push_str(&n.to_string()),
-        Value::Number(n) => out.push_str(&format!("{}", n.as_f64().unwrap())),
+        Value::Number(n) => out.push_str(&format!("{:e}", n.as_f64().unwrap())),
         other => out.push_str(&other.to_string()),
     }
 }

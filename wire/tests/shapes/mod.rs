@@ -254,6 +254,19 @@ pub fn all(target: usize) -> Vec<Shape> {
             repeat("1e300", count("1e300", target))
         )),
     ));
+    // Numbers the writer must rewrite: not in `{:e}`'s form, or more
+    // digits than an f64 keeps.
+    out.push(shape(
+        "numbers_to_rewrite",
+        CHAT,
+        chat_tools(&format!("[{}]", repeat("1E+300", count("1E+300", target)))),
+    ));
+    let long = "0.1000000000000000055511151231257827";
+    out.push(shape(
+        "long_decimals",
+        CHAT,
+        chat_tools(&format!("[{}]", repeat(long, count(long, target)))),
+    ));
     out.push(shape(
         "many_tools",
         CHAT,
