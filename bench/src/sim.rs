@@ -457,7 +457,7 @@ fn publish_kv(
         data_parallel_rank: Some(0),
     };
     for router in routers {
-        router.apply_kv_batch_at(addr, *seq, &batch, now);
+        router.apply_kv_batch_at((addr, None), *seq, &batch, now);
     }
     *seq += 1;
 }

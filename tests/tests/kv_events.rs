@@ -617,3 +617,110 @@ async fn a_hostile_feed_reaches_only_its_own_replica_and_fences_nothing() {
     feed.abort();
     honest.shutdown().await;
 }
+
+/// A data-parallel engine listed once (`dp=2;kv_events=tcp://ip:P`): each
+/// rank has its own cache and publishes on the port plus its rank, as
+/// vLLM does, and the sidecar follows each rank's feed into that rank's
+/// figures only. Two simulated engines stand for the two ranks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_data_parallel_rank_is_read_from_its_own_port() {
+    // Two free ports in a row (tried again if another process takes one
+    // between the look and the bind).
+    let mut ranks = None;
+    for _ in 0..20 {
+        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = first.local_addr().unwrap().port();
+        let Some(next) = port.checked_add(1) else {
+            continue;
+        };
+        if std::net::TcpListener::bind(("127.0.0.1", next)).is_err() {
+            continue;
+        }
+        drop(first);
+        let mut spawned = Vec::new();
+        for (rank, p) in [(0, port), (1, next)] {
+            let config = EngineConfig {
+                id: format!("rank{rank}"),
+                kv_events: Some(format!("tcp://127.0.0.1:{p}")),
+                ..EngineConfig::default()
+            };
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            if let Ok(e) = engine::spawn(config, listener).await {
+                spawned.push(e);
+            }
+        }
+        if spawned.len() == 2 {
+            ranks = Some((port, spawned));
+            break;
+        }
+        for e in spawned {
+            e.shutdown().await;
+        }
+    }
+    let (port, ranks) = ranks.expect("two free ports in a row");
+    let spec: hearth_router::UpstreamSpec = format!(
+        "{};id=dp;dp=2;kv_events=tcp://127.0.0.1:{port}",
+        ranks[0].addr
+    )
+    .parse()
+    .unwrap();
+    let router = hearth_router::Router::new(hearth_router::RouterParams::default(), &[spec]);
+    let feed = tokio::spawn(hearth_ext_proc::feeds::kv_events::run(
+        router.clone(),
+        hearth_ext_proc::feeds::engines::EngineClient::new(None, None).unwrap(),
+    ));
+    let held = || -> Vec<(String, bool, usize)> {
+        router
+            .snapshot()
+            .replicas
+            .iter()
+            .map(|r| {
+                let k = r.kv_events.as_ref().expect("listed with kv_events=");
+                (r.id.clone(), k.exact, k.held_blocks)
+            })
+            .collect()
+    };
+    // Both feeds connected before anything is cached, so both are exact
+    // from their first batch.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !router
+        .snapshot()
+        .replicas
+        .iter()
+        .all(|r| r.kv_events.as_ref().is_some_and(|k| k.connected))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            router.snapshot().replicas
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    ranks[0].engine.admit(&[3u8; 4 * 16 * 5]);
+    ranks[1].engine.admit(&[4u8; 4 * 16 * 8]);
+    let want = vec![
+        ("dp/rank0".to_string(), true, 5),
+        ("dp/rank1".to_string(), true, 8),
+    ];
+    while held() != want {
+        assert!(Instant::now() < deadline, "{:?}", held());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let s = router.snapshot();
+    let endpoints: Vec<String> = s
+        .replicas
+        .iter()
+        .map(|r| r.kv_events.as_ref().unwrap().endpoint.clone())
+        .collect();
+    assert_eq!(
+        endpoints,
+        vec![
+            format!("tcp://127.0.0.1:{port}"),
+            format!("tcp://127.0.0.1:{}", port + 1)
+        ]
+    );
+    feed.abort();
+    for e in ranks {
+        e.shutdown().await;
+    }
+}

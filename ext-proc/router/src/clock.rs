@@ -37,11 +37,11 @@ impl Router {
     /// [`Router::apply_kv_batch_at`] now.
     pub fn apply_kv_batch(
         &self,
-        addr: std::net::SocketAddr,
+        key: crate::ReplicaKey,
         seq: u64,
         batch: &hearth_wire::kv_events::Batch,
     ) -> Vec<crate::kv_events::RestartReason> {
-        self.apply_kv_batch_at(addr, seq, batch, Instant::now())
+        self.apply_kv_batch_at(key, seq, batch, Instant::now())
     }
 
     /// [`Router::record_request_at`] now.

@@ -45,15 +45,42 @@ pub enum EventEndpoint {
     FromEngine,
 }
 
-/// One engine's event feed, as the sidecar follows it.
+/// One engine's event feed, as the sidecar follows it: a replica's, or a
+/// data-parallel rank's (each rank has its own cache and publisher).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EventSource {
-    /// The engine's address (its replicas' feed is one).
-    pub addr: SocketAddr,
+    /// The replica it speaks for: the engine's address, and the rank.
+    pub key: ReplicaKey,
     pub endpoint: EventEndpoint,
     pub replay: Option<EventEndpoint>,
     /// `http(s)://addr`, where `auto` asks for the endpoint.
     pub engine_url: String,
+}
+
+impl EventSource {
+    /// The engine's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.key.0
+    }
+}
+
+impl EventEndpoint {
+    /// Where data-parallel rank `rank` of an engine listed with this
+    /// endpoint publishes: as vLLM places it, the TCP port plus the rank
+    /// (`auto` asks the engine for the rank's own). `None` where no rank
+    /// but 0 can publish (vLLM refuses `ipc://` past rank 0) or the port
+    /// would pass 65535.
+    pub fn for_rank(&self, rank: u32) -> Option<EventEndpoint> {
+        match self {
+            _ if rank == 0 => Some(self.clone()),
+            EventEndpoint::Tcp(addr) => {
+                let port = u16::try_from(u32::from(addr.port()) + rank).ok()?;
+                Some(EventEndpoint::Tcp(SocketAddr::new(addr.ip(), port)))
+            }
+            EventEndpoint::FromEngine => Some(EventEndpoint::FromEngine),
+            EventEndpoint::Ipc(_) => None,
+        }
+    }
 }
 
 impl FromStr for EventEndpoint {
@@ -176,10 +203,26 @@ impl FromStr for UpstreamSpec {
         if spec.kv_events_replay == Some(EventEndpoint::FromEngine) {
             return Err("kv_events_replay=auto: write kv_events=auto alone".to_owned());
         }
-        if spec.kv_events.is_some() && spec.dp_ranks > 1 {
-            // Each rank publishes on its own endpoint (vLLM: the port plus
-            // the rank); not read yet.
-            return Err("kv_events= with dp= is not supported yet".to_owned());
+        // Each rank publishes on its own endpoint: the port plus the rank.
+        let last = spec.dp_ranks - 1;
+        for (name, endpoint) in [
+            ("kv_events", &spec.kv_events),
+            ("kv_events_replay", &spec.kv_events_replay),
+        ] {
+            if let Some(e) = endpoint.as_ref().filter(|e| e.for_rank(last).is_none()) {
+                return Err(match e {
+                    EventEndpoint::Ipc(_) => format!(
+                        "{name}={e} with dp={}: an engine publishes ranks past 0 only over \
+                         tcp:// (each on the port plus its rank)",
+                        spec.dp_ranks
+                    ),
+                    _ => format!(
+                        "{name}={e} with dp={}: rank {last}'s port (the port plus the rank) \
+                         passes 65535",
+                        spec.dp_ranks
+                    ),
+                });
+            }
         }
         Ok(spec)
     }
@@ -258,8 +301,8 @@ pub fn targets(upstreams: &[UpstreamSpec]) -> Vec<Replica> {
                 dp_rank: (u.dp_ranks > 1).then_some(rank),
                 short_output: u.short_output,
                 tls: u.tls,
-                kv_events: u.kv_events.clone(),
-                kv_events_replay: u.kv_events_replay.clone(),
+                kv_events: u.kv_events.as_ref().and_then(|e| e.for_rank(rank)),
+                kv_events_replay: u.kv_events_replay.as_ref().and_then(|e| e.for_rank(rank)),
                 retired: false,
             })
         })

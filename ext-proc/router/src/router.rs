@@ -254,16 +254,16 @@ impl Router {
         }
     }
 
-    /// The replicas whose engines publish KV cache events, by address
-    /// (each address once), with where, and where they replay.
+    /// The replicas whose engines publish KV cache events (each
+    /// data-parallel rank apart), with where, and where they replay.
     pub fn kv_event_endpoints(&self) -> Vec<EventSource> {
         let fleet = self.lock();
         let mut out: Vec<EventSource> = Vec::new();
         for (_, r) in fleet.serving() {
             if let Some(e) = &r.kv_events {
-                if !out.iter().any(|s| s.addr == r.addr) {
+                if !out.iter().any(|s| s.key == r.key()) {
                     out.push(EventSource {
-                        addr: r.addr,
+                        key: r.key(),
                         endpoint: e.clone(),
                         replay: r.kv_events_replay.clone(),
                         engine_url: r.engine_url(),
@@ -274,72 +274,73 @@ impl Router {
         out
     }
 
-    /// Where the engine at `addr` said it publishes (`kv_events=auto`),
+    /// Where the engine (rank) `key` said it publishes (`kv_events=auto`),
     /// or `None` while it has not: what `/state` shows as the feed's
     /// endpoint.
-    pub fn note_kv_endpoint(&self, addr: SocketAddr, stated: Option<String>) {
+    pub fn note_kv_endpoint(&self, key: ReplicaKey, stated: Option<String>) {
         let mut fleet = self.lock();
         let fleet = &mut *fleet;
         for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
-            if r.addr == addr && !r.retired && r.kv_events.is_some() {
+            if r.key() == key && !r.retired && r.kv_events.is_some() {
                 s.kv.stated_endpoint = stated.clone();
             }
         }
     }
 
-    /// The sequence number the event feed of the engine at `addr` should
-    /// carry next, when known.
-    pub fn kv_expected_seq(&self, addr: SocketAddr) -> Option<u64> {
+    /// The sequence number the event feed of the engine (rank) `key`
+    /// should carry next, when known.
+    pub fn kv_expected_seq(&self, key: ReplicaKey) -> Option<u64> {
         let fleet = self.lock();
         fleet
             .replicas
             .iter()
             .zip(fleet.state.iter())
-            .find(|(r, _)| r.addr == addr && !r.retired && r.kv_events.is_some())
+            .find(|(r, _)| r.key() == key && !r.retired && r.kv_events.is_some())
             .and_then(|(_, s)| s.kv.expected_seq())
     }
 
-    /// `batches` missed batches of the engine at `addr` came back from its
-    /// replay socket.
-    pub fn note_kv_replayed(&self, addr: SocketAddr, batches: u64) {
+    /// `batches` missed batches of the engine (rank) `key` came back from
+    /// its replay socket.
+    pub fn note_kv_replayed(&self, key: ReplicaKey, batches: u64) {
         let mut fleet = self.lock();
         let fleet = &mut *fleet;
         for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
-            if r.addr == addr && !r.retired && r.kv_events.is_some() {
+            if r.key() == key && !r.retired && r.kv_events.is_some() {
                 s.kv.note_replayed(batches);
             }
         }
     }
 
-    /// The event feed of the engine at `addr` is connected, or not.
-    pub fn note_kv_feed(&self, addr: SocketAddr, connected: bool) {
+    /// The event feed of the engine (rank) `key` is connected, or not.
+    pub fn note_kv_feed(&self, key: ReplicaKey, connected: bool) {
         let mut fleet = self.lock();
         let fleet = &mut *fleet;
         for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
-            if r.addr == addr && !r.retired && r.kv_events.is_some() {
+            if r.key() == key && !r.retired && r.kv_events.is_some() {
                 s.kv.note_connection(connected);
             }
         }
     }
 
-    /// A frame from the event feed of the engine at `addr` did not read.
-    pub fn note_kv_refused(&self, addr: SocketAddr) {
+    /// A frame from the event feed of the engine (rank) `key` did not
+    /// read.
+    pub fn note_kv_refused(&self, key: ReplicaKey) {
         let mut fleet = self.lock();
         let fleet = &mut *fleet;
         for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
-            if r.addr == addr && !r.retired && r.kv_events.is_some() {
+            if r.key() == key && !r.retired && r.kv_events.is_some() {
                 s.kv.note_refused();
             }
         }
     }
 
-    /// Batch `seq` of the KV cache events of the engine at `addr`, read at
+    /// Batch `seq` of the KV cache events of the engine (rank) `key`, read at
     /// `now` (see [`crate::kv_events`]). A restart it shows drops the
     /// replica's warmth; the capacity it shows sizes the warmth index when
     /// the engine's metrics state none. Returns the restarts it showed.
     pub fn apply_kv_batch_at(
         &self,
-        addr: SocketAddr,
+        key: ReplicaKey,
         seq: u64,
         batch: &Batch,
         now: Instant,
@@ -348,7 +349,7 @@ impl Router {
         let fleet = &mut *guard;
         let mut shown = Vec::new();
         for (r, s) in fleet.replicas.iter().zip(fleet.state.iter_mut()) {
-            if r.addr != addr || r.retired || r.kv_events.is_none() {
+            if r.key() != key || r.retired || r.kv_events.is_none() {
                 continue;
             }
             let before = s.kv.capacity_tokens();

@@ -70,19 +70,72 @@ fn the_upstream_option_parses_and_refuses_what_it_cannot_read() {
     for bad in [
         "kv_events=auto;kv_events_replay=tcp://127.0.0.1:5558",
         "kv_events=tcp://127.0.0.1:5557;kv_events_replay=auto",
-        "kv_events=auto;dp=2",
+        "kv_events=ipc:///tmp/kv.sock;dp=2",
+        "kv_events=tcp://127.0.0.1:5557;kv_events_replay=ipc:///tmp/r.sock;dp=2",
+        "kv_events=tcp://127.0.0.1:65535;dp=2",
         "kv_events_replay=tcp://127.0.0.1:5558",
         "kv_events=tcp://*:5557",
         "kv_events=tcp://engine:5557",
         "kv_events=ipc://relative",
         "kv_events=udp://127.0.0.1:1",
-        "kv_events=tcp://127.0.0.1:5557;dp=2",
     ] {
         assert!(
             format!("{A};{bad}").parse::<UpstreamSpec>().is_err(),
             "{bad}"
         );
     }
+}
+
+#[test]
+fn each_data_parallel_rank_follows_its_own_feed() {
+    // As vLLM places them: rank r publishes (and replays) on the port
+    // plus r; `auto` asks the engine for each rank's.
+    let router = fleet(&format!(
+        "{A};id=dp;dp=3;kv_events=tcp://127.0.0.1:5557;kv_events_replay=tcp://127.0.0.1:5600,\
+         {B};id=auto;dp=2;kv_events=auto"
+    ));
+    let sources = router.kv_event_endpoints();
+    let shown: Vec<(Option<u32>, String, Option<String>)> = sources
+        .iter()
+        .map(|s| {
+            (
+                s.key.1,
+                s.endpoint.to_string(),
+                s.replay.as_ref().map(|r| r.to_string()),
+            )
+        })
+        .collect();
+    let replay = |p: u16| Some(format!("tcp://127.0.0.1:{p}"));
+    assert_eq!(
+        shown,
+        vec![
+            (Some(0), "tcp://127.0.0.1:5557".into(), replay(5600)),
+            (Some(1), "tcp://127.0.0.1:5558".into(), replay(5601)),
+            (Some(2), "tcp://127.0.0.1:5559".into(), replay(5602)),
+            (Some(0), "auto".into(), None),
+            (Some(1), "auto".into(), None),
+        ]
+    );
+    // A batch reaches its own rank only.
+    let (a, t0) = (A.parse::<SocketAddr>().unwrap(), Instant::now());
+    router.note_kv_feed((a, Some(1)), true);
+    router.apply_kv_batch_at((a, Some(1)), 0, &batch(vec![stored(0, 10)]), t0);
+    let held: Vec<(String, usize)> = router
+        .snapshot_at(t0)
+        .replicas
+        .iter()
+        .filter_map(|r| Some((r.id.clone(), r.kv_events.as_ref()?.held_blocks)))
+        .collect();
+    assert_eq!(
+        held,
+        vec![
+            ("dp/rank0".into(), 0),
+            ("dp/rank1".into(), 10),
+            ("dp/rank2".into(), 0),
+            ("auto/rank0".into(), 0),
+            ("auto/rank1".into(), 0),
+        ]
+    );
 }
 
 #[test]
@@ -97,9 +150,9 @@ fn a_feed_corrects_its_own_replica_and_reaches_no_other() {
     let warm = |i: usize| router.snapshot_at(t0).replicas[i].warmth_blocks;
     assert!(warm(0) > 0 && warm(1) > 0);
     let warm_b = warm(1);
-    router.note_kv_feed(a, true);
+    router.note_kv_feed((a, None), true);
     assert!(router
-        .apply_kv_batch_at(a, 0, &batch(vec![stored(0, 10)]), t0)
+        .apply_kv_batch_at((a, None), 0, &batch(vec![stored(0, 10)]), t0)
         .is_empty());
     let s = router.snapshot_at(t0);
     let kv = s.replicas[0].kv_events.clone().unwrap();
@@ -112,7 +165,7 @@ fn a_feed_corrects_its_own_replica_and_reaches_no_other() {
         hashes: vec![0],
         medium: Medium::Device,
     };
-    router.apply_kv_batch_at(a, 1, &batch(vec![removed]), t0);
+    router.apply_kv_batch_at((a, None), 1, &batch(vec![removed]), t0);
     let s = router.snapshot_at(t0);
     assert_eq!(
         s.replicas[0].kv_events.as_ref().unwrap().capacity_tokens,
@@ -128,15 +181,15 @@ fn a_feed_corrects_its_own_replica_and_reaches_no_other() {
     );
     // A restart, then garbage, then a sequence jumping around: replica A
     // loses its warmth and exactness, never its health; B is untouched.
-    let shown = router.apply_kv_batch_at(a, 0, &batch(vec![Event::AllCleared]), t0);
+    let shown = router.apply_kv_batch_at((a, None), 0, &batch(vec![Event::AllCleared]), t0);
     assert_eq!(shown, vec![RestartReason::Sequence, RestartReason::Cleared]);
     for seq in [9, 3, u64::MAX, 0, 77] {
-        router.apply_kv_batch_at(a, seq, &batch(vec![stored(seq, 3)]), t0);
-        router.note_kv_refused(a);
+        router.apply_kv_batch_at((a, None), seq, &batch(vec![stored(seq, 3)]), t0);
+        router.note_kv_refused((a, None));
     }
     // Batches for the replica without a feed change nothing.
-    router.apply_kv_batch_at(b, 0, &batch(vec![Event::AllCleared]), t0);
-    router.note_kv_refused(b);
+    router.apply_kv_batch_at((b, None), 0, &batch(vec![Event::AllCleared]), t0);
+    router.note_kv_refused((b, None));
     let s = router.snapshot_at(t0);
     assert_eq!(s.replicas[1].warmth_blocks, warm_b);
     assert!(s.replicas[1].kv_events.is_none());

@@ -29,7 +29,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hearth_router::{EventEndpoint, EventSource, Router};
+use hearth_router::{EventEndpoint, EventSource, ReplicaKey, Router};
 use serde_json::Value;
 
 use super::engines::EngineClient;
@@ -92,23 +92,23 @@ pub enum FeedError {
 /// stopped as the replica list changes, until the task is dropped.
 /// `engines` asks the engines listed `kv_events=auto` where they publish.
 pub async fn run(router: Arc<Router>, engines: EngineClient) {
-    let mut feeds: HashMap<SocketAddr, (EventSource, AbortHandle)> = HashMap::new();
+    let mut feeds: HashMap<ReplicaKey, (EventSource, AbortHandle)> = HashMap::new();
     let mut tasks = JoinSet::new();
     let mut tick = tokio::time::interval(LIST_POLL);
     loop {
         tick.tick().await;
         while tasks.try_join_next().is_some() {}
         let wanted = router.kv_event_endpoints();
-        feeds.retain(|addr, (source, task)| {
+        feeds.retain(|key, (source, task)| {
             let keep = wanted.contains(source);
             if !keep {
                 task.abort();
-                router.note_kv_feed(*addr, false);
+                router.note_kv_feed(*key, false);
             }
             keep
         });
         for source in wanted {
-            if let std::collections::hash_map::Entry::Vacant(slot) = feeds.entry(source.addr) {
+            if let std::collections::hash_map::Entry::Vacant(slot) = feeds.entry(source.key) {
                 let task =
                     tasks.spawn(follow(Arc::clone(&router), engines.clone(), source.clone()));
                 slot.insert((source, task));
@@ -132,14 +132,14 @@ async fn ask(router: &Router, engines: &EngineClient, source: &EventSource) -> F
     loop {
         match ask_once(engines, source).await {
             Ok(feed) => {
-                router.note_kv_endpoint(source.addr, Some(feed.endpoint.to_string()));
+                router.note_kv_endpoint(source.key, Some(feed.endpoint.to_string()));
                 return feed;
             }
             Err(e) => {
-                router.note_kv_endpoint(source.addr, None);
+                router.note_kv_endpoint(source.key, None);
                 // Said once per different reason, not at every retry.
                 if said.as_ref() != Some(&e) {
-                    tracing::warn!(engine = %source.addr, "kv_events=auto: {e}");
+                    tracing::warn!(engine = %source.addr(), rank = ?source.key.1, "kv_events=auto: {e}");
                     said = Some(e);
                 }
             }
@@ -177,27 +177,27 @@ async fn ask_once(engines: &EngineClient, source: &EventSource) -> Result<Feed, 
     }
     let answer: Value = serde_json::from_slice(&body)
         .map_err(|e| format!("GET /kv_event_sources: not JSON: {e}"))?;
-    stated_feed(&answer, source.addr)
+    stated_feed(&answer, source.addr(), source.key.1.unwrap_or(0))
 }
 
 /// Where an engine at `engine` publishes and replays, from its
 /// `/kv_event_sources` answer (vLLM: its `--kv-events-config` per
 /// data-parallel rank, `{"0": {"enable_kv_cache_events": true,
 /// "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint":
-/// ...}}`), rank 0's. Taken only where the endpoint is the engine's own:
+/// ...}}`), rank `rank`'s. Taken only where the endpoint is the engine's own:
 /// over TCP a wildcard (`*`, `0.0.0.0`, `::`, read as the engine's
 /// address) or the engine's own IP, at the port stated; `ipc://` only for
 /// an engine on this host (a loopback address). Anything else is refused
 /// with the reason, so an engine cannot point the sidecar elsewhere.
-pub fn stated_feed(answer: &Value, engine: SocketAddr) -> Result<Feed, String> {
+pub fn stated_feed(answer: &Value, engine: SocketAddr, rank: u32) -> Result<Feed, String> {
     let sources = answer
         .as_object()
         .ok_or("GET /kv_event_sources: not a JSON object")?;
-    let Some(config) = sources.get("0") else {
+    let Some(config) = sources.get(&rank.to_string()) else {
         return Err(if sources.is_empty() {
             "the engine states no KV event publisher (vLLM: --kv-events-config)".into()
         } else {
-            "the engine states no publisher for data-parallel rank 0".into()
+            format!("the engine states no publisher for data-parallel rank {rank}")
         });
     };
     if config.get("enable_kv_cache_events") == Some(&Value::Bool(false))
@@ -224,7 +224,7 @@ pub fn stated_feed(answer: &Value, engine: SocketAddr) -> Result<Feed, String> {
 }
 
 /// An endpoint an engine at `engine` states, when it is the engine's own.
-fn own_endpoint(stated: &str, engine: SocketAddr) -> Result<EventEndpoint, String> {
+pub(crate) fn own_endpoint(stated: &str, engine: SocketAddr) -> Result<EventEndpoint, String> {
     if let Some(rest) = stated.strip_prefix("tcp://") {
         let (host, port) = rest
             .rsplit_once(':')
@@ -338,7 +338,7 @@ impl AsyncWrite for Stream {
 
 /// Follows one engine's feed: connect, read until it fails, wait, again.
 async fn follow(router: Arc<Router>, engines: EngineClient, source: EventSource) {
-    let addr = source.addr;
+    let key = source.key;
     let mut backoff = FIRST_BACKOFF;
     loop {
         let feed = match source.endpoint {
@@ -349,12 +349,12 @@ async fn follow(router: Arc<Router>, engines: EngineClient, source: EventSource)
             },
         };
         let result = match connect(&feed.endpoint).await {
-            Ok(stream) => read_feed(&router, addr, &feed, stream, &mut backoff).await,
+            Ok(stream) => read_feed(&router, key, &feed, stream, &mut backoff).await,
             Err(e) => Err(e),
         };
-        router.note_kv_feed(addr, false);
+        router.note_kv_feed(key, false);
         if let Err(e) = result {
-            tracing::debug!(engine = %addr, endpoint = %feed.endpoint, error = %e, "KV event feed lost");
+            tracing::debug!(engine = %key.0, rank = ?key.1, endpoint = %feed.endpoint, error = %e, "KV event feed lost");
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(MAX_BACKOFF);
@@ -367,7 +367,7 @@ async fn follow(router: Arc<Router>, engines: EngineClient, source: EventSource)
 /// replay socket, when there is one, for the ones missed.
 async fn read_feed<S: AsyncRead + AsyncWrite + Unpin>(
     router: &Router,
-    addr: SocketAddr,
+    key: ReplicaKey,
     feed: &Feed,
     mut stream: S,
     backoff: &mut Duration,
@@ -375,59 +375,62 @@ async fn read_feed<S: AsyncRead + AsyncWrite + Unpin>(
     tokio::time::timeout(CONNECT_TIMEOUT, subscribe(&mut stream))
         .await
         .map_err(|_| FeedError::Timeout)??;
-    router.note_kv_feed(addr, true);
+    router.note_kv_feed(key, true);
     *backoff = FIRST_BACKOFF;
-    tracing::debug!(engine = %addr, "KV event feed connected");
+    tracing::debug!(engine = %key.0, rank = ?key.1, "KV event feed connected");
     loop {
         let frames = read_message(&mut stream, MAX_FRAMES).await?;
         let [_topic, seq, payload] = frames.as_slice() else {
-            router.note_kv_refused(addr);
+            router.note_kv_refused(key);
             continue;
         };
         let Some(seq) = decode_sequence(seq) else {
-            router.note_kv_refused(addr);
+            router.note_kv_refused(key);
             continue;
         };
         if let Some(replay) = &feed.replay {
             // From where the router stands; from 0 for a new engine
             // process (the sequence went back) or a first batch.
-            let from = match router.kv_expected_seq(addr) {
+            let from = match router.kv_expected_seq(key) {
                 Some(next) if seq >= next => next,
                 _ => 0,
             };
             if seq > from && seq - from <= MAX_REPLAY_BATCHES {
                 match tokio::time::timeout(REPLAY_TIMEOUT, fetch_replay(replay, from, seq)).await {
                     Ok(Ok(missed)) => {
-                        router.note_kv_replayed(addr, missed.len() as u64);
+                        router.note_kv_replayed(key, missed.len() as u64);
                         for (seq, payload) in missed {
-                            apply(router, addr, seq, &payload);
+                            apply(router, key, seq, &payload);
                         }
                     }
                     Ok(Err(e)) => {
-                        tracing::debug!(engine = %addr, error = %e, "KV event replay failed")
+                        tracing::debug!(engine = %key.0, rank = ?key.1, error = %e, "KV event replay failed")
                     }
-                    Err(_) => tracing::debug!(engine = %addr, "KV event replay timed out"),
+                    Err(_) => {
+                        tracing::debug!(engine = %key.0, rank = ?key.1, "KV event replay timed out")
+                    }
                 }
             }
         }
-        apply(router, addr, seq, payload);
+        apply(router, key, seq, payload);
     }
 }
 
 /// Decodes and applies batch `seq`.
-fn apply(router: &Router, addr: SocketAddr, seq: u64, payload: &[u8]) {
+fn apply(router: &Router, key: ReplicaKey, seq: u64, payload: &[u8]) {
     match decode_batch(payload) {
         Ok(batch) => {
-            let restarts = router.apply_kv_batch(addr, seq, &batch);
+            let restarts = router.apply_kv_batch(key, seq, &batch);
             if !restarts.is_empty() {
                 tracing::info!(
-                    engine = %addr,
+                    engine = %key.0,
+                    rank = ?key.1,
                     ?restarts,
                     "the engine's KV events show a restart: its warmth is dropped"
                 );
             }
         }
-        Err(_) => router.note_kv_refused(addr),
+        Err(_) => router.note_kv_refused(key),
     }
 }
 
@@ -627,7 +630,7 @@ mod tests {
         let tcp = |a: &str| EventEndpoint::Tcp(a.parse().unwrap());
         // vLLM's wildcard binds read as the engine's own address.
         assert_eq!(
-            stated_feed(&sources("tcp://*:5557", "tcp://*:5558".into()), engine),
+            stated_feed(&sources("tcp://*:5557", "tcp://*:5558".into()), engine, 0),
             Ok(Feed {
                 endpoint: tcp("10.0.0.5:5557"),
                 replay: Some(tcp("10.0.0.5:5558")),
@@ -638,7 +641,7 @@ mod tests {
             "tcp://10.0.0.5:5557",
             "tcp://[::]:5557",
         ] {
-            let feed = stated_feed(&sources(own, Value::Null), engine).unwrap();
+            let feed = stated_feed(&sources(own, Value::Null), engine, 0).unwrap();
             assert_eq!(
                 (feed.endpoint, feed.replay),
                 (tcp("10.0.0.5:5557"), None),
@@ -648,10 +651,10 @@ mod tests {
         // A Unix socket only for an engine on this host.
         let ipc = sources("ipc:///tmp/kv.sock", Value::Null);
         assert_eq!(
-            stated_feed(&ipc, local).map(|f| f.endpoint),
+            stated_feed(&ipc, local, 0).map(|f| f.endpoint),
             Ok(EventEndpoint::Ipc("/tmp/kv.sock".into()))
         );
-        assert!(stated_feed(&ipc, engine)
+        assert!(stated_feed(&ipc, engine, 0)
             .unwrap_err()
             .contains("another host"));
         // Another host, a port of 0, another transport: refused, saying why.
@@ -661,11 +664,31 @@ mod tests {
             ("tcp://*:0", "not a port"),
             ("inproc://cache", "neither tcp:// nor ipc://"),
         ] {
-            let e = stated_feed(&sources(stated, Value::Null), engine).unwrap_err();
+            let e = stated_feed(&sources(stated, Value::Null), engine, 0).unwrap_err();
             assert!(e.contains(why), "{stated}: {e}");
         }
-        let e = stated_feed(&sources("tcp://*:5557", "tcp://10.9.9.9:1".into()), engine);
+        let e = stated_feed(
+            &sources("tcp://*:5557", "tcp://10.9.9.9:1".into()),
+            engine,
+            0,
+        );
         assert!(e.is_err_and(|e| e.contains("not the engine's own")));
+        // A data-parallel rank takes its own entry (vLLM states each rank's
+        // endpoint, its port offset by the rank), and only its own.
+        let ranks = serde_json::json!({
+            "0": {"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5600"},
+            "1": {"publisher": "zmq", "endpoint": "tcp://*:5558", "replay_endpoint": "tcp://*:5601"},
+        });
+        assert_eq!(
+            stated_feed(&ranks, engine, 1),
+            Ok(Feed {
+                endpoint: tcp("10.0.0.5:5558"),
+                replay: Some(tcp("10.0.0.5:5601")),
+            })
+        );
+        assert!(stated_feed(&ranks, engine, 2)
+            .unwrap_err()
+            .contains("no publisher for data-parallel rank 2"));
         // No publisher, events off, or not an answer at all.
         for (answer, why) in [
             (serde_json::json!({}), "states no KV event publisher"),
@@ -681,7 +704,7 @@ mod tests {
             ),
             (serde_json::json!([1]), "not a JSON object"),
         ] {
-            let e = stated_feed(&answer, engine).unwrap_err();
+            let e = stated_feed(&answer, engine, 0).unwrap_err();
             assert!(e.contains(why), "{answer}: {e}");
         }
     }
