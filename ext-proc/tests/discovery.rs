@@ -445,6 +445,60 @@ async fn pods_by_label_selector_with_a_token() {
     sidecar.shutdown().await.unwrap();
 }
 
+/// A pod's `hearth/kv-events` annotation names its engine's event feed,
+/// and is taken only where it is the pod's own address: a pod pointing
+/// at another host is a replica without a feed.
+#[tokio::test]
+async fn a_pods_kv_event_annotation_names_its_own_feed_only() {
+    let api = KubeApi::start(NS, None).await;
+    let annotated = |name: &str, ip: &str, endpoint: &str| {
+        let mut p = pod(name, &format!("uid-{name}"), Some(ip), true, "engine");
+        p.metadata.annotations = Some(
+            [(
+                hearth_ext_proc::feeds::kube::KV_EVENTS_ANNOTATION.to_string(),
+                endpoint.to_string(),
+            )]
+            .into(),
+        );
+        p
+    };
+    api.put_pod(&annotated("a", "127.0.0.11", "tcp://*:5557"));
+    api.put_pod(&annotated("b", "127.0.0.12", "tcp://127.0.0.99:5557"));
+    let sidecar = sidecar(
+        &api,
+        "pods-kv",
+        &[
+            "--discovery",
+            "pods",
+            "--discovery-selector",
+            "app=engine",
+            "--discovery-port",
+            "8080",
+        ],
+    )
+    .await;
+    until_listed(
+        &sidecar,
+        "selected",
+        &[("a", "127.0.0.11:8080"), ("b", "127.0.0.12:8080")],
+    )
+    .await;
+    let feeds: Vec<(String, String)> = sidecar
+        .router
+        .kv_event_endpoints()
+        .iter()
+        .map(|s| (s.addr().to_string(), s.endpoint.to_string()))
+        .collect();
+    assert_eq!(
+        feeds,
+        [(
+            "127.0.0.11:8080".to_string(),
+            "tcp://127.0.0.11:5557".to_string()
+        )]
+    );
+    sidecar.shutdown().await.unwrap();
+}
+
 #[test]
 fn an_unreadable_kubeconfig_stops_the_sidecar_naming_the_setting() {
     let (code, stderr) = common::run(

@@ -14,6 +14,13 @@
 //! an address that stays keeps its warmth, load and health; an address a
 //! new pod took over from a deleted one starts afresh.
 //!
+//! A pod may say where its engine publishes KV cache events, with the
+//! annotations [`KV_EVENTS_ANNOTATION`] (`auto`, or `tcp://*:PORT`) and
+//! [`KV_EVENTS_REPLAY_ANNOTATION`]: taken only where the endpoint is the
+//! pod's own address (a wildcard host, or its IP), so a pod can point the
+//! sidecar at nothing but itself; anything else is logged and the pod is a
+//! replica without a feed.
+//!
 //! While the API cannot be reached, the last list stays (`/state` says so
 //! under `upstreams.source`, `/health` is `degraded`) and the watch
 //! resumes, with backoff, when it can. A pool that selects no ready pod is
@@ -38,7 +45,16 @@ use kube::{Api, Client, Resource};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{parse_selector, Discovery, Settings, UpstreamSpec};
-use hearth_router::Router;
+use crate::feeds::kv_events::own_endpoint;
+use hearth_router::{EventEndpoint, Router};
+
+/// The pod annotation naming where its engine publishes KV cache events:
+/// `auto` (asked of the engine, as a listed `kv_events=auto`) or
+/// `tcp://*:PORT` (the pod's own address; its IP may stand for `*`).
+pub const KV_EVENTS_ANNOTATION: &str = "hearth/kv-events";
+/// The pod annotation naming the engine's replay socket (`tcp://*:PORT`),
+/// read only with [`KV_EVENTS_ANNOTATION`].
+pub const KV_EVENTS_REPLAY_ANNOTATION: &str = "hearth/kv-events-replay";
 
 /// The InferencePool API group and version this reads.
 pub const POOL_GROUP: &str = "inference.networking.k8s.io";
@@ -234,6 +250,8 @@ pub struct Found {
     pub spec: UpstreamSpec,
     /// The pod's uid: an address a new pod took over is a new replica.
     pub pod_uid: String,
+    /// Why the pod's event annotations were not taken, if they were not.
+    pub refused_kv_events: Option<String>,
 }
 
 /// The replicas: a ready pod per selected pod and port, sorted by pod name
@@ -252,6 +270,10 @@ pub fn replicas(
     for pod in pods.iter().filter(|p| selects(selector, p)) {
         let Some(ip) = pod_ready(pod) else { continue };
         let name = pod.metadata.name.clone().unwrap_or_default();
+        let (events, refused_kv_events) = match pod_kv_events(pod, ip, ports.len()) {
+            Ok(events) => (events, None),
+            Err(why) => ((None, None), Some(why)),
+        };
         for &port in ports {
             let id = if ports.len() == 1 {
                 name.clone()
@@ -270,10 +292,11 @@ pub fn replicas(
                         dp_ranks: served.dp_ranks,
                         short_output: false,
                         tls: served.tls,
-                        kv_events: None,
-                        kv_events_replay: None,
+                        kv_events: events.0.clone(),
+                        kv_events_replay: events.1.clone(),
                     },
                     pod_uid: pod.metadata.uid.clone().unwrap_or_default(),
+                    refused_kv_events: refused_kv_events.clone(),
                 },
             ));
         }
@@ -285,6 +308,52 @@ pub fn replicas(
         .map(|(_, _, f)| f)
         .filter(|f| seen.insert(f.spec.addr))
         .collect()
+}
+
+/// Where a pod at `ip` serving `ports` engine ports says its engine
+/// publishes KV cache events, and replays them ([`KV_EVENTS_ANNOTATION`]):
+/// nothing without the annotation; `auto`; or an endpoint that is the
+/// pod's own (as an engine's `auto` answer is checked), only for a pod of
+/// one engine port (the engines of several ports cannot share one
+/// publisher). Otherwise why not.
+type PodEvents = (Option<EventEndpoint>, Option<EventEndpoint>);
+
+fn pod_kv_events(pod: &Pod, ip: IpAddr, ports: usize) -> Result<PodEvents, String> {
+    let annotations = pod.metadata.annotations.as_ref();
+    let get = |key: &str| annotations.and_then(|a| a.get(key)).map(|v| v.trim());
+    let replay = get(KV_EVENTS_REPLAY_ANNOTATION);
+    let Some(events) = get(KV_EVENTS_ANNOTATION) else {
+        return match replay {
+            None => Ok((None, None)),
+            Some(_) => Err(format!(
+                "{KV_EVENTS_REPLAY_ANNOTATION} needs {KV_EVENTS_ANNOTATION}"
+            )),
+        };
+    };
+    let engine = SocketAddr::new(ip, 0);
+    let own = |annotation: &str, value: &str| {
+        if ports > 1 {
+            return Err(format!(
+                "{annotation}={value:?} on a pod of {ports} engine ports: only `auto` can \
+                 tell their publishers apart"
+            ));
+        }
+        own_endpoint(value, engine).map_err(|e| format!("{annotation}: {e}"))
+    };
+    if events == "auto" {
+        if replay.is_some() {
+            return Err(format!(
+                "{KV_EVENTS_REPLAY_ANNOTATION} with {KV_EVENTS_ANNOTATION}=auto: the engine \
+                 names its replay socket itself"
+            ));
+        }
+        return Ok((Some(EventEndpoint::FromEngine), None));
+    }
+    let published = own(KV_EVENTS_ANNOTATION, events)?;
+    let replay = replay
+        .map(|r| own(KV_EVENTS_REPLAY_ANNOTATION, r))
+        .transpose()?;
+    Ok((Some(published), replay))
 }
 
 /// The pool's selector and ports, or why it names no replica.
@@ -351,6 +420,16 @@ impl Applier {
                     .map(|f| f.spec.clone())
                     .collect();
                 self.router.set_upstreams(&kept);
+            }
+        }
+        for f in &list {
+            if let Some(why) = &f.refused_kv_events {
+                tracing::warn!(
+                    source = %self.source,
+                    replica = f.spec.id.as_deref().unwrap_or_default(),
+                    "the pod's KV event annotation is not taken: {why}; the replica routes \
+                     without the engine's events"
+                );
             }
         }
         let specs: Vec<UpstreamSpec> = list.iter().map(|f| f.spec.clone()).collect();
@@ -433,11 +512,14 @@ where
     (store, stream)
 }
 
-/// Keeps of a pod what discovery reads (its name, uid, labels, deletion
-/// and status), so a namespace of large pods costs little memory.
+/// Keeps of a pod what discovery reads (its name, uid, labels, its KV
+/// event annotations, deletion and status), so a namespace of large pods
+/// costs little memory.
 fn trim_pod(pod: &mut Pod) {
     pod.metadata.managed_fields = None;
-    pod.metadata.annotations = None;
+    if let Some(annotations) = pod.metadata.annotations.as_mut() {
+        annotations.retain(|k, _| k == KV_EVENTS_ANNOTATION || k == KV_EVENTS_REPLAY_ANNOTATION);
+    }
     pod.metadata.owner_references = None;
     pod.spec = None;
 }
@@ -764,6 +846,106 @@ mod tests {
         assert!(found.iter().all(|f| f.spec.dp_ranks == 4));
         // An empty selector selects nothing (never the whole namespace).
         assert!(replicas(&pods, &BTreeMap::new(), &[8000], plain(1)).is_empty());
+    }
+
+    #[test]
+    fn a_pods_kv_event_annotations_are_taken_only_for_its_own_address() {
+        let selector = parse_selector("app=engine").unwrap();
+        let annotated = |name: &str, ip: &str, notes: &[(&str, &str)]| {
+            let mut p = (*pod(name, name, Some(ip), true, "engine")).clone();
+            p.metadata.annotations = Some(
+                notes
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            );
+            Arc::new(p)
+        };
+        let events = KV_EVENTS_ANNOTATION;
+        let replay = KV_EVENTS_REPLAY_ANNOTATION;
+        let pods = vec![
+            annotated(
+                "a",
+                "10.0.0.1",
+                &[(events, "tcp://*:5557"), (replay, "tcp://*:5558")],
+            ),
+            annotated("b", "10.0.0.2", &[(events, "auto")]),
+            annotated("c", "10.0.0.3", &[(events, "tcp://10.0.0.3:5557")]),
+            // Another pod's address, a Unix socket, a replay without a
+            // feed, a replay with `auto`: not taken.
+            annotated("d", "10.0.0.4", &[(events, "tcp://10.0.0.9:5557")]),
+            annotated("e", "10.0.0.5", &[(events, "ipc:///tmp/kv.sock")]),
+            annotated("f", "10.0.0.6", &[(replay, "tcp://*:5558")]),
+            annotated(
+                "g",
+                "10.0.0.7",
+                &[(events, "auto"), (replay, "tcp://*:5558")],
+            ),
+            annotated("h", "10.0.0.8", &[("other/kv-events", "tcp://*:5557")]),
+        ];
+        let found = replicas(&pods, &selector, &[8000], plain(1));
+        let shown: Vec<(String, Option<String>, Option<String>, bool)> = found
+            .iter()
+            .map(|f| {
+                (
+                    f.spec.id.clone().unwrap(),
+                    f.spec.kv_events.as_ref().map(|e| e.to_string()),
+                    f.spec.kv_events_replay.as_ref().map(|e| e.to_string()),
+                    f.refused_kv_events.is_some(),
+                )
+            })
+            .collect();
+        let some = |s: &str| Some(s.to_string());
+        assert_eq!(
+            shown,
+            vec![
+                (
+                    "a".into(),
+                    some("tcp://10.0.0.1:5557"),
+                    some("tcp://10.0.0.1:5558"),
+                    false
+                ),
+                ("b".into(), some("auto"), None, false),
+                ("c".into(), some("tcp://10.0.0.3:5557"), None, false),
+                ("d".into(), None, None, true),
+                ("e".into(), None, None, true),
+                ("f".into(), None, None, true),
+                ("g".into(), None, None, true),
+                ("h".into(), None, None, false),
+            ]
+        );
+        assert!(found[3]
+            .refused_kv_events
+            .as_deref()
+            .unwrap()
+            .contains("not the engine's own address"));
+        // Several engine ports: only `auto` tells their publishers apart.
+        let two = replicas(&pods[..2], &selector, &[8000, 8001], plain(1));
+        assert!(two[0]
+            .refused_kv_events
+            .as_deref()
+            .unwrap()
+            .contains("2 engine ports"));
+        assert_eq!(two[2].spec.kv_events, Some(EventEndpoint::FromEngine));
+        // With data-parallel ranks each rank reads the port plus its rank.
+        let dp = replicas(&pods[..1], &selector, &[8000], plain(2));
+        let targets = hearth_router::targets(&[dp[0].spec.clone()]);
+        let per_rank: Vec<String> = targets
+            .iter()
+            .map(|t| t.kv_events.as_ref().unwrap().to_string())
+            .collect();
+        assert_eq!(per_rank, ["tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558"]);
+        // Trimming a pod keeps these annotations and drops the others.
+        let mut trimmed = (*annotated("t", "10.0.0.1", &[(events, "auto"), ("big", "x")])).clone();
+        trim_pod(&mut trimmed);
+        let kept: Vec<&String> = trimmed
+            .metadata
+            .annotations
+            .as_ref()
+            .unwrap()
+            .keys()
+            .collect();
+        assert_eq!(kept, [KV_EVENTS_ANNOTATION]);
     }
 
     #[test]
