@@ -457,6 +457,8 @@ fn publish_kv(
         data_parallel_rank: Some(0),
     };
     for router in routers {
+        // The simulated feed never drops: connected from its first batch.
+        router.note_kv_feed((addr, None), true);
         router.apply_kv_batch_at((addr, None), *seq, &batch, now);
     }
     *seq += 1;

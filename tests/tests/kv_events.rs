@@ -249,6 +249,65 @@ async fn the_sidecar_reads_each_engines_kv_events_and_its_restart() {
     fleet.assert_wasm_healthy();
 }
 
+/// Evictions as they happen: a conversation sent through the gateway,
+/// then others' prompts straight to the engine (another gateway's
+/// traffic, which Hearth never routes) until the engine has stored a whole
+/// cache's worth since. The sidecar forgets the conversation's warmth from
+/// the events alone, before its next turn, and the engine indeed no
+/// longer holds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_evicted_by_others_traffic_loses_its_credit_before_its_next_turn() {
+    let fleet = Fleet::start(FleetOptions {
+        engines: 1,
+        kv_events: true,
+        cache_capacity_tokens: CAPACITY_TOKENS,
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    until(&fleet, "the feed connected", |s| {
+        kv(s, "engine-0").connected
+    })
+    .await;
+    reset_cache(&fleet, &fleet.engines[0].url()).await;
+    until(&fleet, "the feed exact", |s| kv(s, "engine-0").exact).await;
+    let warm = |s: &Snapshot| s.replicas[0].warmth_blocks;
+
+    let x = prompt(1_000);
+    fleet.chat(&x).await;
+    let s = until(&fleet, "X's blocks stored", |s| {
+        kv(s, "engine-0").stored_blocks_total > 0
+    })
+    .await;
+    assert!(warm(&s) > 0, "X is warm where it went");
+    assert_eq!(kv(&s, "engine-0").forgotten_blocks_total, 0);
+    // Others' prompts, straight to the engine: about 9 blocks each, 10 of
+    // them against a 48-block cache.
+    let mut n = 0;
+    for _ in 0..10 {
+        n = serve_on(&fleet, "engine-0", n).await;
+    }
+    let s = until(&fleet, "X forgotten", |s| {
+        kv(s, "engine-0").forgotten_blocks_total > 0
+    })
+    .await;
+    let k = kv(&s, "engine-0");
+    assert!(k.exact && k.removed_blocks_total > 0, "{k:?}");
+    assert_eq!(warm(&s), 0, "nothing Hearth sent there is credited");
+    // The engine agrees: X's next turn reads nothing from its cache.
+    let again = fleet.chat(&x).await;
+    assert_eq!(again.cached_tokens(), 0, "{:?}", again.body);
+    let (_, metrics) = fleet.admin_get("/metrics").await.unwrap();
+    assert!(
+        metric_sample(
+            &metrics,
+            "hearth_replica_kv_event_forgotten_blocks_total{replica=\"engine-0\"}"
+        )
+        .is_some_and(|n| n >= 1.0),
+        "{metrics}"
+    );
+}
+
 /// With each engine's replay socket listed (`kv_events_replay=`), what a
 /// feed missed is asked for again: batches published before the sidecar
 /// subscribed and a dropped batch come back in order, so the figures stay

@@ -15,6 +15,15 @@
 //! routes on what it did before events (the warmth index and the answers'
 //! usage), which it never stopped doing.
 //!
+//! Evictions as they happen: while the figures are exact and the capacity
+//! shown, a replica's warmth index forgets every block Hearth last sent
+//! there before the batch after which the engine has stored a whole
+//! cache's worth ([`KvEvents::horizon`]): an engine that evicts least
+//! recently used blocks first holds none of them, whoever's traffic (or
+//! whose long answers) filled it. Blocks the engine kept warm for traffic
+//! Hearth did not route are forgotten too: an approximation on the side
+//! of moving a conversation, never of crediting a replica that lost it.
+//!
 //! Restart evidence: a sequence that goes back (to 0, or below the one
 //! expected: a restarted engine's first batches may be gone before the
 //! feed reconnects) is a new engine process, and `AllBlocksCleared` an
@@ -22,12 +31,12 @@
 //! metrics does ([`crate::Router::set_engine_signals`]).
 //!
 //! What a feed can do, whatever it sends: change its own replica's event
-//! figures, drop its own replica's warmth (which an engine restart does
-//! anyway), and size its own replica's warmth index when the engine's
+//! figures, drop or thin its own replica's warmth (which an engine restart
+//! does anyway), and size its own replica's warmth index when the engine's
 //! metrics state no capacity. It never changes health, never reaches
 //! another replica, and holds at most [`MAX_HELD_BLOCKS`] hashes.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::time::Instant;
 
 use hearth_wire::kv_events::{Batch, Event, Medium};
@@ -67,6 +76,18 @@ impl Inexact {
     }
 }
 
+/// Batches a replica's turnover log keeps (about 100 KB): a cache's worth
+/// of stores within the last this-many batches is what the log can see.
+pub const TURNOVER_SAMPLES: usize = 4_096;
+
+/// One batch in the turnover log: the blocks the engine had stored in
+/// all by then, and the replica's warmth clock when it was applied.
+#[derive(Clone, Copy, Debug)]
+struct Turnover {
+    stored: u64,
+    clock: u32,
+}
+
 /// Why the events showed a restart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RestartReason {
@@ -104,6 +125,12 @@ pub(crate) struct KvEvents {
     replayed: u64,
     restarts_sequence: u64,
     restarts_cleared: u64,
+    /// Per batch since the cache was last empty (at most
+    /// [`TURNOVER_SAMPLES`]): what [`KvEvents::horizon`] reads.
+    turnover: VecDeque<Turnover>,
+    /// Warmth blocks forgotten because the engine had stored a whole
+    /// cache's worth since they were last used.
+    forgotten_blocks: u64,
 }
 
 impl Default for KvEvents {
@@ -129,6 +156,8 @@ impl Default for KvEvents {
             replayed: 0,
             restarts_sequence: 0,
             restarts_cleared: 0,
+            turnover: VecDeque::new(),
+            forgotten_blocks: 0,
         }
     }
 }
@@ -171,6 +200,11 @@ pub struct KvEventsSnapshot {
     /// was cleared.
     pub restarts_sequence_total: u64,
     pub restarts_cleared_total: u64,
+    /// Warmth blocks forgotten because the engine had stored a whole
+    /// cache's worth since Hearth last sent them there (evicted, by the
+    /// engine's own count, before the next turn asks).
+    #[serde(default)]
+    pub forgotten_blocks_total: u64,
 }
 
 impl KvEvents {
@@ -210,6 +244,41 @@ impl KvEvents {
         self.held = HashSet::default();
         self.peak_held = 0;
         self.inexact = None;
+        self.turnover.clear();
+    }
+
+    /// Notes, after a batch, the blocks stored in all and the replica's
+    /// warmth clock `clock` (see [`crate::warmth::LruBlocks::clock`]).
+    pub(crate) fn note_turnover(&mut self, clock: u32) {
+        if self.turnover.len() >= TURNOVER_SAMPLES {
+            self.turnover.pop_front();
+        }
+        self.turnover.push_back(Turnover {
+            stored: self.stored_blocks,
+            clock,
+        });
+    }
+
+    /// The warmth clock as of the last batch after which the engine has
+    /// stored a whole cache's worth of blocks (its capacity, as its
+    /// events showed it): an engine that evicts least recently used
+    /// blocks first holds nothing last used before then. Known only while
+    /// the figures are exact and the capacity shown; `None` also while
+    /// the log does not reach back that far.
+    pub(crate) fn horizon(&self) -> Option<u32> {
+        if self.inexact.is_some() || !self.connected {
+            return None;
+        }
+        let capacity = self.capacity_blocks.filter(|&c| c > 0)? as u64;
+        let since = self.stored_blocks.checked_sub(capacity)?;
+        // The stored totals only grow: the last sample at or under `since`.
+        let after = self.turnover.partition_point(|t| t.stored <= since);
+        Some(self.turnover.get(after.checked_sub(1)?)?.clock)
+    }
+
+    /// `n` warmth blocks were forgotten by [`KvEvents::horizon`].
+    pub(crate) fn note_forgotten(&mut self, n: usize) {
+        self.forgotten_blocks = self.forgotten_blocks.saturating_add(n as u64);
     }
 
     /// Applies batch `seq` at `now`. Returns the restarts it showed, in
@@ -338,6 +407,7 @@ impl KvEvents {
             replayed_batches_total: self.replayed,
             restarts_sequence_total: self.restarts_sequence,
             restarts_cleared_total: self.restarts_cleared,
+            forgotten_blocks_total: self.forgotten_blocks,
         }
     }
 }

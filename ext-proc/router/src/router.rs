@@ -357,6 +357,16 @@ impl Router {
             if !restarts.is_empty() && self.params.usage_feedback {
                 s.forget_cache();
             }
+            // Evictions as they happen: what Hearth last sent here before
+            // the engine stored a whole cache's worth since is gone.
+            s.kv.note_turnover(s.warmth.clock());
+            if let Some(horizon) =
+                s.kv.horizon()
+                    .filter(|_| std::env::var_os("HEARTH_TMP_NO_FORGET").is_none())
+            {
+                let forgotten = s.warmth.forget_not_newer_than(horizon);
+                s.kv.note_forgotten(forgotten);
+            }
             let told = s.engine.and_then(|e| e.kv_capacity_tokens).is_some();
             let shown_capacity = s.kv.capacity_tokens();
             if let Some(kv) = shown_capacity.filter(|_| !told && shown_capacity != before) {

@@ -331,6 +331,31 @@ impl LruBlocks {
         }
     }
 
+    /// The clock now: the stamp of the most recent use.
+    pub fn clock(&self) -> u32 {
+        self.clock
+    }
+
+    /// Forgets every block last used when the clock read `stamp` or
+    /// earlier, least recent first (so the set stays prefix-closed);
+    /// returns how many.
+    pub fn forget_not_newer_than(&mut self, stamp: u32) -> usize {
+        let mut n = 0;
+        while self.tail != NIL {
+            let age = self.stamps[self.tail as usize].wrapping_sub(stamp);
+            if age != 0 && age <= u32::MAX / 2 {
+                break;
+            }
+            let victim = self.tail;
+            self.unlink(victim);
+            let old = self.nodes[victim as usize].hash;
+            self.slots.remove(&old);
+            self.free.push(victim);
+            n += 1;
+        }
+        n
+    }
+
     /// The clock of `hash`'s last use, if present: compare it later with
     /// [`LruBlocks::newer_than`].
     pub fn stamp(&self, hash: u64) -> Option<u32> {
@@ -466,6 +491,25 @@ mod tests {
         assert!(!lru.contains(2));
         assert!(lru.contains(1));
         assert_eq!(lru.leading_overlap(&[1, 2, 3]), 1);
+    }
+
+    #[test]
+    fn forgetting_by_the_clock_drops_what_was_used_before_and_keeps_the_rest() {
+        let mut lru = LruBlocks::new(100);
+        lru.record_prompt(&[1, 2, 3]);
+        let then = lru.clock();
+        lru.record_prompt(&[10, 11]);
+        // Block 1 used again after the clock read `then`: it stays.
+        lru.record_prompt(&[1]);
+        assert_eq!(lru.forget_not_newer_than(then), 2);
+        assert!(!lru.contains(2) && !lru.contains(3));
+        assert!(lru.contains(1) && lru.contains(10) && lru.contains(11));
+        // Nothing older is left; the slots freed are used again.
+        assert_eq!(lru.forget_not_newer_than(then), 0);
+        lru.record_prompt(&[20, 21]);
+        assert_eq!(lru.len(), 5);
+        assert_eq!(lru.forget_not_newer_than(lru.clock()), 5);
+        assert!(lru.is_empty());
     }
 
     #[test]

@@ -139,6 +139,53 @@ fn each_data_parallel_rank_follows_its_own_feed() {
 }
 
 #[test]
+fn once_the_engine_has_stored_a_cache_s_worth_since_a_prompt_was_sent_its_credit_is_gone() {
+    // One replica: every prompt goes there.
+    let router = fleet(&format!("{A};kv_events=tcp://127.0.0.1:5557"));
+    let a = (A.parse::<SocketAddr>().unwrap(), None);
+    let t0 = Instant::now();
+    let kv = || {
+        router.snapshot_at(t0).replicas[0]
+            .kv_events
+            .clone()
+            .unwrap()
+    };
+    let warm = || router.snapshot_at(t0).replicas[0].warmth_blocks;
+    router.note_kv_feed(a, true);
+    // The engine fills (10 blocks) and evicts one: 10 blocks is its
+    // capacity.
+    router.apply_kv_batch_at(a, 0, &batch(vec![stored(0, 10)]), t0);
+    let removed = Event::Removed {
+        hashes: vec![0],
+        medium: Medium::Device,
+    };
+    router.apply_kv_batch_at(a, 1, &batch(vec![removed]), t0);
+    // Conversation X is sent there; the engine stores its blocks, then
+    // others' (another gateway's, or long answers): 6 blocks, not yet a
+    // whole cache's worth since X's were stored.
+    let x = [500, 501, 502];
+    drop(router.decide_at(&req(&x), t0).unwrap());
+    router.apply_kv_batch_at(a, 2, &batch(vec![stored(1000, 3)]), t0);
+    router.apply_kv_batch_at(a, 3, &batch(vec![stored(2000, 6)]), t0);
+    assert_eq!((warm(), kv().forgotten_blocks_total), (3, 0));
+    // Y is sent, then 4 more blocks are stored: 10 since the batch that
+    // stored X's, so the engine (least recently used first) holds none of
+    // X; Y keeps its credit.
+    let y = [700, 701];
+    drop(router.decide_at(&req(&y), t0).unwrap());
+    router.apply_kv_batch_at(a, 4, &batch(vec![stored(3000, 4)]), t0);
+    assert_eq!((warm(), kv().forgotten_blocks_total), (2, 3));
+    assert_eq!(router.decide_at(&req(&x), t0).unwrap().overlap, 0);
+    assert_eq!(router.decide_at(&req(&y), t0).unwrap().overlap, 2);
+    // Inexact figures (a gap) forget nothing.
+    let before = warm();
+    router.apply_kv_batch_at(a, 9, &batch(vec![stored(5000, 40)]), t0);
+    assert!(!kv().exact);
+    assert_eq!(warm(), before);
+    assert_eq!(kv().forgotten_blocks_total, 3);
+}
+
+#[test]
 fn a_feed_corrects_its_own_replica_and_reaches_no_other() {
     let router = fleet(&format!("{A};kv_events=tcp://127.0.0.1:5557,{B}"));
     let (a, b): (SocketAddr, SocketAddr) = (A.parse().unwrap(), B.parse().unwrap());

@@ -508,6 +508,11 @@ const KV_SERIES: &[Scraped<KvEventsSnapshot>] = &[
         |k| k.replayed_batches_total,
     ),
     counter(
+        "hearth_replica_kv_event_forgotten_blocks",
+        "Warmth blocks of the replica forgotten because its engine had stored a whole cache's worth (its capacity, as its events showed it) since Hearth last sent them there: evicted before the next turn asks",
+        |k| k.forgotten_blocks_total,
+    ),
+    counter(
         "hearth_replica_kv_event_refused",
         "KV event messages from the replica's engine that did not read (not three frames, a bad sequence or batch)",
         |k| k.refused_total,
