@@ -20,6 +20,16 @@ use tonic_health::pb::health_check_response::ServingStatus;
 
 const NS: &str = "llm";
 
+/// Discovery of the pods labelled `app=engine`, on port 8080.
+const PODS_OF_APP_ENGINE: &[&str] = &[
+    "--discovery",
+    "pods",
+    "--discovery-selector",
+    "app=engine",
+    "--discovery-port",
+    "8080",
+];
+
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("hearth-discovery-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -412,19 +422,7 @@ async fn pods_by_label_selector_with_a_token() {
     let api = KubeApi::start(NS, Some("s3cret-token")).await;
     api.put_pod(&pod("a", "uid-a", Some("127.0.0.11"), true, "engine"));
     api.put_pod(&pod("z", "uid-z", Some("127.0.0.19"), true, "other"));
-    let sidecar = sidecar(
-        &api,
-        "pods",
-        &[
-            "--discovery",
-            "pods",
-            "--discovery-selector",
-            "app=engine",
-            "--discovery-port",
-            "8080",
-        ],
-    )
-    .await;
+    let sidecar = sidecar(&api, "pods", PODS_OF_APP_ENGINE).await;
     until_listed(&sidecar, "selected", &[("a", "127.0.0.11:8080")]).await;
     assert_eq!(
         sidecar.router.source().name,
@@ -464,19 +462,7 @@ async fn a_pods_kv_event_annotation_names_its_own_feed_only() {
     };
     api.put_pod(&annotated("a", "127.0.0.11", "tcp://*:5557"));
     api.put_pod(&annotated("b", "127.0.0.12", "tcp://127.0.0.99:5557"));
-    let sidecar = sidecar(
-        &api,
-        "pods-kv",
-        &[
-            "--discovery",
-            "pods",
-            "--discovery-selector",
-            "app=engine",
-            "--discovery-port",
-            "8080",
-        ],
-    )
-    .await;
+    let sidecar = sidecar(&api, "pods-kv", PODS_OF_APP_ENGINE).await;
     until_listed(
         &sidecar,
         "selected",

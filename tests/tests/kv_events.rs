@@ -106,35 +106,42 @@ async fn occupancy_matches(fleet: &Fleet, what: &str) -> Snapshot {
     .await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_sidecar_reads_each_engines_kv_events_and_its_restart() {
-    let mut fleet = Fleet::start(FleetOptions {
-        engines: 2,
+/// A fleet of `engines` simulated engines publishing KV events into
+/// `CAPACITY_TOKENS` caches, every feed connected and exact. The
+/// sidecar's first probes may have been published before it subscribed
+/// (a PUB socket sends nothing to a subscriber it does not have yet): the
+/// feeds joined late, and say so; emptied caches (`AllBlocksCleared`)
+/// make them exact.
+async fn exact_fleet(engines: usize) -> Fleet {
+    let fleet = Fleet::start(FleetOptions {
+        engines,
         kv_events: true,
         cache_capacity_tokens: CAPACITY_TOKENS,
         ..FleetOptions::default()
     })
     .await
     .unwrap();
-    until(&fleet, "both feeds connected", |s| {
+    until(&fleet, "every feed connected", |s| {
         s.replicas
             .iter()
             .all(|r| r.kv_events.as_ref().is_some_and(|k| k.connected))
     })
     .await;
-    // The sidecar's first probes may have been published before it
-    // subscribed (a PUB socket sends nothing to a subscriber it does not
-    // have yet): the feeds joined late, and say so. Emptied caches
-    // (`AllBlocksCleared`) make them exact.
     for e in &fleet.engines {
         reset_cache(&fleet, &e.url()).await;
     }
-    until(&fleet, "both feeds exact", |s| {
+    until(&fleet, "every feed exact", |s| {
         s.replicas
             .iter()
             .all(|r| r.kv_events.as_ref().is_some_and(|k| k.exact))
     })
     .await;
+    fleet
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sidecar_reads_each_engines_kv_events_and_its_restart() {
+    let mut fleet = exact_fleet(2).await;
 
     // Enough first turns to fill both caches (48 blocks each): each
     // engine evicts, and its capacity shows.
@@ -257,20 +264,7 @@ async fn the_sidecar_reads_each_engines_kv_events_and_its_restart() {
 /// longer holds it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conversation_evicted_by_others_traffic_loses_its_credit_before_its_next_turn() {
-    let fleet = Fleet::start(FleetOptions {
-        engines: 1,
-        kv_events: true,
-        cache_capacity_tokens: CAPACITY_TOKENS,
-        ..FleetOptions::default()
-    })
-    .await
-    .unwrap();
-    until(&fleet, "the feed connected", |s| {
-        kv(s, "engine-0").connected
-    })
-    .await;
-    reset_cache(&fleet, &fleet.engines[0].url()).await;
-    until(&fleet, "the feed exact", |s| kv(s, "engine-0").exact).await;
+    let fleet = exact_fleet(1).await;
     let warm = |s: &Snapshot| s.replicas[0].warmth_blocks;
 
     let x = prompt(1_000);

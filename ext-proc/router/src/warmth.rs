@@ -309,12 +309,18 @@ impl LruBlocks {
     pub fn set_capacity(&mut self, capacity: usize) {
         self.capacity = capacity.clamp(1, NIL as usize - 1);
         while self.slots.len() > self.capacity {
-            let victim = self.tail;
-            self.unlink(victim);
-            let old = self.nodes[victim as usize].hash;
-            self.slots.remove(&old);
-            self.free.push(victim);
+            self.drop_tail();
         }
+    }
+
+    /// Drops the least recent block (there is one), its slot kept for
+    /// reuse.
+    fn drop_tail(&mut self) {
+        let victim = self.tail;
+        self.unlink(victim);
+        let old = self.nodes[victim as usize].hash;
+        self.slots.remove(&old);
+        self.free.push(victim);
     }
 
     fn unlink(&mut self, slot: u32) {
@@ -346,11 +352,7 @@ impl LruBlocks {
             if age != 0 && age <= u32::MAX / 2 {
                 break;
             }
-            let victim = self.tail;
-            self.unlink(victim);
-            let old = self.nodes[victim as usize].hash;
-            self.slots.remove(&old);
-            self.free.push(victim);
+            self.drop_tail();
             n += 1;
         }
         n
