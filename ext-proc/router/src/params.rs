@@ -235,12 +235,24 @@ impl ScoreParams {
     /// turn overlaps only with prefixes other conversations sent (harness
     /// and system prompts), which a replica reads once and then keeps, while
     /// the conversation's placement holds its load for its whole life.
-    pub fn for_request(&self, continues: bool) -> ScoreParams {
+    /// `sequel_share` is how many recent first turns went on to a second
+    /// turn (0 to 1): the first-turn cap is divided by it, so one-shot
+    /// traffic (no placement outlives its request) keeps the full cap (a
+    /// first-turn cap of 0 stays 0).
+    pub fn for_request(&self, continues: bool, sequel_share: f64) -> ScoreParams {
         if continues {
             *self
         } else {
+            let share = sequel_share.clamp(0.0, 1.0);
+            let first = if self.first_turn_cap == 0 {
+                0
+            } else if share * f64::from(self.cap) <= f64::from(self.first_turn_cap) {
+                self.cap
+            } else {
+                (f64::from(self.first_turn_cap) / share).round() as u32
+            };
             ScoreParams {
-                cap: self.cap.min(self.first_turn_cap),
+                cap: self.cap.min(first),
                 ..*self
             }
         }

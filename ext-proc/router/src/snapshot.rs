@@ -11,7 +11,7 @@ use crate::kv_events::KvEventsSnapshot;
 use crate::params::AffinityBasis;
 use crate::peers::PeersSnapshot;
 use crate::replica::EventEndpoint;
-use crate::router::Router;
+use crate::router::{lock, Router};
 use crate::usage::UsageSnapshot;
 
 /// An engine's figures on the state endpoint.
@@ -71,6 +71,13 @@ pub struct Snapshot {
     pub affinity_cap: u32,
     pub alpha: f64,
     pub block_size: usize,
+    /// The share of recent first turns that went on to a second turn
+    /// (see [`crate::tips::Sequels`]), and the credit cap a first turn
+    /// has now: `HEARTH_FIRST_TURN_CAP` divided by that share.
+    #[serde(default)]
+    pub first_turn_sequel_share: f64,
+    #[serde(default)]
+    pub first_turn_cap_now: u32,
     /// `ok` (every replica serving), `degraded` (some fenced) or
     /// `unhealthy` (none serving).
     pub health: FleetHealth,
@@ -117,11 +124,14 @@ impl Router {
         let state = &fleet.state;
         let decisions = self.decisions.load(Ordering::Relaxed);
         let hashed = self.hashed.load(Ordering::Relaxed);
+        let sequel_share = lock(&self.tips).sequels().share();
         Snapshot {
             affinity_basis: self.params.score.basis,
             affinity_cap: self.params.score.cap,
             alpha: self.params.score.alpha,
             block_size: self.params.block_size,
+            first_turn_sequel_share: sequel_share,
+            first_turn_cap_now: self.params.score.for_request(false, sequel_share).cap,
             health: FleetHealth::of(fleet.serving().map(|(i, _)| state[i].health.state())),
             decisions_total: decisions,
             hashed_total: hashed,

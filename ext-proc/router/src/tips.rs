@@ -18,6 +18,14 @@
 //! part, and never the conversations that came back. When in doubt a
 //! turn counts as new: one whose previous turn was forgotten, or evicted
 //! from every warmth index.
+//!
+//! Tips also tell how often a first turn goes on to a second one
+//! ([`Sequels`]): agents' conversations almost always do, one-shot
+//! requests on a shared system prompt never do, and scoring caps a first
+//! turn's credit only as far as its placement will hold a conversation.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use crate::replica::ReplicaKey;
 use crate::warmth::{BlockMap, LruBlocks};
@@ -51,6 +59,81 @@ struct Turn {
     prompt_tokens: Option<u64>,
     /// Its conversation: the first turn's tip, handed on turn to turn.
     conversation: u64,
+    /// For a first turn, whether a second turn came.
+    fate: Fate,
+}
+
+/// What became of a turn, for [`Sequels`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fate {
+    /// A later turn of its conversation.
+    Later,
+    /// A first turn, younger than [`SEQUEL_HORIZON`], with no second turn yet.
+    Pending,
+    /// A first turn that had no second turn within the horizon (counted
+    /// as one-shot; a second turn that comes later still counts).
+    OneShot,
+    /// A first turn that had its second turn.
+    Continued,
+}
+
+/// How long a first turn may wait for its second turn before it counts as
+/// one-shot (an agent's tool call comes back within seconds; a second
+/// turn after a longer pause moves it back).
+pub const SEQUEL_HORIZON: Duration = Duration::from_secs(30);
+
+/// First turns whose fate is still open, at most (the oldest is settled
+/// early beyond it).
+const PENDING_MAX: usize = 4096;
+
+/// Settled first turns over which the share is taken: past this many the
+/// counts are halved, so the share follows the traffic of the last few
+/// thousand first turns.
+const SEQUEL_WINDOW: f64 = 2048.0;
+
+/// The share the estimate starts from (and is pulled towards by
+/// [`SEQUEL_PRIOR`] settled first turns): first turns go on to be
+/// conversations, as an agent's do.
+const SEQUEL_PRIOR: f64 = 16.0;
+
+/// The share of recent first turns that went on to a second turn (a later
+/// prompt extending them, not the same prompt again).
+#[derive(Debug)]
+pub struct Sequels {
+    /// First turns' tips by the time they were routed, oldest first.
+    pending: VecDeque<(Instant, u64)>,
+    continued: f64,
+    one_shot: f64,
+}
+
+impl Default for Sequels {
+    fn default() -> Self {
+        Sequels {
+            pending: VecDeque::new(),
+            continued: 0.0,
+            one_shot: 0.0,
+        }
+    }
+}
+
+impl Sequels {
+    /// The share, from 0 (every recent first turn was one-shot) to 1 (each
+    /// went on); 1 until first turns are seen.
+    pub fn share(&self) -> f64 {
+        (self.continued + SEQUEL_PRIOR) / (self.continued + self.one_shot + SEQUEL_PRIOR)
+    }
+
+    fn settled(&mut self, continued: bool) {
+        if continued {
+            self.continued += 1.0;
+        } else {
+            self.one_shot += 1.0;
+        }
+        if self.continued + self.one_shot > SEQUEL_WINDOW {
+            self.continued /= 2.0;
+            self.one_shot /= 2.0;
+        }
+    }
 }
 
 /// Recent prompts' tips, fleet-wide, each with the replica its turn went to.
@@ -61,6 +144,7 @@ pub(crate) struct Tips {
     later: LruBlocks,
     /// (Keyed by the warmth index's seeded hasher: tips are block hashes.)
     went: BlockMap<Turn>,
+    sequels: Sequels,
 }
 
 impl Tips {
@@ -70,7 +154,13 @@ impl Tips {
             first: LruBlocks::new(first),
             later: LruBlocks::new(capacity.saturating_sub(first).max(1)),
             went: BlockMap::default(),
+            sequels: Sequels::default(),
         }
+    }
+
+    /// How often recent first turns went on to a second turn.
+    pub(crate) fn sequels(&self) -> &Sequels {
+        &self.sequels
     }
 
     #[cfg(test)]
@@ -98,14 +188,44 @@ impl Tips {
 
     /// `tip` is now the latest turn of a conversation on `replica`, a
     /// prompt of `prompt_bytes`, continuing `previous` (else it starts
-    /// its conversation).
+    /// its conversation), routed at `now`.
     pub(crate) fn record(
         &mut self,
         tip: u64,
         replica: ReplicaKey,
         prompt_bytes: u64,
         previous: Option<&Continuation>,
+        now: Instant,
     ) {
+        self.settle(now);
+        // What became of the first turn: the same prompt again leaves its
+        // fate open; a prompt that extends it is its second turn.
+        let fate = match previous {
+            None => {
+                if self.sequels.pending.len() >= PENDING_MAX {
+                    self.settle_oldest();
+                }
+                self.sequels.pending.push_back((now, tip));
+                Fate::Pending
+            }
+            Some(p) if p.tip == tip => self.went.get(&tip).map_or(Fate::Later, |t| t.fate),
+            Some(p) => {
+                if let Some(first) = self.went.get_mut(&p.tip) {
+                    match first.fate {
+                        Fate::Pending => self.sequels.settled(true),
+                        Fate::OneShot => {
+                            self.sequels.one_shot = (self.sequels.one_shot - 1.0).max(0.0);
+                            self.sequels.settled(true);
+                        }
+                        Fate::Later | Fate::Continued => {}
+                    }
+                    if first.fate != Fate::Later {
+                        first.fate = Fate::Continued;
+                    }
+                }
+                Fate::Later
+            }
+        };
         // A tip stays in the part it is in; a continuing turn's goes to
         // the conversations' part.
         let Tips { first, later, .. } = self;
@@ -126,8 +246,38 @@ impl Tips {
                 prompt_bytes,
                 prompt_tokens: None,
                 conversation: previous.map_or(tip, |c| c.conversation),
+                fate,
             },
         );
+    }
+
+    /// First turns older than the horizon with no second turn are one-shot
+    /// (before each decision's scoring, and each record).
+    pub(crate) fn settle(&mut self, now: Instant) {
+        while self
+            .sequels
+            .pending
+            .front()
+            .is_some_and(|&(at, _)| now.saturating_duration_since(at) >= SEQUEL_HORIZON)
+        {
+            self.settle_oldest();
+        }
+    }
+
+    fn settle_oldest(&mut self) {
+        let Some((_, tip)) = self.sequels.pending.pop_front() else {
+            return;
+        };
+        match self.went.get_mut(&tip) {
+            Some(t) if t.fate == Fate::Pending => {
+                t.fate = Fate::OneShot;
+                self.sequels.settled(false);
+            }
+            // Went on (counted then), or recorded again as a later turn.
+            Some(_) => {}
+            // Forgotten before a second turn came.
+            None => self.sequels.settled(false),
+        }
     }
 
     /// The engine `replica` counted `tokens` in the prompt whose tip is
@@ -152,13 +302,17 @@ mod tests {
         (([127, 0, 0, 1], port).into(), None)
     }
 
+    fn now() -> Instant {
+        Instant::now()
+    }
+
     #[test]
     fn the_deepest_tip_is_the_previous_turn_and_the_first_names_the_conversation() {
         let mut tips = Tips::new(16);
-        tips.record(3, key(1), 3 * 2048, None);
+        tips.record(3, key(1), 3 * 2048, None, now());
         let turn1 = tips.continued(&[1, 2, 3, 4]).unwrap();
         assert_eq!((turn1.tip, turn1.conversation), (3, 3));
-        tips.record(6, key(2), 6 * 2048 + 100, Some(&turn1));
+        tips.record(6, key(2), 6 * 2048 + 100, Some(&turn1), now());
         // Its answer's usage names its size in the engine's tokens (only
         // from the replica it went to).
         tips.note_tokens(6, key(1), 99);
@@ -177,7 +331,7 @@ mod tests {
         );
         assert_eq!(tips.continued(&[1, 2]), None);
         // Recorded again elsewhere: the latest replica wins.
-        tips.record(6, key(1), 6 * 2048 + 100, None);
+        tips.record(6, key(1), 6 * 2048 + 100, None, now());
         assert_eq!(tips.continued(&[3, 6]).unwrap().from, key(1));
     }
 
@@ -185,7 +339,7 @@ mod tests {
     fn tips_are_bounded_and_the_oldest_is_forgotten_first() {
         let mut tips = Tips::new(16);
         for t in 0..10 {
-            tips.record(t, key(1), 2048, None);
+            tips.record(t, key(1), 2048, None, now());
         }
         // First turns have a quarter of the room.
         assert_eq!(tips.len(), 4);
@@ -198,18 +352,74 @@ mod tests {
         let mut tips = Tips::new(400);
         // Fifty conversations of two turns.
         for c in 0..50u64 {
-            tips.record(c * 10, key(1), 2048, None);
+            tips.record(c * 10, key(1), 2048, None, now());
             let turn1 = tips.continued(&[c * 10]).unwrap();
-            tips.record(c * 10 + 1, key(1), 4096, Some(&turn1));
+            tips.record(c * 10 + 1, key(1), 4096, Some(&turn1), now());
         }
         // A hundred thousand one-block prompts, none continuing.
         for t in 0..100_000u64 {
-            tips.record(1_000_000 + t, key(2), 2048, None);
+            tips.record(1_000_000 + t, key(2), 2048, None, now());
         }
         for c in 0..50u64 {
             let next = tips.continued(&[c * 10, c * 10 + 1]).unwrap();
             assert_eq!((next.tip, next.conversation), (c * 10 + 1, c * 10));
         }
         assert!(tips.len() <= 400);
+    }
+
+    #[test]
+    fn one_shot_first_turns_lower_the_sequel_share_and_conversations_raise_it() {
+        let t0 = Instant::now();
+        let later = t0 + SEQUEL_HORIZON;
+        let mut tips = Tips::new(100_000);
+        assert_eq!(tips.sequels().share(), 1.0);
+        // 200 one-shot requests: the same 20 prompts (an app's system
+        // prompt, blocks 1..=12, and one of 20 questions), each sent ten
+        // times; the same prompt again is no second turn.
+        for round in 0..10 {
+            for q in 0..20u64 {
+                let chain: Vec<u64> = (1..=12).chain([100 + q]).collect();
+                let previous = tips.continued(&chain);
+                assert_eq!(previous.is_some(), round > 0);
+                tips.record(100 + q, key(1), 13 * 2048, previous.as_ref(), t0);
+            }
+        }
+        // Their fate is open until the horizon passes.
+        assert_eq!(tips.sequels().share(), 1.0);
+        tips.record(7, key(1), 2048, None, later);
+        let one_shot = tips.sequels().share();
+        assert!((one_shot - 16.0 / 36.0).abs() < 1e-9, "{one_shot}");
+        // A conversation's second turn, even after the horizon, counts it
+        // as continued.
+        let c = tips.continued(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 100]);
+        tips.record(101_000, key(1), 14 * 2048, c.as_ref(), later);
+        let back = tips.sequels().share();
+        // (moved from one-shot to continued)
+        assert!((back - 17.0 / 36.0).abs() < 1e-9, "{back}");
+        // Its third turn counts nothing more.
+        let c = tips.continued(&[100, 101_000]);
+        tips.record(102_000, key(1), 15 * 2048, c.as_ref(), later);
+        assert_eq!(tips.sequels().share(), back);
+        // Conversations that go on raise it again.
+        for n in 0..200u64 {
+            let first = 1_000_000 + 2 * n;
+            tips.record(first, key(2), 2048, None, later);
+            let c = tips.continued(&[first]);
+            tips.record(first + 1, key(2), 4096, c.as_ref(), later);
+        }
+        assert!(tips.sequels().share() > 0.9, "{}", tips.sequels().share());
+    }
+
+    #[test]
+    fn open_first_turns_are_bounded() {
+        let t0 = Instant::now();
+        let mut tips = Tips::new(1_000);
+        for t in 0..(PENDING_MAX as u64 + 100) {
+            tips.record(t + 1, key(1), 2048, None, t0);
+        }
+        assert_eq!(tips.sequels.pending.len(), PENDING_MAX);
+        // The oldest were settled early, as one-shot (forgotten with no
+        // second turn).
+        assert!(tips.sequels().share() < 0.2);
     }
 }

@@ -105,6 +105,53 @@ fn first_turns_spread_by_load_and_later_turns_follow_their_history() {
 }
 
 #[test]
+fn one_shot_requests_on_an_app_prompt_keep_to_the_replica_that_read_it() {
+    let router = fleet("127.0.0.1:1001,127.0.0.1:1002", |_| {});
+    // Apps' 12-block system prompts, each request one of them and a
+    // one-block question: no request ever extends an earlier prompt.
+    let question = |app: u64, q: u64| {
+        let mut h: Vec<u64> = (1..=12).map(|k| app * 100 + k).collect();
+        h.push(app * 100 + 50 + q);
+        req(&h)
+    };
+    let t0 = Instant::now();
+    let on = |i: usize, r: &RequestInfo| router.decide_within_at(r, Some(&[i]), t0).unwrap();
+    // Replica 0 runs five requests and has read apps 1 and 2.
+    let running: Vec<_> = (0..5).map(|k| on(0, &req(&[90_000 + k]))).collect();
+    drop(on(0, &question(1, 0)));
+    drop(on(0, &question(2, 0)));
+    // While first turns are taken to start conversations (as agents'
+    // do), a new question goes where the load is lower: 4 blocks of
+    // credit against 5 load units.
+    let snap = router.snapshot_at(t0);
+    assert_eq!(
+        (snap.first_turn_sequel_share, snap.first_turn_cap_now),
+        (1.0, 4)
+    );
+    let early = router.decide_at(&question(1, 1), t0).unwrap();
+    assert!(!early.continues());
+    assert_eq!((early.primary(), early.overlap), (1, 0));
+    drop(early);
+    // More one-shot requests, elsewhere.
+    for k in 0..24 {
+        drop(on(1, &req(&[80_000 + k])));
+    }
+    // Once the horizon has passed with none of them extended, first
+    // turns hold no conversation: app 2's prompt counts in full and its
+    // next question goes where it is held, busy as that replica is.
+    let later = t0 + hearth_router::tips::SEQUEL_HORIZON;
+    let d = router.decide_at(&question(2, 1), later).unwrap();
+    assert!(!d.continues());
+    assert_eq!((d.primary(), d.overlap), (0, 12));
+    // 32 first turns settled as one-shot against a prior of 16
+    // continued: a third of the weight, three times the cap.
+    let snap = router.snapshot_at(later);
+    assert!((snap.first_turn_sequel_share - 16.0 / 48.0).abs() < 1e-9);
+    assert_eq!(snap.first_turn_cap_now, 12);
+    drop(running);
+}
+
+#[test]
 fn reservations_last_until_dropped_and_push_new_work_elsewhere() {
     let router = router(|p| p.score.alpha = 100.0);
     let a = router.decide(&req(&[7])).unwrap();

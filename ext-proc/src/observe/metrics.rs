@@ -393,6 +393,16 @@ struct FleetView {
 
 /// Fleet-wide series, without labels.
 const FLEET_SERIES: &[Scraped<FleetView>] = &[
+    gauge(
+        "hearth_first_turn_sequel_share",
+        "Share of recent first turns (prompts extending no earlier one) that went on to a second turn; the first-turn credit cap is divided by it",
+        |f| f.snap.first_turn_sequel_share,
+    ),
+    gauge(
+        "hearth_first_turn_cap_blocks",
+        "Credit cap, in blocks, a first turn has now (HEARTH_FIRST_TURN_CAP divided by the sequel share, at most HEARTH_AFFINITY_CAP)",
+        |f| f64::from(f.snap.first_turn_cap_now),
+    ),
     counter(
         "hearth_requests_unhashed",
         "Requests decided without a fingerprint (routed on load alone)",

@@ -17,6 +17,9 @@ pub(crate) struct Warmth {
     pub overlaps: Vec<usize>,
     /// The earlier turn this prompt continues, if any.
     pub continued: Option<Continuation>,
+    /// The share of recent first turns that went on to a second turn
+    /// (see [`crate::tips::Sequels`]).
+    pub sequel_share: f64,
 }
 
 /// `known`: how many leading blocks each replica holds (by replica
@@ -60,6 +63,7 @@ pub(crate) fn measure(
         candidates,
         overlaps,
         continued: tips.continued(reach),
+        sequel_share: tips.sequels().share(),
     }
 }
 

@@ -199,16 +199,53 @@ mod tests {
             },
         ];
         // A later turn whose history is on replica 0 stays there...
-        assert_eq!(rank(&p.for_request(true), &c, 0)[0], 0);
+        assert_eq!(rank(&p.for_request(true, 1.0), &c, 0)[0], 0);
         // ...a first turn starts on the idle replica: 4 blocks of credit
         // are less than 3 load units at alpha 2.
-        assert_eq!(rank(&p.for_request(false), &c, 0)[0], 1);
-        assert_eq!(p.for_request(false).cap, 4);
+        assert_eq!(rank(&p.for_request(false, 1.0), &c, 0)[0], 1);
+        assert_eq!(p.for_request(false, 1.0).cap, 4);
         // With equal load the shared prefix still breaks the tie.
         let idle = [c[0], Candidate { load: 3.0, ..c[1] }];
-        assert_eq!(rank(&p.for_request(false), &idle, 0)[0], 0);
+        assert_eq!(rank(&p.for_request(false, 1.0), &idle, 0)[0], 0);
         // The first-turn cap never raises the cap.
         let low = ScoreParams { cap: 2, ..p };
-        assert_eq!(low.for_request(false).cap, 2);
+        assert_eq!(low.for_request(false, 1.0).cap, 2);
+    }
+
+    #[test]
+    fn one_shot_traffic_keeps_the_shared_prefix_credit_of_its_first_turns() {
+        let p = ScoreParams {
+            basis: AffinityBasis::Relative,
+            cap: 128,
+            alpha: 1.0,
+            first_turn_cap: 4,
+        };
+        // Every first turn went on: the cap as set.
+        assert_eq!(p.for_request(false, 1.0).cap, 4);
+        // Half did: each placement holds half a conversation.
+        assert_eq!(p.for_request(false, 0.5).cap, 8);
+        // None did (an app's prompt and a question, over and over): the
+        // 12-block system prompt counts in full, and the replica holding it
+        // keeps the request over one running 5 more requests.
+        assert_eq!(p.for_request(false, 0.0).cap, 128);
+        let c = [
+            Candidate {
+                overlap: 12,
+                load: 5.0,
+            },
+            Candidate {
+                overlap: 0,
+                load: 0.0,
+            },
+        ];
+        assert_eq!(rank(&p.for_request(false, 1.0), &c, 0)[0], 1);
+        assert_eq!(rank(&p.for_request(false, 0.0), &c, 0)[0], 0);
+        // A later turn is never affected, and a cap of 0 stays 0.
+        assert_eq!(p.for_request(true, 0.0).cap, 128);
+        let none = ScoreParams {
+            first_turn_cap: 0,
+            ..p
+        };
+        assert_eq!(none.for_request(false, 0.0).cap, 0);
     }
 }

@@ -6,7 +6,10 @@
 //! earlier prompt (a first turn) has its credit capped lower
 //! ([`crate::params::ScoreParams::first_turn_cap`]): what it shares with a replica is a
 //! prefix other conversations share, which any replica reads once, so load
-//! decides where a conversation starts. The benchmark's simulator calls this
+//! decides where a conversation starts. The lower cap is divided by the
+//! share of recent first turns that went on to a second turn: where
+//! requests are one-shot (an app's system prompt and a question), a
+//! placement holds no conversation, and the shared prefix counts in full. The benchmark's simulator calls this
 //! same code, so what it measures is what the sidecar runs.
 
 use std::time::Instant;
@@ -84,7 +87,9 @@ pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Inst
                 },
         })
         .collect();
-    let params = p.score.for_request(warm.continued.is_some());
+    let params = p
+        .score
+        .for_request(warm.continued.is_some(), warm.sequel_share);
     let overlaps: Vec<u32> = candidates.iter().map(|c| c.overlap).collect();
     let mut credits = credits(params.basis, params.cap, &overlaps);
     // The replica that read the previous turn holds all of its prompt, the

@@ -101,6 +101,7 @@ pub(crate) fn reserve(
             fleet.replicas[chosen].key(),
             req.prompt_bytes,
             warm.continued.as_ref(),
+            now,
         );
         if let Some(previous) = warm.continued {
             for s in state.iter_mut() {
