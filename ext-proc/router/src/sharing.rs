@@ -146,7 +146,7 @@ impl Router {
                     }
                 }
                 // (A peer's record does not say the prompt's size.)
-                tips.record(tip, fleet.replicas[s].key(), 0, previous.as_ref(), now);
+                tips.record(tip, fleet.replicas[s].key(), 0, previous.as_ref(), false);
                 state[s].resident.insert(tip, now);
             }
         }

@@ -68,8 +68,11 @@ struct Turn {
 enum Fate {
     /// A later turn of its conversation.
     Later,
-    /// A first turn, younger than [`SEQUEL_HORIZON`], with no second turn yet.
+    /// A first turn this sidecar routed, its answer still running.
     Pending,
+    /// A first turn whose answer ended less than [`SEQUEL_HORIZON`] ago,
+    /// with no second turn yet.
+    Answered,
     /// A first turn that had no second turn within the horizon (counted
     /// as one-shot; a second turn that comes later still counts).
     OneShot,
@@ -77,13 +80,14 @@ enum Fate {
     Continued,
 }
 
-/// How long a first turn may wait for its second turn before it counts as
-/// one-shot (an agent's tool call comes back within seconds; a second
-/// turn after a longer pause moves it back).
-pub const SEQUEL_HORIZON: Duration = Duration::from_secs(30);
+/// How long after its answer ended a first turn may wait for its second
+/// turn before it counts as one-shot (an agent's tool call comes back
+/// within seconds; a second turn after a longer pause moves it back).
+/// The answer's end is taken at the first decision after it.
+pub const SEQUEL_HORIZON: Duration = Duration::from_secs(15);
 
-/// First turns whose fate is still open, at most (the oldest is settled
-/// early beyond it).
+/// Answered first turns awaiting their fate, at most (the oldest is
+/// settled early beyond it).
 const PENDING_MAX: usize = 4096;
 
 /// Settled first turns over which the share is taken: past this many the
@@ -100,7 +104,10 @@ const SEQUEL_PRIOR: f64 = 16.0;
 /// prompt extending them, not the same prompt again).
 #[derive(Debug)]
 pub struct Sequels {
-    /// First turns' tips by the time they were routed, oldest first.
+    /// First turns whose answers ended since the last decision.
+    ended: Vec<u64>,
+    /// Answered first turns' tips by when their answer's end was seen,
+    /// oldest first.
     pending: VecDeque<(Instant, u64)>,
     continued: f64,
     one_shot: f64,
@@ -109,6 +116,7 @@ pub struct Sequels {
 impl Default for Sequels {
     fn default() -> Self {
         Sequels {
+            ended: Vec::new(),
             pending: VecDeque::new(),
             continued: 0.0,
             one_shot: 0.0,
@@ -188,31 +196,26 @@ impl Tips {
 
     /// `tip` is now the latest turn of a conversation on `replica`, a
     /// prompt of `prompt_bytes`, continuing `previous` (else it starts
-    /// its conversation), routed at `now`.
+    /// its conversation); `own`: this sidecar routed it (a peer's report
+    /// is not, and its first turns' fates are not followed here).
     pub(crate) fn record(
         &mut self,
         tip: u64,
         replica: ReplicaKey,
         prompt_bytes: u64,
         previous: Option<&Continuation>,
-        now: Instant,
+        own: bool,
     ) {
-        self.settle(now);
         // What became of the first turn: the same prompt again leaves its
         // fate open; a prompt that extends it is its second turn.
         let fate = match previous {
-            None => {
-                if self.sequels.pending.len() >= PENDING_MAX {
-                    self.settle_oldest();
-                }
-                self.sequels.pending.push_back((now, tip));
-                Fate::Pending
-            }
+            None if own => Fate::Pending,
+            None => Fate::Later,
             Some(p) if p.tip == tip => self.went.get(&tip).map_or(Fate::Later, |t| t.fate),
             Some(p) => {
                 if let Some(first) = self.went.get_mut(&p.tip) {
                     match first.fate {
-                        Fate::Pending => self.sequels.settled(true),
+                        Fate::Pending | Fate::Answered => self.sequels.settled(true),
                         Fate::OneShot => {
                             self.sequels.one_shot = (self.sequels.one_shot - 1.0).max(0.0);
                             self.sequels.settled(true);
@@ -251,9 +254,29 @@ impl Tips {
         );
     }
 
-    /// First turns older than the horizon with no second turn are one-shot
-    /// (before each decision's scoring, and each record).
+    /// The answer to the prompt whose tip is `tip` ended (its reservation
+    /// was released): a first turn's horizon starts at the next decision.
+    pub(crate) fn answered(&mut self, tip: u64) {
+        if self.went.get(&tip).is_some_and(|t| t.fate == Fate::Pending) {
+            self.sequels.ended.push(tip);
+        }
+    }
+
+    /// First turns whose answers ended a horizon ago with no second turn
+    /// are one-shot (before each decision's scoring).
     pub(crate) fn settle(&mut self, now: Instant) {
+        let mut ended = std::mem::take(&mut self.sequels.ended);
+        for tip in ended.drain(..) {
+            match self.went.get_mut(&tip) {
+                Some(t) if t.fate == Fate::Pending => t.fate = Fate::Answered,
+                _ => continue,
+            }
+            if self.sequels.pending.len() >= PENDING_MAX {
+                self.settle_oldest();
+            }
+            self.sequels.pending.push_back((now, tip));
+        }
+        self.sequels.ended = ended;
         while self
             .sequels
             .pending
@@ -269,7 +292,7 @@ impl Tips {
             return;
         };
         match self.went.get_mut(&tip) {
-            Some(t) if t.fate == Fate::Pending => {
+            Some(t) if t.fate == Fate::Answered => {
                 t.fate = Fate::OneShot;
                 self.sequels.settled(false);
             }
@@ -302,17 +325,13 @@ mod tests {
         (([127, 0, 0, 1], port).into(), None)
     }
 
-    fn now() -> Instant {
-        Instant::now()
-    }
-
     #[test]
     fn the_deepest_tip_is_the_previous_turn_and_the_first_names_the_conversation() {
         let mut tips = Tips::new(16);
-        tips.record(3, key(1), 3 * 2048, None, now());
+        tips.record(3, key(1), 3 * 2048, None, true);
         let turn1 = tips.continued(&[1, 2, 3, 4]).unwrap();
         assert_eq!((turn1.tip, turn1.conversation), (3, 3));
-        tips.record(6, key(2), 6 * 2048 + 100, Some(&turn1), now());
+        tips.record(6, key(2), 6 * 2048 + 100, Some(&turn1), true);
         // Its answer's usage names its size in the engine's tokens (only
         // from the replica it went to).
         tips.note_tokens(6, key(1), 99);
@@ -331,7 +350,7 @@ mod tests {
         );
         assert_eq!(tips.continued(&[1, 2]), None);
         // Recorded again elsewhere: the latest replica wins.
-        tips.record(6, key(1), 6 * 2048 + 100, None, now());
+        tips.record(6, key(1), 6 * 2048 + 100, None, true);
         assert_eq!(tips.continued(&[3, 6]).unwrap().from, key(1));
     }
 
@@ -339,7 +358,7 @@ mod tests {
     fn tips_are_bounded_and_the_oldest_is_forgotten_first() {
         let mut tips = Tips::new(16);
         for t in 0..10 {
-            tips.record(t, key(1), 2048, None, now());
+            tips.record(t, key(1), 2048, None, true);
         }
         // First turns have a quarter of the room.
         assert_eq!(tips.len(), 4);
@@ -352,13 +371,13 @@ mod tests {
         let mut tips = Tips::new(400);
         // Fifty conversations of two turns.
         for c in 0..50u64 {
-            tips.record(c * 10, key(1), 2048, None, now());
+            tips.record(c * 10, key(1), 2048, None, true);
             let turn1 = tips.continued(&[c * 10]).unwrap();
-            tips.record(c * 10 + 1, key(1), 4096, Some(&turn1), now());
+            tips.record(c * 10 + 1, key(1), 4096, Some(&turn1), true);
         }
         // A hundred thousand one-block prompts, none continuing.
         for t in 0..100_000u64 {
-            tips.record(1_000_000 + t, key(2), 2048, None, now());
+            tips.record(1_000_000 + t, key(2), 2048, None, true);
         }
         for c in 0..50u64 {
             let next = tips.continued(&[c * 10, c * 10 + 1]).unwrap();
@@ -370,56 +389,72 @@ mod tests {
     #[test]
     fn one_shot_first_turns_lower_the_sequel_share_and_conversations_raise_it() {
         let t0 = Instant::now();
-        let later = t0 + SEQUEL_HORIZON;
         let mut tips = Tips::new(100_000);
         assert_eq!(tips.sequels().share(), 1.0);
         // 200 one-shot requests: the same 20 prompts (an app's system
         // prompt, blocks 1..=12, and one of 20 questions), each sent ten
-        // times; the same prompt again is no second turn.
+        // times and answered; the same prompt again is no second turn.
         for round in 0..10 {
             for q in 0..20u64 {
                 let chain: Vec<u64> = (1..=12).chain([100 + q]).collect();
                 let previous = tips.continued(&chain);
                 assert_eq!(previous.is_some(), round > 0);
-                tips.record(100 + q, key(1), 13 * 2048, previous.as_ref(), t0);
+                tips.record(100 + q, key(1), 13 * 2048, previous.as_ref(), true);
+                tips.answered(100 + q);
             }
         }
-        // Their fate is open until the horizon passes.
+        // A peer's first turns are not followed here.
+        tips.record(5_000, key(2), 2048, None, false);
+        tips.answered(5_000);
+        // The horizon starts when an answer's end is seen...
+        tips.settle(t0);
         assert_eq!(tips.sequels().share(), 1.0);
-        tips.record(7, key(1), 2048, None, later);
+        tips.settle(t0 + SEQUEL_HORIZON / 2);
+        assert_eq!(tips.sequels().share(), 1.0);
+        // ...and once it has passed with no second turn, they are one-shot.
+        let later = t0 + SEQUEL_HORIZON;
+        tips.settle(later);
         let one_shot = tips.sequels().share();
         assert!((one_shot - 16.0 / 36.0).abs() < 1e-9, "{one_shot}");
-        // A conversation's second turn, even after the horizon, counts it
-        // as continued.
+        // A conversation's second turn, even after the horizon, moves its
+        // first turn from one-shot to continued.
         let c = tips.continued(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 100]);
-        tips.record(101_000, key(1), 14 * 2048, c.as_ref(), later);
+        tips.record(101_000, key(1), 14 * 2048, c.as_ref(), true);
         let back = tips.sequels().share();
-        // (moved from one-shot to continued)
         assert!((back - 17.0 / 36.0).abs() < 1e-9, "{back}");
         // Its third turn counts nothing more.
         let c = tips.continued(&[100, 101_000]);
-        tips.record(102_000, key(1), 15 * 2048, c.as_ref(), later);
+        tips.record(102_000, key(1), 15 * 2048, c.as_ref(), true);
+        assert_eq!(tips.sequels().share(), back);
+        // A first turn still running when the horizon would have passed
+        // is not one-shot: its answer's end starts the horizon.
+        tips.record(7, key(1), 2048, None, true);
+        tips.settle(later + SEQUEL_HORIZON * 4);
         assert_eq!(tips.sequels().share(), back);
         // Conversations that go on raise it again.
         for n in 0..200u64 {
             let first = 1_000_000 + 2 * n;
-            tips.record(first, key(2), 2048, None, later);
+            tips.record(first, key(2), 2048, None, true);
+            tips.answered(first);
             let c = tips.continued(&[first]);
-            tips.record(first + 1, key(2), 4096, c.as_ref(), later);
+            tips.record(first + 1, key(2), 4096, c.as_ref(), true);
         }
         assert!(tips.sequels().share() > 0.9, "{}", tips.sequels().share());
     }
 
     #[test]
-    fn open_first_turns_are_bounded() {
+    fn answered_first_turns_awaiting_their_fate_are_bounded() {
         let t0 = Instant::now();
-        let mut tips = Tips::new(1_000);
+        let mut tips = Tips::new(100_000);
         for t in 0..(PENDING_MAX as u64 + 100) {
-            tips.record(t + 1, key(1), 2048, None, t0);
+            tips.record(t + 1, key(1), 2048, None, true);
+            tips.answered(t + 1);
         }
+        tips.settle(t0);
         assert_eq!(tips.sequels.pending.len(), PENDING_MAX);
-        // The oldest were settled early, as one-shot (forgotten with no
-        // second turn).
-        assert!(tips.sequels().share() < 0.2);
+        assert!(tips.sequels.ended.is_empty());
+        // The oldest were settled early, as one-shot.
+        let share = tips.sequels().share();
+        assert!((share - 16.0 / 116.0).abs() < 1e-9, "{share}");
     }
 }

@@ -132,22 +132,24 @@ fn one_shot_requests_on_an_app_prompt_keep_to_the_replica_that_read_it() {
     assert!(!early.continues());
     assert_eq!((early.primary(), early.overlap), (1, 0));
     drop(early);
-    // More one-shot requests, elsewhere.
-    for k in 0..24 {
+    // More one-shot requests, elsewhere, each answered at once.
+    for k in 0..22 {
         drop(on(1, &req(&[80_000 + k])));
     }
-    // Once the horizon has passed with none of them extended, first
-    // turns hold no conversation: app 2's prompt counts in full and its
-    // next question goes where it is held, busy as that replica is.
+    // Once the horizon has passed since their answers ended (as the next
+    // decision saw), with none of them extended, first turns hold no
+    // conversation: app 2's prompt counts in full and its next question
+    // goes where it is held, busy as that replica is.
     let later = t0 + hearth_router::tips::SEQUEL_HORIZON;
     let d = router.decide_at(&question(2, 1), later).unwrap();
     assert!(!d.continues());
     assert_eq!((d.primary(), d.overlap), (0, 12));
-    // 32 first turns settled as one-shot against a prior of 16
-    // continued: a third of the weight, three times the cap.
+    // 24 answered first turns settled as one-shot (the last one's end
+    // was seen only now) against a prior of 16 continued: the share is
+    // 0.4 and the cap 4 / 0.4. The five still running count nothing.
     let snap = router.snapshot_at(later);
-    assert!((snap.first_turn_sequel_share - 16.0 / 48.0).abs() < 1e-9);
-    assert_eq!(snap.first_turn_cap_now, 12);
+    assert!((snap.first_turn_sequel_share - 16.0 / 40.0).abs() < 1e-9);
+    assert_eq!(snap.first_turn_cap_now, 10);
     drop(running);
 }
 

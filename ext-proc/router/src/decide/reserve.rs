@@ -9,7 +9,7 @@ use super::overlap::Warmth;
 use super::pick::Picked;
 use super::request::RequestInfo;
 use crate::fleet::Fleet;
-use crate::router::Router;
+use crate::router::{lock, Router};
 use crate::tips::Tips;
 
 /// Load held on a replica for a request's whole life; released on drop, so
@@ -54,6 +54,9 @@ impl Drop for Reservation {
             r.load.max(0.0)
         };
         drop(fleet);
+        if let Some(tip) = self.tip {
+            lock(&self.router.tips).answered(tip);
+        }
         // Room may have opened: whoever waits for it hears of it.
         self.router.released();
     }
@@ -101,7 +104,7 @@ pub(crate) fn reserve(
             fleet.replicas[chosen].key(),
             req.prompt_bytes,
             warm.continued.as_ref(),
-            now,
+            true,
         );
         if let Some(previous) = warm.continued {
             for s in state.iter_mut() {
