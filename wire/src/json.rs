@@ -222,7 +222,7 @@ impl<'a> Json<'a> {
                 return Err(BAD);
             }
             let key = j;
-            j = self.ws(self.string_end(j)?);
+            j = self.ws(self.key_end(j)?);
             if self.at(j) != b':' {
                 return Err(BAD);
             }
@@ -361,6 +361,34 @@ impl<'a> Json<'a> {
     }
 
     // -- strings --------------------------------------------------------
+
+    /// [`Json::string_end`] for a key: most are short and plain, so the
+    /// first bytes are read one at a time before the long way.
+    #[inline]
+    fn key_end(&self, i: usize) -> Res<usize> {
+        if let Some(end) = self.short_plain_end(i) {
+            return Ok(end);
+        }
+        self.string_end(i)
+    }
+
+    /// Where the string opening at `i` ends when it is plain (no escape,
+    /// no control character) and its closing quote is among its first
+    /// bytes; `None` says nothing else.
+    #[inline(always)]
+    fn short_plain_end(&self, i: usize) -> Option<usize> {
+        if self.at(i) != b'"' {
+            return None;
+        }
+        for j in i + 1..i + 10 {
+            match self.at(j) {
+                b'"' => return Some(j + 1),
+                b'\\' | 0..=0x1f => return None,
+                _ => {}
+            }
+        }
+        None
+    }
 
     /// The end of the string opening at `i`, validated as [`Json::decode`]
     /// validates it, without decoding.
@@ -684,39 +712,33 @@ impl<'a> Json<'a> {
         match self.at(i) {
             b'"' => self.write_string(i, out),
             b'{' => {
-                let Some(members) = ix.keys_of(i) else {
-                    // No member or one: as it comes.
+                let Some((members, end)) = ix.keys_of(i) else {
+                    // Keys in order (or no member or one): as it comes.
                     out.put_byte(b'{');
+                    let mut first = true;
                     let end = self.members(i, 0, |k, v| {
-                        self.write_string(k, out)?;
+                        if !first {
+                            out.put_byte(b',');
+                        }
+                        first = false;
+                        self.write_key(k, out)?;
                         out.put_byte(b':');
                         self.write(v, ix, out)
                     })?;
                     out.put_byte(b'}');
                     return Ok(end);
                 };
-                // The last member in the body is always kept, and the object
-                // closes after its value.
-                let last = members.iter().map(|m| m.0).max().unwrap_or(0);
-                let mut end = None;
                 out.put_byte(b'{');
                 for (n, &(k, v)) in members.iter().enumerate() {
                     if n > 0 {
                         out.put_byte(b',');
                     }
-                    self.write_string(k as usize, out)?;
+                    self.write_key(k as usize, out)?;
                     out.put_byte(b':');
-                    let e = self.write(v as usize, ix, out)?;
-                    if k == last {
-                        end = Some(e);
-                    }
+                    self.write(v as usize, ix, out)?;
                 }
                 out.put_byte(b'}');
-                let close = self.ws(end.ok_or(BAD)?);
-                if self.at(close) != b'}' {
-                    return Err(BAD);
-                }
-                Ok(close + 1)
+                Ok(end)
             }
             b'[' => self.array(i, 0, out, |v, _, out| self.write(v, ix, out)),
             b't' => {
@@ -733,6 +755,17 @@ impl<'a> Json<'a> {
             }
             _ => self.write_number(i, out),
         }
+    }
+
+    /// Writes the key at `i` (a string): most are short and plain, written
+    /// as they stand.
+    #[inline]
+    fn write_key(&self, i: usize, out: &mut impl Sink) -> Res<usize> {
+        if let Some(end) = self.short_plain_end(i) {
+            out.put(self.bytes(i, end));
+            return Ok(end);
+        }
+        self.write_string(i, out)
     }
 
     fn write_string(&self, i: usize, out: &mut impl Sink) -> Res<usize> {
@@ -1065,21 +1098,26 @@ impl Iterator for Decoded<'_> {
     }
 }
 
-/// The sorted members of the objects of several members of one value.
+/// The sorted members of the objects of one value whose keys are not in
+/// order as they come (an object of at most one member, or whose keys
+/// already increase, is written as it comes and takes no room here).
 #[derive(Default)]
 pub(crate) struct Scratch {
     /// Members (key and value offsets) of the objects still open while
     /// indexing.
     open: Vec<(u32, u32)>,
-    /// Per object of several members, in order of where it starts: its
-    /// offset, and where its members begin in `groups` and how many.
-    objects: Vec<(u32, u32, u32)>,
+    /// Per object to sort, in order of where it starts: its offset, where
+    /// its members begin in `groups` and how many, and where it ends.
+    objects: Vec<(u32, u32, u32, u32)>,
     /// Per such object, its members, sorted by key, a repeated key's last
     /// member only.
     groups: Vec<(u32, u32)>,
     /// Keys seen in the value being indexed.
     seen: usize,
 }
+
+/// Up to this many members, an object's keys are sorted by insertion.
+const FEW_KEYS: usize = 12;
 
 impl Scratch {
     fn index(&mut self, json: &Json<'_>, i: usize) -> Res<()> {
@@ -1106,24 +1144,49 @@ impl Scratch {
                     self.walk(json, v)
                 })?;
                 let members = self.open.get_mut(mark..).unwrap_or_default();
-                if members.len() >= 2 {
-                    // By key, then by position: the last of equal keys wins.
-                    members.sort_unstable_by(|&(a, _), &(b, _)| {
-                        json.cmp_strings(a as usize, b as usize).then(a.cmp(&b))
-                    });
-                    let start = self.groups.len();
-                    for n in 0..members.len() {
-                        let m = members.get(n).copied().unwrap_or_default();
-                        let next = members.get(n + 1).copied();
-                        let repeated = next.is_some_and(|next| {
-                            json.cmp_strings(m.0 as usize, next.0 as usize) == Ordering::Equal
-                        });
-                        if !repeated {
-                            self.groups.push(m);
+                let by_key =
+                    |a: &(u32, u32), b: &(u32, u32)| json.cmp_strings(a.0 as usize, b.0 as usize);
+                let start = self.groups.len();
+                match members {
+                    [] | [_] => {}
+                    [a, b] => match by_key(a, b) {
+                        Ordering::Less => {}
+                        // The last of a repeated key wins.
+                        Ordering::Equal => self.groups.push(*b),
+                        Ordering::Greater => {
+                            self.groups.push(*b);
+                            self.groups.push(*a);
+                        }
+                    },
+                    _ if members.windows(2).all(|w| match w {
+                        [a, b] => by_key(a, b) == Ordering::Less,
+                        _ => true,
+                    }) => {}
+                    _ => {
+                        // By key, then by position: the last of equal keys
+                        // is the last of its run.
+                        let order =
+                            |a: &(u32, u32), b: &(u32, u32)| by_key(a, b).then(a.0.cmp(&b.0));
+                        if members.len() <= FEW_KEYS {
+                            insertion_sort(members, order);
+                        } else {
+                            members.sort_unstable_by(order);
+                        }
+                        for n in 0..members.len() {
+                            let m = members.get(n).copied().unwrap_or_default();
+                            let repeated = members
+                                .get(n + 1)
+                                .is_some_and(|next| by_key(&m, next) == Ordering::Equal);
+                            if !repeated {
+                                self.groups.push(m);
+                            }
                         }
                     }
-                    let count = (self.groups.len() - start) as u32;
-                    self.objects.push((i as u32, start as u32, count));
+                }
+                if self.groups.len() > start {
+                    let count = self.groups.len() - start;
+                    self.objects
+                        .push((i as u32, start as u32, count as u32, end as u32));
                 }
                 self.open.truncate(mark);
                 Ok(end)
@@ -1138,15 +1201,38 @@ impl Scratch {
     }
 
     /// The members of the object at `i` (key and value offsets), sorted
-    /// by key, when it has several.
-    fn keys_of(&self, i: usize) -> Option<&[(u32, u32)]> {
+    /// by key, and where it ends, when its keys must be sorted.
+    fn keys_of(&self, i: usize) -> Option<(&[(u32, u32)], usize)> {
         let at = self
             .objects
             .binary_search_by_key(&(i as u32), |o| o.0)
             .ok()?;
-        let &(_, start, count) = self.objects.get(at)?;
-        self.groups
-            .get(start as usize..start as usize + count as usize)
+        let &(_, start, count, end) = self.objects.get(at)?;
+        let members = self
+            .groups
+            .get(start as usize..start as usize + count as usize)?;
+        Some((members, end as usize))
+    }
+}
+
+/// Sorts a few members by `order` (no set-up, no call per comparison
+/// beyond `order`'s own).
+fn insertion_sort(
+    members: &mut [(u32, u32)],
+    order: impl Fn(&(u32, u32), &(u32, u32)) -> Ordering,
+) {
+    for n in 1..members.len() {
+        let mut k = n;
+        while k > 0 {
+            let (Some(&a), Some(&b)) = (members.get(k - 1), members.get(k)) else {
+                break;
+            };
+            if order(&a, &b) != Ordering::Greater {
+                break;
+            }
+            members.swap(k - 1, k);
+            k -= 1;
+        }
     }
 }
 
@@ -1466,6 +1552,104 @@ mod tests {
             if json.verbatim_end(0) == Some(t.len()) {
                 prop_assert_eq!(&want, &t);
             }
+        }
+    }
+
+    /// Canonical JSON of a serde_json tree, as the crate docs define it
+    /// (its maps keep keys sorted by their bytes, the last of a repeated
+    /// key).
+    fn reference_json(v: &serde_json::Value, out: &mut String) {
+        use serde_json::Value;
+        match v {
+            Value::Object(m) => {
+                out.push('{');
+                for (n, (k, val)) in m.iter().enumerate() {
+                    if n > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(&serde_json::to_string(k).unwrap());
+                    out.push(':');
+                    reference_json(val, out);
+                }
+                out.push('}');
+            }
+            Value::Array(items) => {
+                out.push('[');
+                for (n, item) in items.iter().enumerate() {
+                    if n > 0 {
+                        out.push(',');
+                    }
+                    reference_json(item, out);
+                }
+                out.push(']');
+            }
+            Value::Number(n) if n.is_i64() || n.is_u64() => out.push_str(&n.to_string()),
+            Value::Number(n) => out.push_str(&format!("{:e}", n.as_f64().unwrap())),
+            other => out.push_str(&other.to_string()),
+        }
+    }
+
+    /// Objects nested in objects and arrays, their keys in any order,
+    /// repeated, escaped or not, with whitespace or none.
+    fn object_text() -> impl Strategy<Value = String> {
+        let key = prop::sample::select(vec![
+            r#""a""#,
+            r#""b""#,
+            r#""c""#,
+            r#""ab""#,
+            r#""\u0061""#,
+            r#""a\n""#,
+            r#""é""#,
+            r#""\u00e9""#,
+            r#""""#,
+            r#""b\"""#,
+            r#""zz""#,
+            r#""k10""#,
+            r#""k9""#,
+        ]);
+        let ws = prop::sample::select(vec!["", "", " ", "\n "]);
+        let leaf = prop::sample::select(vec![
+            "1",
+            "-7",
+            "\"x\"",
+            "\"\\u0041\"",
+            "null",
+            "true",
+            "[]",
+            "{}",
+            "-2.50",
+            "1E+3",
+            "0.5",
+        ])
+        .prop_map(String::from);
+        leaf.prop_recursive(5, 96, 8, move |inner| {
+            prop_oneof![
+                3 => prop::collection::vec((key.clone(), inner.clone(), ws.clone()), 0..9).prop_map(|members| {
+                    let members: Vec<String> = members
+                        .into_iter()
+                        .map(|(k, v, ws)| format!("{ws}{k}{ws}:{ws}{v}{ws}"))
+                        .collect();
+                    format!("{{{}}}", members.join(","))
+                }),
+                1 => prop::collection::vec(inner, 0..4).prop_map(|items| format!("[{}]", items.join(", "))),
+            ]
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2048))]
+
+        /// Whatever the order of an object's keys (in order, reversed,
+        /// repeated, escaped) and however deep, its members are written
+        /// sorted, the last of a repeated key kept, as the reference
+        /// writes them.
+        #[test]
+        fn every_object_is_written_as_the_reference_writes_it(t in object_text()) {
+            let v: serde_json::Value = serde_json::from_str(&t).unwrap();
+            let mut want = String::new();
+            reference_json(&v, &mut want);
+            prop_assert_eq!(canon(&t).unwrap(), want.clone(), "{}", t);
+            prop_assert_eq!(canon(&format!("[{t},{t}]")).unwrap(), format!("[{want},{want}]"));
         }
     }
 }
