@@ -313,7 +313,12 @@ impl<'a> Json<'a> {
                         self.rewrite_number(j, end, form, out)?;
                         run = end;
                     }
-                    j = end;
+                    j = if end == j + 1 {
+                        // One digit: so may the next items be.
+                        self.digit_items(end)
+                    } else {
+                        end
+                    };
                 }
                 _ => match self.verbatim_end(j) {
                     Some(end) if self.at(j) != b'{' || depth + open < MAX_DEPTH => j = end,
@@ -620,6 +625,9 @@ impl<'a> Json<'a> {
     #[inline(always)]
     pub(crate) fn verbatim_end(&self, i: usize) -> Option<usize> {
         let c = self.at(i);
+        if self.one_digit(i) {
+            return Some(i + 1);
+        }
         if c.is_ascii_digit() || c == b'-' {
             return match self.number(i) {
                 Some((end, NumberForm::Canonical)) => Some(end),
@@ -638,6 +646,23 @@ impl<'a> Json<'a> {
             b'[' => (self.at(i + 1) == b']').then_some(i + 2),
             _ => None,
         }
+    }
+
+    /// Where the numbers of one digit after `j`, each after its comma,
+    /// end (`,1,2,3`): items of an array read in one loop.
+    #[inline(never)]
+    fn digit_items(&self, mut j: usize) -> usize {
+        while self.at(j) == b',' && self.one_digit(j + 1) {
+            j += 2;
+        }
+        j
+    }
+
+    /// Whether the value at `i` is a number of one digit: its own
+    /// canonical form, and what [`Json::number`] reads there.
+    #[inline(always)]
+    fn one_digit(&self, i: usize) -> bool {
+        self.at(i).is_ascii_digit() && !matches!(self.at(i + 1), b'0'..=b'9' | b'.' | b'e' | b'E')
     }
 
     /// Reads the number at `i` in one pass, as [`Json::number_end`]
