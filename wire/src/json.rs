@@ -138,6 +138,7 @@ impl<'a> Json<'a> {
             b't' => self.literal(i, "true"),
             b'f' => self.literal(i, "false"),
             b'n' => self.literal(i, "null"),
+            _ if self.one_digit(i) => Ok(i + 1),
             b'-' | b'0'..=b'9' => self.number_end(i),
             _ => Err(BAD),
         }
@@ -778,6 +779,10 @@ impl<'a> Json<'a> {
                 out.put(b"null");
                 self.literal(i, "null")
             }
+            _ if self.one_digit(i) => {
+                out.put_byte(self.at(i));
+                Ok(i + 1)
+            }
             _ => self.write_number(i, out),
         }
     }
@@ -1221,6 +1226,7 @@ impl Scratch {
                 (end, false) => Ok(end),
                 _ => json.array(i, 0, &mut Nowhere, |v, _, _| self.walk(json, v)),
             },
+            _ if json.one_digit(i) => Ok(i + 1),
             _ => Ok(json.end_of(i).0),
         }
     }
