@@ -35,6 +35,9 @@ const BAD: SkipReason = SkipReason::NotJson;
 
 /// Where canonical bytes go.
 pub(crate) trait Sink {
+    /// Whether the sink drops everything it is given ([`Nowhere`]): a
+    /// number is then only read, not written again.
+    const DROPS: bool = false;
     /// The next canonical bytes.
     fn put(&mut self, bytes: &[u8]);
     /// The next canonical byte (a bracket, a record's tag): a sink may
@@ -66,6 +69,8 @@ impl Sink for Vec<u8> {
 pub(crate) struct Nowhere;
 
 impl Sink for Nowhere {
+    const DROPS: bool = true;
+
     #[inline]
     fn put(&mut self, _: &[u8]) {}
 
@@ -133,6 +138,7 @@ impl<'a> Json<'a> {
             b't' => self.literal(i, "true"),
             b'f' => self.literal(i, "false"),
             b'n' => self.literal(i, "null"),
+            _ if self.one_digit(i) => Ok(i + 1),
             b'-' | b'0'..=b'9' => self.number_end(i),
             _ => Err(BAD),
         }
@@ -217,7 +223,7 @@ impl<'a> Json<'a> {
                 return Err(BAD);
             }
             let key = j;
-            j = self.ws(self.string_end(j)?);
+            j = self.ws(self.key_end(j)?);
             if self.at(j) != b':' {
                 return Err(BAD);
             }
@@ -260,9 +266,11 @@ impl<'a> Json<'a> {
     /// level, writing them to `out` as canonical JSON where they are
     /// canonical as they stand: brackets, commas and the items of
     /// [`Json::verbatim_end`], whitespace dropped, in runs of the body as
-    /// long as nothing else comes between. Any other item (an object, a
-    /// number or string to rewrite) goes to `item(value, its depth, out)`,
-    /// which returns where it ends. Returns where the array ends.
+    /// long as nothing else comes between. A number is read (validated)
+    /// here and, when not canonical as it stands, written again here
+    /// (unless `out` drops everything). Any other item (an object, a
+    /// string to rewrite) goes to `item(value, its depth, out)`, which
+    /// returns where it ends. Returns where the array ends.
     ///
     /// So an array of many tiny items or many levels costs a scan of its
     /// bytes, not a call and a write per item.
@@ -298,6 +306,20 @@ impl<'a> Json<'a> {
                     j += 1;
                     opened = true;
                     continue;
+                }
+                b'-' | b'0'..=b'9' => {
+                    let (end, form) = self.number(j).ok_or(BAD)?;
+                    if form != NumberForm::Canonical && !S::DROPS {
+                        out.put(self.bytes(run, j));
+                        self.rewrite_number(j, end, form, out)?;
+                        run = end;
+                    }
+                    j = if end == j + 1 {
+                        // One digit: so may the next items be.
+                        self.digit_items(end)
+                    } else {
+                        end
+                    };
                 }
                 _ => match self.verbatim_end(j) {
                     Some(end) if self.at(j) != b'{' || depth + open < MAX_DEPTH => j = end,
@@ -345,6 +367,34 @@ impl<'a> Json<'a> {
     }
 
     // -- strings --------------------------------------------------------
+
+    /// [`Json::string_end`] for a key: most are short and plain, so the
+    /// first bytes are read one at a time before the long way.
+    #[inline]
+    fn key_end(&self, i: usize) -> Res<usize> {
+        if let Some(end) = self.short_plain_end(i) {
+            return Ok(end);
+        }
+        self.string_end(i)
+    }
+
+    /// Where the string opening at `i` ends when it is plain (no escape,
+    /// no control character) and its closing quote is among its first
+    /// bytes; `None` says nothing else.
+    #[inline(always)]
+    fn short_plain_end(&self, i: usize) -> Option<usize> {
+        if self.at(i) != b'"' {
+            return None;
+        }
+        for j in i + 1..i + 10 {
+            match self.at(j) {
+                b'"' => return Some(j + 1),
+                b'\\' | 0..=0x1f => return None,
+                _ => {}
+            }
+        }
+        None
+    }
 
     /// The end of the string opening at `i`, validated as [`Json::decode`]
     /// validates it, without decoding.
@@ -570,22 +620,20 @@ impl<'a> Json<'a> {
 
     /// Where the value at `i` ends when it is its own canonical form and
     /// simple to tell so: an integer of at most 18 digits, a number in the
-    /// form `{:e}` writes (see [`Json::scientific_end`]), a literal, a
-    /// string with no escape, `{}` or `[]` (no whitespace inside). What it
-    /// accepts is valid JSON. `None` says nothing about the value, valid
-    /// or not.
+    /// form `{:e}` writes (see [`Json::number`]), a literal, a string with
+    /// no escape, `{}` or `[]` (no whitespace inside). What it accepts is
+    /// valid JSON. `None` says nothing about the value, valid or not.
     #[inline(always)]
     pub(crate) fn verbatim_end(&self, i: usize) -> Option<usize> {
         let c = self.at(i);
-        let digits = i + usize::from(c == b'-');
-        let first = self.at(digits);
-        if first.is_ascii_digit() {
-            let end = self.digits(digits + 1);
-            if matches!(self.at(end), b'.' | b'e' | b'E') {
-                return self.scientific_end(digits, end);
-            }
-            let ok = end - digits <= 18 && (first != b'0' || end == digits + 1);
-            return ok.then_some(end);
+        if self.one_digit(i) {
+            return Some(i + 1);
+        }
+        if c.is_ascii_digit() || c == b'-' {
+            return match self.number(i) {
+                Some((end, NumberForm::Canonical)) => Some(end),
+                _ => None,
+            };
         }
         match c {
             b'"' => {
@@ -601,80 +649,122 @@ impl<'a> Json<'a> {
         }
     }
 
-    /// Where the number whose digits start at `d` ends (`end` is just past
-    /// its first run of digits) when it is written as canonical JSON
-    /// writes a non-integer: one digit from 1 to 9, maybe a point and
-    /// digits not ending in 0, `e`, maybe `-`, and a power of ten without
-    /// leading zeros; at most 15 significant digits and a magnitude inside
-    /// f64's normal range, so the nearest f64's shortest digits are these
-    /// ([`Decimal::is_exact_f64`]). `1e300`, `2.5e-7`, `1e0`.
-    #[inline]
-    fn scientific_end(&self, d: usize, end: usize) -> Option<usize> {
-        if end != d + 1 || self.at(d) == b'0' {
-            return None;
+    /// Where the numbers of one digit after `j`, each after its comma,
+    /// end (`,1,2,3`): items of an array read in one loop.
+    #[inline(never)]
+    fn digit_items(&self, mut j: usize) -> usize {
+        while self.at(j) == b',' && self.one_digit(j + 1) {
+            j += 2;
         }
-        let mut e = end;
+        j
+    }
+
+    /// Whether the value at `i` is a number of one digit: its own
+    /// canonical form, and what [`Json::number`] reads there.
+    #[inline(always)]
+    fn one_digit(&self, i: usize) -> bool {
+        self.at(i).is_ascii_digit() && !matches!(self.at(i + 1), b'0'..=b'9' | b'.' | b'e' | b'E')
+    }
+
+    /// Reads the number at `i` in one pass, as [`Json::number_end`]
+    /// validates it (`None`: not a number): where it ends, and whether it
+    /// is its own canonical form. It is when it is an integer of at most
+    /// 18 digits, or written as canonical JSON writes a non-integer: one
+    /// digit from 1 to 9, maybe a point and digits not ending in 0, `e`,
+    /// maybe `-`, and a power of ten without leading zeros; at most 15
+    /// significant digits and a power from -307 to 307, so the nearest
+    /// f64's shortest digits are these ([`short_scientific`]). `1e300`,
+    /// `2.5e-7`, `1e0`.
+    #[inline]
+    fn number(&self, i: usize) -> Option<(usize, NumberForm)> {
+        let d = i + usize::from(self.at(i) == b'-');
+        let first = self.at(d);
+        let whole_end = match first {
+            b'0' => d + 1,
+            b'1'..=b'9' => self.digits(d + 1),
+            _ => return None,
+        };
+        // One digit from 1 to 9 before the point.
+        let mut canonical = whole_end == d + 1 && first != b'0';
+        let mut e = whole_end;
         if self.at(e) == b'.' {
-            e = self.digits(end + 1);
-            if e == end + 1 || e - end > 15 || self.at(e - 1) == b'0' {
+            e = self.digits(whole_end + 1);
+            let fraction = e - whole_end - 1;
+            if fraction == 0 {
                 return None;
             }
+            canonical &= fraction <= 14 && self.at(e - 1) != b'0';
+        } else if !matches!(self.at(e), b'e' | b'E') {
+            // An integer.
+            let form = if whole_end - d <= 18 {
+                NumberForm::Canonical
+            } else {
+                NumberForm::Integer
+            };
+            return Some((whole_end, form));
         }
-        if self.at(e) != b'e' {
+        let rewrite = |end| Some((end, NumberForm::Other));
+        if !matches!(self.at(e), b'e' | b'E') {
+            return rewrite(e);
+        }
+        canonical &= self.at(e) == b'e';
+        let sign = self.at(e + 1);
+        let from = e + 1 + usize::from(matches!(sign, b'+' | b'-'));
+        let to = self.digits(from);
+        if to == from {
             return None;
         }
-        let negative = self.at(e + 1) == b'-';
-        let from = e + 1 + usize::from(negative);
-        // At most three digits: 307 is the largest power taken.
-        let (mut to, mut power) = (from, 0u32);
-        while to < from + 4 && self.at(to).is_ascii_digit() {
-            power = power * 10 + u32::from(self.at(to) - b'0');
-            to += 1;
+        // At most three digits (307 is the largest power taken), no
+        // leading zero, no `+`, and no `-0`.
+        let leading_zero = self.at(from) == b'0' && (to > from + 1 || sign == b'-');
+        if !canonical || sign == b'+' || to > from + 3 || leading_zero {
+            return rewrite(to);
         }
-        let leading_zero = self.at(from) == b'0' && (to > from + 1 || negative);
-        if to == from || to == from + 4 || leading_zero {
-            return None;
+        // (Past two digits, three: compared as 307 is.)
+        let digit = |k| u32::from(self.at(k).wrapping_sub(b'0'));
+        let power = if to == from + 3 {
+            digit(from) * 100 + digit(from + 1) * 10 + digit(from + 2)
+        } else {
+            0
+        };
+        if power <= 307 {
+            Some((to, NumberForm::Canonical))
+        } else {
+            rewrite(to)
         }
-        (power <= 307).then_some(to)
     }
 
     fn write(&self, i: usize, ix: &Scratch, out: &mut impl Sink) -> Res<usize> {
         match self.at(i) {
             b'"' => self.write_string(i, out),
             b'{' => {
-                let Some(members) = ix.keys_of(i) else {
-                    // No member or one: as it comes.
+                let Some((members, end)) = ix.keys_of(i) else {
+                    // Keys in order (or no member or one): as it comes.
                     out.put_byte(b'{');
+                    let mut first = true;
                     let end = self.members(i, 0, |k, v| {
-                        self.write_string(k, out)?;
+                        if !first {
+                            out.put_byte(b',');
+                        }
+                        first = false;
+                        self.write_key(k, out)?;
                         out.put_byte(b':');
                         self.write(v, ix, out)
                     })?;
                     out.put_byte(b'}');
                     return Ok(end);
                 };
-                // The last member in the body is always kept, and the object
-                // closes after its value.
-                let last = members.iter().map(|m| m.0).max().unwrap_or(0);
-                let mut end = None;
                 out.put_byte(b'{');
                 for (n, &(k, v)) in members.iter().enumerate() {
                     if n > 0 {
                         out.put_byte(b',');
                     }
-                    self.write_string(k as usize, out)?;
+                    self.write_key(k as usize, out)?;
                     out.put_byte(b':');
-                    let e = self.write(v as usize, ix, out)?;
-                    if k == last {
-                        end = Some(e);
-                    }
+                    self.write(v as usize, ix, out)?;
                 }
                 out.put_byte(b'}');
-                let close = self.ws(end.ok_or(BAD)?);
-                if self.at(close) != b'}' {
-                    return Err(BAD);
-                }
-                Ok(close + 1)
+                Ok(end)
             }
             b'[' => self.array(i, 0, out, |v, _, out| self.write(v, ix, out)),
             b't' => {
@@ -689,8 +779,23 @@ impl<'a> Json<'a> {
                 out.put(b"null");
                 self.literal(i, "null")
             }
+            _ if self.one_digit(i) => {
+                out.put_byte(self.at(i));
+                Ok(i + 1)
+            }
             _ => self.write_number(i, out),
         }
+    }
+
+    /// Writes the key at `i` (a string): most are short and plain, written
+    /// as they stand.
+    #[inline]
+    fn write_key(&self, i: usize, out: &mut impl Sink) -> Res<usize> {
+        if let Some(end) = self.short_plain_end(i) {
+            out.put(self.bytes(i, end));
+            return Ok(end);
+        }
+        self.write_string(i, out)
     }
 
     fn write_string(&self, i: usize, out: &mut impl Sink) -> Res<usize> {
@@ -706,53 +811,162 @@ impl<'a> Json<'a> {
     }
 
     fn write_number(&self, i: usize, out: &mut impl Sink) -> Res<usize> {
-        if let Some(end) = self.verbatim_end(i) {
+        let (end, form) = self.number(i).ok_or(BAD)?;
+        if form == NumberForm::Canonical {
             out.put(self.bytes(i, end));
-            return Ok(end);
-        }
-        // The value was validated: the number ends at the first byte that
-        // cannot be in one.
-        let (mut end, mut integer) = (i, true);
-        loop {
-            match self.at(end) {
-                b'0'..=b'9' | b'-' | b'+' => {}
-                b'.' | b'e' | b'E' => integer = false,
-                _ => break,
-            }
-            end += 1;
-        }
-        let tok = self.text(i, end);
-        // An integer in range is its own canonical form (JSON has no
-        // leading zeros; "-0" stays "-0"): 19 digits always fit a u64, a
-        // minus and 18 an i64.
-        let short = tok.len() <= 19;
-        if integer && (short || tok.parse::<u64>().is_ok() || tok.parse::<i64>().is_ok()) {
-            out.put(tok.as_bytes());
-            return Ok(end);
-        }
-        let d = Decimal::of(tok).ok_or(BAD)?;
-        // At most 24 bytes ("-", 17 digits, ".", "e-", 3 digits).
-        let mut shortest = Scientific::default();
-        if d.is_exact_f64() {
-            d.write(&mut shortest);
         } else {
-            let f: f64 = tok.parse().map_err(|_| BAD)?;
-            if !f.is_finite() {
-                return Err(BAD);
+            self.rewrite_number(i, end, form, out)?;
+        }
+        Ok(end)
+    }
+
+    /// Writes the canonical form of the number from `i` to `end`, of the
+    /// `form` [`Json::number`] found (not canonical as it stands).
+    fn rewrite_number(
+        &self,
+        i: usize,
+        end: usize,
+        form: NumberForm,
+        out: &mut impl Sink,
+    ) -> Res<()> {
+        if form == NumberForm::Integer {
+            // An integer in range is its own canonical form (JSON has no
+            // leading zeros; "-0" stays "-0"): 19 digits always fit a u64,
+            // a minus and 18 an i64.
+            let tok = self.text(i, end);
+            if tok.len() <= 19 || tok.parse::<u64>().is_ok() || tok.parse::<i64>().is_ok() {
+                out.put(tok.as_bytes());
+                return Ok(());
             }
-            write!(shortest, "{f:e}").map_err(|_| BAD)?;
+        }
+        let mut shortest = Scientific::default();
+        if !short_scientific(self.bytes(i, end), &mut shortest) {
+            shortest = slow_scientific(self.text(i, end))?;
         }
         if out.keeps() {
             out.put(shortest.bytes());
         } else {
             out.count(shortest.len);
         }
-        Ok(end)
+        Ok(())
     }
 }
 
+/// What [`Json::number`] finds a number to be.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum NumberForm {
+    /// Its own canonical form.
+    Canonical,
+    /// An integer of more than 18 digits (canonical as it stands while it
+    /// fits a u64 or an i64).
+    Integer,
+    /// Any other number: written as its nearest f64 in `{:e}`'s form.
+    Other,
+}
+
+/// Writes the canonical form of the number `tok` (valid JSON, not an
+/// integer) to `out` straight from its digits, when they are the nearest
+/// f64's shortest: at most 15 significant digits (any such decimal
+/// survives the trip through f64) and the first one's power of ten inside
+/// f64's normal range (from -307 to 307). Then the digits, zeros around
+/// them dropped, are written as Rust's `{:e}` writes that f64: the first
+/// digit, the others after a point if any, `e` and the power of ten
+/// (`1e300`, `1.25e1`, `-5e-1`, `0e0`). Otherwise it returns false, and
+/// [`slow_scientific`] parses the f64.
+fn short_scientific(tok: &[u8], out: &mut Scientific) -> bool {
+    let negative = tok.first() == Some(&b'-');
+    let exp_at = tok
+        .iter()
+        .position(|&c| c | 0x20 == b'e')
+        .unwrap_or(tok.len());
+    let mantissa = tok.get(usize::from(negative)..exp_at).unwrap_or_default();
+    let mut exp = 0i64;
+    if let Some(power) = tok.get(exp_at + 1..) {
+        let (sign, digits) = match power.split_first() {
+            Some((&s @ (b'-' | b'+'), rest)) => (s, rest),
+            _ => (b'+', power),
+        };
+        if digits.is_empty() {
+            return false;
+        }
+        for &c in digits {
+            if !c.is_ascii_digit() {
+                return false;
+            }
+            // A huge power saturates (out of range, then).
+            exp = (exp * 10 + i64::from(c - b'0')).min(1 << 40);
+        }
+        if sign == b'-' {
+            exp = -exp;
+        }
+    }
+    if negative {
+        out.push(b'-');
+    }
+    let significant = |c: &u8| matches!(c, b'1'..=b'9');
+    let Some(first) = mantissa.iter().position(significant) else {
+        // Zero, whatever its power.
+        out.extend(b"0e0");
+        return true;
+    };
+    let last = mantissa.iter().rposition(significant).unwrap_or(first);
+    let point = mantissa.iter().position(|&c| c == b'.');
+    let digits = mantissa.get(first..=last).unwrap_or_default();
+    let inner_point = point.is_some_and(|p| p > first && p < last);
+    if digits.len() - usize::from(inner_point) > 15 {
+        return false;
+    }
+    // The first significant digit's power of ten: the digits before the
+    // point, less one, less the zeros before it, plus the exponent.
+    let whole = point.unwrap_or(mantissa.len()) as i64;
+    let lead = first as i64 - i64::from(point.is_some_and(|p| p < first));
+    let power = exp + whole - 1 - lead;
+    if !(-307..=307).contains(&power) {
+        return false;
+    }
+    if let Some((&d, rest)) = digits.split_first() {
+        out.push(d);
+        if !rest.is_empty() {
+            out.push(b'.');
+            for &c in rest {
+                if c != b'.' {
+                    out.push(c);
+                }
+            }
+        }
+    }
+    out.push(b'e');
+    if power < 0 {
+        out.push(b'-');
+    }
+    // The power's digits (at most three), most significant first.
+    let power = power.unsigned_abs();
+    if power >= 100 {
+        out.push(b'0' + (power / 100 % 10) as u8);
+    }
+    if power >= 10 {
+        out.push(b'0' + (power / 10 % 10) as u8);
+    }
+    out.push(b'0' + (power % 10) as u8);
+    true
+}
+
+/// The canonical form of the number `tok` (valid JSON, not an integer)
+/// the long way: its nearest f64 written by `{:e}` (an error past f64's
+/// range).
+fn slow_scientific(tok: &str) -> Res<Scientific> {
+    let f: f64 = tok.parse().map_err(|_| BAD)?;
+    if !f.is_finite() {
+        return Err(BAD);
+    }
+    // At most 24 bytes ("-", 17 digits, ".", "e-", 3 digits).
+    let mut out = Scientific::default();
+    write!(out, "{f:e}").map_err(|_| BAD)?;
+    Ok(out)
+}
+
 /// A number's canonical form, written without allocating: by
-/// [`Decimal::write`], or by `{:e}` (past 32 bytes, an error; an f64's
+/// [`short_scientific`], or by `{:e}` (past 32 bytes, an error; an f64's
 /// form is at most 24).
 #[derive(Default)]
 struct Scientific {
@@ -914,21 +1128,26 @@ impl Iterator for Decoded<'_> {
     }
 }
 
-/// The sorted members of the objects of several members of one value.
+/// The sorted members of the objects of one value whose keys are not in
+/// order as they come (an object of at most one member, or whose keys
+/// already increase, is written as it comes and takes no room here).
 #[derive(Default)]
 pub(crate) struct Scratch {
     /// Members (key and value offsets) of the objects still open while
     /// indexing.
     open: Vec<(u32, u32)>,
-    /// Per object of several members, in order of where it starts: its
-    /// offset, and where its members begin in `groups` and how many.
-    objects: Vec<(u32, u32, u32)>,
+    /// Per object to sort, in order of where it starts: its offset, where
+    /// its members begin in `groups` and how many, and where it ends.
+    objects: Vec<(u32, u32, u32, u32)>,
     /// Per such object, its members, sorted by key, a repeated key's last
     /// member only.
     groups: Vec<(u32, u32)>,
     /// Keys seen in the value being indexed.
     seen: usize,
 }
+
+/// Up to this many members, an object's keys are sorted by insertion.
+const FEW_KEYS: usize = 12;
 
 impl Scratch {
     fn index(&mut self, json: &Json<'_>, i: usize) -> Res<()> {
@@ -955,24 +1174,49 @@ impl Scratch {
                     self.walk(json, v)
                 })?;
                 let members = self.open.get_mut(mark..).unwrap_or_default();
-                if members.len() >= 2 {
-                    // By key, then by position: the last of equal keys wins.
-                    members.sort_unstable_by(|&(a, _), &(b, _)| {
-                        json.cmp_strings(a as usize, b as usize).then(a.cmp(&b))
-                    });
-                    let start = self.groups.len();
-                    for n in 0..members.len() {
-                        let m = members.get(n).copied().unwrap_or_default();
-                        let next = members.get(n + 1).copied();
-                        let repeated = next.is_some_and(|next| {
-                            json.cmp_strings(m.0 as usize, next.0 as usize) == Ordering::Equal
-                        });
-                        if !repeated {
-                            self.groups.push(m);
+                let by_key =
+                    |a: &(u32, u32), b: &(u32, u32)| json.cmp_strings(a.0 as usize, b.0 as usize);
+                let start = self.groups.len();
+                match members {
+                    [] | [_] => {}
+                    [a, b] => match by_key(a, b) {
+                        Ordering::Less => {}
+                        // The last of a repeated key wins.
+                        Ordering::Equal => self.groups.push(*b),
+                        Ordering::Greater => {
+                            self.groups.push(*b);
+                            self.groups.push(*a);
+                        }
+                    },
+                    _ if members.windows(2).all(|w| match w {
+                        [a, b] => by_key(a, b) == Ordering::Less,
+                        _ => true,
+                    }) => {}
+                    _ => {
+                        // By key, then by position: the last of equal keys
+                        // is the last of its run.
+                        let order =
+                            |a: &(u32, u32), b: &(u32, u32)| by_key(a, b).then(a.0.cmp(&b.0));
+                        if members.len() <= FEW_KEYS {
+                            insertion_sort(members, order);
+                        } else {
+                            members.sort_unstable_by(order);
+                        }
+                        for n in 0..members.len() {
+                            let m = members.get(n).copied().unwrap_or_default();
+                            let repeated = members
+                                .get(n + 1)
+                                .is_some_and(|next| by_key(&m, next) == Ordering::Equal);
+                            if !repeated {
+                                self.groups.push(m);
+                            }
                         }
                     }
-                    let count = (self.groups.len() - start) as u32;
-                    self.objects.push((i as u32, start as u32, count));
+                }
+                if self.groups.len() > start {
+                    let count = self.groups.len() - start;
+                    self.objects
+                        .push((i as u32, start as u32, count as u32, end as u32));
                 }
                 self.open.truncate(mark);
                 Ok(end)
@@ -982,165 +1226,51 @@ impl Scratch {
                 (end, false) => Ok(end),
                 _ => json.array(i, 0, &mut Nowhere, |v, _, _| self.walk(json, v)),
             },
+            _ if json.one_digit(i) => Ok(i + 1),
             _ => Ok(json.end_of(i).0),
         }
     }
 
     /// The members of the object at `i` (key and value offsets), sorted
-    /// by key, when it has several.
-    fn keys_of(&self, i: usize) -> Option<&[(u32, u32)]> {
+    /// by key, and where it ends, when its keys must be sorted.
+    fn keys_of(&self, i: usize) -> Option<(&[(u32, u32)], usize)> {
         let at = self
             .objects
             .binary_search_by_key(&(i as u32), |o| o.0)
             .ok()?;
-        let &(_, start, count) = self.objects.get(at)?;
-        self.groups
-            .get(start as usize..start as usize + count as usize)
+        let &(_, start, count, end) = self.objects.get(at)?;
+        let members = self
+            .groups
+            .get(start as usize..start as usize + count as usize)?;
+        Some((members, end as usize))
     }
 }
 
-/// A number as sign, significant digits and a power of ten: `digits` ×
-/// 10^`exp`, without leading or trailing zeros (none at all for zero).
-struct Decimal {
-    negative: bool,
-    /// ASCII digits; the first `len` are used.
-    digits: [u8; 17],
-    len: usize,
-    /// How many significant digits the text had (may exceed `len`: only
-    /// the first 17 are kept, enough to tell "exact" from "not").
-    significant: usize,
-    exp: i64,
-}
-
-impl Decimal {
-    /// Reads JSON number text (or Rust's `{:e}`, which has the same shape)
-    /// in one pass over its bytes.
-    fn of(text: &str) -> Option<Decimal> {
-        let bytes = text.as_bytes();
-        let negative = bytes.first() == Some(&b'-');
-        let mut d = Decimal {
-            negative,
-            digits: [0; 17],
-            len: 0,
-            significant: 0,
-            exp: 0,
-        };
-        let (mut k, mut zeros, mut point, mut frac) = (usize::from(negative), 0usize, false, 0i64);
-        while let Some(&c) = bytes.get(k) {
-            match c {
-                b'0' => {
-                    if d.significant > 0 {
-                        zeros += 1;
-                    }
-                    frac += i64::from(point);
-                }
-                b'1'..=b'9' => {
-                    // Zeros between significant digits are digits too.
-                    for _ in 0..zeros {
-                        d.push(0);
-                    }
-                    zeros = 0;
-                    d.push(c - b'0');
-                    frac += i64::from(point);
-                }
-                b'.' if !point => point = true,
-                b'e' | b'E' => break,
-                _ => return None,
-            }
-            k += 1;
-        }
-        let mut exp = 0i64;
-        if k < bytes.len() {
-            // The exponent; a huge one saturates (the number is then no
-            // f64 or zero, which the slow path tells).
-            let sign = match bytes.get(k + 1) {
-                Some(b'-') => -1,
-                _ => 1,
+/// Sorts a few members by `order` (no set-up, no call per comparison
+/// beyond `order`'s own).
+fn insertion_sort(
+    members: &mut [(u32, u32)],
+    order: impl Fn(&(u32, u32), &(u32, u32)) -> Ordering,
+) {
+    for n in 1..members.len() {
+        let mut k = n;
+        while k > 0 {
+            let (Some(&a), Some(&b)) = (members.get(k - 1), members.get(k)) else {
+                break;
             };
-            k += 1 + usize::from(matches!(bytes.get(k + 1), Some(b'-' | b'+')));
-            let digits = bytes.get(k..)?;
-            if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
-                return None;
+            if order(&a, &b) != Ordering::Greater {
+                break;
             }
-            for &c in digits {
-                exp = (exp * 10 + i64::from(c - b'0')).min(i64::MAX / 4);
-            }
-            exp *= sign;
+            members.swap(k - 1, k);
+            k -= 1;
         }
-        // Trailing zeros move into the exponent.
-        d.exp = exp - frac + zeros as i64;
-        Some(d)
-    }
-
-    fn push(&mut self, v: u8) {
-        if let Some(slot) = self.digits.get_mut(self.len) {
-            *slot = b'0' + v;
-            self.len += 1;
-        }
-        self.significant += 1;
-    }
-
-    /// Whether the nearest f64 has exactly these digits as its shortest
-    /// form: at most 15 significant digits (any such decimal survives the
-    /// trip through f64) inside the normal range (the value lies in
-    /// [10^(m-1), 10^m) for magnitude m: from 1e-307 to below 1e308).
-    fn is_exact_f64(&self) -> bool {
-        self.significant == 0
-            || (self.significant <= 15 && {
-                let magnitude = self.exp.saturating_add(self.len as i64);
-                (-306..=308).contains(&magnitude)
-            })
-    }
-
-    /// The power of ten of the first significant digit (0 for zero).
-    fn exponent(&self) -> i64 {
-        if self.len == 0 {
-            0
-        } else {
-            self.exp + self.len as i64 - 1
-        }
-    }
-
-    /// Writes the number as Rust's `{:e}` writes an f64 of these digits:
-    /// the first digit, the others after a point if any, `e` and the power
-    /// of ten (`1e300`, `1.25e1`, `-5e-1`, `0e0`). Never much longer than
-    /// the number's own text, whatever its magnitude.
-    fn write(&self, out: &mut Scientific) {
-        if self.negative {
-            out.push(b'-');
-        }
-        let digits = self.digits.get(..self.len).unwrap_or_default();
-        match digits.split_first() {
-            None => out.push(b'0'),
-            Some((&first, rest)) => {
-                out.push(first);
-                if !rest.is_empty() {
-                    out.push(b'.');
-                    out.extend(rest);
-                }
-            }
-        }
-        out.push(b'e');
-        let e = self.exponent();
-        if e < 0 {
-            out.push(b'-');
-        }
-        // The power's digits (at most three for an f64's), most
-        // significant first.
-        let power = e.unsigned_abs();
-        if power >= 100 {
-            out.push(b'0' + (power / 100 % 10) as u8);
-        }
-        if power >= 10 {
-            out.push(b'0' + (power / 10 % 10) as u8);
-        }
-        out.push(b'0' + (power % 10) as u8);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn canon(s: &str) -> Result<String, SkipReason> {
         let json = Json::new(s.as_bytes())?;
@@ -1321,13 +1451,11 @@ mod tests {
             let mantissa = (x >> 8) % 10u64.pow(digits);
             let exp = ((x >> 40) % 620) as i64 - 320;
             let text = format!("{mantissa}e{exp}");
-            let d = Decimal::of(&text).unwrap();
-            if !d.is_exact_f64() {
+            let mut out = Scientific::default();
+            if !short_scientific(text.as_bytes(), &mut out) {
                 continue;
             }
             let f: f64 = text.parse().unwrap();
-            let mut out = Scientific::default();
-            d.write(&mut out);
             assert_eq!(out.bytes(), format!("{f:e}").as_bytes(), "{text}");
         }
     }
@@ -1348,10 +1476,211 @@ mod tests {
             1e-7,
             12.5,
         ] {
-            let d = Decimal::of(&format!("{x:e}")).unwrap();
             let mut out = Scientific::default();
-            d.write(&mut out);
+            assert!(short_scientific(format!("{x:e}").as_bytes(), &mut out));
             assert_eq!(out.bytes(), format!("{x:e}").as_bytes(), "{x}");
+        }
+    }
+
+    /// A number's canonical form the long way, as the crate docs define
+    /// it: an integer that fits a u64 or an i64 as it stands, any other
+    /// number as its nearest f64 written by `{:e}` (None past f64's range).
+    fn reference_number(t: &str) -> Option<String> {
+        let integer = !t.contains(['.', 'e', 'E']);
+        if integer && (t.parse::<u64>().is_ok() || t.parse::<i64>().is_ok()) {
+            return Some(t.into());
+        }
+        let f: f64 = t.parse().ok()?;
+        f.is_finite().then(|| format!("{f:e}"))
+    }
+
+    /// JSON number texts of every kind the writer tells apart: short and
+    /// long digit strings, zeros around the point, `E`, `+`, leading zeros
+    /// in the power, powers near f64's ends (1e308, 5e-324, subnormals)
+    /// and far past them.
+    fn number_text() -> impl Strategy<Value = String> {
+        let whole = prop_oneof![
+            Just("0".to_string()),
+            "[1-9][0-9]{0,3}",
+            "[1-9][0-9]{12,24}",
+            "[1-9]0{0,25}",
+            prop::sample::select(vec![
+                "17976931348623157",
+                "22250738585072014",
+                "49406564584124654",
+                "5",
+                "9"
+            ])
+            .prop_map(String::from),
+        ];
+        let fraction = prop::option::of(prop_oneof![
+            "[0-9]{1,4}",
+            "[0-9]{10,30}",
+            "0{1,12}[1-9]{0,3}0{0,5}",
+        ]);
+        let power = prop_oneof![
+            0u32..30,
+            280u32..345,
+            Just(0),
+            Just(307),
+            Just(308),
+            Just(309),
+            Just(323),
+            Just(324),
+            0u32..100_000
+        ];
+        let exponent = prop::option::of((
+            prop::sample::select(vec!["e", "E"]),
+            prop::sample::select(vec!["", "+", "-"]),
+            "0{0,3}",
+            power,
+        ));
+        (any::<bool>(), whole, fraction, exponent).prop_map(|(minus, whole, fraction, exponent)| {
+            let mut t = String::new();
+            if minus {
+                t.push('-');
+            }
+            t.push_str(&whole);
+            if let Some(f) = fraction {
+                t.push('.');
+                t.push_str(&f);
+            }
+            if let Some((e, sign, zeros, power)) = exponent {
+                t.push_str(e);
+                t.push_str(sign);
+                t.push_str(&zeros);
+                t.push_str(&power.to_string());
+            }
+            t
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4096))]
+
+        /// Whatever path writes a number (taken as it stands, written from
+        /// its digits, or parsed as an f64), alone, in an array or in an
+        /// object, the bytes are the reference's.
+        #[test]
+        fn every_number_is_written_as_the_reference_writes_it(t in number_text()) {
+            let want = reference_number(&t);
+            prop_assert_eq!(canon(&t).ok(), want.clone(), "{}", t);
+            let Some(want) = want else {
+                return Ok(());
+            };
+            prop_assert_eq!(canon(&format!("[{t}, 0,{t} ,[{t}]]")).unwrap(), format!("[{want},0,{want},[{want}]]"));
+            prop_assert_eq!(canon(&format!(r#"{{"b":{t},"a":[{t}]}}"#)).unwrap(), format!(r#"{{"a":[{want}],"b":{want}}}"#));
+            // The fast path writes what the slow one does, or leaves it.
+            if !(t.contains(['.', 'e', 'E'])) {
+                return Ok(());
+            }
+            let mut fast = Scientific::default();
+            if short_scientific(t.as_bytes(), &mut fast) {
+                let slow = slow_scientific(&t).unwrap();
+                prop_assert_eq!(fast.bytes(), slow.bytes(), "{}", t);
+            }
+            let json = Json::new(t.as_bytes()).unwrap();
+            if json.verbatim_end(0) == Some(t.len()) {
+                prop_assert_eq!(&want, &t);
+            }
+        }
+    }
+
+    /// Canonical JSON of a serde_json tree, as the crate docs define it
+    /// (its maps keep keys sorted by their bytes, the last of a repeated
+    /// key).
+    fn reference_json(v: &serde_json::Value, out: &mut String) {
+        use serde_json::Value;
+        match v {
+            Value::Object(m) => {
+                out.push('{');
+                for (n, (k, val)) in m.iter().enumerate() {
+                    if n > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(&serde_json::to_string(k).unwrap());
+                    out.push(':');
+                    reference_json(val, out);
+                }
+                out.push('}');
+            }
+            Value::Array(items) => {
+                out.push('[');
+                for (n, item) in items.iter().enumerate() {
+                    if n > 0 {
+                        out.push(',');
+                    }
+                    reference_json(item, out);
+                }
+                out.push(']');
+            }
+            Value::Number(n) if n.is_i64() || n.is_u64() => out.push_str(&n.to_string()),
+            Value::Number(n) => out.push_str(&format!("{:e}", n.as_f64().unwrap())),
+            other => out.push_str(&other.to_string()),
+        }
+    }
+
+    /// Objects nested in objects and arrays, their keys in any order,
+    /// repeated, escaped or not, with whitespace or none.
+    fn object_text() -> impl Strategy<Value = String> {
+        let key = prop::sample::select(vec![
+            r#""a""#,
+            r#""b""#,
+            r#""c""#,
+            r#""ab""#,
+            r#""\u0061""#,
+            r#""a\n""#,
+            r#""é""#,
+            r#""\u00e9""#,
+            r#""""#,
+            r#""b\"""#,
+            r#""zz""#,
+            r#""k10""#,
+            r#""k9""#,
+        ]);
+        let ws = prop::sample::select(vec!["", "", " ", "\n "]);
+        let leaf = prop::sample::select(vec![
+            "1",
+            "-7",
+            "\"x\"",
+            "\"\\u0041\"",
+            "null",
+            "true",
+            "[]",
+            "{}",
+            "-2.50",
+            "1E+3",
+            "0.5",
+        ])
+        .prop_map(String::from);
+        leaf.prop_recursive(5, 96, 8, move |inner| {
+            prop_oneof![
+                3 => prop::collection::vec((key.clone(), inner.clone(), ws.clone()), 0..9).prop_map(|members| {
+                    let members: Vec<String> = members
+                        .into_iter()
+                        .map(|(k, v, ws)| format!("{ws}{k}{ws}:{ws}{v}{ws}"))
+                        .collect();
+                    format!("{{{}}}", members.join(","))
+                }),
+                1 => prop::collection::vec(inner, 0..4).prop_map(|items| format!("[{}]", items.join(", "))),
+            ]
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2048))]
+
+        /// Whatever the order of an object's keys (in order, reversed,
+        /// repeated, escaped) and however deep, its members are written
+        /// sorted, the last of a repeated key kept, as the reference
+        /// writes them.
+        #[test]
+        fn every_object_is_written_as_the_reference_writes_it(t in object_text()) {
+            let v: serde_json::Value = serde_json::from_str(&t).unwrap();
+            let mut want = String::new();
+            reference_json(&v, &mut want);
+            prop_assert_eq!(canon(&t).unwrap(), want.clone(), "{}", t);
+            prop_assert_eq!(canon(&format!("[{t},{t}]")).unwrap(), format!("[{want},{want}]"));
         }
     }
 }

@@ -34,6 +34,19 @@ fn small_json() -> impl Strategy<Value = Value> {
     })
 }
 
+/// An item of an array of many: mostly one-digit numbers, literals and
+/// short strings (canonical as they stand), sometimes longer ones, and
+/// now and then any small value.
+fn tiny_item() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        6 => (0u8..10).prop_map(|d| json!(d)),
+        1 => (-99i64..1000).prop_map(|i| json!(i)),
+        1 => prop::sample::select(vec![json!(null), json!(true), json!(false), json!({}), json!([]), json!(0.5), json!(-0.0)]),
+        1 => "[a-z\"\\\\é]{0,40}".prop_map(Value::String),
+        1 => small_json(),
+    ]
+}
+
 fn content() -> impl Strategy<Value = Value> {
     let part = prop_oneof![
         text().prop_map(|t| json!({"type": "text", "text": t})),
@@ -296,6 +309,64 @@ proptest! {
         for text in [body.to_string(), { let mut t = String::new(); reserialize(&body, seed, &mut t); t }] {
             let got = canonical_prompt(CHAT, text.as_bytes()).unwrap().1;
             prop_assert!(got.starts_with(&want), "{}\n{:?}\n{:?}", text, String::from_utf8_lossy(&got), String::from_utf8_lossy(&want));
+        }
+    }
+
+    /// Arrays of many small items, as the writer batches them (one-digit
+    /// numbers read in a loop, tiny records gathered before they are
+    /// hashed) and as it does not (longer numbers and strings, objects,
+    /// whitespace): each input item's record, and the tools' record, are
+    /// the reference's, and the hashes those of the canonical bytes.
+    #[test]
+    fn arrays_of_tiny_items_are_written_as_the_reference_writes_them(
+        items in prop::collection::vec(tiny_item(), 0..300),
+        seed in any::<u64>(),
+        block in 1usize..80,
+    ) {
+        let items = Value::Array(items);
+        let responses = json!({"model": "m", "input": items.clone()});
+        let chat = json!({"model": "m", "tools": items.clone(), "messages": [{"role": "user", "content": "hi"}]});
+        let mut want_input = Vec::new();
+        for item in items.as_array().unwrap() {
+            let mut r = String::from("E");
+            reference(item, &mut r);
+            want_input.extend_from_slice(r.as_bytes());
+            want_input.push(0xFF);
+        }
+        let mut want_tools = String::from("T");
+        reference(&items, &mut want_tools);
+        let mut want_tools = want_tools.into_bytes();
+        want_tools.push(0xFF);
+        let p = Params { block_size: block * 8, max_prefix_bytes: 1 << 20 };
+        for (endpoint, body, want) in [
+            (Endpoint::Responses, &responses, want_input),
+            (CHAT, &chat, want_tools),
+        ] {
+            for text in [body.to_string(), { let mut t = String::new(); reserialize(body, seed, &mut t); t }] {
+                match canonical_prompt(endpoint, text.as_bytes()) {
+                    Ok((model, got)) => {
+                        prop_assert!(got.starts_with(&want), "{}", text);
+                        let fp = fingerprint(endpoint, text.as_bytes(), &p).unwrap();
+                        prop_assert_eq!(fp.hashes, chain_hashes(&model, &got, &p));
+                    }
+                    Err(e) => {
+                        prop_assert!(want.is_empty(), "{}: {:?}", text, e);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Text made of digits, commas and brackets (where arrays of one-digit
+    /// numbers are read in a loop) is JSON exactly when serde_json says so.
+    #[test]
+    fn digit_arrays_are_json_as_for_serde_json(s in "[\\[\\]0-9,.eE+ -]{0,40}") {
+        let body = format!(r#"{{"model":"m","tools":{s},"messages":[{{"role":"user","content":"hi"}}]}}"#);
+        let ours = canonical_prompt(CHAT, body.as_bytes()).map(drop);
+        let theirs = serde_json::from_str::<Value>(&s).is_ok();
+        prop_assert_eq!(ours.is_ok(), theirs, "{}: {:?}", s, ours);
+        if !theirs {
+            prop_assert_eq!(ours, Err(hearth_wire::SkipReason::NotJson));
         }
     }
 
