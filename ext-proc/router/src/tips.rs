@@ -66,7 +66,8 @@ struct Turn {
 /// What became of a turn, for [`Sequels`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Fate {
-    /// A later turn of its conversation.
+    /// A later turn of its conversation, or a first turn whose fate is
+    /// not followed here (a peer routed it).
     Later,
     /// A first turn this sidecar routed, its answer still running.
     Pending,
@@ -102,7 +103,7 @@ const SEQUEL_PRIOR: f64 = 16.0;
 
 /// The share of recent first turns that went on to a second turn (a later
 /// prompt extending them, not the same prompt again).
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Sequels {
     /// First turns whose answers ended since the last decision.
     ended: Vec<u64>,
@@ -111,17 +112,6 @@ pub struct Sequels {
     pending: VecDeque<(Instant, u64)>,
     continued: f64,
     one_shot: f64,
-}
-
-impl Default for Sequels {
-    fn default() -> Self {
-        Sequels {
-            ended: Vec::new(),
-            pending: VecDeque::new(),
-            continued: 0.0,
-            one_shot: 0.0,
-        }
-    }
 }
 
 impl Sequels {

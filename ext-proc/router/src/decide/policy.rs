@@ -9,8 +9,9 @@
 //! decides where a conversation starts. The lower cap is divided by the
 //! share of recent first turns that went on to a second turn: where
 //! requests are one-shot (an app's system prompt and a question), a
-//! placement holds no conversation, and the shared prefix counts in full. The benchmark's simulator calls this
-//! same code, so what it measures is what the sidecar runs.
+//! placement holds no conversation, and the shared prefix counts in full.
+//! The benchmark's simulator calls this same code, so what it measures is
+//! what the sidecar runs.
 
 use std::time::Instant;
 
