@@ -4,7 +4,9 @@
 //! both alike. The ratio, not the speed, is the figure to compare.
 //!
 //! Run: `cargo bench -p hearth-wire --bench shape_ratio` (bodies of 1 MiB),
-//! or `-- 4194304` for another size in bytes.
+//! or `-- 4194304` for another size in bytes. `scripts/shape-ratio` runs
+//! it natively and, built for the filter's target, under V8 (Node's WASI:
+//! `benches/wasi.mjs`), as the filter runs inside Envoy.
 
 #[path = "../tests/shapes/mod.rs"]
 mod shapes;

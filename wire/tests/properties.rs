@@ -404,6 +404,28 @@ proptest! {
         }
     }
 
+    /// Content parts, many of them empty objects (gathered into batches
+    /// before they are hashed) among text and image parts: the records
+    /// are those of the same parts written with a space inside each `{}`
+    /// (read one by one), and the hashes those of the canonical bytes.
+    #[test]
+    fn empty_parts_are_written_as_any_other_object_part(
+        parts in prop::collection::vec(prop_oneof![
+            4 => Just(json!({})),
+            1 => "[a-z ]{0,20}".prop_map(|t| json!({"type": "text", "text": t})),
+            1 => "[a-z]{0,12}".prop_map(|u| json!({"type": "image_url", "image_url": {"url": u}})),
+        ], 1..300),
+        block in 1usize..80,
+    ) {
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": parts}]}).to_string();
+        let spaced = body.replace("{}", "{ }");
+        let (model, got) = canonical_prompt(CHAT, body.as_bytes()).unwrap();
+        prop_assert_eq!(&got, &canonical_prompt(CHAT, spaced.as_bytes()).unwrap().1);
+        let p = Params { block_size: block * 8, max_prefix_bytes: 1 << 20 };
+        let fp = fingerprint(CHAT, body.as_bytes(), &p).unwrap();
+        prop_assert_eq!(fp.hashes, chain_hashes(&model, &got, &p));
+    }
+
     /// Text made of digits, commas and brackets (where arrays of one-digit
     /// numbers are read in a loop) is JSON exactly when serde_json says so.
     #[test]
