@@ -299,6 +299,11 @@ pub fn run(spec: &RunSpec) -> RunResult {
                             if let Some(p) = pending.get_mut(&id) {
                                 p.first_us = Some(t);
                                 p.cached_tokens = cached_tokens;
+                                // The prompt is read: as the sidecar hears
+                                // of the answer's first token.
+                                if let Some(d) = &p.routed.hearth {
+                                    d.prefill().done();
+                                }
                             }
                         }
                         SeqEvent::Finished { id, .. } => {

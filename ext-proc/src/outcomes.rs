@@ -36,7 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use hearth_router::health::{judge, Ending, Failure, Outcome};
-use hearth_router::{Prediction, Router, Usage};
+use hearth_router::{Prediction, Prefill, Router, Usage};
 use hearth_wire::outcome::{Answer, Report};
 
 use crate::observe::Observer;
@@ -57,9 +57,12 @@ pub struct Outcomes {
 }
 
 /// A decision whose answer is awaited.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 struct Pending {
     prediction: Prediction,
+    /// Gives back the load of the prompt's unread bytes when the answer's
+    /// first chunk is reported ([`Outcomes::first_token`]).
+    prefill: Option<Prefill>,
     /// Envoy's `x-request-id`, for the journal (never for matching).
     request_id: Option<String>,
     /// The model asked for (the metrics' label).
@@ -123,6 +126,7 @@ impl Outcomes {
     pub fn issue_ticket(
         &self,
         prediction: Prediction,
+        prefill: Prefill,
         request_id: Option<&str>,
         model: Option<&str>,
     ) -> String {
@@ -131,6 +135,7 @@ impl Outcomes {
             &ticket,
             Pending {
                 prediction,
+                prefill: Some(prefill),
                 request_id: request_id.map(str::to_string),
                 model: model.map(str::to_string),
             },
@@ -167,6 +172,25 @@ impl Outcomes {
             pending,
             request_id: end.request_id,
         });
+    }
+
+    /// The outcome filter saw the first chunk of the answer to the request
+    /// whose decision waits under `ticket`: the engine has read its prompt,
+    /// so the load its unread bytes weighed is given back (once). `false`
+    /// when no decision waits under that ticket. Only the ticket's holder,
+    /// the gateway, can name it, and it changes only its own request's
+    /// load.
+    pub fn first_token(&self, ticket: &str) -> bool {
+        let prefill = self.lock().get(ticket).map(|p| p.prefill.clone());
+        match prefill {
+            Some(p) => {
+                if let Some(p) = p {
+                    p.done();
+                }
+                true
+            }
+            None => false,
+        }
     }
 
     /// The outcome filter's report on a generation's 200 answer.
@@ -296,6 +320,10 @@ impl Waiting {
     fn take(&mut self, ticket: &str) -> Option<Pending> {
         self.by_ticket.remove(ticket).map(|(p, _)| p)
     }
+
+    fn get(&self, ticket: &str) -> Option<&Pending> {
+        self.by_ticket.get(ticket).map(|(p, _)| p)
+    }
 }
 
 #[cfg(test)]
@@ -318,6 +346,7 @@ mod tests {
                 compare: true,
                 stamp: None,
             },
+            prefill: None,
             request_id: None,
             model: None,
         }
@@ -341,8 +370,8 @@ mod tests {
         let now = Instant::now();
         w.insert("a", pending(3), now);
         assert_eq!(w.take("a").map(|p| p.prediction.blocks), Some(3));
-        assert_eq!(w.take("a"), None);
-        assert_eq!(w.take("never-issued"), None);
+        assert!(w.take("a").is_none());
+        assert!(w.take("never-issued").is_none());
     }
 
     #[test]
@@ -353,13 +382,13 @@ mod tests {
         let t0 = Instant::now();
         w.insert("old", pending(1), t0);
         w.insert("new", pending(2), t0 + WAIT_LIMIT);
-        assert_eq!(w.take("old"), None);
+        assert!(w.take("old").is_none());
         assert!(w.take("new").is_some());
         for k in 0..MAX_WAITING + 10 {
             w.insert(&k.to_string(), pending(1), t0 + WAIT_LIMIT);
         }
         assert_eq!(w.by_ticket.len(), MAX_WAITING);
-        assert_eq!(w.take("0"), None);
+        assert!(w.take("0").is_none());
         assert!(w.take(&(MAX_WAITING + 9).to_string()).is_some());
     }
 }

@@ -97,6 +97,7 @@ impl RootContext for Root {
                 generation: false,
                 scanner: None,
                 reported: false,
+                first_chunk_reported: false,
                 request_id: None,
             }));
         }
@@ -276,6 +277,9 @@ struct OutcomeHttp {
     /// Set while a generation's 200 answer is being watched.
     scanner: Option<Scanner>,
     reported: bool,
+    /// The first chunk of a streamed answer was reported (the engine has
+    /// read the prompt: the sidecar stops weighing its unread bytes).
+    first_chunk_reported: bool,
     /// The sidecar's ticket (`x-hearth-ticket`): the report's usage is
     /// matched with its decision by it.
     request_id: Option<String>,
@@ -308,25 +312,11 @@ impl OutcomeHttp {
             .is_some()
     }
 
-    /// Sends the verdict to the sidecar, once, without waiting for it.
-    fn report(&mut self) {
-        if self.reported {
-            return;
-        }
-        let Some(scanner) = &self.scanner else { return };
-        self.reported = true;
-        let upstream = hostcalls::get_property(vec!["upstream", "address"])
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        let body = outcome::report_body(
-            &String::from_utf8_lossy(&upstream),
-            self.request_id.as_deref(),
-            scanner,
-        );
+    /// `POST`s `body` to the sidecar's `path`, without waiting for it.
+    fn post(&self, path: &str, body: &str) {
         let mut headers = vec![
             (":method", "POST"),
-            (":path", outcome::REPORT_PATH),
+            (":path", path),
             (":authority", "hearth-sidecar"),
             ("content-type", "text/plain"),
         ];
@@ -347,9 +337,44 @@ impl OutcomeHttp {
         ) {
             log(
                 LogLevel::Debug,
-                &format!("hearth: cannot report an outcome: {status:?}"),
+                &format!("hearth: cannot report to {path}: {status:?}"),
             );
         }
+    }
+
+    /// Tells the sidecar, once, that a streamed answer's first chunk went
+    /// by (a body that ends in its first chunk is told by its report).
+    fn report_first_chunk(&mut self) {
+        if self.first_chunk_reported {
+            return;
+        }
+        self.first_chunk_reported = true;
+        if let Some(body) = self
+            .request_id
+            .as_deref()
+            .and_then(outcome::first_token_body)
+        {
+            self.post(outcome::FIRST_TOKEN_PATH, &body);
+        }
+    }
+
+    /// Sends the verdict to the sidecar, once, without waiting for it.
+    fn report(&mut self) {
+        if self.reported {
+            return;
+        }
+        let Some(scanner) = &self.scanner else { return };
+        self.reported = true;
+        let upstream = hostcalls::get_property(vec!["upstream", "address"])
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let body = outcome::report_body(
+            &String::from_utf8_lossy(&upstream),
+            self.request_id.as_deref(),
+            scanner,
+        );
+        self.post(outcome::REPORT_PATH, &body);
     }
 }
 
@@ -388,6 +413,8 @@ impl HttpContext for OutcomeHttp {
             }
             if end_of_stream {
                 self.report();
+            } else if body_size > 0 {
+                self.report_first_chunk();
             }
         }
         Action::Continue

@@ -1,6 +1,7 @@
 //! The control surfaces through the real Envoy, with the control token
 //! every fleet of these tests runs with (`FleetOptions::control_token`):
-//! forged outcome reports get 401 and change nothing (without a token,
+//! forged outcome reports (and first-chunk reports) get 401 and change
+//! nothing (without a token,
 //! a report that names no waiting decision by its ticket gets 404 and
 //! changes nothing), while the outcome
 //! filter's own reports (which carry the token) still fence a replica
@@ -32,9 +33,19 @@ use tokio_stream::wrappers::ReceiverStream;
 
 /// POSTs an outcome report to the sidecar with `authorization`, if any.
 async fn post_outcome(fleet: &Fleet, body: &str, authorization: Option<&str>) -> (u16, String) {
+    post_to(fleet, "/outcome", body, authorization).await
+}
+
+/// POSTs `body` to the sidecar's admin `path` with `authorization`.
+async fn post_to(
+    fleet: &Fleet,
+    path: &str,
+    body: &str,
+    authorization: Option<&str>,
+) -> (u16, String) {
     let mut req = fleet
         .client
-        .post(format!("http://{}/outcome", fleet.settings.admin_listen))
+        .post(format!("http://{}{path}", fleet.settings.admin_listen))
         .header("content-type", "text/plain")
         .body(body.to_string());
     if let Some(value) = authorization {
@@ -119,6 +130,9 @@ async fn forged_outcome_reports_get_401_and_change_nothing() {
             let v: Value = serde_json::from_str(&text).expect("a JSON error body");
             assert_eq!(v["error"]["code"], "control_token_required", "{text}");
         }
+        // A first-chunk report (it would lighten a request's load).
+        let (code, text) = post_to(&fleet, "/outcome/first-token", "id=forged-1", auth).await;
+        assert_eq!(code, 401, "{auth:?}: {text}");
     }
     let after = observable(&fleet).await;
     assert_eq!(before, after, "a forged report changed the sidecar's state");
@@ -135,6 +149,16 @@ async fn forged_outcome_reports_get_401_and_change_nothing() {
     for _ in 0..3 {
         let (code, text) = post_outcome(&fleet, &empty, Some(&right)).await;
         assert_eq!(code, 204, "{text}");
+    }
+    // With the token, a first-chunk report names a ticket: one no
+    // decision waits under is 404, anything else 400.
+    for (body, want) in [
+        ("id=never-issued", 404),
+        ("never-issued", 400),
+        ("id=", 400),
+    ] {
+        let (code, text) = post_to(&fleet, "/outcome/first-token", body, Some(&right)).await;
+        assert_eq!(code, want, "{body}: {text}");
     }
     let state = fleet.state().await.unwrap();
     assert_eq!(state.replicas[0].health.suspicions_total, 1, "{state:?}");

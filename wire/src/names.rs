@@ -46,7 +46,7 @@ pub const OBJECTIVE: &str = "x-gateway-inference-objective";
 /// `ttl`).
 pub const DROP_REASON: &str = "x-hearth-drop-reason";
 
-pub use crate::outcome::REPORT_PATH;
+pub use crate::outcome::{FIRST_TOKEN_PATH, REPORT_PATH};
 
 /// The longest model name the sidecar keeps, in bytes. A request's model
 /// comes from the client (the body's `model`, or the filter's

@@ -29,6 +29,22 @@ use std::fmt;
 /// Where the sidecar takes outcome reports.
 pub const REPORT_PATH: &str = "/outcome";
 
+/// Where the sidecar hears that a streamed answer's first chunk went by
+/// (the engine has read the prompt): `POST` with the body `id=TICKET`.
+/// Sent once per streamed generation, before its outcome report.
+pub const FIRST_TOKEN_PATH: &str = "/outcome/first-token";
+
+/// The body of a first-token report for the request named `ticket`
+/// (`None` when the ticket is not fit for a report).
+pub fn first_token_body(ticket: &str) -> Option<String> {
+    report_id(ticket).map(|t| format!("id={t}"))
+}
+
+/// The ticket a first-token report names; `None` for any other body.
+pub fn parse_first_token(body: &str) -> Option<&str> {
+    report_id(body.trim().strip_prefix("id=")?)
+}
+
 /// What a 200 answer's body showed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Answer {
@@ -330,6 +346,26 @@ mod tests {
             s.feed(c.as_bytes());
         }
         s
+    }
+
+    #[test]
+    fn a_first_token_report_names_its_ticket_and_nothing_else() {
+        let body = first_token_body("0123abcd").unwrap();
+        assert_eq!(body, "id=0123abcd");
+        assert_eq!(parse_first_token(&body), Some("0123abcd"));
+        assert_eq!(parse_first_token("id=0123abcd\n"), Some("0123abcd"));
+        for bad in [
+            "",
+            "id=",
+            "0123abcd",
+            "id=a;b",
+            "id=a b",
+            "upstream=1.2.3.4:5;id=x",
+        ] {
+            assert_eq!(parse_first_token(bad), None, "{bad:?}");
+        }
+        assert_eq!(first_token_body("a;b"), None);
+        assert_eq!(first_token_body(&"x".repeat(MAX_REQUEST_ID + 1)), None);
     }
 
     #[test]

@@ -43,7 +43,7 @@ pub mod usage;
 pub mod warmth;
 
 pub use decide::policy::Candidate;
-pub use decide::{Decision, RequestInfo, Reservation, RouteError, ScoredCandidate};
+pub use decide::{Decision, Prefill, RequestInfo, Reservation, RouteError, ScoredCandidate};
 pub use fleet::EngineSignals;
 pub use flow::{
     BandLoad, DropReason, Dropped, Entry, FlowLoad, FlowParams, FlowQueue, QueueParams, QueueView,

@@ -171,6 +171,49 @@ fn reservations_last_until_dropped_and_push_new_work_elsewhere() {
 }
 
 #[test]
+fn a_prompt_weighs_its_unread_bytes_until_its_first_token_then_one_unit() {
+    // 64 KiB of prompt a load unit: a cold prompt of 64 blocks (128 KiB)
+    // weighs 1 + 2 units until it is read.
+    let router = fleet("127.0.0.1:1001,127.0.0.1:1002", |p| {
+        p.load_unit_bytes = 65_536;
+    });
+    let hashes: Vec<u64> = (1..=64).collect();
+    let load = |router: &Router, k: usize| router.snapshot().replicas[k].load;
+    let a = router.decide(&req(&hashes)).unwrap();
+    let home = a.primary();
+    assert!(
+        (load(&router, home) - 3.0).abs() < 1e-9,
+        "{}",
+        load(&router, home)
+    );
+    let prefill = a.prefill();
+    prefill.done();
+    assert!((load(&router, home) - 1.0).abs() < 1e-9);
+    // Once: a second report of the first token (the stream and the
+    // outcome filter both saw it) changes nothing.
+    prefill.clone().done();
+    a.prefill().done();
+    assert!((load(&router, home) - 1.0).abs() < 1e-9);
+    // A warm turn reads only its new blocks: 8 of 72, a quarter unit.
+    let longer: Vec<u64> = (1..=72).collect();
+    let b = router.decide(&req(&longer)).unwrap();
+    assert_eq!(b.primary(), home);
+    assert!((load(&router, home) - 2.25).abs() < 1e-9);
+    // The end gives back what is left, whether or not the first token
+    // came; after it, a late first token is nothing.
+    drop(a);
+    assert!((load(&router, home) - 1.25).abs() < 1e-9);
+    let late = b.prefill();
+    drop(b);
+    late.done();
+    let snap = router.snapshot();
+    assert!(snap
+        .replicas
+        .iter()
+        .all(|r| r.in_flight == 0 && r.load == 0.0));
+}
+
+#[test]
 fn model_restrictions_and_no_eligible_replica() {
     let router = router(|_| {});
     let mut special = req(&[1]);

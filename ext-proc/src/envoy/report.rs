@@ -1,6 +1,8 @@
 //! `POST /outcome` on the admin endpoint: the outcome filter's report on a
 //! generation's 200 answer (`hearth_wire::outcome::Report`), handed to the
-//! place where requests end ([`crate::outcomes`]).
+//! place where requests end ([`crate::outcomes`]); and `POST
+//! /outcome/first-token`, its word that a streamed answer's first chunk
+//! went by.
 
 use std::sync::Arc;
 
@@ -18,6 +20,7 @@ use crate::outcomes::{Outcomes, ReportRefused};
 pub fn routes(outcomes: Arc<Outcomes>, authenticated: bool) -> HttpRouter {
     HttpRouter::new()
         .route(hearth_wire::names::REPORT_PATH, post(outcome))
+        .route(hearth_wire::names::FIRST_TOKEN_PATH, post(first_token))
         .with_state((outcomes, authenticated))
 }
 
@@ -34,5 +37,21 @@ async fn outcome(
     match outcomes.reported(&report, authenticated) {
         Ok(()) => StatusCode::NO_CONTENT,
         Err(ReportRefused::UnknownUpstream | ReportRefused::UnknownTicket) => StatusCode::NOT_FOUND,
+    }
+}
+
+/// 204 when a decision waits under the ticket named (its prompt's reading
+/// load is given back), 404 when none does, 400 for any other body.
+async fn first_token(
+    State((outcomes, _)): State<(Arc<Outcomes>, bool)>,
+    body: String,
+) -> StatusCode {
+    let Some(ticket) = hearth_wire::outcome::parse_first_token(&body) else {
+        return StatusCode::BAD_REQUEST;
+    };
+    if outcomes.first_token(ticket) {
+        StatusCode::NO_CONTENT
+    } else {
+        StatusCode::NOT_FOUND
     }
 }

@@ -587,6 +587,12 @@ impl Exchange {
 
     fn on_response_body(&mut self, b: HttpBody) -> Replies {
         if let Some(scan) = self.answer.as_mut() {
+            if !b.body.is_empty() {
+                // The answer's first chunk: the engine has read the prompt.
+                if let Some(r) = &self.reservation {
+                    r.prefill().done();
+                }
+            }
             scan.feed(&b.body);
             self.answer_ended |= b.end_of_stream;
         }
@@ -753,6 +759,7 @@ impl Exchange {
                 if info.model.is_some() {
                     let ticket = self.outcomes.issue_ticket(
                         decision.prediction,
+                        decision.prefill(),
                         self.request_id.as_deref(),
                         info.model.as_deref(),
                     );

@@ -37,7 +37,7 @@ pub mod reserve;
 mod simulation;
 
 pub use request::{RequestInfo, RouteError};
-pub use reserve::Reservation;
+pub use reserve::{Prefill, Reservation};
 
 /// A routing decision. Dropping it releases the load it reserved.
 #[derive(Debug)]
@@ -99,6 +99,12 @@ impl Decision {
     /// allows for.
     pub fn uncached_bytes(&self) -> u64 {
         self.reservation.uncached_bytes
+    }
+
+    /// The handle that gives back the load of the prompt's unread bytes
+    /// when the answer's first token is out ([`Prefill::done`]).
+    pub fn prefill(&self) -> Prefill {
+        self.reservation.prefill()
     }
 
     /// The answer's usage at `now`, from the chosen replica (see

@@ -1,7 +1,13 @@
 //! Phase 5: reserve load on the chosen replica for the request's whole
 //! life, and record the prompt as warm there (so concurrent requests with
 //! the same new prefix follow it) and the conversation as resident.
+//!
+//! A request weighs one load unit, plus one per `load_unit_bytes` of its
+//! prompt the replica must still read, until that reading is done: when
+//! the answer's first token is out ([`Prefill::done`]), only the unit
+//! stays, to the request's end.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -18,18 +24,77 @@ use crate::tips::Tips;
 pub struct Reservation {
     router: Arc<Router>,
     replica: usize,
-    weight: f64,
+    /// The part of the load that weighs only while the prompt is read.
+    prefill: Arc<PrefillLoad>,
     /// Prompt bytes the chosen replica does not hold: its prefill work.
     pub(crate) uncached_bytes: u64,
     /// The prompt's last full block, left as its conversation's tip.
     pub(crate) tip: Option<u64>,
 }
 
+/// The load of a request's unread prompt: its uncached bytes and the load
+/// units they weigh, given back once, by whichever comes first of the
+/// answer's first token and the request's end.
+#[derive(Debug)]
+struct PrefillLoad {
+    units: f64,
+    bytes: u64,
+    released: AtomicBool,
+}
+
+impl PrefillLoad {
+    /// Takes this load off `r` unless it was already taken; under the
+    /// fleet lock.
+    fn release(&self, r: &mut crate::fleet::ReplicaState) {
+        if !self.released.swap(true, Ordering::AcqRel) {
+            r.load -= self.units;
+            r.uncached_bytes = r.uncached_bytes.saturating_sub(self.bytes);
+        }
+    }
+}
+
+/// A handle on a request's prefill load, for whatever sees its answer's
+/// first token (the ext_proc stream, or the outcome filter's report by
+/// ticket). Cloning it is cheap; [`Prefill::done`] acts once.
+#[derive(Clone)]
+pub struct Prefill {
+    router: Arc<Router>,
+    replica: usize,
+    load: Arc<PrefillLoad>,
+}
+
+impl std::fmt::Debug for Prefill {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prefill")
+            .field("replica", &self.replica)
+            .field("load", &self.load)
+            .finish()
+    }
+}
+
+impl Prefill {
+    /// The chosen replica has read the prompt (the answer's first token is
+    /// out): the load its unread bytes weighed is given back, and the
+    /// request weighs one unit until it ends. Later calls do nothing.
+    pub fn done(&self) {
+        if self.load.released.load(Ordering::Acquire) {
+            return;
+        }
+        let mut fleet = self.router.lock();
+        if let Some(r) = fleet.state.get_mut(self.replica) {
+            self.load.release(r);
+            r.load = r.load.max(0.0);
+        }
+        drop(fleet);
+        self.router.released();
+    }
+}
+
 impl std::fmt::Debug for Reservation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Reservation")
             .field("replica", &self.replica)
-            .field("weight", &self.weight)
+            .field("prefill", &self.prefill)
             .finish()
     }
 }
@@ -38,6 +103,15 @@ impl Reservation {
     pub(crate) fn router(&self) -> &Arc<Router> {
         &self.router
     }
+
+    /// The handle that gives back the prompt's reading load.
+    pub fn prefill(&self) -> Prefill {
+        Prefill {
+            router: Arc::clone(&self.router),
+            replica: self.replica,
+            load: Arc::clone(&self.prefill),
+        }
+    }
 }
 
 impl Drop for Reservation {
@@ -45,8 +119,8 @@ impl Drop for Reservation {
         let mut fleet = self.router.lock();
         let r = &mut fleet.state[self.replica];
         r.in_flight = r.in_flight.saturating_sub(1);
-        r.load -= self.weight;
-        r.uncached_bytes = r.uncached_bytes.saturating_sub(self.uncached_bytes);
+        r.load -= 1.0;
+        self.prefill.release(r);
         // Sums of floats drift; an idle replica carries exactly no load.
         r.load = if r.in_flight == 0 {
             0.0
@@ -79,10 +153,10 @@ pub(crate) fn reserve(
     let chosen = picked.order[0];
     let cached_bytes = u64::from(picked.overlap) * p.block_size as u64;
     let uncached = req.prompt_bytes.saturating_sub(cached_bytes);
-    let weight = 1.0 + uncached as f64 / p.load_unit_bytes as f64;
+    let prefill_units = uncached as f64 / p.load_unit_bytes as f64;
     let r = &mut fleet.state[chosen];
     r.in_flight += 1;
-    r.load += weight;
+    r.load += 1.0 + prefill_units;
     r.uncached_bytes = r.uncached_bytes.saturating_add(uncached);
     r.routed += 1;
     r.warmth.record_prompt(&req.hashes);
@@ -119,7 +193,11 @@ pub(crate) fn reserve(
     Reservation {
         router: Arc::clone(router),
         replica: chosen,
-        weight,
+        prefill: Arc::new(PrefillLoad {
+            units: prefill_units,
+            bytes: uncached,
+            released: AtomicBool::new(false),
+        }),
         uncached_bytes: uncached,
         tip,
     }
