@@ -677,3 +677,65 @@ pub fn validate_config(name: &str, yaml: &str) -> anyhow::Result<()> {
     let _ = std::fs::remove_file(&tmp);
     result
 }
+
+/// Checks, through `fleet` (a sidecar with `--load-unit-bytes=1024` and
+/// blocks of `block_size`), that a streamed answer weighs one load unit on
+/// its replica once its first chunk has come, while its 4 KB cold prompt
+/// weighed several before (what the decision read: its canonical bytes
+/// beyond the blocks the replica held), and nothing once it ends. For
+/// real engines, which send their first chunk after reading the prompt.
+pub async fn first_chunk_sheds_the_prompt_load(fleet: &Fleet, model: &str, block_size: u64) {
+    use futures::StreamExt;
+    let system = format!("You are a storyteller. Notes:\n{}", filler(61, 4000));
+    let mut conv = Conversation::new(model, &system, false, 61);
+    let mut body = conv.next_turn(240, true);
+    body["max_tokens"] = 400.into();
+    body["ignore_eos"] = true.into();
+    let resp = fleet
+        .client
+        .post(format!("{}/v1/chat/completions", fleet.envoy.url()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut chunks = resp.bytes_stream();
+    let first = chunks.next().await.unwrap().unwrap();
+    assert!(!first.is_empty());
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    let state = loop {
+        let s = fleet.state().await.unwrap();
+        let open = s.replicas.iter().find(|r| r.in_flight == 1);
+        if open.is_some_and(|r| r.load <= 1.0) || std::time::Instant::now() > until {
+            break s;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
+    let open = state
+        .replicas
+        .iter()
+        .find(|r| r.in_flight == 1)
+        .unwrap_or_else(|| panic!("the stream ended before its load was read: {state:?}"));
+    assert!(
+        (open.load - 1.0).abs() < 1e-9 && open.uncached_in_flight_bytes == 0,
+        "after its first chunk the open stream weighs one unit: {state:?}"
+    );
+    let (_, journal) = fleet.admin_get("/debug/decisions?limit=1").await.unwrap();
+    let decisions: Value = serde_json::from_str(&journal).unwrap();
+    let last = &decisions["decisions"][0];
+    let prompt = last["prompt_bytes"].as_u64().expect("prompt_bytes");
+    let held = last["overlap"].as_u64().expect("overlap") * block_size;
+    assert!(
+        prompt.saturating_sub(held) > 3072,
+        "the decision weighed more than 3 KiB of unread prompt: {last}"
+    );
+    while chunks.next().await.is_some() {}
+    let settled = fleet.settle(Duration::from_secs(20)).await.unwrap();
+    assert!(
+        settled
+            .replicas
+            .iter()
+            .all(|r| r.in_flight == 0 && r.load == 0.0),
+        "{settled:?}"
+    );
+}

@@ -350,6 +350,18 @@ async fn vllm_conversations_stay_warm_and_the_sidecar_reads_the_engines_metrics(
 }
 
 #[tokio::test]
+async fn a_streamed_vllm_answer_weighs_one_unit_once_its_first_chunk_is_out() {
+    if !vllm_or_skip("a_streamed_vllm_answer_weighs_one_unit_once_its_first_chunk_is_out") {
+        return;
+    }
+    // vLLM sends a stream's headers at once and its first chunk once the
+    // prompt is read (a load unit a KiB of it here).
+    let flags = [SIDECAR_FLAGS[0], SIDECAR_FLAGS[2], "--load-unit-bytes=1024"];
+    let vf = VllmFleet::start(1, &small_vllm(), &flags).await.unwrap();
+    hearth_e2e::first_chunk_sheds_the_prompt_load(&vf.fleet, VLLM_MODEL, 256).await;
+}
+
+#[tokio::test]
 async fn a_keyed_vllm_engine_killed_and_restarted_is_fenced_readmitted_and_starts_cold() {
     if !vllm_or_skip(
         "a_keyed_vllm_engine_killed_and_restarted_is_fenced_readmitted_and_starts_cold",

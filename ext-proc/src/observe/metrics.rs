@@ -242,7 +242,7 @@ const REPLICA_SERIES: &[Scraped<ReplicaSnapshot>] = &[
     ),
     gauge(
         "hearth_replica_load",
-        "In-flight load on the replica, in load units (1 + uncached bytes / HEARTH_LOAD_UNIT_BYTES per request)",
+        "In-flight load on the replica, in load units (1 + uncached bytes / HEARTH_LOAD_UNIT_BYTES per request until its answer's first chunk, then 1)",
         |r| r.load,
     ),
     gauge(
