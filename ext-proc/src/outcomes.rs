@@ -181,16 +181,14 @@ impl Outcomes {
     /// the gateway, can name it, and it changes only its own request's
     /// load.
     pub fn first_token(&self, ticket: &str) -> bool {
-        let prefill = self.lock().get(ticket).map(|p| p.prefill.clone());
-        match prefill {
-            Some(p) => {
-                if let Some(p) = p {
-                    p.done();
-                }
-                true
-            }
-            None => false,
+        // Cloned out, so the lock is not held while the router's is taken.
+        let Some(prefill) = self.lock().get(ticket).map(|p| p.prefill.clone()) else {
+            return false;
+        };
+        if let Some(p) = prefill {
+            p.done();
         }
+        true
     }
 
     /// The outcome filter's report on a generation's 200 answer.
