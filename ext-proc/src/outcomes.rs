@@ -62,7 +62,7 @@ struct Pending {
     prediction: Prediction,
     /// Gives back the load of the prompt's unread bytes when the answer's
     /// first chunk is reported ([`Outcomes::first_token`]).
-    prefill: Option<Prefill>,
+    prefill: Prefill,
     /// Envoy's `x-request-id`, for the journal (never for matching).
     request_id: Option<String>,
     /// The model asked for (the metrics' label).
@@ -135,7 +135,7 @@ impl Outcomes {
             &ticket,
             Pending {
                 prediction,
-                prefill: Some(prefill),
+                prefill,
                 request_id: request_id.map(str::to_string),
                 model: model.map(str::to_string),
             },
@@ -185,9 +185,7 @@ impl Outcomes {
         let Some(prefill) = self.lock().get(ticket).map(|p| p.prefill.clone()) else {
             return false;
         };
-        if let Some(p) = prefill {
-            p.done();
-        }
+        prefill.done();
         true
     }
 
@@ -328,6 +326,21 @@ impl Waiting {
 mod tests {
     use super::*;
 
+    /// A decision's prefill handle (one for every fixture: the tests here
+    /// never report a first chunk).
+    fn prefill() -> Prefill {
+        static ONE: std::sync::OnceLock<Prefill> = std::sync::OnceLock::new();
+        ONE.get_or_init(|| {
+            let specs = ["127.0.0.1:1".parse().expect("an upstream")];
+            let router = Router::new(Default::default(), &specs);
+            let decision = router
+                .decide(&Default::default())
+                .expect("a replica to decide on");
+            decision.prefill().clone()
+        })
+        .clone()
+    }
+
     fn pending(blocks: u32) -> Pending {
         Pending {
             prediction: Prediction {
@@ -344,7 +357,7 @@ mod tests {
                 compare: true,
                 stamp: None,
             },
-            prefill: None,
+            prefill: prefill(),
             request_id: None,
             model: None,
         }

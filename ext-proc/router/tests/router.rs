@@ -186,7 +186,7 @@ fn a_prompt_weighs_its_unread_bytes_until_its_first_token_then_one_unit() {
         "{}",
         load(&router, home)
     );
-    let prefill = a.prefill();
+    let prefill = a.prefill().clone();
     prefill.done();
     assert!((load(&router, home) - 1.0).abs() < 1e-9);
     // Once: a second report of the first token (the stream and the
@@ -203,7 +203,7 @@ fn a_prompt_weighs_its_unread_bytes_until_its_first_token_then_one_unit() {
     // came; after it, a late first token is nothing.
     drop(a);
     assert!((load(&router, home) - 1.25).abs() < 1e-9);
-    let late = b.prefill();
+    let late = b.prefill().clone();
     drop(b);
     late.done();
     let snap = router.snapshot();

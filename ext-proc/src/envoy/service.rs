@@ -759,7 +759,7 @@ impl Exchange {
                 if info.model.is_some() {
                     let ticket = self.outcomes.issue_ticket(
                         decision.prediction,
-                        decision.prefill(),
+                        decision.prefill().clone(),
                         self.request_id.as_deref(),
                         info.model.as_deref(),
                     );

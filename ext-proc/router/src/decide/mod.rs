@@ -103,7 +103,7 @@ impl Decision {
 
     /// The handle that gives back the load of the prompt's unread bytes
     /// when the answer's first token is out ([`Prefill::done`]).
-    pub fn prefill(&self) -> Prefill {
+    pub fn prefill(&self) -> &Prefill {
         self.reservation.prefill()
     }
 

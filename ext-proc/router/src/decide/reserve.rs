@@ -22,10 +22,9 @@ use crate::tips::Tips;
 /// every way a stream can end (completion, client abort, upstream reset,
 /// timeout, gRPC error) gives the load back.
 pub struct Reservation {
-    router: Arc<Router>,
-    replica: usize,
-    /// The part of the load that weighs only while the prompt is read.
-    prefill: Arc<PrefillLoad>,
+    /// The router and replica the load is held on, and the part of it that
+    /// weighs only while the prompt is read.
+    prefill: Prefill,
     /// Prompt bytes the chosen replica does not hold: its prefill work.
     pub(crate) uncached_bytes: u64,
     /// The prompt's last full block, left as its conversation's tip.
@@ -93,7 +92,6 @@ impl Prefill {
 impl std::fmt::Debug for Reservation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Reservation")
-            .field("replica", &self.replica)
             .field("prefill", &self.prefill)
             .finish()
     }
@@ -101,26 +99,28 @@ impl std::fmt::Debug for Reservation {
 
 impl Reservation {
     pub(crate) fn router(&self) -> &Arc<Router> {
-        &self.router
+        &self.prefill.router
     }
 
-    /// The handle that gives back the prompt's reading load.
-    pub fn prefill(&self) -> Prefill {
-        Prefill {
-            router: Arc::clone(&self.router),
-            replica: self.replica,
-            load: Arc::clone(&self.prefill),
-        }
+    /// The handle that gives back the prompt's reading load (clone it to
+    /// keep it past the reservation's owner).
+    pub fn prefill(&self) -> &Prefill {
+        &self.prefill
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        let mut fleet = self.router.lock();
-        let r = &mut fleet.state[self.replica];
+        let Prefill {
+            router,
+            replica,
+            load,
+        } = &self.prefill;
+        let mut fleet = router.lock();
+        let r = &mut fleet.state[*replica];
         r.in_flight = r.in_flight.saturating_sub(1);
         r.load -= 1.0;
-        self.prefill.release(r);
+        load.release(r);
         // Sums of floats drift; an idle replica carries exactly no load.
         r.load = if r.in_flight == 0 {
             0.0
@@ -129,10 +129,10 @@ impl Drop for Reservation {
         };
         drop(fleet);
         if let Some(tip) = self.tip {
-            lock(&self.router.tips).answered(tip);
+            lock(&router.tips).answered(tip);
         }
         // Room may have opened: whoever waits for it hears of it.
-        self.router.released();
+        router.released();
     }
 }
 
@@ -191,13 +191,15 @@ pub(crate) fn reserve(
         r.resident.expire(now, p.resident_window);
     }
     Reservation {
-        router: Arc::clone(router),
-        replica: chosen,
-        prefill: Arc::new(PrefillLoad {
-            units: prefill_units,
-            bytes: uncached,
-            released: AtomicBool::new(false),
-        }),
+        prefill: Prefill {
+            router: Arc::clone(router),
+            replica: chosen,
+            load: Arc::new(PrefillLoad {
+                units: prefill_units,
+                bytes: uncached,
+                released: AtomicBool::new(false),
+            }),
+        },
         uncached_bytes: uncached,
         tip,
     }
