@@ -460,15 +460,32 @@ impl Fleet {
     /// Waits until every replica's in-flight load is zero, up to `deadline`;
     /// returns the last state either way.
     pub async fn settle(&self, deadline: Duration) -> anyhow::Result<Snapshot> {
+        self.state_when(deadline, |s| s.replicas.iter().all(|r| r.in_flight == 0))
+            .await
+    }
+
+    /// The sidecar's state once `ready` holds of it, polled every 50 ms up
+    /// to `deadline` (what the sidecar hears, it hears asynchronously); the
+    /// last state seen if it never does.
+    pub async fn state_when(
+        &self,
+        deadline: Duration,
+        ready: impl Fn(&Snapshot) -> bool,
+    ) -> anyhow::Result<Snapshot> {
         let until = std::time::Instant::now() + deadline;
         loop {
             let s = self.state().await?;
-            if s.replicas.iter().all(|r| r.in_flight == 0) || std::time::Instant::now() > until {
+            if ready(&s) || std::time::Instant::now() > until {
                 return Ok(s);
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+}
+
+/// No request in flight and no load held on any replica.
+pub fn idle(s: &Snapshot) -> bool {
+    s.replicas.iter().all(|r| r.in_flight == 0 && r.load == 0.0)
 }
 
 /// The real-engine tests' `llama-server`: two slots, 2,048 tokens of KV
@@ -702,15 +719,13 @@ pub async fn first_chunk_sheds_the_prompt_load(fleet: &Fleet, model: &str, block
     let mut chunks = resp.bytes_stream();
     let first = chunks.next().await.unwrap().unwrap();
     assert!(!first.is_empty());
-    let until = std::time::Instant::now() + Duration::from_secs(20);
-    let state = loop {
-        let s = fleet.state().await.unwrap();
-        let open = s.replicas.iter().find(|r| r.in_flight == 1);
-        if open.is_some_and(|r| r.load <= 1.0) || std::time::Instant::now() > until {
-            break s;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    };
+    let state = fleet
+        .state_when(Duration::from_secs(20), |s| {
+            let open = s.replicas.iter().find(|r| r.in_flight == 1);
+            open.is_some_and(|r| r.load <= 1.0)
+        })
+        .await
+        .unwrap();
     let open = state
         .replicas
         .iter()
@@ -731,11 +746,5 @@ pub async fn first_chunk_sheds_the_prompt_load(fleet: &Fleet, model: &str, block
     );
     while chunks.next().await.is_some() {}
     let settled = fleet.settle(Duration::from_secs(20)).await.unwrap();
-    assert!(
-        settled
-            .replicas
-            .iter()
-            .all(|r| r.in_flight == 0 && r.load == 0.0),
-        "{settled:?}"
-    );
+    assert!(idle(&settled), "{settled:?}");
 }

@@ -438,13 +438,7 @@ async fn streams_pass_intact_and_aborted_streams_release_their_load() {
     assert_eq!(held, 1, "the open stream holds its reservation");
     while chunks.next().await.is_some() {}
     let settled = fleet.settle(Duration::from_secs(10)).await.unwrap();
-    assert!(
-        settled
-            .replicas
-            .iter()
-            .all(|r| r.in_flight == 0 && r.load == 0.0),
-        "{settled:?}"
-    );
+    assert!(hearth_e2e::idle(&settled), "{settled:?}");
     // Both streams ended after the engine answered, and the sidecar saw it.
     assert_eq!((settled.answered_total, settled.unanswered_total), (2, 0));
 
@@ -476,10 +470,7 @@ async fn streams_pass_intact_and_aborted_streams_release_their_load() {
     assert_eq!(completed, 8);
     let settled = fleet.settle(Duration::from_secs(15)).await.unwrap();
     assert!(
-        settled
-            .replicas
-            .iter()
-            .all(|r| r.in_flight == 0 && r.load == 0.0),
+        hearth_e2e::idle(&settled),
         "in-flight load leaked: {settled:?}"
     );
     assert_eq!(settled.answered_total, 2 + 12, "{settled:?}");

@@ -5,28 +5,15 @@
 //! ext_proc stream carries the answer in the body and endpoint-picker
 //! shapes; the outcome filter reports the first chunk in the filter one).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
 use hearth_bench::engine::Fault;
-use hearth_e2e::{filler, Conversation, Fleet, FleetOptions, MODEL};
-use serde_json::json;
+use hearth_e2e::{filler, idle, Conversation, Fleet, FleetOptions, MODEL};
 
-/// The state once `ready` holds of it, polled (the sidecar hears of a
-/// first chunk asynchronously); the last state seen if it never does.
-async fn state_when(
-    fleet: &Fleet,
-    ready: impl Fn(&hearth_router::Snapshot) -> bool,
-) -> hearth_router::Snapshot {
-    let until = Instant::now() + Duration::from_secs(20);
-    loop {
-        let s = fleet.state().await.unwrap();
-        if ready(&s) || Instant::now() > until {
-            return s;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
+/// How long the sidecar may take to show what a test waits for.
+const WAIT: Duration = Duration::from_secs(20);
+use serde_json::json;
 
 async fn a_streamed_answer_sheds_its_prompt_load_at_its_first_chunk(options: FleetOptions) {
     let fleet = Fleet::start(FleetOptions {
@@ -52,7 +39,10 @@ async fn a_streamed_answer_sheds_its_prompt_load_at_its_first_chunk(options: Fle
     let client = fleet.client.clone();
     let sent = tokio::spawn(async move { client.post(&url).json(&body).send().await });
 
-    let before = state_when(&fleet, |s| s.replicas.iter().any(|r| r.in_flight == 1)).await;
+    let before = fleet
+        .state_when(WAIT, |s| s.replicas.iter().any(|r| r.in_flight == 1))
+        .await
+        .unwrap();
     let home = before
         .replicas
         .iter()
@@ -71,7 +61,10 @@ async fn a_streamed_answer_sheds_its_prompt_load_at_its_first_chunk(options: Fle
     for e in &fleet.engines {
         e.engine.set_fault(Fault::None);
     }
-    let after = state_when(&fleet, |s| s.replicas[home].load < weight).await;
+    let after = fleet
+        .state_when(WAIT, |s| s.replicas[home].load < weight)
+        .await
+        .unwrap();
     assert_eq!(after.replicas[home].in_flight, 1, "{after:?}");
     assert!(
         (after.replicas[home].load - 1.0).abs() < 1e-9,
@@ -84,13 +77,7 @@ async fn a_streamed_answer_sheds_its_prompt_load_at_its_first_chunk(options: Fle
 
     while chunks.next().await.is_some() {}
     let settled = fleet.settle(Duration::from_secs(10)).await.unwrap();
-    assert!(
-        settled
-            .replicas
-            .iter()
-            .all(|r| r.in_flight == 0 && r.load == 0.0),
-        "{settled:?}"
-    );
+    assert!(idle(&settled), "{settled:?}");
 }
 
 #[tokio::test]

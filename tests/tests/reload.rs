@@ -201,12 +201,7 @@ async fn reloads_under_traffic_lose_no_request_and_no_load() {
     tokio::join!(futures::future::join_all(clients), flips);
 
     let end = fleet.settle(Duration::from_secs(10)).await.unwrap();
-    assert!(
-        end.replicas
-            .iter()
-            .all(|r| r.in_flight == 0 && r.load == 0.0),
-        "{end:?}"
-    );
+    assert!(hearth_e2e::idle(&end), "{end:?}");
     assert_eq!(end.upstreams.draining_in_flight, 0, "{:?}", end.upstreams);
     assert_eq!(end.upstreams.reload_errors_total, 0);
     fleet.assert_wasm_healthy();
