@@ -161,6 +161,53 @@ pub(crate) struct ReplicaState {
     pub(crate) peer_load: f64,
     /// What the engine's KV cache events said (for a replica with a feed).
     pub(crate) kv: KvEvents,
+    /// How many requests the engine runs at once, as its figures showed
+    /// it.
+    pub(crate) batch: EngineBatch,
+}
+
+/// How long a learnt batch size stands without a figure that bears it
+/// out: an engine's batch limit moves with its prompts' sizes (its KV
+/// cache fills sooner with long ones).
+pub const BATCH_MEMORY: Duration = Duration::from_secs(60);
+
+/// How many requests an engine runs at once, learnt from its figures.
+/// Requests waiting in two figures in a row show the batch full, so the
+/// running count is the batch (one figure alone may have caught a request
+/// that arrived between two engine steps, while slots were free); a
+/// figure running more raises it at once. A lower full batch replaces a
+/// higher one only once the higher has gone [`BATCH_MEMORY`] without a
+/// figure that bears it out.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct EngineBatch {
+    /// The batch, and when a figure last bore it out.
+    learnt: Option<(f64, Instant)>,
+    /// Whether requests waited at the last figure.
+    waited: bool,
+}
+
+impl EngineBatch {
+    /// Learns from a figure of `running` and `waiting` read `at`.
+    pub(crate) fn see(&mut self, running: f64, waiting: f64, at: Instant) {
+        let full = waiting > 0.0 && self.waited;
+        self.waited = waiting > 0.0;
+        if running <= 0.0 {
+            return;
+        }
+        self.learnt = match self.learnt {
+            Some((b, _)) if running >= b => Some((running, at)),
+            Some((_, since)) if full && at.saturating_duration_since(since) > BATCH_MEMORY => {
+                Some((running, at))
+            }
+            None if full => Some((running, at)),
+            kept => kept,
+        };
+    }
+
+    /// The requests the engine runs at once, when learnt.
+    pub(crate) fn size(&self) -> Option<f64> {
+        self.learnt.map(|(b, _)| b)
+    }
 }
 
 impl ReplicaState {
@@ -187,6 +234,7 @@ impl ReplicaState {
             peer_in_flight: 0,
             peer_load: 0.0,
             kv: KvEvents::default(),
+            batch: EngineBatch::default(),
         }
     }
 }
@@ -362,6 +410,31 @@ impl Fleet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_engines_batch_is_learnt_from_two_full_figures_and_lowered_only_after_its_memory() {
+        let t0 = Instant::now();
+        let mut b = EngineBatch::default();
+        b.see(8.0, 1.0, t0);
+        assert_eq!(b.size(), None, "one figure with a request waiting");
+        b.see(8.0, 1.0, t0);
+        assert_eq!(b.size(), Some(8.0));
+        // More running raises it at once, waiting or not.
+        b.see(10.0, 0.0, t0);
+        assert_eq!(b.size(), Some(10.0));
+        // A lower full batch is taken only once the higher went unconfirmed
+        // for the memory.
+        let soon = t0 + BATCH_MEMORY / 2;
+        b.see(6.0, 2.0, soon);
+        b.see(6.0, 2.0, soon);
+        assert_eq!(b.size(), Some(10.0));
+        let late = t0 + BATCH_MEMORY + Duration::from_secs(1);
+        b.see(6.0, 2.0, late);
+        assert_eq!(b.size(), Some(6.0));
+        // An idle engine's figure says nothing of its batch.
+        b.see(0.0, 0.0, late);
+        assert_eq!(b.size(), Some(6.0));
+    }
 
     #[test]
     fn residents_expire_in_order_and_a_moved_or_returning_one_is_kept_right() {

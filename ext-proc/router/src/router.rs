@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
-use crate::fleet::{EngineSignals, Fleet, ReplicaState};
+use crate::fleet::{EngineBatch, EngineSignals, Fleet, ReplicaState};
 use crate::health::{FleetHealth, Outcome, ProbeReason, Work};
 use crate::kv_events::RestartReason;
 use crate::params::RouterParams;
@@ -210,7 +210,10 @@ impl Router {
                 if restarted {
                     s.forget_cache();
                     s.usage.restarts += 1;
+                    s.batch = EngineBatch::default();
                 }
+                s.batch
+                    .see(signals.running / ranks, signals.waiting / ranks, signals.at);
                 // Its cache block, when it states one (its answers must
                 // bear it out: see `usage`).
                 s.usage.engine_granule = signals.cache_block_tokens.map(|b| b as u64);

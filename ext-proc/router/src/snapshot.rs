@@ -45,6 +45,10 @@ pub struct ReplicaSnapshot {
     /// uncached prompt in flight.
     #[serde(default)]
     pub saturated: bool,
+    /// The requests its engine runs at once, as learnt from its figures
+    /// (none until requests waited there in two figures in a row).
+    #[serde(default)]
+    pub engine_batch: Option<f64>,
     pub warmth_blocks: usize,
     pub warmth_capacity: usize,
     pub warmth_memory_bytes: usize,
@@ -171,6 +175,7 @@ impl Router {
                     peer_load: s.peer_load,
                     uncached_in_flight_bytes: self.uncached_in_flight(s),
                     saturated: self.saturated(s, now),
+                    engine_batch: s.batch.size(),
                     warmth_blocks: s.warmth.len(),
                     warmth_capacity: s.warmth.capacity(),
                     warmth_memory_bytes: s.warmth.memory_bytes(),

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use hearth_router::{
     DropReason, EngineSignals, FlowQueue, QueueParams, RequestInfo, Room, Router, RouterParams,
-    UpstreamSpec,
+    UpstreamSpec, AFFINITY_UNITS_MAX, LOOK_DEPTH,
 };
 
 const LIST: &str = "127.0.0.1:1,127.0.0.1:2";
@@ -104,12 +104,84 @@ fn an_engine_queue_is_carried_forward_by_what_was_sent_and_ended_since_its_figur
     assert!(r.saturated_for_at(&next, only0, t0));
     drop(b);
     assert!(!r.saturated_for_at(&next, only0, t0));
-    // With nothing waiting at the figure, the engine had free slots it
-    // did not count: requests sent since add nothing.
+    // Requests waited behind one running in figures in a row: the engine
+    // runs one at once, so even with nothing waiting at the next figure,
+    // what is sent beyond that one waits.
     r.set_engine_signals(addr(0), signals(0.0, None, t0));
-    let sent: Vec<_> = (10..20)
+    // (The threshold is five waiting: four sent beyond the one running
+    // leave room, a fifth fills it.)
+    let sent: Vec<_> = (10..14)
         .map(|h| r.decide_within_at(&req(&[h]), only0, t0).unwrap())
         .collect();
+    assert!(!r.saturated_for_at(&next, only0, t0));
+    let one_more = r.decide_within_at(&req(&[14]), only0, t0).unwrap();
+    assert!(r.saturated_for_at(&next, only0, t0));
+    drop((sent, one_more));
+}
+
+#[test]
+fn an_engine_seen_full_is_saturated_by_what_is_sent_beyond_its_batch() {
+    let r = fleet(|p| {
+        p.flow.uncached_bytes = 0;
+        p.flow.engine_waiting = 1.0;
+    });
+    let t0 = Instant::now();
+    let only0: Option<&[usize]> = Some(&[0]);
+    let next = req(&[9]);
+    let figure = |running: f64, waiting: f64| EngineSignals {
+        running,
+        ..signals(waiting, None, t0)
+    };
+    let send = |h: u64| r.decide_within_at(&req(&[h]), only0, t0).unwrap();
+    // One figure with a request waiting behind two running may have caught
+    // it between two engine steps: nothing is learnt, and a figure with
+    // nothing waiting then leaves the engine's room uncounted.
+    r.set_engine_signals(addr(0), figure(2.0, 1.0));
+    r.set_engine_signals(addr(0), figure(2.0, 0.0));
+    let sent: Vec<_> = (10..15).map(send).collect();
+    assert!(!r.saturated_for_at(&next, only0, t0));
+    drop(sent);
+    // Requests waiting behind four running in two figures in a row: the
+    // engine runs four at once.
+    let batch = |r: &Router| r.snapshot_at(t0).replicas[0].engine_batch;
+    assert_eq!(batch(&r), None);
+    r.set_engine_signals(addr(0), figure(4.0, 2.0));
+    r.set_engine_signals(addr(0), figure(4.0, 2.0));
+    assert_eq!(batch(&r), Some(4.0), "shown in /state");
+    assert!(r.saturated_for_at(&next, only0, t0));
+    // Then three run and nothing waits: one slot is free, and one more may
+    // wait (the threshold is one waiting).
+    r.set_engine_signals(addr(0), figure(3.0, 0.0));
+    assert!(!r.saturated_for_at(&next, only0, t0));
+    let a = send(20);
+    assert!(!r.saturated_for_at(&next, only0, t0));
+    let b = send(21);
+    assert!(r.saturated_for_at(&next, only0, t0));
+    // One ends: the one waiting runs in its place, and the queue is empty.
+    drop(a);
+    assert!(!r.saturated_for_at(&next, only0, t0));
+    // A figure running more than the batch raises it at once: six running
+    // (Hearth's own `b` among them) and none waiting is room, where a batch
+    // of four would have two waiting; the next one sent waits.
+    r.set_engine_signals(addr(0), figure(6.0, 0.0));
+    assert!(!r.saturated_for_at(&next, only0, t0));
+    let c = send(22);
+    assert!(r.saturated_for_at(&next, only0, t0));
+    // A restart forgets the batch with the cache.
+    drop((b, c));
+    let restarted = EngineSignals {
+        prompt_tokens_total: Some(0.0),
+        ..figure(0.0, 0.0)
+    };
+    r.set_engine_signals(
+        addr(0),
+        EngineSignals {
+            prompt_tokens_total: Some(1e6),
+            ..figure(6.0, 0.0)
+        },
+    );
+    r.set_engine_signals(addr(0), restarted);
+    let sent: Vec<_> = (30..40).map(send).collect();
     assert!(!r.saturated_for_at(&next, only0, t0));
     drop(sent);
 }
@@ -154,6 +226,44 @@ fn hearths_own_uncached_prompt_in_flight_saturates_a_replica_until_released() {
         .unwrap();
     assert_eq!(warm.uncached_bytes(), 0);
     assert!(!r.saturated_for_at(&next, None, t0));
+}
+
+#[test]
+fn a_waiting_request_waits_longer_for_its_warm_replica_the_more_a_move_would_read_again() {
+    let r = fleet(|p| {
+        p.flow.uncached_bytes = 4 * BLOCK;
+        p.flow.affinity_wait = Duration::from_secs(2);
+    });
+    let t0 = Instant::now();
+    // 96 blocks warm on `home`: three load units (64 KiB each) of prompt.
+    let turn1: Vec<u64> = (1..=96).collect();
+    let home = r.decide_at(&req(&turn1), t0).unwrap().primary();
+    let other = 1 - home;
+    let cold: Vec<u64> = (1_000..1_006).collect();
+    let _busy = r.decide_within_at(&req(&cold), Some(&[home]), t0).unwrap();
+    let mut turn2 = turn1.clone();
+    turn2.push(97);
+    let turn2 = req(&turn2);
+    // Moving would read three units again: three affinity waits, not one.
+    let waited = |s| r.room_at(&turn2, None, Duration::from_secs(s), t0);
+    assert_eq!(waited(5), Room::Warm);
+    assert_eq!(waited(6), Room::Go(Some(vec![other])));
+    // However large the prompt, the wait has a bound.
+    let r = fleet(|p| {
+        p.flow.uncached_bytes = 4 * BLOCK;
+        p.flow.affinity_wait = Duration::from_secs(2);
+    });
+    let huge: Vec<u64> = (5_000..6_000).collect();
+    let home = r.decide_at(&req(&huge), t0).unwrap().primary();
+    let _busy = r.decide_within_at(&req(&cold), Some(&[home]), t0).unwrap();
+    let mut next = huge.clone();
+    next.push(6_001);
+    let most = Duration::from_secs(2).mul_f64(AFFINITY_UNITS_MAX);
+    assert_eq!(r.room_at(&req(&next), None, most / 2, t0), Room::Warm);
+    assert_eq!(
+        r.room_at(&req(&next), None, most, t0),
+        Room::Go(Some(vec![1 - home]))
+    );
 }
 
 #[test]
@@ -237,6 +347,45 @@ fn a_request_that_cannot_go_yet_does_not_hold_up_others_it_does_not_share_replic
     assert_eq!(out.map(|(e, _)| e.item.1), Some("std"));
     assert!(q.pop_where(|e| (e.item.0 == "m2").then_some(())).is_none());
     assert_eq!(q.len(), 1);
+}
+
+#[test]
+fn a_flows_oldest_request_waiting_for_its_replica_lets_a_later_one_go_to_another() {
+    let t = Instant::now();
+    let mut q = FlowQueue::new(params(100, 1 << 30));
+    // Tenant a's requests are warm on replica 0 or 1; replica 0 is full.
+    q.push((0, "a-1"), 0, "a", 1000, t).unwrap();
+    q.push((0, "a-2"), 0, "a", 1000, t).unwrap();
+    q.push((1, "a-3"), 0, "a", 1000, t).unwrap();
+    q.push((1, "a-4"), 0, "a", 1000, t).unwrap();
+    let room_on_1 = |e: &hearth_router::Entry<(u32, &'static str)>| (e.item.0 == 1).then_some(());
+    let out: Vec<&str> =
+        std::iter::from_fn(|| q.pop_where(room_on_1).map(|(e, _)| e.item.1)).collect();
+    // The later ones go, in their order; the oldest keep theirs.
+    assert_eq!(out, ["a-3", "a-4"]);
+    let rest: Vec<&str> =
+        std::iter::from_fn(|| q.pop_where(|_| Some(())).map(|(e, _)| e.item.1)).collect();
+    assert_eq!(rest, ["a-1", "a-2"]);
+    // Only the first LOOK_DEPTH of a flow are asked.
+    for k in 0..LOOK_DEPTH {
+        q.push(
+            (0, "old"),
+            0,
+            "a",
+            1000,
+            t + Duration::from_millis(k as u64),
+        )
+        .unwrap();
+    }
+    q.push((1, "too-deep"), 0, "a", 1000, t).unwrap();
+    let mut asked = 0;
+    assert!(q
+        .pop_where(|e| {
+            asked += 1;
+            room_on_1(e)
+        })
+        .is_none());
+    assert_eq!(asked, LOOK_DEPTH);
 }
 
 #[test]

@@ -15,9 +15,9 @@ pub mod saturation;
 
 pub use crate::params::FlowParams;
 pub use queue::{
-    BandLoad, DropReason, Dropped, Entry, FlowLoad, FlowQueue, QueueParams, QueueView,
+    BandLoad, DropReason, Dropped, Entry, FlowLoad, FlowQueue, QueueParams, QueueView, LOOK_DEPTH,
 };
-pub use saturation::Room;
+pub use saturation::{Room, AFFINITY_UNITS_MAX};
 
 #[cfg(doc)]
 use crate::router::Router;

@@ -22,6 +22,10 @@ use serde::{Deserialize, Serialize};
 /// unknown size (unhashed) is not free.
 pub const MIN_COST: u64 = 1024;
 
+/// A flow's requests a look asks about, oldest first, when its oldest
+/// cannot go: they may want other replicas (their warm ones).
+pub const LOOK_DEPTH: usize = 8;
+
 /// The queue's bounds and round-robin quantum (`HEARTH_FLOW_*`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct QueueParams {
@@ -464,13 +468,16 @@ impl<T> FlowQueue<T> {
     /// with what the caller needs to dispatch the request, or `None` when
     /// the request cannot go yet): the highest band with a ready request;
     /// in it, deficit round robin between the flows, by the rounds each
-    /// flow's oldest request still needs (then its place in the round).
-    /// `ready` is asked in that order and only until one accepts, so a
-    /// look costs one answer when the fleet has room, however many flows
-    /// wait. A flow whose oldest request cannot go does not hold up the
-    /// others (they may want other replicas); the round's credit reaches
-    /// it too, but never more than its oldest request and one quantum, so
-    /// it banks no burst while it waits.
+    /// flow's oldest request still needs (then its place in the round);
+    /// in a flow, the oldest request that may go, among its first
+    /// [`LOOK_DEPTH`] (a tenant's oldest request waiting for its warm
+    /// replica does not keep a later one from a replica that has room and
+    /// holds that one's prompt). `ready` is asked in that order and only
+    /// until one accepts, so a look costs one answer when the fleet has
+    /// room, however many flows wait. A flow whose requests cannot go does
+    /// not hold up the others (they may want other replicas); the round's
+    /// credit reaches it too, but never more than its oldest request and
+    /// one quantum, so it banks no burst while it waits.
     pub fn pop_where<R>(
         &mut self,
         mut ready: impl FnMut(&Entry<T>) -> Option<R>,
@@ -493,8 +500,21 @@ impl<T> FlowQueue<T> {
                 })
                 .collect();
             let mut ask = |(rounds, place): (u64, usize)| {
-                let head = band.flows.get(&band.order[place])?.entries.front()?;
-                ready(head).map(|answer| (rounds, place, answer))
+                let f = band.flows.get(&band.order[place])?;
+                f.entries
+                    .iter()
+                    .take(LOOK_DEPTH)
+                    .enumerate()
+                    .find_map(|(at, e)| {
+                        // The rounds this one needs (the flow's oldest,
+                        // usually: the order's).
+                        let rounds = if at == 0 {
+                            rounds
+                        } else {
+                            e.cost().saturating_sub(f.deficit).div_ceil(quantum)
+                        };
+                        ready(e).map(|answer| (rounds, place, at, answer))
+                    })
             };
             // The first in turn usually may go: no sort for it.
             let first = turns.iter().copied().min();
@@ -503,7 +523,7 @@ impl<T> FlowQueue<T> {
                 turns.sort_unstable();
                 found = turns.iter().skip(1).copied().find_map(&mut ask);
             }
-            let Some((rounds, place, answer)) = found else {
+            let Some((rounds, place, at, answer)) = found else {
                 continue;
             };
             let key = band.order[place].clone();
@@ -521,10 +541,15 @@ impl<T> FlowQueue<T> {
                 }
             }
             let flow = band.flows.get_mut(&key)?;
-            let cost = flow.entries.front().map_or(0, Entry::cost);
+            let cost = flow.entries.get(at).map_or(0, Entry::cost);
             flow.deficit = flow.deficit.saturating_sub(cost);
-            let next_cost = flow.entries.get(1).map(Entry::cost);
-            let entry = band.take_front(&key)?;
+            let next_cost = flow
+                .entries
+                .iter()
+                .enumerate()
+                .find(|&(i, _)| i != at)
+                .map(|(_, e)| e.cost());
+            let entry = band.take_where(&key, |_| Some(at))?;
             // Its turn is over unless its credit covers its next request.
             if next_cost.is_some_and(|c| band.flows.get(&key).is_some_and(|f| f.deficit < c)) {
                 band.order.retain(|k| *k != key);

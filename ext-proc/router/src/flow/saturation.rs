@@ -7,7 +7,8 @@
 //! `uncached_bytes`. The engine's figures come from the metrics scrape, so
 //! they lag; Hearth's own in-flight figure moves with every decision and
 //! every release, and the engine's figures are carried forward by what
-//! Hearth sent and saw end since they were read.
+//! Hearth sent and saw end since they were read, against the batch the
+//! engine was seen to run at once.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,6 +18,10 @@ use crate::decide::RequestInfo;
 use crate::fleet::{EngineSignals, ReplicaState};
 use crate::router::Router;
 use crate::warmth::LruBlocks;
+
+/// The most affinity waits a queued request waits for its warm replica,
+/// however much of its prompt a move would read again.
+pub const AFFINITY_UNITS_MAX: f64 = 8.0;
 
 /// Where a request may go now.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -32,20 +37,25 @@ pub enum Room {
     Warm,
 }
 
-/// The engine's waiting queue now, from its last figure: when requests
-/// waited there, every request sent since (through this sidecar and its
-/// peers) has joined them and every one that ended since has let one in;
-/// when none did, the engine had free slots the figure does not count, so
-/// nothing is added. Without this, one look at the flow queue lets every
-/// waiting request out onto a replica whose last figure was under the
-/// threshold, and a replica whose last figure was over it takes nothing
-/// until the next scrape, however many requests ended.
+/// The engine's waiting queue now, from its last figure: every request
+/// sent since (through this sidecar and its peers) has joined its
+/// requests and every one that ended since has left them. When the
+/// engine's batch is known ([`crate::fleet::EngineBatch`]), what it holds beyond
+/// the batch waits. When it is not, only a figure with requests waiting
+/// says the batch was full: then the requests sent since joined that
+/// queue; when none waited, the engine had free slots the figure does not
+/// count, so nothing is added. Without this, one look at the flow queue
+/// lets every waiting request out onto a replica whose last figure was
+/// under the threshold, and a replica whose last figure was over it takes
+/// nothing until the next scrape, however many requests ended.
 fn waiting_now(e: &EngineSignals, s: &ReplicaState) -> f64 {
-    if e.waiting <= 0.0 {
-        return e.waiting.max(0.0);
-    }
     let own = s.in_flight.saturating_add(s.peer_in_flight);
-    (e.waiting + f64::from(own) - f64::from(e.own_in_flight)).max(0.0)
+    let since = f64::from(own) - f64::from(e.own_in_flight);
+    match s.batch.size() {
+        Some(batch) => (e.running + e.waiting + since - batch).max(0.0),
+        None if e.waiting <= 0.0 => 0.0,
+        None => (e.waiting + since).max(0.0),
+    }
 }
 
 impl Router {
@@ -70,11 +80,15 @@ impl Router {
         s.uncached_bytes.saturating_add(peers as u64)
     }
 
-    /// Where `req` may go at `now`, having waited `waited` (a request not
-    /// queued yet has waited nothing): [`Room::Full`] when every replica
-    /// it may use (`allowed`, the subset hint, when given) is saturated;
-    /// within the affinity wait, [`Room::Warm`] when the replica holding
-    /// most of its prompt is saturated and no free one holds as much.
+    /// Where `req` may go at `now`, having waited `waited` for its warm
+    /// replica while others had room (the queue counts it from the first
+    /// look that answered [`Room::Warm`]; a request not queued yet has
+    /// waited nothing): [`Room::Full`] when every replica it may use
+    /// (`allowed`, the subset hint, when given) is saturated; within the
+    /// affinity wait (longer for a move that reads more again:
+    /// `affinity_bound`), [`Room::Warm`] when the replica
+    /// holding most of its prompt is saturated and no free one holds as
+    /// much.
     pub fn room_at(
         self: &Arc<Self>,
         req: &RequestInfo,
@@ -93,7 +107,7 @@ impl Router {
         if free.is_empty() {
             return Room::Full;
         }
-        if !full.is_empty() && waited < self.params.flow.affinity_wait && !req.hashes.is_empty() {
+        if !full.is_empty() && !req.hashes.is_empty() {
             let held = |set: &[usize]| {
                 let sets: Vec<&LruBlocks> = set.iter().map(|&i| &fleet.state[i].warmth).collect();
                 LruBlocks::leading_overlaps(&sets, &req.hashes)
@@ -101,11 +115,26 @@ impl Router {
                     .max()
                     .unwrap_or(0)
             };
-            if held(&full) > held(&free) {
+            let (warm, cold) = (held(&full), held(&free));
+            if warm > cold && waited < self.affinity_bound(warm - cold) {
                 return Room::Warm;
             }
         }
         Room::Go(Some(free))
+    }
+
+    /// How long a queued request waits for its warm replica when a free
+    /// one would read `blocks` more of its prompt: the affinity wait for
+    /// each load unit of them (`HEARTH_LOAD_UNIT_BYTES`, the bytes the
+    /// decision weighs as one request's load), at least one and at most
+    /// [`AFFINITY_UNITS_MAX`].
+    fn affinity_bound(&self, blocks: usize) -> Duration {
+        let bytes = blocks as f64 * self.params.block_size as f64;
+        let units = bytes / self.params.load_unit_bytes.max(1) as f64;
+        self.params
+            .flow
+            .affinity_wait
+            .mul_f64(units.clamp(1.0, AFFINITY_UNITS_MAX))
     }
 
     /// [`Router::room_at`] for a request that has not waited: whether the
