@@ -17,6 +17,7 @@
 //! went away) takes its request out of the queue at once ([`Ticket`]'s
 //! drop).
 
+use std::cell::Cell;
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
@@ -100,6 +101,11 @@ pub struct Waiter {
     info: RequestInfo,
     subset: Option<Vec<usize>>,
     to: oneshot::Sender<Dispatch>,
+    /// When a look first found the replica holding most of its prompt
+    /// saturated while another had room: the affinity wait runs from
+    /// then, not from its arrival (time spent with every replica full
+    /// is no reason to give its cache up).
+    warm_since: Cell<Option<Instant>>,
 }
 
 /// A request waiting in the queue. Dropped before its dispatch (its
@@ -265,6 +271,7 @@ impl FlowControl {
             info,
             subset: subset.map(<[usize]>::to_vec),
             to,
+            warm_since: Cell::new(None),
         };
         match queue.push(waiter, class.priority, &class.fairness_id, bytes, now) {
             Ok((id, evicted)) => {
@@ -347,12 +354,17 @@ impl FlowControl {
                 if full.contains(&key) {
                     return None;
                 }
-                match router.room_at(&e.item.info, e.item.subset.as_deref(), e.waited(now), now) {
+                let since = e.item.warm_since.get();
+                let held = since.map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
+                match router.room_at(&e.item.info, e.item.subset.as_deref(), held, now) {
                     Room::Full => {
                         full.insert(key);
                         None
                     }
-                    Room::Warm => None,
+                    Room::Warm => {
+                        e.item.warm_since.set(since.or(Some(now)));
+                        None
+                    }
                     Room::Go(free) => Some(free),
                 }
             }) {
@@ -410,7 +422,11 @@ mod tests {
     use hearth_router::{AffinityBasis, QueueView, RouterParams};
 
     fn flow(enabled: bool) -> Arc<FlowControl> {
-        let upstreams = ["127.0.0.1:1"].map(|u| u.parse().unwrap());
+        flow_over(enabled, &["127.0.0.1:1"])
+    }
+
+    fn flow_over(enabled: bool, upstreams: &[&str]) -> Arc<FlowControl> {
+        let upstreams: Vec<_> = upstreams.iter().map(|u| u.parse().unwrap()).collect();
         let mut params = RouterParams::default();
         params.flow.uncached_bytes = 1;
         let router = Router::new(params, &upstreams);
@@ -491,6 +507,49 @@ mod tests {
         assert!(matches!(left, Left::Decided { ref decided, .. } if decided.is_ok()));
         assert!(f.lock().is_empty() && waited >= Duration::ZERO);
         assert_eq!(f.observer.queue_view(), QueueView::default());
+    }
+
+    #[tokio::test]
+    async fn the_affinity_wait_runs_from_when_another_replica_had_room_not_from_arrival() {
+        let f = flow_over(true, &["127.0.0.1:1", "127.0.0.1:2"]);
+        let turn = |blocks: u64| RequestInfo {
+            hashes: (1..=blocks).collect(),
+            ..prompt(blocks * 2048)
+        };
+        let home = f.router.decide(&turn(8)).unwrap().primary();
+        let other = 1 - home;
+        // Both replicas busy with cold prompts (a 1-byte limit): full.
+        let cold = |replica: usize, base: u64| {
+            let info = RequestInfo {
+                hashes: (base..base + 4).collect(),
+                ..prompt(4 * 2048)
+            };
+            f.router
+                .decide_within_at(&info, Some(&[replica]), Instant::now())
+        };
+        let on_home = cold(home, 1_000).unwrap();
+        let on_other = cold(other, 2_000).unwrap();
+        let Admission::Wait(mut ticket) = f.admit(turn(10), None, &Class::default()) else {
+            panic!("the next turn did not wait")
+        };
+        // Long after its arrival the other replica frees: the turn has
+        // waited far past the affinity wait, but not for its warm replica
+        // while another had room, so it keeps waiting for its cache.
+        let affinity = f.router.params().flow.affinity_wait;
+        let late = Instant::now() + affinity * 5;
+        f.dispatch_at(late);
+        drop(on_other);
+        f.dispatch_at(late);
+        assert_eq!(f.lock().len(), 1, "the turn left its warm replica");
+        // Once it has waited the affinity wait with room elsewhere, it
+        // takes the free replica.
+        f.dispatch_at(late + affinity + Duration::from_millis(1));
+        let Dispatch { left, .. } = (&mut ticket.from).await.unwrap();
+        let Left::Decided { decided, .. } = left else {
+            panic!("dropped: {left:?}")
+        };
+        assert_eq!(decided.unwrap().primary(), other);
+        drop(on_home);
     }
 
     #[tokio::test]
