@@ -79,6 +79,10 @@ pub struct TenantsArgs {
     pub scrape_seconds: f64,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Run only this mix's cells and its reference (`tenants` or
+    /// `priority`; default: both).
+    #[arg(long, value_parser = ["tenants", "priority"])]
+    pub mix: Option<String>,
     /// Also write the rows and ratios as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -495,7 +499,7 @@ fn command(args: &TenantsArgs) -> String {
     format!(
         "hearth-bench tenants --scenario {} --replicas {} --max-running {} --quiet-tenants {} \
          --quiet-agents {} --noisy-agents {} --high-agents {} --sheddable-agents {} --seconds {} \
-         --time-scale {} --scrape-seconds {} --seed {}{}",
+         --time-scale {} --scrape-seconds {} --seed {}{}{}",
         args.scenario,
         args.replicas,
         args.max_running,
@@ -508,6 +512,10 @@ fn command(args: &TenantsArgs) -> String {
         args.time_scale,
         args.scrape_seconds,
         args.seed,
+        args.mix
+            .as_deref()
+            .map(|m| format!(" --mix {m}"))
+            .unwrap_or_default(),
         args.sidecar.shown(),
     )
 }
@@ -647,7 +655,12 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
     );
     let mut rows = Vec::new();
     let mut queued = Vec::new();
-    for (mix, setup) in CELLS {
+    let chosen = |mix: Mix| match args.mix.as_deref() {
+        Some("tenants") => matches!(mix, Mix::Tenants | Mix::QuietAlone),
+        Some("priority") => matches!(mix, Mix::Priority | Mix::HighAlone),
+        _ => true,
+    };
+    for (mix, setup) in CELLS.into_iter().filter(|&(mix, _)| chosen(mix)) {
         let name = format!("{} under {}", mix.name(), setup.name());
         eprintln!("hearth-bench tenants: running {name}");
         let cell = run_cell((mix, setup), &args, &sc, &hearth, (wall, warmup))
