@@ -228,50 +228,50 @@ fn hearths_own_uncached_prompt_in_flight_saturates_a_replica_until_released() {
     assert!(!r.saturated_for_at(&next, None, t0));
 }
 
-#[test]
-fn a_waiting_request_waits_longer_for_its_warm_replica_the_more_a_move_would_read_again() {
-    let r = fleet(|p| {
+/// A fleet for the affinity wait's tests: saturated by more than four
+/// blocks of cold prompt in flight, an affinity wait of 2 s.
+fn affinity_fleet() -> Arc<Router> {
+    fleet(|p| {
         p.flow.uncached_bytes = 4 * BLOCK;
         p.flow.affinity_wait = Duration::from_secs(2);
-    });
+    })
+}
+
+#[test]
+fn a_waiting_request_waits_longer_for_its_warm_replica_the_more_a_move_would_read_again() {
+    let r = affinity_fleet();
     let t0 = Instant::now();
-    // 96 blocks warm on `home`: three load units (64 KiB each) of prompt.
-    let turn1: Vec<u64> = (1..=96).collect();
-    let home = r.decide_at(&req(&turn1), t0).unwrap().primary();
-    let other = 1 - home;
-    let cold: Vec<u64> = (1_000..1_006).collect();
-    let _busy = r.decide_within_at(&req(&cold), Some(&[home]), t0).unwrap();
-    let mut turn2 = turn1.clone();
-    turn2.push(97);
-    let turn2 = req(&turn2);
+    // A conversation's turn warms `home`, which a cold prompt then
+    // saturates; its next turn (one block more) asks where it may go
+    // after waiting `waited`.
+    let next_turn = |r: &Arc<Router>, blocks: std::ops::Range<u64>| {
+        let turn: Vec<u64> = blocks.clone().collect();
+        let home = r.decide_at(&req(&turn), t0).unwrap().primary();
+        let cold: Vec<u64> = (100_000..100_006).collect();
+        let busy = r.decide_within_at(&req(&cold), Some(&[home]), t0).unwrap();
+        let next = req(&(blocks.start..=blocks.end).collect::<Vec<_>>());
+        (home, busy, next)
+    };
+    // 96 blocks warm: three load units (64 KiB each) of prompt.
+    let (home, _busy, turn2) = next_turn(&r, 1..97);
     // Moving would read three units again: three affinity waits, not one.
     let waited = |s| r.room_at(&turn2, None, Duration::from_secs(s), t0);
     assert_eq!(waited(5), Room::Warm);
-    assert_eq!(waited(6), Room::Go(Some(vec![other])));
+    assert_eq!(waited(6), Room::Go(Some(vec![1 - home])));
     // However large the prompt, the wait has a bound.
-    let r = fleet(|p| {
-        p.flow.uncached_bytes = 4 * BLOCK;
-        p.flow.affinity_wait = Duration::from_secs(2);
-    });
-    let huge: Vec<u64> = (5_000..6_000).collect();
-    let home = r.decide_at(&req(&huge), t0).unwrap().primary();
-    let _busy = r.decide_within_at(&req(&cold), Some(&[home]), t0).unwrap();
-    let mut next = huge.clone();
-    next.push(6_001);
+    let r = affinity_fleet();
+    let (home, _busy, next) = next_turn(&r, 5_000..6_000);
     let most = Duration::from_secs(2).mul_f64(AFFINITY_UNITS_MAX);
-    assert_eq!(r.room_at(&req(&next), None, most / 2, t0), Room::Warm);
+    assert_eq!(r.room_at(&next, None, most / 2, t0), Room::Warm);
     assert_eq!(
-        r.room_at(&req(&next), None, most, t0),
+        r.room_at(&next, None, most, t0),
         Room::Go(Some(vec![1 - home]))
     );
 }
 
 #[test]
 fn a_waiting_request_goes_to_its_warm_replica_when_it_frees_and_elsewhere_after_the_wait() {
-    let r = fleet(|p| {
-        p.flow.uncached_bytes = 4 * BLOCK;
-        p.flow.affinity_wait = Duration::from_secs(2);
-    });
+    let r = affinity_fleet();
     let t0 = Instant::now();
     // The conversation's first turn warms `home`.
     let turn1: Vec<u64> = (1..=8).collect();

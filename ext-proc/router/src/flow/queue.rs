@@ -543,12 +543,8 @@ impl<T> FlowQueue<T> {
             let flow = band.flows.get_mut(&key)?;
             let cost = flow.entries.get(at).map_or(0, Entry::cost);
             flow.deficit = flow.deficit.saturating_sub(cost);
-            let next_cost = flow
-                .entries
-                .iter()
-                .enumerate()
-                .find(|&(i, _)| i != at)
-                .map(|(_, e)| e.cost());
+            // The flow's oldest after this one leaves.
+            let next_cost = flow.entries.get(usize::from(at == 0)).map(Entry::cost);
             let entry = band.take_where(&key, |_| Some(at))?;
             // Its turn is over unless its credit covers its next request.
             if next_cost.is_some_and(|c| band.flows.get(&key).is_some_and(|f| f.deficit < c)) {
