@@ -32,6 +32,7 @@ pub mod demo;
 pub mod engine;
 pub mod gateway;
 pub mod harness;
+pub mod kv_forward;
 pub mod live;
 pub mod llama;
 pub mod overhead;

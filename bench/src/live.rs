@@ -119,6 +119,20 @@ pub enum LivePolicy {
     #[value(name = "vllm_router_consistent_hash")]
     #[serde(rename = "vllm_router_consistent_hash")]
     VllmRouterConsistentHash,
+    /// Hearth at its defaults with every engine listed `kv_events=auto`:
+    /// the sidecar follows the engines' own KV cache events.
+    #[value(name = "hearth_kv_events")]
+    #[serde(rename = "hearth_kv_events")]
+    HearthKvEvents,
+    /// vllm-router `--policy kv_aware`: it tokenizes each request and
+    /// routes on the engines' KV cache events (`--kv-event-source` per
+    /// engine, through a loopback forwarder, [`crate::kv_forward`]). Real
+    /// vLLM engines started with their events on (`hearth-bench vllm
+    /// --kv-events`) only: its tokenizer must produce the engine's own
+    /// token ids.
+    #[value(name = "vllm_router_kv_aware")]
+    #[serde(rename = "vllm_router_kv_aware")]
+    VllmRouterKvAware,
 }
 
 impl LivePolicy {
@@ -130,6 +144,8 @@ impl LivePolicy {
             LivePolicy::SmgCacheAware => "smg_cache_aware",
             LivePolicy::VllmRouterCacheAware => "vllm_router_cache_aware",
             LivePolicy::VllmRouterConsistentHash => "vllm_router_consistent_hash",
+            LivePolicy::HearthKvEvents => "hearth_kv_events",
+            LivePolicy::VllmRouterKvAware => "vllm_router_kv_aware",
         }
     }
 
@@ -143,6 +159,8 @@ impl LivePolicy {
             LivePolicy::SmgCacheAware => 4,
             LivePolicy::VllmRouterCacheAware => 5,
             LivePolicy::VllmRouterConsistentHash => 6,
+            LivePolicy::HearthKvEvents => 7,
+            LivePolicy::VllmRouterKvAware => 8,
         }
     }
 
@@ -156,8 +174,20 @@ impl LivePolicy {
             LivePolicy::VllmRouterConsistentHash => {
                 Some(PeerConfig::new(PeerKind::VllmRouter, "consistent_hash"))
             }
-            LivePolicy::Hearth | LivePolicy::LeastRequest | LivePolicy::RingHash => None,
+            // Its event sources and tokenizer are added per run.
+            LivePolicy::VllmRouterKvAware => {
+                Some(PeerConfig::new(PeerKind::VllmRouter, "kv_aware"))
+            }
+            LivePolicy::Hearth
+            | LivePolicy::HearthKvEvents
+            | LivePolicy::LeastRequest
+            | LivePolicy::RingHash => None,
         }
+    }
+
+    /// Envoy with the Hearth sidecar.
+    pub fn is_hearth(self) -> bool {
+        matches!(self, LivePolicy::Hearth | LivePolicy::HearthKvEvents)
     }
 
     /// The simulator's policy for the same routing: the cache-aware
@@ -165,12 +195,12 @@ impl LivePolicy {
     /// which both descend from; a hash on the session is `ring_hash`.
     pub fn simulated(self) -> PolicyKind {
         match self {
-            LivePolicy::Hearth => PolicyKind::HearthRelative,
+            LivePolicy::Hearth | LivePolicy::HearthKvEvents => PolicyKind::HearthRelative,
             LivePolicy::LeastRequest => PolicyKind::LeastRequest,
             LivePolicy::RingHash | LivePolicy::VllmRouterConsistentHash => PolicyKind::RingHash,
-            LivePolicy::SmgCacheAware | LivePolicy::VllmRouterCacheAware => {
-                PolicyKind::SglangCacheAwareEmulated
-            }
+            LivePolicy::SmgCacheAware
+            | LivePolicy::VllmRouterCacheAware
+            | LivePolicy::VllmRouterKvAware => PolicyKind::SglangCacheAwareEmulated,
         }
     }
 }
@@ -637,7 +667,7 @@ pub async fn envoy_stack(
 ) -> anyhow::Result<Stack> {
     let builder = Stack::simulated(configs).envoy_deadline(Duration::from_secs(30));
     let builder = match policy {
-        LivePolicy::Hearth => builder.settings(settings),
+        LivePolicy::Hearth | LivePolicy::HearthKvEvents => builder.settings(settings),
         LivePolicy::LeastRequest => builder.front(Front::Plain),
         LivePolicy::RingHash => builder
             .front(Front::Plain)
@@ -661,7 +691,9 @@ async fn run_one(
         // The sidecar with the settings the simulator gives its Router
         // (the scenario's and the command line's), then what the
         // simulated router lacks: probes and engine scrapes.
-        LivePolicy::Hearth => {
+        // With `hearth_kv_events`, each engine also publishes its KV
+        // cache events, and the stack lists where.
+        LivePolicy::Hearth | LivePolicy::HearthKvEvents => {
             let mut settings = sc.hearth.settings().to_vec();
             settings.extend(
                 [
@@ -670,6 +702,15 @@ async fn run_one(
                 ]
                 .map(|(k, v)| (k.to_string(), v.to_string())),
             );
+            let events = (policy == LivePolicy::HearthKvEvents).then_some("tcp://127.0.0.1:0");
+            let configs = configs
+                .into_iter()
+                .map(|c| EngineConfig {
+                    kv_events: events.map(str::to_owned),
+                    kv_events_replay: events.map(str::to_owned),
+                    ..c
+                })
+                .collect();
             Serving::Stack(Box::new(envoy_stack(policy, configs, settings).await?))
         }
         LivePolicy::LeastRequest | LivePolicy::RingHash => {
@@ -784,6 +825,12 @@ pub async fn measure_policies(cli: &LiveCli) -> anyhow::Result<Measured> {
     let args = &cli.cell;
     let (sc, wall, warmup) = cell(args)?;
     anyhow::ensure!(!cli.policies.is_empty(), "--policies is empty");
+    anyhow::ensure!(
+        !cli.policies.contains(&LivePolicy::VllmRouterKvAware),
+        "vllm_router_kv_aware needs real vLLM engines (its tokenizer must reproduce the \
+         engine's token ids): run it with hearth-bench compare in front of `hearth-bench vllm \
+         --kv-events`"
+    );
     println!("{}", command(args, &sc, Some(&cli.policies)));
     let (policies, skipped) = runnable(&cli.policies, PeerKind::find);
     for (p, why) in &skipped {

@@ -206,6 +206,8 @@ pub struct Peer {
     server: ServerProcess,
     config: PeerConfig,
     engines: Vec<SocketAddr>,
+    /// Where it serves its Prometheus metrics.
+    metrics: SocketAddr,
     /// Its command line, as started (the key hidden).
     pub command: String,
 }
@@ -257,6 +259,7 @@ impl Peer {
             server,
             config: config.clone(),
             engines: engines.to_vec(),
+            metrics,
             command: format!("{} {}", program.display(), shown.join(" ")),
         };
         if let Err(e) = peer.wait_ready(deadline).await {
@@ -320,6 +323,18 @@ impl Peer {
     /// `http://ip:port` of the router.
     pub fn url(&self) -> String {
         self.server.url()
+    }
+
+    /// The router's own metrics (Prometheus text), if it answers.
+    pub async fn metrics(&self) -> Option<String> {
+        let url = format!("http://{}/metrics", self.metrics);
+        let answer = reqwest::Client::new()
+            .get(url)
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+            .ok()?;
+        answer.text().await.ok()
     }
 
     /// The router's configuration.

@@ -41,11 +41,14 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::conversation::{cached_and_prompt_tokens, filler, Conversation};
-use crate::peers::{Peer, PeerKind, SMG_WORKER_HEADER};
+use crate::kv_forward::KvForward;
+use crate::peers::{Peer, PeerConfig, PeerKind, SMG_WORKER_HEADER};
 use crate::report::percentile;
 use crate::rng::Rng;
 use crate::settings::{parse_setting, shown_setting, SidecarSettings};
 use crate::stack::Stack;
+use crate::vllm::metric_label;
+use hearth_ext_proc::feeds::kv_events::stated_feed;
 
 /// The response header every configuration adds: the upstream that served.
 pub const UPSTREAM_HEADER: &str = "x-bench-upstream";
@@ -973,36 +976,145 @@ async fn engine_models(engines: &[SocketAddr], api_key: Option<&str>) -> Option<
 }
 
 /// What serves a policy's run: Envoy (plain or with Hearth), or a peer
-/// router.
+/// router (with the forwarders of the engines' KV events it reads, for
+/// `kv_aware`).
 enum Serving {
     Envoy(Box<Stack>),
-    Peer(Box<Peer>),
+    Peer(Box<Peer>, Vec<KvForward>),
+}
+
+/// The tokenizer folder: `--tokenizer`, else the vLLM install's model
+/// folder (SmolLM2's tokenizer, which `hearth-bench vllm` serves).
+fn tokenizer_dir(args: &RealArgs) -> anyhow::Result<PathBuf> {
+    match &args.tokenizer {
+        Some(t) => Ok(t.clone()),
+        None => Ok(crate::vllm::VllmInstall::find()
+            .context("--tokenizer not given and no vLLM install to take one from")?
+            .model),
+    }
+}
+
+/// vllm-router's `kv_aware` in front of `args.engines`: each engine's KV
+/// event publisher, as it states it (`GET /kv_event_sources`), forwarded
+/// to a loopback TCP port (`--kv-event-source`); the engines' block size
+/// from their metrics (`vllm:cache_config_info`); `model`, the name
+/// requests ask for, as the workers' shared model identity
+/// (`--kv-event-model`). Over HTTP, kv_aware learns a request's token ids
+/// from the worker's render endpoint (`POST /v1/chat/completions/render`,
+/// served by vLLM with `--enable-scale-out`): an engine without it is
+/// refused here, since kv_aware would otherwise route on load alone.
+async fn kv_aware(
+    args: &RealArgs,
+    mut config: PeerConfig,
+    model: &str,
+) -> anyhow::Result<(PeerConfig, Vec<KvForward>)> {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()?;
+    let get = |engine: SocketAddr, path: &str| {
+        let req = client.get(format!("http://{engine}{path}"));
+        match &args.api_key {
+            Some(key) => req.bearer_auth(key),
+            None => req,
+        }
+    };
+    let mut forwards = Vec::new();
+    let mut block_size = None;
+    for &engine in &args.engines {
+        let answer: Value = get(engine, "/kv_event_sources")
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .with_context(|| format!("GET http://{engine}/kv_event_sources"))?
+            .json()
+            .await?;
+        let feed = stated_feed(&answer, engine, 0).map_err(|e| {
+            anyhow::anyhow!(
+                "engine {engine}: {e} (vllm_router_kv_aware needs vLLM publishing its KV events, \
+                 e.g. hearth-bench vllm --kv-events)"
+            )
+        })?;
+        let render = client
+            .post(format!("http://{engine}/v1/chat/completions/render"))
+            .json(&json!({"model": model, "messages": [{"role": "user", "content": "ping"}]}));
+        let render = match &args.api_key {
+            Some(key) => render.bearer_auth(key),
+            None => render,
+        };
+        let status = render
+            .send()
+            .await
+            .with_context(|| format!("POST http://{engine}/v1/chat/completions/render"))?
+            .status();
+        anyhow::ensure!(
+            status.is_success(),
+            "engine {engine}: POST /v1/chat/completions/render answered {status}; \
+             vllm_router_kv_aware needs it to tokenize (vLLM --enable-scale-out, as \
+             hearth-bench vllm --kv-events starts it)"
+        );
+        let forward = KvForward::start(feed.endpoint).await?;
+        config.extra.extend([
+            "--kv-event-source".to_string(),
+            format!("http://{engine}={}", forward.endpoint),
+        ]);
+        let metrics = get(engine, "/metrics").send().await?.text().await?;
+        let block: u32 = metric_label(&metrics, "vllm:cache_config_info", "block_size")
+            .and_then(|b| b.parse().ok())
+            .with_context(|| format!("engine {engine}: no block_size in vllm:cache_config_info"))?;
+        anyhow::ensure!(
+            block_size.is_none_or(|b| b == block),
+            "the engines' KV blocks differ in size ({block_size:?} and {block} tokens)"
+        );
+        block_size = Some(block);
+        forwards.push(forward);
+    }
+    if let Some(block) = block_size {
+        config
+            .extra
+            .extend(["--kv-event-block-size".to_string(), block.to_string()]);
+    }
+    config
+        .extra
+        .extend(["--kv-event-model".to_string(), model.to_string()]);
+    Ok((config, forwards))
 }
 
 impl Serving {
-    async fn start(args: &RealArgs, policy: Policy) -> anyhow::Result<Serving> {
+    async fn start(args: &RealArgs, policy: Policy, model: &str) -> anyhow::Result<Serving> {
         let engines: Vec<String> = args.engines.iter().map(SocketAddr::to_string).collect();
         if let Some(mut config) = policy.peer() {
             config.api_key = args.api_key.clone();
+            let mut forwards = Vec::new();
+            if policy == Policy::VllmRouterKvAware {
+                (config, forwards) = kv_aware(args, config, model).await?;
+            }
             let peer = Peer::start(
                 &config,
                 &args.engines,
                 Duration::from_secs(args.peer_deadline_s),
             )
             .await?;
-            return Ok(Serving::Peer(Box::new(peer)));
+            return Ok(Serving::Peer(Box::new(peer), forwards));
         }
         let stack = match policy {
-            Policy::Hearth => Stack::running(engines)
-                .settings(args.sidecar.set.iter().cloned())
-                // The sidecar's probes and metric scrapes need the
-                // engines' key too, as an operator would configure it.
-                .settings(
-                    args.api_key
-                        .iter()
-                        .map(|key| ("HEARTH_ENGINE_API_KEY", key.clone())),
-                )
-                .edit_envoy(|yaml| with_upstream_header(&yaml)),
+            // `hearth_kv_events`: the sidecar asks each engine where it
+            // publishes its KV events.
+            Policy::Hearth | Policy::HearthKvEvents => Stack::running(match policy {
+                Policy::HearthKvEvents => engines
+                    .iter()
+                    .map(|e| format!("{e};kv_events=auto"))
+                    .collect(),
+                _ => engines,
+            })
+            .settings(args.sidecar.set.iter().cloned())
+            // The sidecar's probes and metric scrapes need the
+            // engines' key too, as an operator would configure it.
+            .settings(
+                args.api_key
+                    .iter()
+                    .map(|key| ("HEARTH_ENGINE_API_KEY", key.clone())),
+            )
+            .edit_envoy(|yaml| with_upstream_header(&yaml)),
             _ => Stack::running(engines)
                 .front(crate::stack::Front::Plain)
                 .edit_envoy(move |yaml| match policy {
@@ -1018,7 +1130,7 @@ impl Serving {
     fn url(&self) -> String {
         match self {
             Serving::Envoy(stack) => stack.url(),
-            Serving::Peer(peer) => peer.url(),
+            Serving::Peer(peer, _) => peer.url(),
         }
     }
 }
@@ -1031,9 +1143,9 @@ pub async fn run_policy(
     run_salt: u64,
 ) -> anyhow::Result<PolicyRun> {
     let shape = Shape::of(args);
-    let front = Serving::start(args, policy).await?;
+    let front = Serving::start(args, policy, model).await?;
     let admin = match (&front, policy) {
-        (Serving::Envoy(stack), Policy::Hearth) => Some(stack.admin()),
+        (Serving::Envoy(stack), p) if p.is_hearth() => Some(stack.admin()),
         _ => None,
     };
     let probes_before = match admin {
@@ -1084,7 +1196,29 @@ pub async fn run_policy(
             }
             stack.shutdown().await;
         }
-        Serving::Peer(peer) => peer_command = Some(peer.command.clone()),
+        Serving::Peer(peer, forwards) => {
+            peer_command = Some(peer.command.clone());
+            if !forwards.is_empty() {
+                // What kv_aware made of the events: its own counters.
+                if let Some(text) = peer.metrics().await {
+                    for line in text
+                        .lines()
+                        .filter(|l| l.starts_with("vllm_router_kv_") && !l.starts_with('#'))
+                    {
+                        eprintln!("hearth-bench real: {}: {line}", policy.name());
+                    }
+                }
+                eprintln!(
+                    "hearth-bench real: KV event batches forwarded to {}: {}",
+                    policy.name(),
+                    forwards
+                        .iter()
+                        .map(|f| f.forwarded().to_string())
+                        .collect::<Vec<_>>()
+                        .join(" / ")
+                );
+            }
+        }
     }
     records.sort_by_key(|r| (r.conversation, r.turn));
     Ok(PolicyRun {
@@ -1116,14 +1250,7 @@ async fn run_harness(
     run_salt: u64,
 ) -> anyhow::Result<()> {
     let program = crate::harness::find()?;
-    let tokenizer = match &args.tokenizer {
-        Some(t) => t.clone(),
-        None => {
-            crate::vllm::VllmInstall::find()
-                .context("--tokenizer not given and no vLLM install to take one from")?
-                .model
-        }
-    };
+    let tokenizer = tokenizer_dir(args)?;
     let users = args.users_per_group.max(1);
     let shape = crate::harness::HarnessShape {
         groups: args.conversations.div_ceil(users),
@@ -1157,7 +1284,7 @@ async fn run_harness(
             "hearth-bench real: inference-perf through {}",
             policy.name()
         );
-        let front = Serving::start(args, policy).await?;
+        let front = Serving::start(args, policy, model).await?;
         let dir = scratch.join(policy.name());
         // Each policy's prompts its own (the harness's seed makes its
         // text), so no policy finds another's prompts in the engines.

@@ -91,6 +91,13 @@ pub struct VllmConfig {
     pub threads: u32,
     /// Every `/v1/*` request needs `Authorization: Bearer KEY` (`--api-key`).
     pub api_key: Option<String>,
+    /// Publish KV cache events (`--kv-events-config`) on a Unix socket in
+    /// the server's folder, topic `kv`, no replay socket; the server
+    /// states it at `GET /kv_event_sources`, where the sidecar's
+    /// `kv_events=auto` and the benchmark's forwarder find it. Also serves
+    /// the render endpoint (`--enable-scale-out`) that event-driven peer
+    /// routers tokenize with.
+    pub kv_events: bool,
     /// More flags, appended as given.
     pub extra_args: Vec<String>,
     /// How long start-up may take (40 s on an idle two-core machine,
@@ -110,6 +117,7 @@ impl Default for VllmConfig {
             max_num_seqs: 8,
             threads: 1,
             api_key: None,
+            kv_events: false,
             extra_args: Vec::new(),
             ready_timeout: Duration::from_secs(480),
         }
@@ -199,6 +207,18 @@ impl VllmServer {
         if let Some(key) = &c.api_key {
             args.extend(["--api-key".into(), key.clone()]);
         }
+        if c.kv_events {
+            let events = serde_json::json!({
+                "enable_kv_cache_events": true,
+                "publisher": "zmq",
+                "endpoint": format!("ipc://{}", self.kv_events_path().display()),
+                "topic": "kv",
+            });
+            args.extend(["--kv-events-config".into(), events.to_string()]);
+            // `POST /v1/chat/completions/render` (the prompt's token ids),
+            // which vllm-router's `kv_aware` asks an HTTP worker for.
+            args.push("--enable-scale-out".into());
+        }
         args.extend(c.extra_args.iter().cloned());
         args
     }
@@ -268,6 +288,12 @@ impl VllmServer {
 
     pub fn config(&self) -> &VllmConfig {
         &self.config
+    }
+
+    /// The Unix socket it publishes KV events on, with
+    /// [`VllmConfig::kv_events`].
+    pub fn kv_events_path(&self) -> PathBuf {
+        self.dir().join("kv.sock")
     }
 }
 
@@ -339,6 +365,12 @@ pub struct VllmArgs {
     /// Every `/v1/*` request needs this bearer key (`--api-key`).
     #[arg(long)]
     pub api_key: Option<String>,
+    /// Each server publishes its KV cache events on a Unix socket it
+    /// states at `GET /kv_event_sources` and serves its render endpoint
+    /// (`--enable-scale-out`): what the `hearth_kv_events` and
+    /// `vllm_router_kv_aware` policies of `hearth-bench compare` need.
+    #[arg(long)]
+    pub kv_events: bool,
 }
 
 /// Starts the servers (together), prints one line with their addresses
@@ -355,6 +387,7 @@ pub async fn run(args: VllmArgs) -> anyhow::Result<()> {
             max_num_seqs: args.max_num_seqs,
             threads: args.threads,
             api_key: args.api_key.clone(),
+            kv_events: args.kv_events,
             ..VllmConfig::default()
         })
     }))

@@ -511,25 +511,15 @@ async fn a_vllm_engines_kv_events_show_its_blocks_and_its_restart() {
         return;
     }
     let started = Instant::now();
-    let dir = std::env::temp_dir().join(format!("hearth-vllm-kv-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let endpoint = format!("ipc://{}", dir.join("kv.sock").display());
-    let events_config = json!({
-        "enable_kv_cache_events": true,
-        "publisher": "zmq",
-        "endpoint": endpoint,
-        "topic": "kv",
-    });
-    let mut config = hearth_bench::vllm::VllmConfig {
+    let config = hearth_bench::vllm::VllmConfig {
         served_model_name: "vllm-0".into(),
         aliases: vec![VLLM_MODEL.into()],
         kv_blocks: Some(KV_BLOCKS),
+        kv_events: true,
         ..small_vllm()
     };
-    config
-        .extra_args
-        .extend(["--kv-events-config".to_string(), events_config.to_string()]);
     let mut engine = VllmServer::start(config).await.unwrap();
+    let endpoint = format!("ipc://{}", engine.kv_events_path().display());
     let (blocks, block) = kv_config(&engine).await;
     let flags: Vec<String> = SIDECAR_FLAGS.iter().map(|s| s.to_string()).collect();
     let fleet = Fleet::start(hearth_e2e::FleetOptions {
@@ -612,6 +602,5 @@ async fn a_vllm_engines_kv_events_show_its_blocks_and_its_restart() {
     fleet.assert_wasm_healthy();
     drop(fleet);
     drop(engine);
-    let _ = std::fs::remove_dir_all(&dir);
     eprintln!("test took {:?}", started.elapsed());
 }
