@@ -133,6 +133,14 @@ pub struct RealArgs {
     /// (default: the model folder of the vLLM install, SmolLM2's).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// Before each policy, empty every engine's prefix cache (`POST
+    /// /reset_prefix_cache`: vLLM with `VLLM_SERVER_DEV_MODE=1`, as
+    /// `hearth-bench vllm` starts it), so every policy starts on cold,
+    /// empty caches, and engines that publish KV events say so
+    /// (`AllBlocksCleared`): a sidecar that follows them then knows each
+    /// cache exactly from the start of its run.
+    #[arg(long)]
+    pub reset_caches: bool,
     /// Deadline of each request (the whole streamed answer), in seconds.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
@@ -983,6 +991,31 @@ enum Serving {
     Peer(Box<Peer>, Vec<KvForward>),
 }
 
+/// `--reset-caches`: empties every engine's prefix cache.
+async fn reset_caches(args: &RealArgs) -> anyhow::Result<()> {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()?;
+    for engine in &args.engines {
+        let req = client.post(format!("http://{engine}/reset_prefix_cache"));
+        let req = match &args.api_key {
+            Some(key) => req.bearer_auth(key),
+            None => req,
+        };
+        let status = req
+            .send()
+            .await
+            .with_context(|| format!("POST http://{engine}/reset_prefix_cache"))?
+            .status();
+        anyhow::ensure!(
+            status.is_success(),
+            "engine {engine}: POST /reset_prefix_cache answered {status} (vLLM serves it with \
+             VLLM_SERVER_DEV_MODE=1, as hearth-bench vllm starts it)"
+        );
+    }
+    Ok(())
+}
+
 /// The tokenizer folder: `--tokenizer`, else the vLLM install's model
 /// folder (SmolLM2's tokenizer, which `hearth-bench vllm` serves).
 fn tokenizer_dir(args: &RealArgs) -> anyhow::Result<PathBuf> {
@@ -1003,8 +1036,9 @@ fn tokenizer_dir(args: &RealArgs) -> anyhow::Result<PathBuf> {
 /// from the worker's render endpoint (`POST /v1/chat/completions/render`,
 /// served by vLLM with `--enable-scale-out`): an engine without it is
 /// refused here, since kv_aware would otherwise route on load alone.
-async fn kv_aware(
-    args: &RealArgs,
+pub async fn kv_aware(
+    engines: &[SocketAddr],
+    api_key: Option<&str>,
     mut config: PeerConfig,
     model: &str,
 ) -> anyhow::Result<(PeerConfig, Vec<KvForward>)> {
@@ -1013,14 +1047,14 @@ async fn kv_aware(
         .build()?;
     let get = |engine: SocketAddr, path: &str| {
         let req = client.get(format!("http://{engine}{path}"));
-        match &args.api_key {
+        match api_key {
             Some(key) => req.bearer_auth(key),
             None => req,
         }
     };
     let mut forwards = Vec::new();
     let mut block_size = None;
-    for &engine in &args.engines {
+    for &engine in engines {
         let answer: Value = get(engine, "/kv_event_sources")
             .send()
             .await
@@ -1028,6 +1062,14 @@ async fn kv_aware(
             .with_context(|| format!("GET http://{engine}/kv_event_sources"))?
             .json()
             .await?;
+        // vllm-router 0.1.17 has no topic setting: it keeps only messages
+        // of the empty topic and drops the rest without a word.
+        let topic = answer["0"]["topic"].as_str().unwrap_or_default();
+        anyhow::ensure!(
+            topic.is_empty(),
+            "engine {engine} publishes its KV events under topic {topic:?}; vllm-router \
+             reads only the empty topic (vLLM's default)"
+        );
         let feed = stated_feed(&answer, engine, 0).map_err(|e| {
             anyhow::anyhow!(
                 "engine {engine}: {e} (vllm_router_kv_aware needs vLLM publishing its KV events, \
@@ -1037,7 +1079,7 @@ async fn kv_aware(
         let render = client
             .post(format!("http://{engine}/v1/chat/completions/render"))
             .json(&json!({"model": model, "messages": [{"role": "user", "content": "ping"}]}));
-        let render = match &args.api_key {
+        let render = match api_key {
             Some(key) => render.bearer_auth(key),
             None => render,
         };
@@ -1081,12 +1123,16 @@ async fn kv_aware(
 
 impl Serving {
     async fn start(args: &RealArgs, policy: Policy, model: &str) -> anyhow::Result<Serving> {
+        if args.reset_caches {
+            reset_caches(args).await?;
+        }
         let engines: Vec<String> = args.engines.iter().map(SocketAddr::to_string).collect();
         if let Some(mut config) = policy.peer() {
             config.api_key = args.api_key.clone();
             let mut forwards = Vec::new();
             if policy == Policy::VllmRouterKvAware {
-                (config, forwards) = kv_aware(args, config, model).await?;
+                (config, forwards) =
+                    kv_aware(&args.engines, args.api_key.as_deref(), config, model).await?;
             }
             let peer = Peer::start(
                 &config,

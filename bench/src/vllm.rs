@@ -92,12 +92,17 @@ pub struct VllmConfig {
     /// Every `/v1/*` request needs `Authorization: Bearer KEY` (`--api-key`).
     pub api_key: Option<String>,
     /// Publish KV cache events (`--kv-events-config`) on a Unix socket in
-    /// the server's folder, topic `kv`, no replay socket; the server
+    /// the server's folder, vLLM's default (empty) topic, which is the only
+    /// one vllm-router reads, and no replay socket; the server
     /// states it at `GET /kv_event_sources`, where the sidecar's
     /// `kv_events=auto` and the benchmark's forwarder find it. Also serves
     /// the render endpoint (`--enable-scale-out`) that event-driven peer
     /// routers tokenize with.
     pub kv_events: bool,
+    /// vLLM's development endpoints (`VLLM_SERVER_DEV_MODE=1`), among them
+    /// `POST /reset_prefix_cache`, which `hearth-bench compare
+    /// --reset-caches` calls between policies.
+    pub dev_endpoints: bool,
     /// More flags, appended as given.
     pub extra_args: Vec<String>,
     /// How long start-up may take (40 s on an idle two-core machine,
@@ -118,6 +123,7 @@ impl Default for VllmConfig {
             threads: 1,
             api_key: None,
             kv_events: false,
+            dev_endpoints: false,
             extra_args: Vec::new(),
             ready_timeout: Duration::from_secs(480),
         }
@@ -212,7 +218,6 @@ impl VllmServer {
                 "enable_kv_cache_events": true,
                 "publisher": "zmq",
                 "endpoint": format!("ipc://{}", self.kv_events_path().display()),
-                "topic": "kv",
             });
             args.extend(["--kv-events-config".into(), events.to_string()]);
             // `POST /v1/chat/completions/render` (the prompt's token ids),
@@ -254,6 +259,10 @@ impl VllmServer {
             .env("HF_HUB_OFFLINE", "1")
             .env("TRANSFORMERS_OFFLINE", "1")
             .env("VLLM_NO_USAGE_STATS", "1")
+            .env(
+                "VLLM_SERVER_DEV_MODE",
+                if self.config.dev_endpoints { "1" } else { "0" },
+            )
             .env("DO_NOT_TRACK", "1")
             .env("PYTHONUNBUFFERED", "1");
         // In its own process group (`ServerProcess::new(.., true)`): the
@@ -373,9 +382,10 @@ pub struct VllmArgs {
     pub kv_events: bool,
 }
 
-/// Starts the servers (together), prints one line with their addresses
-/// for `hearth-bench real --engines`, and serves until Ctrl-C or SIGTERM;
-/// then stops them.
+/// Starts the servers (together, each with its development endpoints, so
+/// `hearth-bench compare --reset-caches` can empty their caches), prints
+/// one line with their addresses for `hearth-bench real --engines`, and
+/// serves until Ctrl-C or SIGTERM; then stops them.
 pub async fn run(args: VllmArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let servers = futures::future::try_join_all((0..args.replicas).map(|i| {
@@ -388,6 +398,9 @@ pub async fn run(args: VllmArgs) -> anyhow::Result<()> {
             threads: args.threads,
             api_key: args.api_key.clone(),
             kv_events: args.kv_events,
+            // Loopback benchmark engines: `compare --reset-caches` empties
+            // their caches between policies.
+            dev_endpoints: true,
             ..VllmConfig::default()
         })
     }))

@@ -604,3 +604,102 @@ async fn a_vllm_engines_kv_events_show_its_blocks_and_its_restart() {
     drop(engine);
     eprintln!("test took {:?}", started.elapsed());
 }
+
+/// vllm-router's `kv_aware` (PyPI `vllm-router`, the benchmark's peer) in
+/// front of a real vLLM that publishes its KV events on a Unix socket,
+/// wired as `hearth-bench compare` wires it: the events forwarded to a
+/// loopback TCP port, the block size from the engine's metrics. The same
+/// prompt sent again is a hit in its index, so the comparison measures
+/// the router routing on the engine's events, not on load alone (which it
+/// falls back to, silently, when the wiring is wrong). Skipped when the
+/// peer routers are not installed (`HEARTH_SETUP_PEERS=0`).
+#[tokio::test]
+async fn vllm_routers_kv_aware_reads_a_real_vllms_events_through_the_forwarder() {
+    use hearth_bench::peers::{Peer, PeerConfig, PeerKind};
+    let name = "vllm_routers_kv_aware_reads_a_real_vllms_events_through_the_forwarder";
+    if !vllm_or_skip(name) {
+        return;
+    }
+    if let Err(e) = PeerKind::VllmRouter.find() {
+        eprintln!("skipping {name}: {e:#}");
+        return;
+    }
+    let engine = VllmServer::start(hearth_bench::vllm::VllmConfig {
+        served_model_name: "vllm-0".into(),
+        aliases: vec![VLLM_MODEL.into()],
+        kv_events: true,
+        ..small_vllm()
+    })
+    .await
+    .unwrap();
+    let engines = [engine.addr];
+    let (config, forwards) = hearth_bench::real::kv_aware(
+        &engines,
+        None,
+        PeerConfig::new(PeerKind::VllmRouter, "kv_aware"),
+        VLLM_MODEL,
+    )
+    .await
+    .unwrap();
+    let shown = config.shown();
+    assert!(shown.contains("--kv-event-block-size 128"), "{shown}");
+    let forwarded = &forwards[0].endpoint;
+    assert!(forwarded.starts_with("tcp://127.0.0.1:"), "{forwarded}");
+    assert!(
+        shown.contains(&format!(
+            "--kv-event-source http://{}={forwarded}",
+            engine.addr
+        )),
+        "{shown}"
+    );
+    let peer = Peer::start(&config, &engines, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let body = json!({
+        "model": VLLM_MODEL,
+        "messages": [
+            {"role": "system", "content": filler(11, 2400)},
+            {"role": "user", "content": "Which file holds the parser?"},
+        ],
+        "max_tokens": 4,
+    });
+    let client = reqwest::Client::new();
+    let hits = |text: &str| {
+        text.lines()
+            .find(|l| l.starts_with("vllm_router_kv_placement_lookups_total{result=\"hit\"}"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let mut cached = Vec::new();
+    for _ in 0..3 {
+        let answer: Value = client
+            .post(format!("{}/v1/chat/completions", peer.url()))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        cached.push(answer["usage"]["prompt_tokens_details"]["cached_tokens"].clone());
+        // The engine publishes a step's events after the step.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let metrics = peer.metrics().await.unwrap();
+    eprintln!(
+        "cached tokens: {cached:?}; forwarded batches: {}",
+        forwards[0].forwarded()
+    );
+    assert!(forwards[0].forwarded() >= 1);
+    assert!(
+        hits(&metrics) >= 1.0,
+        "kv_aware found no cached prefix in its index: {}",
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("vllm_router_kv_"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    drop(peer);
+    drop(engine);
+}
