@@ -12,6 +12,8 @@
 //! replay socket is not forwarded).
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -26,7 +28,7 @@ pub struct KvForward {
     /// Where it publishes: `tcp://127.0.0.1:PORT`.
     pub endpoint: String,
     /// Messages forwarded so far.
-    forwarded: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    forwarded: Arc<AtomicU64>,
     task: JoinHandle<()>,
 }
 
@@ -45,8 +47,8 @@ impl KvForward {
             .await
             .context("binding the forwarder's loopback port")?
             .to_string();
-        let forwarded = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let count = std::sync::Arc::clone(&forwarded);
+        let forwarded = Arc::new(AtomicU64::new(0));
+        let count = Arc::clone(&forwarded);
         let task = tokio::spawn(async move {
             loop {
                 // Any failure (the engine not up yet, restarted, a frame
@@ -65,7 +67,7 @@ impl KvForward {
 
     /// Messages forwarded so far.
     pub fn forwarded(&self) -> u64 {
-        self.forwarded.load(std::sync::atomic::Ordering::Relaxed)
+        self.forwarded.load(Ordering::Relaxed)
     }
 
     /// The port it publishes on.
@@ -85,7 +87,7 @@ impl Drop for KvForward {
 async fn forward(
     from: &EventEndpoint,
     publisher: &mut zeromq::PubSocket,
-    count: &std::sync::atomic::AtomicU64,
+    count: &AtomicU64,
 ) -> anyhow::Result<()> {
     match from {
         EventEndpoint::Tcp(addr) => {
@@ -103,7 +105,7 @@ async fn forward(
 async fn relay<S>(
     stream: &mut S,
     publisher: &mut zeromq::PubSocket,
-    count: &std::sync::atomic::AtomicU64,
+    count: &AtomicU64,
 ) -> anyhow::Result<()>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
@@ -117,7 +119,7 @@ where
             message.push_back(part);
         }
         publisher.send(message).await?;
-        count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        count.fetch_add(1, Ordering::Relaxed);
     }
 }
 
