@@ -380,6 +380,13 @@ pub struct VllmArgs {
     /// `vllm_router_kv_aware` policies of `hearth-bench compare` need.
     #[arg(long)]
     pub kv_events: bool,
+    /// Each server lists `--model` first and its own name (`vllm-0`, ...)
+    /// second. By default its own name comes first, so every answer names
+    /// the engine that served it; smg registers a worker under the first
+    /// name only, so an smg run needs this (and then a router that names
+    /// no engine, vllm-router, has its stays unmeasured).
+    #[arg(long)]
+    pub shared_name_first: bool,
 }
 
 /// Starts the servers (together, each with its development endpoints, so
@@ -390,8 +397,15 @@ pub async fn run(args: VllmArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let servers = futures::future::try_join_all((0..args.replicas).map(|i| {
         VllmServer::start(VllmConfig {
-            served_model_name: format!("vllm-{i}"),
-            aliases: vec![args.model.clone()],
+            // The first name is the one answers carry and smg registers.
+            served_model_name: match args.shared_name_first {
+                true => args.model.clone(),
+                false => format!("vllm-{i}"),
+            },
+            aliases: vec![match args.shared_name_first {
+                true => format!("vllm-{i}"),
+                false => args.model.clone(),
+            }],
             kv_blocks: args.kv_blocks,
             kv_cache_gib: args.kv_gib,
             max_num_seqs: args.max_num_seqs,
