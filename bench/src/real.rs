@@ -702,10 +702,7 @@ struct Client {
 
 impl Client {
     fn authorized(&self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
-        match &self.api_key {
-            Some(key) => req.bearer_auth(key),
-            None => req,
-        }
+        with_key(req, self.api_key.as_deref())
     }
 
     /// Sends one turn; returns its record and the visible answer.
@@ -824,15 +821,20 @@ impl Client {
     }
 }
 
+/// `req` with the engines' key, when there is one.
+fn with_key(req: reqwest::RequestBuilder, api_key: Option<&str>) -> reqwest::RequestBuilder {
+    match api_key {
+        Some(key) => req.bearer_auth(key),
+        None => req,
+    }
+}
+
 /// The model the first engine serves.
 async fn first_model(engine: SocketAddr, api_key: Option<&str>) -> anyhow::Result<String> {
-    let mut req = reqwest::Client::new()
+    let req = reqwest::Client::new()
         .get(format!("http://{engine}/v1/models"))
         .timeout(Duration::from_secs(10));
-    if let Some(key) = api_key {
-        req = req.bearer_auth(key);
-    }
-    let v: Value = req
+    let v: Value = with_key(req, api_key)
         .send()
         .await
         .and_then(reqwest::Response::error_for_status)
@@ -998,11 +1000,7 @@ async fn reset_caches(args: &RealArgs) -> anyhow::Result<()> {
         .build()?;
     for engine in &args.engines {
         let req = client.post(format!("http://{engine}/reset_prefix_cache"));
-        let req = match &args.api_key {
-            Some(key) => req.bearer_auth(key),
-            None => req,
-        };
-        let status = req
+        let status = with_key(req, args.api_key.as_deref())
             .send()
             .await
             .with_context(|| format!("POST http://{engine}/reset_prefix_cache"))?
@@ -1046,11 +1044,7 @@ pub async fn kv_aware(
         .timeout(Duration::from_secs(10))
         .build()?;
     let get = |engine: SocketAddr, path: &str| {
-        let req = client.get(format!("http://{engine}{path}"));
-        match api_key {
-            Some(key) => req.bearer_auth(key),
-            None => req,
-        }
+        with_key(client.get(format!("http://{engine}{path}")), api_key)
     };
     let mut forwards = Vec::new();
     let mut block_size = None;
@@ -1079,11 +1073,7 @@ pub async fn kv_aware(
         let render = client
             .post(format!("http://{engine}/v1/chat/completions/render"))
             .json(&json!({"model": model, "messages": [{"role": "user", "content": "ping"}]}));
-        let render = match api_key {
-            Some(key) => render.bearer_auth(key),
-            None => render,
-        };
-        let status = render
+        let status = with_key(render, api_key)
             .send()
             .await
             .with_context(|| format!("POST http://{engine}/v1/chat/completions/render"))?

@@ -664,12 +664,6 @@ async fn vllm_routers_kv_aware_reads_a_real_vllms_events_through_the_forwarder()
         "max_tokens": 4,
     });
     let client = reqwest::Client::new();
-    let hits = |text: &str| {
-        text.lines()
-            .find(|l| l.starts_with("vllm_router_kv_placement_lookups_total{result=\"hit\"}"))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
     let mut cached = Vec::new();
     for _ in 0..3 {
         let answer: Value = client
@@ -692,7 +686,13 @@ async fn vllm_routers_kv_aware_reads_a_real_vllms_events_through_the_forwarder()
     );
     assert!(forwards[0].forwarded() >= 1);
     assert!(
-        hits(&metrics) >= 1.0,
+        // The sample with exactly this label set (its full name).
+        metric_sum(
+            &metrics,
+            "vllm_router_kv_placement_lookups_total{result=\"hit\"}"
+        )
+        .unwrap_or(0.0)
+            >= 1.0,
         "kv_aware found no cached prefix in its index: {}",
         metrics
             .lines()
