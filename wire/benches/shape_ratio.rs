@@ -4,7 +4,8 @@
 //! both alike. The ratio, not the speed, is the figure to compare.
 //!
 //! Run: `cargo bench -p hearth-wire --bench shape_ratio` (bodies of 1 MiB),
-//! or `-- 4194304` for another size in bytes. `scripts/shape-ratio` runs
+//! or `-- 4194304` for another size in bytes; other arguments name the
+//! shapes to time (all by default). `scripts/shape-ratio` runs
 //! it natively and, built for the filter's target, under V8 (Node's WASI:
 //! `benches/wasi.mjs`), as the filter runs inside Envoy.
 
@@ -18,10 +19,14 @@ use std::time::Instant;
 const RUNS: usize = 15;
 
 fn main() {
-    let size = std::env::args()
-        .skip(1)
-        .find_map(|a| a.parse().ok())
-        .unwrap_or(1 << 20);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let size = args.iter().find_map(|a| a.parse().ok()).unwrap_or(1 << 20);
+    // Names of shapes to time; `cargo bench` adds `--bench`.
+    let names: Vec<&str> = args
+        .iter()
+        .filter(|a| a.parse::<usize>().is_err() && !a.starts_with('-'))
+        .map(String::as_str)
+        .collect();
     let params = Params::default();
     let all = shapes::all(size);
     let plain = &all[0];
@@ -36,7 +41,10 @@ fn main() {
         plain.name
     );
     println!("{:<26} {:>10} {:>8}  outcome", "shape", "MiB/s", "ratio");
-    for shape in &all {
+    for shape in all
+        .iter()
+        .filter(|s| names.is_empty() || names.contains(&s.name))
+    {
         let (mut base, mut this) = (f64::MAX, f64::MAX);
         for _ in 0..RUNS {
             base = base.min(per_byte(plain));

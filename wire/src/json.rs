@@ -17,6 +17,7 @@
 //! features.
 
 use crate::SkipReason;
+use std::cell::Cell;
 use std::cmp::Ordering;
 use std::fmt::Write as _;
 
@@ -309,10 +310,24 @@ impl<'a> Json<'a> {
                 }
                 b'-' | b'0'..=b'9' => {
                     let (end, form) = self.number(j).ok_or(BAD)?;
-                    if form != NumberForm::Canonical && !S::DROPS {
-                        out.put(self.bytes(run, j));
-                        self.rewrite_number(j, end, form, out)?;
-                        run = end;
+                    match form {
+                        NumberForm::Canonical => {}
+                        _ if S::DROPS => {}
+                        NumberForm::Power {
+                            e,
+                            negative,
+                            digits,
+                        } => {
+                            // The power's digits start the next run.
+                            out.put(self.bytes(run, e));
+                            out.put(if negative { b"e-" } else { b"e" });
+                            run = digits;
+                        }
+                        _ => {
+                            out.put(self.bytes(run, j));
+                            self.rewrite_number(j, end, form, out)?;
+                            run = end;
+                        }
                     }
                     j = if end == j + 1 {
                         // One digit: so may the next items be.
@@ -516,7 +531,20 @@ impl<'a> Json<'a> {
 
     /// Orders the (valid) strings opening at `a` and `b` by their decoded
     /// bytes: the body's own bytes while neither has an escape.
+    #[inline]
     fn cmp_strings(&self, a: usize, b: usize) -> Ordering {
+        // Most keys differ in their first byte: told apart here, with no
+        // call.
+        let (p, q) = (self.at(a + 1), self.at(b + 1));
+        let ends = |c| matches!(c, b'"' | b'\\' | 0);
+        if p != q && !ends(p) && !ends(q) {
+            return p.cmp(&q);
+        }
+        self.cmp_strings_from(a, b)
+    }
+
+    /// [`Json::cmp_strings`] byte by byte, decoding from the first escape.
+    fn cmp_strings_from(&self, a: usize, b: usize) -> Ordering {
         let (mut x, mut y) = (a + 1, b + 1);
         loop {
             let (p, q) = (self.at(x), self.at(y));
@@ -674,7 +702,8 @@ impl<'a> Json<'a> {
     /// maybe `-`, and a power of ten without leading zeros; at most 15
     /// significant digits and a power from -307 to 307, so the nearest
     /// f64's shortest digits are these ([`short_scientific`]). `1e300`,
-    /// `2.5e-7`, `1e0`.
+    /// `2.5e-7`, `1e0`. One canonical up to its power but for how the power
+    /// is written (`1E+300`) is [`NumberForm::Power`].
     #[inline]
     fn number(&self, i: usize) -> Option<(usize, NumberForm)> {
         let d = i + usize::from(self.at(i) == b'-');
@@ -707,30 +736,56 @@ impl<'a> Json<'a> {
         if !matches!(self.at(e), b'e' | b'E') {
             return rewrite(e);
         }
-        canonical &= self.at(e) == b'e';
         let sign = self.at(e + 1);
         let from = e + 1 + usize::from(matches!(sign, b'+' | b'-'));
         let to = self.digits(from);
         if to == from {
             return None;
         }
-        // At most three digits (307 is the largest power taken), no
-        // leading zero, no `+`, and no `-0`.
-        let leading_zero = self.at(from) == b'0' && (to > from + 1 || sign == b'-');
-        if !canonical || sign == b'+' || to > from + 3 || leading_zero {
+        if !canonical {
             return rewrite(to);
         }
-        // (Past two digits, three: compared as 307 is.)
+        // The digits before the exponent are canonical. So is the number
+        // when its power is written as `{:e}` writes it (`e`, at most
+        // three digits, no leading zero, no `+`, no `-0`) and is at most
+        // 307.
+        let leading_zero = self.at(from) == b'0' && (to > from + 1 || sign == b'-');
+        if self.at(e) == b'e' && sign != b'+' && to <= from + 3 && !leading_zero {
+            // (Past two digits, three: compared as 307 is.)
+            return if to < from + 3 || self.power_of_three_digits(from) <= 307 {
+                Some((to, NumberForm::Canonical))
+            } else {
+                rewrite(to)
+            };
+        }
+        Some((to, self.respelled_power(e, sign, from, to)))
+    }
+
+    /// The three digits from `i` as a number.
+    #[inline(always)]
+    fn power_of_three_digits(&self, i: usize) -> u32 {
         let digit = |k| u32::from(self.at(k).wrapping_sub(b'0'));
-        let power = if to == from + 3 {
-            digit(from) * 100 + digit(from + 1) * 10 + digit(from + 2)
-        } else {
-            0
-        };
-        if power <= 307 {
-            Some((to, NumberForm::Canonical))
-        } else {
-            rewrite(to)
+        digit(i) * 100 + digit(i + 1) * 10 + digit(i + 2)
+    }
+
+    /// The form of a number canonical up to its `e` (at `e`), whose power
+    /// (its sign, then its digits from `from` to `to`) is not written as
+    /// `{:e}` writes it: [`NumberForm::Power`] when it is at most 307
+    /// (`1E+300`, JavaScript's `1e+300`, `2.5e-07`), so only the power
+    /// is written again.
+    #[inline]
+    fn respelled_power(&self, e: usize, sign: u8, from: usize, to: usize) -> NumberForm {
+        let mut first = from;
+        while first + 1 < to && self.at(first) == b'0' {
+            first += 1;
+        }
+        if to - first > 3 || (to - first == 3 && self.power_of_three_digits(first) > 307) {
+            return NumberForm::Other;
+        }
+        NumberForm::Power {
+            e,
+            negative: sign == b'-' && self.at(first) != b'0',
+            digits: first,
         }
     }
 
@@ -829,6 +884,17 @@ impl<'a> Json<'a> {
         form: NumberForm,
         out: &mut impl Sink,
     ) -> Res<()> {
+        if let NumberForm::Power {
+            e,
+            negative,
+            digits,
+        } = form
+        {
+            out.put(self.bytes(i, e));
+            out.put(if negative { b"e-" } else { b"e" });
+            out.put(self.bytes(digits, end));
+            return Ok(());
+        }
         if form == NumberForm::Integer {
             // An integer in range is its own canonical form (JSON has no
             // leading zeros; "-0" stays "-0"): 19 digits always fit a u64,
@@ -860,6 +926,15 @@ enum NumberForm {
     /// An integer of more than 18 digits (canonical as it stands while it
     /// fits a u64 or an i64).
     Integer,
+    /// A number canonical but for how its power of ten is written: the
+    /// digits before the `e` at `e` stand, then `e`, a `-` when
+    /// `negative`, and the power's digits from `digits` (leading zeros
+    /// dropped) to the number's end.
+    Power {
+        e: usize,
+        negative: bool,
+        digits: usize,
+    },
     /// Any other number: written as its nearest f64 in `{:e}`'s form.
     Other,
 }
@@ -1144,6 +1219,8 @@ pub(crate) struct Scratch {
     groups: Vec<(u32, u32)>,
     /// Keys seen in the value being indexed.
     seen: usize,
+    /// Where in `objects` the next lookup looks first.
+    next: Cell<usize>,
 }
 
 /// Up to this many members, an object's keys are sorted by insertion.
@@ -1155,6 +1232,7 @@ impl Scratch {
         self.objects.clear();
         self.groups.clear();
         self.seen = 0;
+        self.next.set(0);
         self.walk(json, i)?;
         // Objects close innermost first; lookups go by where they start.
         self.objects.sort_unstable_by_key(|o| o.0);
@@ -1234,10 +1312,18 @@ impl Scratch {
     /// The members of the object at `i` (key and value offsets), sorted
     /// by key, and where it ends, when its keys must be sorted.
     fn keys_of(&self, i: usize) -> Option<(&[(u32, u32)], usize)> {
-        let at = self
-            .objects
-            .binary_search_by_key(&(i as u32), |o| o.0)
-            .ok()?;
+        // Values are mostly written in the order they were indexed (the
+        // next object to sort is the one after the last found), so that
+        // one is tried before a search.
+        let next = self.next.get();
+        let at = match self.objects.get(next) {
+            Some(o) if o.0 == i as u32 => next,
+            _ => self
+                .objects
+                .binary_search_by_key(&(i as u32), |o| o.0)
+                .ok()?,
+        };
+        self.next.set(at + 1);
         let &(_, start, count, end) = self.objects.get(at)?;
         let members = self
             .groups
@@ -1326,6 +1412,13 @@ mod tests {
             "[1e-1,1.7976931348623157e308,5e-324,-2.2250738585072014e-308]"
         );
         assert_eq!(canon("1e400"), Err(SkipReason::NotJson));
+        // Canonical but for the power's spelling (JavaScript writes
+        // `1e+300`): only the power is written again, in and out of runs.
+        assert_eq!(
+            canon("[1E+300,1e+0,1e-0,-2.5e-07,1e0005,1E-307,1e+308,0e+5] ").unwrap(),
+            "[1e300,1e0,1e0,-2.5e-7,1e5,1e-307,1e308,0e0]"
+        );
+        assert_eq!(canon(r#"{"b":1e+2,"a":1E2}"#).unwrap(), r#"{"a":1e2,"b":1e2}"#);
     }
 
     #[test]
