@@ -302,7 +302,7 @@ pub fn run(spec: &RunSpec) -> RunResult {
                                 // The prompt is read: as the sidecar hears
                                 // of the answer's first token.
                                 if let Some(d) = &p.routed.hearth {
-                                    d.prefill().done();
+                                    d.prefill().done_at(clock(t));
                                 }
                             }
                         }

@@ -471,8 +471,9 @@ fn scenario(args: &TenantsArgs) -> anyhow::Result<(Scenario, Duration, Duration)
 
 /// Every Hearth cell's settings: the scenario's, the objectives, the
 /// scrape interval, the flow control's default waits in engine time
-/// (the sidecar's clock is the wall's: its 2 s affinity wait and 60 s
-/// time to live divided by the time scale), then the command line's.
+/// (the sidecar's clock is the wall's: its 2 s affinity wait, 60 s time
+/// to live and prefill seconds divided by the time scale), then the
+/// command line's (wall seconds).
 fn hearth_settings(args: &TenantsArgs, sc: &Scenario) -> Vec<(String, String)> {
     let mut settings = sc.hearth.settings().to_vec();
     settings.push(("HEARTH_FLOW_OBJECTIVES".into(), OBJECTIVES.into()));
@@ -487,6 +488,7 @@ fn hearth_settings(args: &TenantsArgs, sc: &Scenario) -> Vec<(String, String)> {
             defaults.flow_affinity_wait_seconds,
         ),
         ("HEARTH_FLOW_TTL_SECONDS", defaults.flow_ttl_seconds),
+        ("HEARTH_FLOW_PREFILL_SECONDS", defaults.flow_prefill_seconds),
     ] {
         settings.push((name.into(), format!("{:.3}", engine_s / args.time_scale)));
     }

@@ -415,6 +415,13 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_FLOW_UNCACHED_BYTES", default_value_t = 8 << 20)]
     pub flow_uncached_bytes: u64,
 
+    /// Seconds of prefill in flight on one replica beyond which it is
+    /// saturated, at the prefill rate learnt from its engine's first
+    /// tokens (0 = not looked at). While no rate is learnt, and where
+    /// HEARTH_FLOW_UNCACHED_BYTES is less, that limit holds instead.
+    #[arg(long, env = "HEARTH_FLOW_PREFILL_SECONDS", default_value_t = 0.0)]
+    pub flow_prefill_seconds: f64,
+
     /// Seconds a queued request waits for a saturated replica that holds
     /// more of its prompt than any free one, before it takes a free one.
     #[arg(long, env = "HEARTH_FLOW_AFFINITY_WAIT_SECONDS", default_value_t = 2.0)]
@@ -1355,6 +1362,7 @@ impl Settings {
                 engine_waiting: self.flow_engine_waiting,
                 kv_usage: self.flow_kv_usage,
                 uncached_bytes: self.flow_uncached_bytes,
+                prefill_seconds: self.flow_prefill_seconds,
                 affinity_wait: seconds(self.flow_affinity_wait_seconds),
             },
         }
@@ -1465,6 +1473,14 @@ impl Settings {
             problems.push(format!(
                 "HEARTH_FLOW_AFFINITY_WAIT_SECONDS must be between 0 and 86400 seconds, got {}",
                 self.flow_affinity_wait_seconds
+            ));
+        }
+        if !(self.flow_prefill_seconds.is_finite()
+            && (0.0..=3_600.0).contains(&self.flow_prefill_seconds))
+        {
+            problems.push(format!(
+                "HEARTH_FLOW_PREFILL_SECONDS must be between 0 and 3600 seconds, got {}",
+                self.flow_prefill_seconds
             ));
         }
         if !(self.flow_engine_waiting.is_finite() && self.flow_engine_waiting >= 0.0) {
@@ -1772,6 +1788,33 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(cli.settings.long_lane, LongLane::AvoidUnlessWarm);
+    }
+
+    #[test]
+    fn prefill_seconds_reach_the_flow_params_and_bad_ones_are_named() {
+        let s = parse(&[
+            "--upstreams",
+            "127.0.0.1:1",
+            "--flow-prefill-seconds",
+            "0.5",
+        ])
+        .unwrap()
+        .settings;
+        assert_eq!(s.router_params().flow.prefill_seconds, 0.5);
+        assert!(s.validate().is_ok());
+        for bad in ["-1", "NaN", "4000"] {
+            let arg = format!("--flow-prefill-seconds={bad}");
+            let s = parse(&["--upstreams", "127.0.0.1:1", &arg])
+                .unwrap()
+                .settings;
+            let problems = s.validate().unwrap_err();
+            assert!(
+                problems
+                    .iter()
+                    .any(|p| p.contains("HEARTH_FLOW_PREFILL_SECONDS must be between 0 and 3600")),
+                "{bad}: {problems:?}"
+            );
+        }
     }
 
     #[test]

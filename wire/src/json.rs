@@ -1418,7 +1418,10 @@ mod tests {
             canon("[1E+300,1e+0,1e-0,-2.5e-07,1e0005,1E-307,1e+308,0e+5] ").unwrap(),
             "[1e300,1e0,1e0,-2.5e-7,1e5,1e-307,1e308,0e0]"
         );
-        assert_eq!(canon(r#"{"b":1e+2,"a":1E2}"#).unwrap(), r#"{"a":1e2,"b":1e2}"#);
+        assert_eq!(
+            canon(r#"{"b":1e+2,"a":1E2}"#).unwrap(),
+            r#"{"a":1e2,"b":1e2}"#
+        );
     }
 
     #[test]

@@ -107,3 +107,10 @@ impl Decision {
         self.record_usage_at(usage, Instant::now())
     }
 }
+
+impl crate::decide::Prefill {
+    /// [`crate::decide::Prefill::done_at`] now.
+    pub fn done(&self) {
+        self.done_at(Instant::now());
+    }
+}

@@ -131,6 +131,49 @@ impl Residents {
     }
 }
 
+/// How fast a replica's engine reads prompts, in bytes a second, learnt
+/// from the time to first token of prompts it read while no other prompt
+/// Hearth sent there was still unread. Such a time also counts a wait for
+/// a free slot and the first decode step, so every sample is at most the
+/// engine's real rate; the figure kept is the fastest seen, each new
+/// sample first taking a little off it (0.5%), so a slower engine in the
+/// same slot is followed within a few hundred samples. Prompts of under
+/// [`PrefillRate::MIN_BYTES`] are not timed: their time is overhead.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct PrefillRate {
+    bytes_per_second: Option<f64>,
+    samples: u64,
+}
+
+impl PrefillRate {
+    /// The smallest unread prompt whose first token times the prefill.
+    pub(crate) const MIN_BYTES: u64 = 8 << 10;
+    /// What each sample takes off the fastest seen before it counts.
+    const DECAY: f64 = 0.995;
+
+    pub(crate) fn observe(&mut self, bytes: u64, took: Duration) {
+        let secs = took.as_secs_f64();
+        if bytes < Self::MIN_BYTES || secs <= 0.0 {
+            return;
+        }
+        let sample = bytes as f64 / secs;
+        self.samples += 1;
+        self.bytes_per_second = Some(match self.bytes_per_second {
+            Some(fastest) => sample.max(fastest * Self::DECAY),
+            None => sample,
+        });
+    }
+
+    /// Bytes a second, once a prompt was timed.
+    pub(crate) fn bytes_per_second(&self) -> Option<f64> {
+        self.bytes_per_second
+    }
+
+    pub(crate) fn samples(&self) -> u64 {
+        self.samples
+    }
+}
+
 /// What the router knows of one replica slot.
 pub(crate) struct ReplicaState {
     pub(crate) warmth: LruBlocks,
@@ -139,6 +182,8 @@ pub(crate) struct ReplicaState {
     /// Uncached prompt bytes of the requests in flight here (their
     /// prefill work still to do, at most): what saturation counts.
     pub(crate) uncached_bytes: u64,
+    /// How fast its engine reads a prompt, as learnt from first tokens.
+    pub(crate) prefill_rate: PrefillRate,
     pub(crate) routed: u64,
     pub(crate) health: ReplicaHealth,
     /// The engine's own figures (for this target's share of its address).
@@ -224,6 +269,7 @@ impl ReplicaState {
             in_flight: 0,
             load: 0.0,
             uncached_bytes: 0,
+            prefill_rate: PrefillRate::default(),
             routed: 0,
             health: ReplicaHealth::default(),
             engine: None,

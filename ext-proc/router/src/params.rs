@@ -98,6 +98,11 @@ pub struct FlowParams {
     /// Uncached prompt bytes in flight on one replica (this sidecar's and
     /// its peers') beyond which it is saturated (0: no limit).
     pub uncached_bytes: u64,
+    /// Seconds of prefill in flight on one replica, at its learnt prefill
+    /// rate, beyond which it is saturated (0: not looked at; while no
+    /// rate is learnt, only `uncached_bytes` counts). The smaller of the
+    /// two limits holds.
+    pub prefill_seconds: f64,
     /// How long a queued request waits for a saturated replica that holds
     /// more of its prompt than any free one, before it takes a free one.
     pub affinity_wait: Duration,
@@ -109,6 +114,7 @@ impl Default for FlowParams {
             engine_waiting: 5.0,
             kv_usage: 0.9,
             uncached_bytes: 8 << 20,
+            prefill_seconds: 0.0,
             affinity_wait: Duration::from_secs(2),
         }
     }

@@ -41,6 +41,18 @@ pub struct ReplicaSnapshot {
     /// peers' (what flow control's `HEARTH_FLOW_UNCACHED_BYTES` limits).
     #[serde(default)]
     pub uncached_in_flight_bytes: u64,
+    /// The uncached bytes in flight from which it is saturated (absent:
+    /// no limit): `HEARTH_FLOW_UNCACHED_BYTES`, or
+    /// `HEARTH_FLOW_PREFILL_SECONDS` of its learnt prefill rate when less.
+    #[serde(default)]
+    pub uncached_limit_bytes: Option<u64>,
+    /// How fast its engine reads prompts, in bytes a second, learnt from
+    /// the first tokens of prompts it read alone (absent until one was
+    /// timed), and how many were timed.
+    #[serde(default)]
+    pub prefill_bytes_per_second: Option<f64>,
+    #[serde(default)]
+    pub prefill_samples: u64,
     /// Saturated, for flow control: by the engine's fresh figures or the
     /// uncached prompt in flight.
     #[serde(default)]
@@ -174,6 +186,9 @@ impl Router {
                     peer_in_flight: s.peer_in_flight,
                     peer_load: s.peer_load,
                     uncached_in_flight_bytes: self.uncached_in_flight(s),
+                    uncached_limit_bytes: self.uncached_limit(s),
+                    prefill_bytes_per_second: s.prefill_rate.bytes_per_second(),
+                    prefill_samples: s.prefill_rate.samples(),
                     saturated: self.saturated(s, now),
                     engine_batch: s.batch.size(),
                     warmth_blocks: s.warmth.len(),

@@ -228,6 +228,71 @@ fn hearths_own_uncached_prompt_in_flight_saturates_a_replica_until_released() {
     assert!(!r.saturated_for_at(&next, None, t0));
 }
 
+#[test]
+fn a_replica_is_saturated_by_seconds_of_prefill_at_the_rate_its_first_tokens_show() {
+    // Half a second of prefill; the set byte limit far above it.
+    let r = fleet(|p| {
+        p.flow.uncached_bytes = 1 << 30;
+        p.flow.prefill_seconds = 0.5;
+    });
+    let t0 = Instant::now();
+    let cold = |from: u64| req(&(from..from + 32).collect::<Vec<_>>());
+    // Before any prompt is timed, only the set limit holds.
+    let a = r.decide_at(&cold(1000), t0).unwrap();
+    let home = a.primary();
+    let snap = r.snapshot_at(t0);
+    assert_eq!(snap.replicas[home].prefill_bytes_per_second, None);
+    assert_eq!(snap.replicas[home].uncached_limit_bytes, Some(1 << 30));
+    // Read alone: 64 KiB in 0.5 s, 128 KiB a second; a quarter second's
+    // prefill, 64 KiB, from then on.
+    a.prefill().done_at(t0 + Duration::from_millis(500));
+    let snap = r.snapshot_at(t0);
+    assert_eq!(
+        snap.replicas[home].prefill_bytes_per_second,
+        Some(131_072.0)
+    );
+    assert_eq!(snap.replicas[home].prefill_samples, 1);
+    assert_eq!(snap.replicas[home].uncached_limit_bytes, Some(65_536));
+    // A prompt read while another was unread there is not timed (its
+    // time counts the other's prefill), however slow it looks.
+    let b = r.decide_within_at(&cold(2000), Some(&[home]), t0).unwrap();
+    let c = r.decide_within_at(&cold(3000), Some(&[home]), t0).unwrap();
+    c.prefill().done_at(t0 + Duration::from_secs(60));
+    assert_eq!(r.snapshot_at(t0).replicas[home].prefill_samples, 1);
+    // 64 KiB of b's still unread: at the limit, not past it. Another
+    // block in flight passes it.
+    assert!(!r.snapshot_at(t0).replicas[home].saturated);
+    let d = r.decide_within_at(&req(&[9]), Some(&[home]), t0).unwrap();
+    assert!(r.snapshot_at(t0).replicas[home].saturated);
+    // A faster reading raises the rate at once; a slower one only takes
+    // a little off it.
+    drop((b, d));
+    let e = r.decide_within_at(&cold(4000), Some(&[home]), t0).unwrap();
+    e.prefill().done_at(t0 + Duration::from_millis(250));
+    assert_eq!(
+        r.snapshot_at(t0).replicas[home].prefill_bytes_per_second,
+        Some(262_144.0)
+    );
+    let f = r.decide_within_at(&cold(5000), Some(&[home]), t0).unwrap();
+    f.prefill().done_at(t0 + Duration::from_secs(10));
+    let rate = r.snapshot_at(t0).replicas[home]
+        .prefill_bytes_per_second
+        .unwrap();
+    assert!(rate < 262_144.0 && rate > 0.99 * 262_144.0, "{rate}");
+    // Prompts under 8 KiB are not timed: their time is overhead.
+    drop((e, f));
+    let g = r
+        .decide_within_at(&req(&[1, 2, 3]), Some(&[home]), t0)
+        .unwrap();
+    g.prefill().done_at(t0 + Duration::from_secs(10));
+    assert_eq!(r.snapshot_at(t0).replicas[home].prefill_samples, 3);
+    // The other replica has learnt nothing: its limit is the set one.
+    assert_eq!(
+        r.snapshot_at(t0).replicas[1 - home].uncached_limit_bytes,
+        Some(1 << 30)
+    );
+}
+
 /// A fleet for the affinity wait's tests: saturated by more than four
 /// blocks of cold prompt in flight, an affinity wait of 2 s.
 fn affinity_fleet() -> Arc<Router> {

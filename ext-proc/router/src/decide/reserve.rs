@@ -39,6 +39,11 @@ struct PrefillLoad {
     units: f64,
     bytes: u64,
     released: AtomicBool,
+    /// When the request was sent, and whether the replica had no other
+    /// unread prompt from Hearth then: its first token then times its own
+    /// prefill ([`crate::fleet::PrefillRate`]).
+    sent: Instant,
+    alone: bool,
 }
 
 impl PrefillLoad {
@@ -73,14 +78,21 @@ impl std::fmt::Debug for Prefill {
 
 impl Prefill {
     /// The chosen replica has read the prompt (the answer's first token is
-    /// out): the load its unread bytes weighed is given back, and the
-    /// request weighs one unit until it ends. Later calls do nothing.
-    pub fn done(&self) {
+    /// out at `now`): the load its unread bytes weighed is given back, and
+    /// the request weighs one unit until it ends. A prompt read alone
+    /// times the replica's prefill rate. Later calls do nothing.
+    pub fn done_at(&self, now: Instant) {
         if self.load.released.load(Ordering::Acquire) {
             return;
         }
         let mut fleet = self.router.lock();
         if let Some(r) = fleet.state.get_mut(self.replica) {
+            if !self.load.released.load(Ordering::Acquire) && self.load.alone {
+                r.prefill_rate.observe(
+                    self.load.bytes,
+                    now.saturating_duration_since(self.load.sent),
+                );
+            }
             self.load.release(r);
             r.load = r.load.max(0.0);
         }
@@ -155,6 +167,7 @@ pub(crate) fn reserve(
     let uncached = req.prompt_bytes.saturating_sub(cached_bytes);
     let prefill_units = uncached as f64 / p.load_unit_bytes as f64;
     let r = &mut fleet.state[chosen];
+    let alone = r.uncached_bytes == 0 && r.peer_load <= f64::from(r.peer_in_flight);
     r.in_flight += 1;
     r.load += 1.0 + prefill_units;
     r.uncached_bytes = r.uncached_bytes.saturating_add(uncached);
@@ -198,6 +211,8 @@ pub(crate) fn reserve(
                 units: prefill_units,
                 bytes: uncached,
                 released: AtomicBool::new(false),
+                sent: now,
+                alone,
             }),
         },
         uncached_bytes: uncached,

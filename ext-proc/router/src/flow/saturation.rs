@@ -4,7 +4,9 @@
 //! waiting queue at `engine_waiting` or more; or its KV cache at
 //! `kv_usage` or more while anything waits there) or when the uncached
 //! prompt bytes in flight on it through this sidecar and its peers pass
-//! `uncached_bytes`. The engine's figures come from the metrics scrape, so
+//! `uncached_bytes` (or, when less, what the replica's engine reads in
+//! `prefill_seconds` at the prefill rate learnt from its first tokens:
+//! [`crate::fleet::PrefillRate`]). The engine's figures come from the metrics scrape, so
 //! they lag; Hearth's own in-flight figure moves with every decision and
 //! every release, and the engine's figures are carried forward by what
 //! Hearth sent and saw end since they were read, against the batch the
@@ -69,7 +71,28 @@ impl Router {
                 p.kv_usage > 0.0 && waiting > 0.0 && e.kv_usage.is_some_and(|kv| kv >= p.kv_usage);
             queue || kv
         });
-        engine || (p.uncached_bytes > 0 && self.uncached_in_flight(s) > p.uncached_bytes)
+        engine
+            || self
+                .uncached_limit(s)
+                .is_some_and(|limit| self.uncached_in_flight(s) > limit)
+    }
+
+    /// The uncached prompt bytes in flight beyond which replica state `s`
+    /// is saturated: `uncached_bytes`, or what its engine reads in
+    /// `prefill_seconds` at its learnt rate when that is less (`None`:
+    /// no limit).
+    pub(crate) fn uncached_limit(&self, s: &ReplicaState) -> Option<u64> {
+        let p = &self.params.flow;
+        let set = (p.uncached_bytes > 0).then_some(p.uncached_bytes);
+        let learnt = s
+            .prefill_rate
+            .bytes_per_second()
+            .filter(|_| p.prefill_seconds > 0.0)
+            .map(|rate| (rate * p.prefill_seconds) as u64);
+        match (set, learnt) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Uncached prompt bytes in flight on a replica: this sidecar's own,
