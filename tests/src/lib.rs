@@ -695,15 +695,18 @@ pub fn validate_config(name: &str, yaml: &str) -> anyhow::Result<()> {
     result
 }
 
-/// Checks, through `fleet` (a sidecar with `--load-unit-bytes=1024` and
-/// blocks of `block_size`), that a streamed answer weighs one load unit on
-/// its replica once its first chunk has come, while its 4 KB cold prompt
-/// weighed several before (what the decision read: its canonical bytes
-/// beyond the blocks the replica held), and nothing once it ends. For
-/// real engines, which send their first chunk after reading the prompt.
+/// Checks, through `fleet` (a sidecar with `--load-unit-bytes=1024`,
+/// `--flow-prefill-seconds=1` and blocks of `block_size`), that a streamed
+/// answer weighs one load unit on its replica once its first chunk has
+/// come, while its 9 KB cold prompt weighed several before (what the
+/// decision read: its canonical bytes beyond the blocks the replica held),
+/// and nothing once it ends; and that the prompt, read alone, timed the
+/// replica's prefill rate, which then sets its saturation limit (a
+/// second of it). For real engines, which send their first chunk after
+/// reading the prompt.
 pub async fn first_chunk_sheds_the_prompt_load(fleet: &Fleet, model: &str, block_size: u64) {
     use futures::StreamExt;
-    let system = format!("You are a storyteller. Notes:\n{}", filler(61, 4000));
+    let system = format!("You are a storyteller. Notes:\n{}", filler(61, 9000));
     let mut conv = Conversation::new(model, &system, false, 61);
     let mut body = conv.next_turn(240, true);
     body["max_tokens"] = 400.into();
@@ -735,6 +738,19 @@ pub async fn first_chunk_sheds_the_prompt_load(fleet: &Fleet, model: &str, block
         (open.load - 1.0).abs() < 1e-9 && open.uncached_in_flight_bytes == 0,
         "after its first chunk the open stream weighs one unit: {state:?}"
     );
+    let rate = open
+        .prefill_bytes_per_second
+        .unwrap_or_else(|| panic!("the prompt read alone timed no prefill rate: {state:?}"));
+    assert_eq!(open.prefill_samples, 1, "{state:?}");
+    assert!(rate > 0.0, "{state:?}");
+    assert_eq!(
+        open.uncached_limit_bytes,
+        Some((rate as u64).min(8 << 20)),
+        "a second of the learnt prefill limits the replica: {state:?}"
+    );
+    for other in state.replicas.iter().filter(|r| r.in_flight == 0) {
+        assert_eq!(other.prefill_samples, 0, "{state:?}");
+    }
     let (_, journal) = fleet.admin_get("/debug/decisions?limit=1").await.unwrap();
     let decisions: Value = serde_json::from_str(&journal).unwrap();
     let last = &decisions["decisions"][0];

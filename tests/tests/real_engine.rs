@@ -585,13 +585,21 @@ async fn at_the_defaults_no_probe_takes_a_conversations_slot_and_hearth_caches_a
 
 #[tokio::test]
 async fn a_streamed_answer_weighs_one_unit_once_its_first_chunk_is_out() {
-    // A load unit a KiB of unread prompt, so a 4 KB first turn weighs
+    // A load unit a KiB of unread prompt, so a 9 KB first turn weighs
     // several units while llama.cpp reads it, and one once it streams
     // tokens (it sends its headers when the slot starts, its first chunk
-    // after the prompt is read).
-    let flags = [SIDECAR_FLAGS[0], SIDECAR_FLAGS[1], "--load-unit-bytes=1024"];
-    let lf = LlamaFleet::start(2, &engine_config(), &flags)
-        .await
-        .unwrap();
+    // after the prompt is read); read alone, it times the prefill rate.
+    // Twice the usual context, so a slot holds the prompt.
+    let flags = [
+        SIDECAR_FLAGS[0],
+        SIDECAR_FLAGS[1],
+        "--load-unit-bytes=1024",
+        "--flow-prefill-seconds=1",
+    ];
+    let config = LlamaConfig {
+        ctx_size: 8192,
+        ..engine_config()
+    };
+    let lf = LlamaFleet::start(2, &config, &flags).await.unwrap();
     hearth_e2e::first_chunk_sheds_the_prompt_load(&lf.fleet, MODEL, 256).await;
 }

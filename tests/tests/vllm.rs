@@ -355,8 +355,14 @@ async fn a_streamed_vllm_answer_weighs_one_unit_once_its_first_chunk_is_out() {
         return;
     }
     // vLLM sends a stream's headers at once and its first chunk once the
-    // prompt is read (a load unit a KiB of it here).
-    let flags = [SIDECAR_FLAGS[0], SIDECAR_FLAGS[2], "--load-unit-bytes=1024"];
+    // prompt is read (a load unit a KiB of it here); read alone, the
+    // prompt times the prefill rate.
+    let flags = [
+        SIDECAR_FLAGS[0],
+        SIDECAR_FLAGS[2],
+        "--load-unit-bytes=1024",
+        "--flow-prefill-seconds=1",
+    ];
     let vf = VllmFleet::start(1, &small_vllm(), &flags).await.unwrap();
     hearth_e2e::first_chunk_sheds_the_prompt_load(&vf.fleet, VLLM_MODEL, 256).await;
 }
