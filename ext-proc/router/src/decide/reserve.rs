@@ -47,13 +47,15 @@ struct PrefillLoad {
 }
 
 impl PrefillLoad {
-    /// Takes this load off `r` unless it was already taken; under the
-    /// fleet lock.
-    fn release(&self, r: &mut crate::fleet::ReplicaState) {
-        if !self.released.swap(true, Ordering::AcqRel) {
-            r.load -= self.units;
-            r.uncached_bytes = r.uncached_bytes.saturating_sub(self.bytes);
+    /// Takes this load off `r` unless it was already taken (then false);
+    /// under the fleet lock.
+    fn release(&self, r: &mut crate::fleet::ReplicaState) -> bool {
+        if self.released.swap(true, Ordering::AcqRel) {
+            return false;
         }
+        r.load -= self.units;
+        r.uncached_bytes = r.uncached_bytes.saturating_sub(self.bytes);
+        true
     }
 }
 
@@ -87,13 +89,10 @@ impl Prefill {
         }
         let mut fleet = self.router.lock();
         if let Some(r) = fleet.state.get_mut(self.replica) {
-            if !self.load.released.load(Ordering::Acquire) && self.load.alone {
-                r.prefill_rate.observe(
-                    self.load.bytes,
-                    now.saturating_duration_since(self.load.sent),
-                );
+            if self.load.release(r) && self.load.alone {
+                let took = now.saturating_duration_since(self.load.sent);
+                r.prefill_rate.observe(self.load.bytes, took);
             }
-            self.load.release(r);
             r.load = r.load.max(0.0);
         }
         drop(fleet);
@@ -132,6 +131,7 @@ impl Drop for Reservation {
         let r = &mut fleet.state[*replica];
         r.in_flight = r.in_flight.saturating_sub(1);
         r.load -= 1.0;
+        // (A prompt never read times nothing.)
         load.release(r);
         // Sums of floats drift; an idle replica carries exactly no load.
         r.load = if r.in_flight == 0 {
