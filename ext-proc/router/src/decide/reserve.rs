@@ -166,8 +166,9 @@ pub(crate) fn reserve(
     let cached_bytes = u64::from(picked.overlap) * p.block_size as u64;
     let uncached = req.prompt_bytes.saturating_sub(cached_bytes);
     let prefill_units = uncached as f64 / p.load_unit_bytes as f64;
+    // Whether its first token will time this prompt's prefill alone.
+    let alone = router.uncached_in_flight(&fleet.state[chosen]) == 0;
     let r = &mut fleet.state[chosen];
-    let alone = r.uncached_bytes == 0 && r.peer_load <= f64::from(r.peer_in_flight);
     r.in_flight += 1;
     r.load += 1.0 + prefill_units;
     r.uncached_bytes = r.uncached_bytes.saturating_add(uncached);
