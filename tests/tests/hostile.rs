@@ -184,10 +184,7 @@ async fn worst_shaped_bodies_cost_the_filter_a_small_multiple_of_their_size() {
     // parser's fastest shape). What a worker spends, not asserted (timing
     // is noisy here).
     let hash_micros = || fleet.envoy.stat("wasmcustom.hearth_filter.hash_micros");
-    let agent = shapes::all(SIZE)
-        .into_iter()
-        .find(|s| s.name == "plain_chat")
-        .map(|s| String::from_utf8(s.body).unwrap())
+    let agent = String::from_utf8(shapes::agent_chat(SIZE, false))
         .unwrap()
         .replacen(r#""model":"hearth-sim""#, r#""model":"not-served-here""#, 1);
     let plain = [

@@ -75,7 +75,7 @@ const TOOL: &str = r#"{"type":"function","function":{"name":"read_file","descrip
 /// An agent conversation: a system prompt, tools, then user / assistant
 /// (with a tool call) / tool rounds of a few KB each, until `target`.
 /// `parts`: user turns as text parts instead of strings.
-fn agent_chat(target: usize, parts: bool) -> Vec<u8> {
+pub fn agent_chat(target: usize, parts: bool) -> Vec<u8> {
     let mut seed = 0x2545_f491_4f6c_dd1du64;
     let mut b = String::with_capacity(target + 8192);
     let system = text(&mut seed, 4000.min(target / 2));
