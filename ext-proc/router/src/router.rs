@@ -363,10 +363,7 @@ impl Router {
             // Evictions as they happen: what Hearth last sent here before
             // the engine stored a whole cache's worth since is gone.
             s.kv.note_turnover(s.warmth.clock());
-            if let Some(horizon) =
-                s.kv.horizon()
-                    .filter(|_| std::env::var_os("HEARTH_TMP_NO_FORGET").is_none())
-            {
+            if let Some(horizon) = s.kv.horizon() {
                 let forgotten = s.warmth.forget_not_newer_than(horizon);
                 s.kv.note_forgotten(forgotten);
             }
