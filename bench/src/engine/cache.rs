@@ -6,7 +6,7 @@
 //! engine renders it, not as the filter canonicalises it.
 
 use std::collections::hash_map::DefaultHasher;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::Hasher;
 
 use hearth_wire::kv_events::{Event, Medium};
@@ -52,6 +52,9 @@ pub struct PrefixCache {
     /// With KV events on: what entered and left since the last
     /// [`PrefixCache::take_events`], in order, and tokens per block.
     log: Option<(Vec<Event>, u64)>,
+    /// While a prompt is admitted with events on: its blocks newly stored
+    /// so far (logged together once it is in).
+    fresh: Option<HashSet<u64>>,
 }
 
 impl PrefixCache {
@@ -64,6 +67,7 @@ impl PrefixCache {
             by_tick: BTreeMap::new(),
             pins: HashMap::new(),
             log: None,
+            fresh: None,
         }
     }
 
@@ -84,26 +88,56 @@ impl PrefixCache {
             .unwrap_or_default()
     }
 
-    /// Logs that `hash` entered (after `parent`, the block before it in
-    /// its prompt) or left. Consecutive blocks of one kind share an event,
-    /// as an engine's step does.
-    fn log(&mut self, hash: u64, stored: Option<Option<u64>>) {
+    /// Logs that `hash` left (consecutive removals share an event), or,
+    /// while a prompt is admitted, that it entered.
+    fn log(&mut self, hash: u64, stored: bool) {
+        if let Some(fresh) = self.fresh.as_mut() {
+            // Stored and gone within one prompt: never logged.
+            if stored || fresh.remove(&hash) {
+                if stored {
+                    fresh.insert(hash);
+                }
+                return;
+            }
+        }
+        let Some((events, _)) = self.log.as_mut() else {
+            return;
+        };
+        match events.last_mut() {
+            Some(Event::Removed { hashes, .. }) => hashes.push(hash),
+            _ => events.push(Event::Removed {
+                hashes: vec![hash],
+                medium: Medium::Device,
+            }),
+        }
+    }
+
+    /// Logs the newly stored blocks of `prompt` (`fresh`) in its order, one
+    /// event per run of them after its parent, as an engine's step reports
+    /// a request's blocks (vLLM's `BlockStored`), after the removals that
+    /// made room for them.
+    fn log_stored(&mut self, prompt: &[u64], fresh: &HashSet<u64>) {
         let Some((events, block_tokens)) = self.log.as_mut() else {
             return;
         };
-        match (events.last_mut(), stored) {
-            (Some(Event::Removed { hashes, .. }), None) => hashes.push(hash),
-            (_, None) => events.push(Event::Removed {
-                hashes: vec![hash],
-                medium: Medium::Device,
-            }),
-            (_, Some(parent)) => events.push(Event::Stored {
-                hashes: vec![hash],
-                parent,
-                tokens: *block_tokens,
+        let mut i = 0;
+        while i < prompt.len() {
+            if !fresh.contains(&prompt[i]) {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < prompt.len() && fresh.contains(&prompt[i]) {
+                i += 1;
+            }
+            let n = (i - start) as u64;
+            events.push(Event::Stored {
+                hashes: prompt[start..i].to_vec(),
+                parent: start.checked_sub(1).map(|p| prompt[p]),
+                tokens: *block_tokens * n,
                 block_size: *block_tokens,
                 medium: Medium::Device,
-            }),
+            });
         }
     }
 
@@ -134,7 +168,7 @@ impl PrefixCache {
             .collect();
         for h in gone {
             self.by_hash.remove(&h);
-            self.log(h, None);
+            self.log(h, false);
         }
         let by_hash = &self.by_hash;
         self.by_tick.retain(|_, h| by_hash.contains_key(h));
@@ -198,14 +232,19 @@ impl PrefixCache {
     /// an engine frees a finished sequence's blocks.
     pub fn admit(&mut self, hashes: &[u64]) -> usize {
         let matched = self.matched_blocks(hashes);
-        for (i, &h) in hashes.iter().enumerate().rev() {
-            let parent = i.checked_sub(1).map(|p| hashes[p]);
-            self.touch(h, parent);
+        if self.log.is_some() {
+            self.fresh = Some(HashSet::new());
+        }
+        for &h in hashes.iter().rev() {
+            self.touch(h);
+        }
+        if let Some(fresh) = self.fresh.take() {
+            self.log_stored(hashes, &fresh);
         }
         matched
     }
 
-    fn touch(&mut self, hash: u64, parent: Option<u64>) {
+    fn touch(&mut self, hash: u64) {
         if self.capacity_blocks == 0 {
             return;
         }
@@ -235,7 +274,7 @@ impl PrefixCache {
                     if let Some(t) = self.by_hash.remove(&hash) {
                         self.by_tick.remove(&t);
                         if !new {
-                            self.log(hash, None);
+                            self.log(hash, false);
                         }
                     }
                 }
@@ -253,12 +292,12 @@ impl PrefixCache {
             } else {
                 self.by_hash.remove(&evicted);
                 if !(new && evicted == hash) {
-                    self.log(evicted, None);
+                    self.log(evicted, false);
                 }
             }
         }
         if new && self.by_hash.contains_key(&hash) {
-            self.log(hash, Some(parent));
+            self.log(hash, true);
         }
     }
 }
@@ -360,10 +399,10 @@ mod tests {
         let mut held = std::collections::HashSet::new();
         cache.admit(&[1, 2, 3, 4]);
         let first = cache.take_events();
-        // Stored from the last block to the first, each after its parent.
+        // One event for the prompt's new blocks, in its order.
         assert!(matches!(
-            &first[0],
-            Event::Stored { hashes, parent: Some(3), block_size: 16, .. } if hashes == &[4]
+            &first[..],
+            [Event::Stored { hashes, parent: None, tokens: 64, block_size: 16, .. }] if hashes == &[1, 2, 3, 4]
         ));
         held_by(&first, &mut held);
         cache.pin(&[1, 2]);
