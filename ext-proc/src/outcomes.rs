@@ -356,6 +356,8 @@ mod tests {
                 conversation: Some(1),
                 compare: true,
                 stamp: None,
+                decided_at: std::time::Instant::now(),
+                previous_engine_tip: None,
             },
             prefill: prefill(),
             request_id: None,

@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use hearth_bench::engine::{self, EngineConfig};
-use hearth_e2e::{metric_sample, Fleet, FleetOptions, MODEL};
+use hearth_e2e::{filler, metric_sample, reply_text, Conversation, Fleet, FleetOptions, MODEL};
 use hearth_router::{KvEventsSnapshot, Snapshot};
 use serde_json::json;
 
@@ -300,6 +300,66 @@ async fn a_conversation_evicted_by_others_traffic_loses_its_credit_before_its_ne
         .is_some_and(|n| n >= 1.0),
         "{metrics}"
     );
+}
+
+/// What the sidecar predicted and the engine served, in all, on `id`.
+fn predicted_and_served(s: &Snapshot, id: &str) -> (u64, u64) {
+    let r = s.replicas.iter().find(|r| r.id == id).expect("replica");
+    (
+        r.usage.predicted_cached_tokens_total,
+        r.usage.compared_cached_tokens_total,
+    )
+}
+
+/// A conversation whose engine freed the tail of its chain between two
+/// turns (others' prompts, straight to the engine, needed the room): its
+/// first turn was matched with the chain the engine stored for it, so the
+/// events tell how much of it is left, and its next turn is predicted as
+/// exactly what the engine then serves from its cache, not the whole
+/// previous prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partly_evicted_conversation_is_predicted_from_what_its_engine_still_holds() {
+    let fleet = exact_fleet(1).await;
+    // About 2.4 KB: one fingerprint block, some 38 of the engine's 48.
+    let mut x = Conversation::new(MODEL, &filler(71, 2200), false, 7100);
+    let first = fleet.chat(&x.next_turn(200, false)).await;
+    assert_eq!(first.status, 200, "{:?}", first.body);
+    let prompt_tokens = first.body["usage"]["prompt_tokens"].as_u64().unwrap();
+    x.push_assistant(&reply_text(&first.body));
+    until(&fleet, "X matched with its stored chain", |s| {
+        kv(s, "engine-0").matched_prompts_total >= 1
+    })
+    .await;
+    // Others' prompts until the engine frees blocks: the least recently
+    // used are X's last ones.
+    let mut n = 0;
+    while kv(
+        &occupancy_matches(&fleet, "the engine's count").await,
+        "engine-0",
+    )
+    .removed_blocks_total
+        == 0
+    {
+        n = serve_on(&fleet, "engine-0", n).await;
+        assert!(n < 20, "the engine never evicted");
+    }
+    let before = fleet.state().await.unwrap();
+    let second = fleet.chat(&x.next_turn(200, false)).await;
+    assert_eq!(second.status, 200, "{:?}", second.body);
+    let served = second.cached_tokens();
+    let whole = prompt_tokens / BLOCK_TOKENS * BLOCK_TOKENS;
+    assert!(
+        served > 0 && served < whole,
+        "the engine kept part of X's {whole} tokens, not {served}"
+    );
+    let after = until(&fleet, "turn 2's usage", |s| {
+        predicted_and_served(s, "engine-0").1 > predicted_and_served(&before, "engine-0").1
+    })
+    .await;
+    let (p0, s0) = predicted_and_served(&before, "engine-0");
+    let (p1, s1) = predicted_and_served(&after, "engine-0");
+    assert_eq!(s1 - s0, served);
+    assert_eq!(p1 - p0, served, "predicted what the engine still held");
 }
 
 /// With each engine's replay socket listed (`kv_events_replay=`), what a

@@ -36,13 +36,13 @@
 //! metrics state no capacity. It never changes health, never reaches
 //! another replica, and holds at most [`MAX_HELD_BLOCKS`] hashes.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::time::Instant;
 
 use hearth_wire::kv_events::{Batch, Event, Medium};
 use serde::{Deserialize, Serialize};
 
-use crate::warmth::BlockHashState;
+use crate::kv_chains::{Chains, Match};
 
 /// Blocks a replica's event set holds at most: 4,194,304 tokens in
 /// blocks of 16, more than one engine's KV cache today; about 4.5 MB.
@@ -102,7 +102,8 @@ pub enum RestartReason {
 pub(crate) struct KvEvents {
     /// Where the engine said it publishes (`kv_events=auto`), once it has.
     pub(crate) stated_endpoint: Option<String>,
-    held: HashSet<u64, BlockHashState>,
+    /// The blocks it holds, with their chains (see [`crate::kv_chains`]).
+    held: Chains,
     /// The sequence number the next batch should carry.
     next_seq: Option<u64>,
     inexact: Option<Inexact>,
@@ -131,13 +132,18 @@ pub(crate) struct KvEvents {
     /// Warmth blocks forgotten because the engine had stored a whole
     /// cache's worth since they were last used.
     forgotten_blocks: u64,
+    /// Answers whose prompt was matched with a stored chain, matched
+    /// with more than one, or with none.
+    matched: u64,
+    ambiguous: u64,
+    unseen: u64,
 }
 
 impl Default for KvEvents {
     fn default() -> Self {
         KvEvents {
             stated_endpoint: None,
-            held: HashSet::default(),
+            held: Chains::default(),
             next_seq: None,
             inexact: Some(Inexact::NoBatch),
             connected: false,
@@ -158,6 +164,9 @@ impl Default for KvEvents {
             restarts_cleared: 0,
             turnover: VecDeque::new(),
             forgotten_blocks: 0,
+            matched: 0,
+            ambiguous: 0,
+            unseen: 0,
         }
     }
 }
@@ -205,6 +214,16 @@ pub struct KvEventsSnapshot {
     /// engine's own count, before the next turn asks).
     #[serde(default)]
     pub forgotten_blocks_total: u64,
+    /// Answers whose prompt was matched with the chain the engine stored
+    /// for it (so the conversation's next turn here is predicted from
+    /// what the engine still holds of it), with more than one (no match),
+    /// or with none (see [`crate::kv_chains`]).
+    #[serde(default)]
+    pub matched_prompts_total: u64,
+    #[serde(default)]
+    pub ambiguous_prompts_total: u64,
+    #[serde(default)]
+    pub unmatched_prompts_total: u64,
 }
 
 impl KvEvents {
@@ -241,7 +260,7 @@ impl KvEvents {
 
     /// The cache is empty now: what follows is the whole of it.
     fn empty(&mut self) {
-        self.held = HashSet::default();
+        self.held.clear();
         self.peak_held = 0;
         self.inexact = None;
         self.turnover.clear();
@@ -316,6 +335,7 @@ impl KvEvents {
             match event {
                 Event::Stored {
                     hashes,
+                    parent,
                     block_size,
                     medium: Medium::Device,
                     ..
@@ -323,18 +343,22 @@ impl KvEvents {
                     if (1..=1 << 20).contains(block_size) {
                         self.block_tokens = Some(*block_size);
                     }
-                    for &h in hashes {
+                    // Each block's parent is the one before it, the first's
+                    // the event's.
+                    let mut parent = *parent;
+                    for (i, &h) in hashes.iter().enumerate() {
                         if self.inexact == Some(Inexact::Overflow) {
                             break;
                         }
-                        if self.held.len() >= MAX_HELD_BLOCKS && !self.held.contains(&h) {
+                        if self.held.len() >= MAX_HELD_BLOCKS && !self.held.contains(h) {
                             // Forget the set (its memory too) until the
                             // engine's cache is empty again.
-                            self.held = HashSet::default();
+                            self.held.clear();
                             self.inexact = Some(Inexact::Overflow);
-                        } else if self.held.insert(h) {
+                        } else if self.held.store(h, parent, i + 1 == hashes.len(), now) {
                             self.stored_blocks += 1;
                         }
+                        parent = Some(h);
                     }
                     self.peak_held = self.peak_held.max(self.held.len());
                 }
@@ -343,7 +367,7 @@ impl KvEvents {
                     medium: Medium::Device,
                 } => {
                     let before = self.held.len();
-                    for h in hashes {
+                    for &h in hashes {
                         if self.held.remove(h) {
                             self.removed_blocks += 1;
                         }
@@ -365,7 +389,62 @@ impl KvEvents {
                 Event::Stored { .. } | Event::Removed { .. } => {}
             }
         }
+        self.held.settle();
         restarts
+    }
+
+    /// Figures that are the engine's own, in tokens a block.
+    fn exact_blocks(&self) -> Option<u64> {
+        self.block_tokens
+            .filter(|_| self.connected && self.inexact.is_none())
+    }
+
+    /// The engine's chain for a prompt decided at `since`: `usage` tells
+    /// its size and what was cached; `previous` is the engine tip of the
+    /// turn it continues here (see [`crate::kv_chains`]). `None` unless the
+    /// figures are exact; counted either way.
+    pub(crate) fn match_prompt(
+        &mut self,
+        since: Instant,
+        prompt_tokens: u64,
+        cached_tokens: u64,
+        previous: Option<u64>,
+    ) -> Option<u64> {
+        let block = self.exact_blocks()?;
+        let whole = |t: u64| u32::try_from(t / block).unwrap_or(u32::MAX);
+        match self
+            .held
+            .match_prompt(since, whole(prompt_tokens), whole(cached_tokens), previous)
+        {
+            Match::Tip(tip) => {
+                self.matched += 1;
+                Some(tip)
+            }
+            Match::Ambiguous => {
+                self.ambiguous += 1;
+                None
+            }
+            Match::Unseen => {
+                self.unseen += 1;
+                None
+            }
+        }
+    }
+
+    /// Tokens of a prompt of `prompt_tokens` whose chain ends at engine
+    /// tip `tip` that the engine still holds, when it has freed some of
+    /// its whole blocks (and the figures are exact).
+    pub(crate) fn evicted_from(&self, tip: u64, prompt_tokens: u64) -> Option<u64> {
+        let block = self.exact_blocks()?;
+        let left = self.resident_tokens(tip)?;
+        (left < prompt_tokens / block * block).then_some(left)
+    }
+
+    /// Tokens of the chain ending at engine tip `tip` the engine still
+    /// holds (whole blocks from its root), while the figures are exact.
+    pub(crate) fn resident_tokens(&self, tip: u64) -> Option<u64> {
+        let block = self.exact_blocks()?;
+        Some(u64::from(self.held.resident(tip)?) * block)
     }
 
     /// The engine's capacity in tokens, as its events showed it.
@@ -408,6 +487,9 @@ impl KvEvents {
             restarts_sequence_total: self.restarts_sequence,
             restarts_cleared_total: self.restarts_cleared,
             forgotten_blocks_total: self.forgotten_blocks,
+            matched_prompts_total: self.matched,
+            ambiguous_prompts_total: self.ambiguous,
+            unmatched_prompts_total: self.unseen,
         }
     }
 }

@@ -31,6 +31,7 @@ pub mod decide;
 pub mod fleet;
 pub mod flow;
 pub mod health;
+pub mod kv_chains;
 pub mod kv_events;
 pub mod params;
 pub mod peers;

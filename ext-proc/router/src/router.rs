@@ -497,9 +497,24 @@ impl Router {
             usage,
             now,
         );
+        // Which chain the engine stored for this prompt, where its KV
+        // events tell (only for answers the prediction may be compared
+        // with: a partitioned cache stores chains no one else reads).
+        let engine_tip = prediction.filter(|p| p.compare).and_then(|p| {
+            s.kv.match_prompt(
+                p.decided_at,
+                usage.prompt_tokens,
+                usage.cached_tokens,
+                p.previous_engine_tip,
+            )
+        });
         // The engine's size of this prompt, for the next turn's prediction.
         if let Some((tip, key)) = prediction.and_then(|p| p.tip.zip(Some(p.key))) {
-            lock(&self.tips).note_tokens(tip, key, usage.prompt_tokens);
+            let mut tips = lock(&self.tips);
+            tips.note_tokens(tip, key, usage.prompt_tokens);
+            if let Some(engine_tip) = engine_tip {
+                tips.note_engine_tip(tip, key, engine_tip);
+            }
         }
         drop(guard);
         Some(Served {

@@ -49,6 +49,10 @@ pub struct Continuation {
     /// block too.
     pub prompt_bytes: u64,
     pub prompt_tokens: Option<u64>,
+    /// The previous turn's last whole block in its engine's own hashes,
+    /// when the engine's KV events showed which chain it stored (see
+    /// [`crate::kv_chains`]).
+    pub engine_tip: Option<u64>,
 }
 
 /// What is remembered of a turn by its tip.
@@ -57,6 +61,7 @@ struct Turn {
     replica: ReplicaKey,
     prompt_bytes: u64,
     prompt_tokens: Option<u64>,
+    engine_tip: Option<u64>,
     /// Its conversation: the first turn's tip, handed on turn to turn.
     conversation: u64,
     /// For a first turn, whether a second turn came.
@@ -181,6 +186,7 @@ impl Tips {
             from: turn.replica,
             prompt_bytes: turn.prompt_bytes,
             prompt_tokens: turn.prompt_tokens,
+            engine_tip: turn.engine_tip,
         })
     }
 
@@ -238,6 +244,7 @@ impl Tips {
                 replica,
                 prompt_bytes,
                 prompt_tokens: None,
+                engine_tip: None,
                 conversation: previous.map_or(tip, |c| c.conversation),
                 fate,
             },
@@ -301,6 +308,14 @@ impl Tips {
         }
     }
 
+    /// The engine `replica` stored the prompt whose tip is `tip` as the
+    /// chain ending at its block `engine_tip`.
+    pub(crate) fn note_engine_tip(&mut self, tip: u64, replica: ReplicaKey, engine_tip: u64) {
+        if let Some(t) = self.went.get_mut(&tip).filter(|t| t.replica == replica) {
+            t.engine_tip = Some(engine_tip);
+        }
+    }
+
     #[cfg(test)]
     fn len(&self) -> usize {
         self.went.len()
@@ -336,8 +351,14 @@ mod tests {
                 from: key(2),
                 prompt_bytes: 6 * 2048 + 100,
                 prompt_tokens: Some(3100),
+                engine_tip: None,
             }
         );
+        // The engine's chain for it, once its events showed it.
+        tips.note_engine_tip(6, key(1), 77);
+        assert_eq!(tips.continued(&[6]).unwrap().engine_tip, None);
+        tips.note_engine_tip(6, key(2), 77);
+        assert_eq!(tips.continued(&[6]).unwrap().engine_tip, Some(77));
         assert_eq!(tips.continued(&[1, 2]), None);
         // Recorded again elsewhere: the latest replica wins.
         tips.record(6, key(1), 6 * 2048 + 100, None, true);

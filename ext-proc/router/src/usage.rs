@@ -143,6 +143,12 @@ pub struct Prediction {
     /// The replica's warmth clock when it last used the deepest block of
     /// the prediction ([`crate::warmth::LruBlocks::stamp`]).
     pub stamp: Option<u32>,
+    /// When the decision was taken: the engine stored this prompt's
+    /// blocks after it ([`crate::kv_chains`]).
+    pub decided_at: Instant,
+    /// The engine tip of the turn this prompt continues on the chosen
+    /// replica, when its KV events showed it.
+    pub previous_engine_tip: Option<u64>,
 }
 
 /// An answer's usage: prompt tokens, and the ones read from cache.
@@ -501,6 +507,8 @@ mod tests {
             conversation: Some(k),
             compare: true,
             stamp: warmth.stamp(middle),
+            decided_at: now,
+            previous_engine_tip: None,
         };
         let usage = Usage {
             prompt_tokens: 10 * 512,

@@ -250,3 +250,127 @@ fn a_feed_corrects_its_own_replica_and_reaches_no_other() {
     // Still routable: a decision goes anywhere.
     assert!(router.decide_at(&req(&[100, 101]), t0).is_ok());
 }
+
+fn chain(hashes: std::ops::Range<u64>, parent: Option<u64>) -> Event {
+    Event::Stored {
+        tokens: 16 * (hashes.end - hashes.start),
+        hashes: hashes.collect(),
+        parent,
+        block_size: 16,
+        medium: Medium::Device,
+    }
+}
+
+fn removed(hashes: std::ops::Range<u64>) -> Event {
+    Event::Removed {
+        hashes: hashes.collect(),
+        medium: Medium::Device,
+    }
+}
+
+#[test]
+fn a_turn_matched_with_its_stored_chain_predicts_the_next_from_what_the_engine_still_holds() {
+    use hearth_router::usage::Usage;
+    use std::time::Duration;
+    let router = fleet(&format!("{A};kv_events=tcp://127.0.0.1:5557"));
+    let a = (A.parse::<SocketAddr>().unwrap(), None);
+    let kv = |t| router.snapshot_at(t).replicas[0].kv_events.clone().unwrap();
+    let t0 = Instant::now();
+    router.note_kv_feed(a, true);
+    // The engine's cache starts empty; a shared system prompt of 2 blocks
+    // (engine hashes 1, 2) is stored by someone else's request.
+    router.apply_kv_batch_at(a, 0, &batch(vec![chain(1..3, None)]), t0);
+    // Turn 1 of conversation X, and a prompt of another conversation
+    // decided beside it: the engine stores X's 10 blocks (2 of them the
+    // shared ones it found) and the other's 7, in one step.
+    let t1 = t0 + Duration::from_secs(1);
+    let x1 = router.decide_at(&req(&[11, 12, 13]), t1).unwrap();
+    let other = router.decide_at(&req(&[21, 22]), t1).unwrap();
+    router.apply_kv_batch_at(
+        a,
+        1,
+        &batch(vec![chain(100..108, Some(2)), chain(200..205, Some(2))]),
+        t1 + Duration::from_millis(50),
+    );
+    let t2 = t1 + Duration::from_secs(2);
+    // 10 whole blocks of 16 tokens, 2 from cache: the chain 10 deep.
+    let served = x1.record_usage_at(
+        Usage {
+            prompt_tokens: 165,
+            cached_tokens: 32,
+        },
+        t2,
+    );
+    assert_eq!(served.unwrap().predicted_tokens, Some(0));
+    other.record_usage_at(
+        Usage {
+            prompt_tokens: 120,
+            cached_tokens: 32,
+        },
+        t2,
+    );
+    assert_eq!(kv(t2).matched_prompts_total, 2);
+    drop((x1, other));
+    // Between the turns the engine frees the tail of X's chain (its 4
+    // last blocks): 6 blocks, 96 tokens, are left of it.
+    router.apply_kv_batch_at(a, 2, &batch(vec![removed(104..108)]), t2);
+    // Turn 2 of X is predicted from what the engine holds, not from the
+    // whole previous prompt (165 tokens) the warmth index still credits.
+    let t3 = t2 + Duration::from_secs(1);
+    let x2 = router.decide_at(&req(&[11, 12, 13, 14, 15]), t3).unwrap();
+    assert_eq!(x2.continuation.unwrap().engine_tip, Some(107));
+    assert_eq!(x2.prediction.held_tokens, Some(96));
+    // And credited only that share of its 3 blocks: 96 of 165 tokens of
+    // 6,144 bytes, one whole 2,048-byte block.
+    assert_eq!(x2.overlap, 1);
+    router.apply_kv_batch_at(
+        a,
+        3,
+        &batch(vec![chain(104..112, Some(103)), chain(112..114, Some(111))]),
+        t3 + Duration::from_millis(50),
+    );
+    let served = x2.record_usage_at(
+        Usage {
+            prompt_tokens: 260,
+            cached_tokens: 96,
+        },
+        t3 + Duration::from_secs(1),
+    );
+    assert_eq!(served.unwrap().predicted_tokens, Some(96));
+    // Matched through turn 1's chain: its tip is 16 blocks deep (the
+    // chunked prefill's two events are one chain).
+    assert_eq!(kv(t3).matched_prompts_total, 3);
+    drop(x2);
+    let x3 = router
+        .decide_at(&req(&[11, 12, 13, 14, 15, 16]), t3 + Duration::from_secs(2))
+        .unwrap();
+    assert_eq!(x3.continuation.unwrap().engine_tip, Some(113));
+    assert_eq!(x3.prediction.held_tokens, Some(256));
+    // Nothing of it freed: the whole previous prompt is credited.
+    assert_eq!(x3.overlap, 5);
+    drop(x3);
+    // Two prompts of one size beside each other, neither continuing a
+    // matched turn: ambiguous, and no engine tip.
+    let t4 = t3 + Duration::from_secs(10);
+    let p = router.decide_at(&req(&[31, 32]), t4).unwrap();
+    let q = router.decide_at(&req(&[41, 42]), t4).unwrap();
+    router.apply_kv_batch_at(
+        a,
+        4,
+        &batch(vec![chain(300..303, Some(2)), chain(400..403, Some(2))]),
+        t4,
+    );
+    let usage = Usage {
+        prompt_tokens: 80,
+        cached_tokens: 32,
+    };
+    p.record_usage_at(usage, t4);
+    assert_eq!(kv(t4).ambiguous_prompts_total, 1);
+    drop((p, q));
+    // Inexact figures (a gap) match nothing and predict as before.
+    router.apply_kv_batch_at(a, 9, &batch(vec![]), t4);
+    let x4 = router
+        .decide_at(&req(&[11, 12, 13, 14, 15, 16, 17]), t4)
+        .unwrap();
+    assert_ne!(x4.prediction.held_tokens, Some(256));
+}

@@ -523,6 +523,21 @@ const KV_SERIES: &[Scraped<KvEventsSnapshot>] = &[
         |k| k.forgotten_blocks_total,
     ),
     counter(
+        "hearth_replica_kv_event_matched_prompts",
+        "Answers whose prompt was matched with the chain the replica's engine stored for it (its next turn there is predicted from what the engine still holds of that chain)",
+        |k| k.matched_prompts_total,
+    ),
+    counter(
+        "hearth_replica_kv_event_ambiguous_prompts",
+        "Answers whose prompt more than one stored chain fitted (left unmatched: the prediction stays approximate)",
+        |k| k.ambiguous_prompts_total,
+    ),
+    counter(
+        "hearth_replica_kv_event_unmatched_prompts",
+        "Answers, on an engine whose KV event figures were exact, whose prompt no stored chain fitted",
+        |k| k.unmatched_prompts_total,
+    ),
+    counter(
         "hearth_replica_kv_event_refused",
         "KV event messages from the replica's engine that did not read (not three frames, a bad sequence or batch)",
         |k| k.refused_total,

@@ -203,6 +203,15 @@ impl Router {
             .checked_sub(1)
             .and_then(|k| req.hashes.get(k))
             .and_then(|&h| fleet.state[chosen].warmth.stamp(h));
+        // What the engine itself still holds of the previous turn's chain,
+        // when its KV events showed which chain that was (exact where the
+        // warmth index and the horizon only approximate it).
+        let key = fleet.replicas[chosen].key();
+        let previous_engine_tip = warm
+            .continued
+            .filter(|c| c.from == key)
+            .and_then(|c| c.engine_tip);
+        let resident = previous_engine_tip.and_then(|t| fleet.state[chosen].kv.resident_tokens(t));
         let reservation = reserve::reserve(self, fleet, &mut tips, req, &warm, &picked, now);
         drop(tips);
         let replicas = Arc::clone(&fleet.replicas);
@@ -224,12 +233,22 @@ impl Router {
         // What the chosen replica holds: its blocks, or all of the previous
         // turn's prompt when it served that turn (engines keep the partial
         // last block a fingerprint cannot name).
-        let key = replicas[chosen].key();
         let block_bytes = held as u64 * self.params.block_size as u64;
         let previous = warm.continued.filter(|c| c.from == key && c.depth <= held);
-        let (held_bytes, held_tokens) = match previous {
-            Some(c) if c.prompt_bytes > block_bytes => (c.prompt_bytes, c.prompt_tokens),
-            _ => (block_bytes, None),
+        let (held_bytes, held_tokens) = match (warm.continued, resident) {
+            // The engine's own figure, never more than the previous prompt.
+            (Some(c), Some(tokens)) => {
+                let tokens = c.prompt_tokens.map_or(tokens, |t| tokens.min(t));
+                let bytes = match c.prompt_tokens {
+                    Some(t) if t > 0 => c.prompt_bytes.saturating_mul(tokens) / t,
+                    _ => block_bytes,
+                };
+                (bytes, Some(tokens))
+            }
+            _ => match previous {
+                Some(c) if c.prompt_bytes > block_bytes => (c.prompt_bytes, c.prompt_tokens),
+                _ => (block_bytes, None),
+            },
         };
         let prediction = Prediction {
             replica: chosen,
@@ -244,6 +263,8 @@ impl Router {
             conversation: warm.continued.map(|c| c.conversation),
             compare: !req.hashes.is_empty() && req.cache == hearth_wire::CacheUse::Shared,
             stamp,
+            decided_at: now,
+            previous_engine_tip,
         };
         Ok(Decision {
             order: picked.order,

@@ -59,12 +59,46 @@ pub(crate) fn measure(
     };
     let warmest = overlaps.iter().copied().max().unwrap_or(0);
     let reach = &req.hashes[..warmest.min(req.hashes.len())];
+    let continued = tips.continued(reach);
+    let mut overlaps = overlaps;
+    if let Some(c) = continued {
+        evicted_part(router, fleet, &c, &candidates, &mut overlaps);
+    }
     Warmth {
         candidates,
         overlaps,
-        continued: tips.continued(reach),
+        continued,
         sequel_share: tips.sequels().share(),
     }
+}
+
+/// Where the engine that read the previous turn has since freed part of
+/// its chain (its KV events said which chain, and which blocks left),
+/// that replica is credited only what is left: the engine's resident
+/// share of the previous prompt, in its own bytes (see
+/// [`crate::kv_chains`]).
+fn evicted_part(
+    router: &Router,
+    fleet: &Fleet,
+    c: &Continuation,
+    candidates: &[usize],
+    overlaps: &mut [usize],
+) {
+    let (Some(tip), Some(tokens)) = (c.engine_tip, c.prompt_tokens) else {
+        return;
+    };
+    let Some(k) = candidates
+        .iter()
+        .position(|&i| fleet.replicas[i].key() == c.from)
+    else {
+        return;
+    };
+    let Some(left) = fleet.state[candidates[k]].kv.evicted_from(tip, tokens) else {
+        return;
+    };
+    let bytes = c.prompt_bytes.saturating_mul(left) / tokens.max(1);
+    let blocks = (bytes / router.params.block_size.max(1) as u64) as usize;
+    overlaps[k] = overlaps[k].min(blocks);
 }
 
 /// Under `avoid-unless-warm`, a short prompt keeps a `long` replica only
