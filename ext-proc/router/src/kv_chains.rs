@@ -86,6 +86,8 @@ pub(crate) struct Chains {
     recent: VecDeque<Recent>,
     /// Blocks stored by the batch being applied with a depth still unknown.
     unresolved: Vec<u64>,
+    /// Prompts waiting for their chains (see [`Chains::match_prompt`]).
+    waiting: VecDeque<Waiting>,
 }
 
 impl Chains {
@@ -246,24 +248,58 @@ impl Chains {
         None
     }
 
-    /// The chain of a prompt of `prompt` whole blocks, `cached` of them
-    /// found in the cache, decided at `since`; `previous`: the engine tip of
-    /// the turn it continues on this replica, when that was matched. A
-    /// chain found is claimed (no other prompt is matched with it).
+    /// Matches the prompt `id` (the caller's name for it): `prompt` whole
+    /// blocks, `cached` of them found in the cache, decided at `since`,
+    /// its answer's usage read at `now`; `previous`: the engine tip of the
+    /// turn it continues on this replica, when that was matched. A chain
+    /// found is claimed (no other prompt is matched with it).
+    ///
+    /// A prompt that more than one chain fits, with no earlier turn to
+    /// tell them apart, waits: prompts of one shape (the same whole and
+    /// cached blocks) decided side by side are matched in order once as
+    /// many chains of that shape as prompts are stored since the first of
+    /// them, the earliest decided with the earliest stored, as an engine
+    /// that schedules first come, first served stores them. Their
+    /// predictions can only be off where the engine later frees one chain
+    /// and not the other of the same shape.
     pub(crate) fn match_prompt(
         &mut self,
+        id: u64,
         since: Instant,
         prompt: u32,
         cached: u32,
         previous: Option<u64>,
-    ) -> Match {
+        now: Instant,
+    ) -> Found {
+        let mut found = Found::default();
+        self.expire_waiting(now, &mut found);
+        match self.find(since, prompt, cached, previous) {
+            Match::Tip(tip) => found.tips.push((id, tip)),
+            Match::Unseen if prompt == 0 || previous.is_some() => found.unseen += 1,
+            m => {
+                if self.waiting.len() >= WAITING {
+                    if let Some(old) = self.waiting.pop_front() {
+                        found.gave_up(old.ambiguous);
+                    }
+                }
+                self.waiting.push_back(Waiting {
+                    id,
+                    since,
+                    prompt,
+                    cached,
+                    ambiguous: m == Match::Ambiguous,
+                });
+            }
+        }
+        self.settle_waiting(&mut found);
+        found
+    }
+
+    /// The one chain that fits, claimed.
+    fn find(&mut self, since: Instant, prompt: u32, cached: u32, previous: Option<u64>) -> Match {
         if prompt == 0 {
             return Match::Unseen;
         }
-        // Through the previous turn up to the cached depth, where known.
-        let through = previous
-            .filter(|_| cached > 0)
-            .and_then(|p| self.ancestor(p, cached));
         if cached >= prompt {
             // Nothing new was stored: the prompt ends inside the chain it
             // found.
@@ -271,8 +307,11 @@ impl Chains {
                 .and_then(|p| self.ancestor(p, prompt))
                 .map_or(Match::Unseen, Match::Tip);
         }
+        // Through the previous turn up to the cached depth, where known.
+        let through = previous
+            .filter(|_| cached > 0)
+            .and_then(|p| self.ancestor(p, cached));
         let mut found: Option<usize> = None;
-        let mut more = false;
         for (i, r) in self.recent.iter().enumerate().rev() {
             if r.at < since {
                 break;
@@ -284,18 +323,111 @@ impl Chains {
                 continue;
             }
             if found.is_some() {
-                more = true;
-                break;
+                return Match::Ambiguous;
             }
             found = Some(i);
         }
         match found {
-            Some(_) if more => Match::Ambiguous,
             Some(i) => {
                 self.recent[i].claimed = true;
                 Match::Tip(self.recent[i].hash)
             }
             None => Match::Unseen,
+        }
+    }
+
+    fn expire_waiting(&mut self, now: Instant, found: &mut Found) {
+        self.waiting.retain(|w| {
+            let keep = now.saturating_duration_since(w.since) <= WAIT_AGE;
+            if !keep {
+                found.gave_up(w.ambiguous);
+            }
+            keep
+        });
+    }
+
+    /// Matches, in order, each shape of waiting prompts that as many
+    /// unclaimed chains of that shape as prompts were stored for.
+    fn settle_waiting(&mut self, found: &mut Found) {
+        let mut shapes: Vec<(u32, u32)> =
+            self.waiting.iter().map(|w| (w.prompt, w.cached)).collect();
+        shapes.sort_unstable();
+        shapes.dedup();
+        for (prompt, cached) in shapes {
+            let mut group: Vec<usize> = (0..self.waiting.len())
+                .filter(|&k| (self.waiting[k].prompt, self.waiting[k].cached) == (prompt, cached))
+                .collect();
+            group.sort_by_key(|&k| self.waiting[k].since);
+            let Some(first) = group.first().map(|&k| self.waiting[k].since) else {
+                continue;
+            };
+            let chains: Vec<usize> = (0..self.recent.len())
+                .filter(|&i| {
+                    let r = &self.recent[i];
+                    r.at >= first
+                        && !r.claimed
+                        && self.held.get(&r.hash).is_some_and(|l| l.depth == prompt)
+                })
+                .collect();
+            // Each prompt's chain stored after its own decision.
+            if chains.len() != group.len()
+                || group
+                    .iter()
+                    .zip(&chains)
+                    .any(|(&k, &i)| self.recent[i].at < self.waiting[k].since)
+            {
+                continue;
+            }
+            for (&k, &i) in group.iter().zip(&chains) {
+                self.recent[i].claimed = true;
+                found.tips.push((self.waiting[k].id, self.recent[i].hash));
+                found.in_order += 1;
+            }
+            let mut k = 0;
+            self.waiting.retain(|_| {
+                k += 1;
+                !group.contains(&(k - 1))
+            });
+        }
+    }
+}
+
+/// A prompt waiting for its chain: more than one fitted, or none yet.
+#[derive(Clone, Copy, Debug)]
+struct Waiting {
+    id: u64,
+    since: Instant,
+    prompt: u32,
+    cached: u32,
+    /// More than one chain fitted when its answer came (else none had).
+    ambiguous: bool,
+}
+
+/// Prompts waiting for their chains, at most per replica.
+pub const WAITING: usize = 1024;
+
+/// How long after its decision a prompt waits for its chain.
+pub const WAIT_AGE: Duration = Duration::from_secs(30);
+
+/// What one answer's matching found.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Found {
+    /// Prompts (by the caller's id) and their chains' engine tips: this
+    /// answer's, and waiting ones it settled.
+    pub tips: Vec<(u64, u64)>,
+    /// Of those, matched in order among prompts of one shape.
+    pub in_order: u64,
+    /// Prompts given up: more than one chain fitted, or none did.
+    pub ambiguous: u64,
+    pub unseen: u64,
+}
+
+impl Found {
+    fn gave_up(&mut self, ambiguous: bool) {
+        if ambiguous {
+            self.ambiguous += 1;
+        } else {
+            self.unseen += 1;
         }
     }
 }
@@ -323,9 +455,9 @@ mod tests {
         let t1 = t0 + Duration::from_secs(1);
         // Prompt of 5 blocks, 2 cached: blocks 3..5 stored after it.
         chain(&mut c, &[13, 14, 15], Some(2), t1);
-        assert_eq!(c.match_prompt(t1, 5, 2, None), Match::Tip(15));
+        assert_eq!(c.find(t1, 5, 2, None), Match::Tip(15));
         // Claimed: not matched again.
-        assert_eq!(c.match_prompt(t1, 5, 2, None), Match::Unseen);
+        assert_eq!(c.find(t1, 5, 2, None), Match::Unseen);
         assert_eq!(c.resident(15), Some(5));
         // The engine frees the tail first.
         c.remove(15);
@@ -348,7 +480,7 @@ mod tests {
         c.store(1, None, true, now);
         c.settle();
         assert_eq!(c.resident(3), Some(3));
-        assert_eq!(c.match_prompt(now, 3, 0, None), Match::Tip(3));
+        assert_eq!(c.find(now, 3, 0, None), Match::Tip(3));
     }
 
     #[test]
@@ -361,14 +493,64 @@ mod tests {
         // Two second turns, each 4 blocks with its first 2 cached.
         chain(&mut c, &[3, 4], Some(2), t1);
         chain(&mut c, &[23, 24], Some(22), t1);
-        assert_eq!(c.match_prompt(t1, 4, 2, None), Match::Ambiguous);
-        assert_eq!(c.match_prompt(t1, 4, 2, Some(22)), Match::Tip(24));
-        assert_eq!(c.match_prompt(t1, 4, 2, Some(2)), Match::Tip(4));
+        assert_eq!(c.find(t1, 4, 2, None), Match::Ambiguous);
+        assert_eq!(c.find(t1, 4, 2, Some(22)), Match::Tip(24));
+        assert_eq!(c.find(t1, 4, 2, Some(2)), Match::Tip(4));
         // Blocks stored before the decision are not its own.
         let t2 = t1 + Duration::from_secs(1);
-        assert_eq!(c.match_prompt(t2, 4, 2, Some(2)), Match::Unseen);
+        assert_eq!(c.find(t2, 4, 2, Some(2)), Match::Unseen);
         // A turn that stored nothing new ends inside its earlier chain.
-        assert_eq!(c.match_prompt(t2, 3, 3, Some(4)), Match::Tip(3));
+        assert_eq!(c.find(t2, 3, 3, Some(4)), Match::Tip(3));
+    }
+
+    #[test]
+    fn prompts_of_one_shape_side_by_side_are_matched_in_order_once_all_are_answered() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut c = Chains::default();
+        chain(&mut c, &[1, 2], None, t0);
+        // Three first turns of one shape, decided in this order: 5 blocks,
+        // the shared 2 cached. The engine stores them in that order in one
+        // step.
+        let (d1, d2, d3) = (t0 + ms(1000), t0 + ms(1100), t0 + ms(1200));
+        let step = t0 + ms(2000);
+        chain(&mut c, &[10, 11, 12], Some(2), step);
+        chain(&mut c, &[20, 21, 22], Some(2), step);
+        chain(&mut c, &[30, 31, 32], Some(2), step);
+        // The second's answer comes first: three chains fit, so it waits,
+        // and so does the third.
+        assert_eq!(c.match_prompt(102, d2, 5, 2, None, step), Found::default());
+        assert_eq!(c.match_prompt(103, d3, 5, 2, None, step), Found::default());
+        // With the first's answer all three are matched, in order.
+        let f = c.match_prompt(101, d1, 5, 2, None, step);
+        assert_eq!(f.tips, vec![(101, 12), (102, 22), (103, 32)]);
+        assert_eq!(f.in_order, 3);
+        assert!(c.waiting.is_empty());
+        // A chain stored before a prompt's decision is never its own: two
+        // prompts and two chains of one shape, but both chains were stored
+        // before the later prompt's decision, so neither is guessed.
+        let late = step + ms(10);
+        chain(&mut c, &[40, 41, 42], Some(2), step);
+        chain(&mut c, &[50, 51, 52], Some(2), step);
+        assert_eq!(c.match_prompt(104, late, 5, 2, None, late).tips, vec![]);
+        assert_eq!(c.match_prompt(105, step, 5, 2, None, late).tips, vec![]);
+        assert_eq!(c.waiting.len(), 2);
+        // Nothing fits a third shape yet.
+        assert_eq!(
+            c.match_prompt(106, late, 9, 2, None, late),
+            Found::default()
+        );
+        // Past WAIT_AGE the three are given up: 105 as ambiguous (two
+        // chains fitted it), 104 and 106 as unseen; and a prompt under a
+        // block (nothing to match) counts as unseen at once.
+        let f = c.match_prompt(107, late, 0, 0, None, late + WAIT_AGE + ms(1));
+        assert_eq!((f.ambiguous, f.unseen), (1, 3));
+        assert!(c.waiting.is_empty());
+        // Bounded.
+        for k in 0..(WAITING as u64 + 10) {
+            c.match_prompt(k, late, 7, 2, None, late);
+        }
+        assert!(c.waiting.len() <= WAITING);
     }
 
     #[test]

@@ -42,7 +42,7 @@ use std::time::Instant;
 use hearth_wire::kv_events::{Batch, Event, Medium};
 use serde::{Deserialize, Serialize};
 
-use crate::kv_chains::{Chains, Match};
+use crate::kv_chains::Chains;
 
 /// Blocks a replica's event set holds at most: 4,194,304 tokens in
 /// blocks of 16, more than one engine's KV cache today; about 4.5 MB.
@@ -135,6 +135,7 @@ pub(crate) struct KvEvents {
     /// Answers whose prompt was matched with a stored chain, matched
     /// with more than one, or with none.
     matched: u64,
+    matched_in_order: u64,
     ambiguous: u64,
     unseen: u64,
 }
@@ -165,6 +166,7 @@ impl Default for KvEvents {
             turnover: VecDeque::new(),
             forgotten_blocks: 0,
             matched: 0,
+            matched_in_order: 0,
             ambiguous: 0,
             unseen: 0,
         }
@@ -214,12 +216,15 @@ pub struct KvEventsSnapshot {
     /// engine's own count, before the next turn asks).
     #[serde(default)]
     pub forgotten_blocks_total: u64,
-    /// Answers whose prompt was matched with the chain the engine stored
-    /// for it (so the conversation's next turn here is predicted from
-    /// what the engine still holds of it), with more than one (no match),
-    /// or with none (see [`crate::kv_chains`]).
+    /// Prompts matched with the chain the engine stored for them (so the
+    /// conversation's next turn here is predicted from what the engine
+    /// still holds of it), of them matched in order among prompts of one
+    /// shape; prompts given up on because more than one chain fitted, or
+    /// none did (see [`crate::kv_chains`]).
     #[serde(default)]
     pub matched_prompts_total: u64,
+    #[serde(default)]
+    pub matched_in_order_prompts_total: u64,
     #[serde(default)]
     pub ambiguous_prompts_total: u64,
     #[serde(default)]
@@ -399,36 +404,32 @@ impl KvEvents {
             .filter(|_| self.connected && self.inexact.is_none())
     }
 
-    /// The engine's chain for a prompt decided at `since`: `usage` tells
-    /// its size and what was cached; `previous` is the engine tip of the
-    /// turn it continues here (see [`crate::kv_chains`]). `None` unless the
-    /// figures are exact; counted either way.
+    /// Matches prompt `id` (its tip), decided at `since`, with the chain
+    /// the engine stored for it: `prompt_tokens` and `cached_tokens` are
+    /// its answer's usage, read at `now`; `previous` is the engine tip of
+    /// the turn it continues here (see [`crate::kv_chains`]). Returns the
+    /// prompts matched now (this one, or waiting ones it settled) with
+    /// their engine tips; nothing unless the figures are exact.
     pub(crate) fn match_prompt(
         &mut self,
+        id: u64,
         since: Instant,
-        prompt_tokens: u64,
-        cached_tokens: u64,
+        usage: (u64, u64),
         previous: Option<u64>,
-    ) -> Option<u64> {
-        let block = self.exact_blocks()?;
+        now: Instant,
+    ) -> Vec<(u64, u64)> {
+        let Some(block) = self.exact_blocks() else {
+            return Vec::new();
+        };
         let whole = |t: u64| u32::try_from(t / block).unwrap_or(u32::MAX);
-        match self
-            .held
-            .match_prompt(since, whole(prompt_tokens), whole(cached_tokens), previous)
-        {
-            Match::Tip(tip) => {
-                self.matched += 1;
-                Some(tip)
-            }
-            Match::Ambiguous => {
-                self.ambiguous += 1;
-                None
-            }
-            Match::Unseen => {
-                self.unseen += 1;
-                None
-            }
-        }
+        let found =
+            self.held
+                .match_prompt(id, since, whole(usage.0), whole(usage.1), previous, now);
+        self.matched += found.tips.len() as u64;
+        self.matched_in_order += found.in_order;
+        self.ambiguous += found.ambiguous;
+        self.unseen += found.unseen;
+        found.tips
     }
 
     /// Tokens of a prompt of `prompt_tokens` whose chain ends at engine
@@ -488,6 +489,7 @@ impl KvEvents {
             restarts_cleared_total: self.restarts_cleared,
             forgotten_blocks_total: self.forgotten_blocks,
             matched_prompts_total: self.matched,
+            matched_in_order_prompts_total: self.matched_in_order,
             ambiguous_prompts_total: self.ambiguous,
             unmatched_prompts_total: self.unseen,
         }

@@ -497,25 +497,33 @@ impl Router {
             usage,
             now,
         );
-        // Which chain the engine stored for this prompt, where its KV
-        // events tell (only for answers the prediction may be compared
-        // with: a partitioned cache stores chains no one else reads).
-        let engine_tip = prediction.filter(|p| p.compare).and_then(|p| {
-            s.kv.match_prompt(
+        // Which chain the engine stored for this prompt (and for others
+        // it settles), where its KV events tell: only for answers the
+        // prediction may be compared with (a partitioned cache stores
+        // chains no one else reads).
+        let matched = match prediction
+            .filter(|p| p.compare)
+            .zip(prediction.and_then(|p| p.tip))
+        {
+            Some((p, tip)) => s.kv.match_prompt(
+                tip,
                 p.decided_at,
-                usage.prompt_tokens,
-                usage.cached_tokens,
+                (usage.prompt_tokens, usage.cached_tokens),
                 p.previous_engine_tip,
-            )
-        });
+                now,
+            ),
+            None => Vec::new(),
+        };
+        let key = replica.key();
+        let mut tips = lock(&self.tips);
         // The engine's size of this prompt, for the next turn's prediction.
-        if let Some((tip, key)) = prediction.and_then(|p| p.tip.zip(Some(p.key))) {
-            let mut tips = lock(&self.tips);
+        if let Some(tip) = prediction.and_then(|p| p.tip) {
             tips.note_tokens(tip, key, usage.prompt_tokens);
-            if let Some(engine_tip) = engine_tip {
-                tips.note_engine_tip(tip, key, engine_tip);
-            }
         }
+        for (tip, engine_tip) in matched {
+            tips.note_engine_tip(tip, key, engine_tip);
+        }
+        drop(tips);
         drop(guard);
         Some(Served {
             replica: answered,

@@ -349,24 +349,43 @@ fn a_turn_matched_with_its_stored_chain_predicts_the_next_from_what_the_engine_s
     // Nothing of it freed: the whole previous prompt is credited.
     assert_eq!(x3.overlap, 5);
     drop(x3);
-    // Two prompts of one size beside each other, neither continuing a
-    // matched turn: ambiguous, and no engine tip.
+    // Two prompts of one shape beside each other, neither continuing a
+    // matched turn: the first answer waits (two chains fit it), the second
+    // settles both, in the order they were decided and stored.
     let t4 = t3 + Duration::from_secs(10);
     let p = router.decide_at(&req(&[31, 32]), t4).unwrap();
-    let q = router.decide_at(&req(&[41, 42]), t4).unwrap();
+    let q = router
+        .decide_at(&req(&[41, 42]), t4 + Duration::from_millis(1))
+        .unwrap();
     router.apply_kv_batch_at(
         a,
         4,
         &batch(vec![chain(300..303, Some(2)), chain(400..403, Some(2))]),
-        t4,
+        t4 + Duration::from_millis(50),
     );
     let usage = Usage {
         prompt_tokens: 80,
         cached_tokens: 32,
     };
-    p.record_usage_at(usage, t4);
-    assert_eq!(kv(t4).ambiguous_prompts_total, 1);
+    q.record_usage_at(usage, t4 + Duration::from_secs(1));
+    assert_eq!(kv(t4).matched_prompts_total, 3);
+    p.record_usage_at(usage, t4 + Duration::from_secs(1));
+    assert_eq!(
+        (
+            kv(t4).matched_prompts_total,
+            kv(t4).matched_in_order_prompts_total
+        ),
+        (5, 2)
+    );
     drop((p, q));
+    router.apply_kv_batch_at(a, 5, &batch(vec![removed(302..303)]), t4);
+    let p2 = router.decide_at(&req(&[31, 32, 33]), t4).unwrap();
+    assert_eq!(p2.continuation.unwrap().engine_tip, Some(302));
+    assert_eq!(p2.prediction.held_tokens, Some(64));
+    let q2 = router.decide_at(&req(&[41, 42, 43]), t4).unwrap();
+    assert_eq!(q2.continuation.unwrap().engine_tip, Some(402));
+    assert_eq!(q2.prediction.held_tokens, Some(80));
+    drop((p2, q2));
     // Inexact figures (a gap) match nothing and predict as before.
     router.apply_kv_batch_at(a, 9, &batch(vec![]), t4);
     let x4 = router

@@ -528,13 +528,18 @@ const KV_SERIES: &[Scraped<KvEventsSnapshot>] = &[
         |k| k.matched_prompts_total,
     ),
     counter(
+        "hearth_replica_kv_event_matched_in_order_prompts",
+        "Of the matched prompts, those matched in order among prompts of one shape decided side by side (more than one chain fitted each; the earliest decided took the earliest stored)",
+        |k| k.matched_in_order_prompts_total,
+    ),
+    counter(
         "hearth_replica_kv_event_ambiguous_prompts",
-        "Answers whose prompt more than one stored chain fitted (left unmatched: the prediction stays approximate)",
+        "Prompts given up on after waiting 30 s with more than one stored chain fitting them and no order to tell which (the prediction stays approximate)",
         |k| k.ambiguous_prompts_total,
     ),
     counter(
         "hearth_replica_kv_event_unmatched_prompts",
-        "Answers, on an engine whose KV event figures were exact, whose prompt no stored chain fitted",
+        "Prompts, on an engine whose KV event figures were exact, that no stored chain fitted (given up after 30 s)",
         |k| k.unmatched_prompts_total,
     ),
     counter(
