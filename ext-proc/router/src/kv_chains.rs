@@ -35,24 +35,33 @@ use std::time::{Duration, Instant};
 use crate::warmth::BlockHashState;
 
 /// Removed blocks remembered with their links.
-pub const GHOSTS: usize = 1 << 16;
+pub const GHOSTS: usize = 1 << 14;
 
 /// Stored events remembered (their last blocks, with when they came).
-pub const RECENT: usize = 1 << 16;
+pub const RECENT: usize = 1 << 14;
 
-/// How long a stored block waits to be matched with a prompt.
-pub const RECENT_AGE: Duration = Duration::from_secs(120);
+/// How long a stored block waits to be matched with a prompt (an answer
+/// that streams for longer is not matched).
+pub const RECENT_AGE: Duration = Duration::from_secs(60);
 
 /// The most links followed in one walk up a chain.
 pub const MAX_WALK: u32 = 1 << 15;
 
-/// A block's place in its chain.
+/// A block's place in its chain (16 bytes).
 #[derive(Clone, Copy, Debug)]
 struct Link {
-    parent: Option<u64>,
+    /// The block before it (meaningless for a root).
+    parent: u64,
     /// Blocks from the chain's root, this one included (1 for a root); 0
     /// while unknown (its parent came later in the same batch, or never).
     depth: u32,
+    root: bool,
+}
+
+impl Link {
+    fn parent(&self) -> Option<u64> {
+        (!self.root).then_some(self.parent)
+    }
 }
 
 /// The last block of an event stored lately: a prompt's chain ends at
@@ -88,6 +97,7 @@ pub(crate) struct Chains {
     unresolved: Vec<u64>,
     /// Prompts waiting for their chains (see [`Chains::match_prompt`]).
     waiting: VecDeque<Waiting>,
+    cold_root: Option<ColdRoot>,
 }
 
 impl Chains {
@@ -97,6 +107,18 @@ impl Chains {
 
     pub(crate) fn contains(&self, hash: u64) -> bool {
         self.held.contains_key(&hash)
+    }
+
+    /// Heap bytes its tables reserve (a hash table's slot is its entry
+    /// and one control byte).
+    #[cfg(test)]
+    fn heap_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let table = size_of::<(u64, Link)>() + 1;
+        (self.held.capacity() + self.ghosts.capacity()) * table
+            + self.ghost_order.capacity() * size_of::<u64>()
+            + self.recent.capacity() * size_of::<Recent>()
+            + self.waiting.capacity() * size_of::<Waiting>()
     }
 
     /// Forgets everything (the engine's cache is empty, or the set
@@ -131,7 +153,14 @@ impl Chains {
         if depth == 0 {
             self.unresolved.push(hash);
         }
-        self.held.insert(hash, Link { parent, depth });
+        self.held.insert(
+            hash,
+            Link {
+                parent: parent.unwrap_or(0),
+                depth,
+                root: parent.is_none(),
+            },
+        );
         if !last {
             return true;
         }
@@ -190,7 +219,7 @@ impl Chains {
                 break;
             }
             path.push(at);
-            match link.parent {
+            match link.parent() {
                 Some(p) => at = p,
                 None => {
                     // `at` is a root stored with a depth of 1 already; a
@@ -224,7 +253,7 @@ impl Chains {
             if link.depth < depth || link.depth == 0 {
                 return None;
             }
-            at = link.parent?;
+            at = link.parent()?;
         }
         None
     }
@@ -239,7 +268,7 @@ impl Chains {
                 return (link.depth > 0).then_some(link.depth);
             }
             let link = self.ghosts.get(&at)?;
-            match link.parent {
+            match link.parent() {
                 Some(p) => at = p,
                 // The whole chain is gone.
                 None => return Some(0),
@@ -248,11 +277,9 @@ impl Chains {
         None
     }
 
-    /// Matches the prompt `id` (the caller's name for it): `prompt` whole
-    /// blocks, `cached` of them found in the cache, decided at `since`,
-    /// its answer's usage read at `now`; `previous`: the engine tip of the
-    /// turn it continues on this replica, when that was matched. A chain
-    /// found is claimed (no other prompt is matched with it).
+    /// Matches prompt `p` (its answer's usage read at `now`) with the
+    /// chain the engine stored for it. A chain found is claimed (no other
+    /// prompt is matched with it).
     ///
     /// A prompt that more than one chain fits, with no earlier turn to
     /// tell them apart, waits: prompts of one shape (the same whole and
@@ -262,20 +289,12 @@ impl Chains {
     /// that schedules first come, first served stores them. Their
     /// predictions can only be off where the engine later frees one chain
     /// and not the other of the same shape.
-    pub(crate) fn match_prompt(
-        &mut self,
-        id: u64,
-        since: Instant,
-        prompt: u32,
-        cached: u32,
-        previous: Option<u64>,
-        now: Instant,
-    ) -> Found {
+    pub(crate) fn match_prompt(&mut self, p: Prompt, now: Instant) -> Found {
         let mut found = Found::default();
         self.expire_waiting(now, &mut found);
-        match self.find(since, prompt, cached, previous) {
-            Match::Tip(tip) => found.tips.push((id, tip)),
-            Match::Unseen if prompt == 0 || previous.is_some() => found.unseen += 1,
+        match self.find(p.since, p.blocks, p.cached, p.previous) {
+            Match::Tip(tip) => self.matched(&p, tip, &mut found),
+            Match::Unseen if p.blocks == 0 || p.previous.is_some() => found.unseen += 1,
             m => {
                 if self.waiting.len() >= WAITING {
                     if let Some(old) = self.waiting.pop_front() {
@@ -283,16 +302,47 @@ impl Chains {
                     }
                 }
                 self.waiting.push_back(Waiting {
-                    id,
-                    since,
-                    prompt,
-                    cached,
+                    prompt: p,
                     ambiguous: m == Match::Ambiguous,
                 });
             }
         }
         self.settle_waiting(&mut found);
         found
+    }
+
+    /// `p`'s chain ends at `tip` (its prompt's last whole block): its
+    /// engine tip is the deepest block its answer filled after it; a cold
+    /// prompt tells which root such prompts find here.
+    fn matched(&mut self, p: &Prompt, tip: u64, found: &mut Found) {
+        if p.cold {
+            let root = (p.cached > 0)
+                .then(|| self.ancestor(tip, p.cached))
+                .flatten();
+            self.cold_root = match (self.cold_root, root) {
+                (Some(c), Some(r)) if c.hash == r => Some(ColdRoot {
+                    streak: c.streak.saturating_add(1),
+                    ..c
+                }),
+                (_, Some(r)) => Some(ColdRoot {
+                    hash: r,
+                    depth: p.cached,
+                    streak: 1,
+                }),
+                (_, None) => None,
+            };
+        }
+        let tip = self.extend(tip, p.since, p.blocks);
+        found.tips.push((p.id, tip));
+    }
+
+    /// Blocks a prompt with no history here finds, on what the last
+    /// such prompts found: the root (a shared system prompt, a harness)
+    /// the last [`COLD_STREAK`] or more of them hung off, while the
+    /// engine holds it.
+    pub(crate) fn cold_root(&self) -> Option<u32> {
+        let c = self.cold_root.filter(|c| c.streak >= COLD_STREAK)?;
+        self.held.contains_key(&c.hash).then_some(c.depth)
     }
 
     /// The one chain that fits, claimed.
@@ -336,9 +386,36 @@ impl Chains {
         }
     }
 
+    /// The deepest block stored since `since` on the chain through `tip`
+    /// (at depth `depth`), claimed: the blocks the engine filled with the
+    /// answer's tokens after the prompt's, which the next turn (carrying
+    /// that answer) finds too; `tip` when there are none.
+    fn extend(&mut self, tip: u64, since: Instant, depth: u32) -> u64 {
+        let mut deepest = (depth, tip);
+        let mut i = self.recent.len();
+        while i > 0 {
+            i -= 1;
+            let r = self.recent[i];
+            if r.at < since {
+                break;
+            }
+            let Some(d) = self.held.get(&r.hash).map(|l| l.depth) else {
+                continue;
+            };
+            if r.claimed || d <= depth || self.ancestor(r.hash, depth) != Some(tip) {
+                continue;
+            }
+            self.recent[i].claimed = true;
+            if d > deepest.0 {
+                deepest = (d, r.hash);
+            }
+        }
+        deepest.1
+    }
+
     fn expire_waiting(&mut self, now: Instant, found: &mut Found) {
         self.waiting.retain(|w| {
-            let keep = now.saturating_duration_since(w.since) <= WAIT_AGE;
+            let keep = now.saturating_duration_since(w.prompt.since) <= WAIT_AGE;
             if !keep {
                 found.gave_up(w.ambiguous);
             }
@@ -349,24 +426,31 @@ impl Chains {
     /// Matches, in order, each shape of waiting prompts that as many
     /// unclaimed chains of that shape as prompts were stored for.
     fn settle_waiting(&mut self, found: &mut Found) {
-        let mut shapes: Vec<(u32, u32)> =
-            self.waiting.iter().map(|w| (w.prompt, w.cached)).collect();
+        let mut shapes: Vec<(u32, u32)> = self
+            .waiting
+            .iter()
+            .map(|w| (w.prompt.blocks, w.prompt.cached))
+            .collect();
         shapes.sort_unstable();
         shapes.dedup();
-        for (prompt, cached) in shapes {
-            let mut group: Vec<usize> = (0..self.waiting.len())
-                .filter(|&k| (self.waiting[k].prompt, self.waiting[k].cached) == (prompt, cached))
+        for (blocks, cached) in shapes {
+            let mut group: Vec<Prompt> = self
+                .waiting
+                .iter()
+                .map(|w| w.prompt)
+                .filter(|p| (p.blocks, p.cached) == (blocks, cached))
                 .collect();
-            group.sort_by_key(|&k| self.waiting[k].since);
-            let Some(first) = group.first().map(|&k| self.waiting[k].since) else {
+            group.sort_by_key(|p| p.since);
+            let Some(first) = group.first().map(|p| p.since) else {
                 continue;
             };
-            let chains: Vec<usize> = (0..self.recent.len())
+            let from = self.recent.partition_point(|r| r.at < first);
+            let chains: Vec<usize> = (from..self.recent.len())
                 .filter(|&i| {
                     let r = &self.recent[i];
                     r.at >= first
                         && !r.claimed
-                        && self.held.get(&r.hash).is_some_and(|l| l.depth == prompt)
+                        && self.held.get(&r.hash).is_some_and(|l| l.depth == blocks)
                 })
                 .collect();
             // Each prompt's chain stored after its own decision.
@@ -374,31 +458,55 @@ impl Chains {
                 || group
                     .iter()
                     .zip(&chains)
-                    .any(|(&k, &i)| self.recent[i].at < self.waiting[k].since)
+                    .any(|(p, &i)| self.recent[i].at < p.since)
             {
                 continue;
             }
-            for (&k, &i) in group.iter().zip(&chains) {
+            for &i in &chains {
                 self.recent[i].claimed = true;
-                found.tips.push((self.waiting[k].id, self.recent[i].hash));
+            }
+            for (p, &i) in group.iter().zip(&chains) {
+                self.matched(p, self.recent[i].hash, found);
                 found.in_order += 1;
             }
-            let mut k = 0;
-            self.waiting.retain(|_| {
-                k += 1;
-                !group.contains(&(k - 1))
-            });
+            self.waiting
+                .retain(|w| (w.prompt.blocks, w.prompt.cached) != (blocks, cached));
         }
     }
 }
 
+/// A prompt to match, as its answer's usage told it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Prompt {
+    /// The caller's name for it.
+    pub id: u64,
+    /// When it was decided: its chain was stored after.
+    pub since: Instant,
+    /// Whole blocks of it, and of them found in the cache.
+    pub blocks: u32,
+    pub cached: u32,
+    /// The engine tip of the turn it continues on this replica, when that
+    /// was matched.
+    pub previous: Option<u64>,
+    /// Its decision credited this replica with nothing of it.
+    pub cold: bool,
+}
+
+/// What cold prompts found here lately (see [`Chains::cold_root`]).
+#[derive(Clone, Copy, Debug)]
+struct ColdRoot {
+    hash: u64,
+    depth: u32,
+    streak: u32,
+}
+
+/// Cold prompts in a row that hung off one root before it is predicted.
+pub const COLD_STREAK: u32 = 2;
+
 /// A prompt waiting for its chain: more than one fitted, or none yet.
 #[derive(Clone, Copy, Debug)]
 struct Waiting {
-    id: u64,
-    since: Instant,
-    prompt: u32,
-    cached: u32,
+    prompt: Prompt,
     /// More than one chain fitted when its answer came (else none had).
     ambiguous: bool,
 }
@@ -435,6 +543,25 @@ impl Found {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Matches a prompt with no previous turn here.
+    fn ask(
+        c: &mut Chains,
+        id: u64,
+        since: Instant,
+        (blocks, cached): (u32, u32),
+        now: Instant,
+    ) -> Found {
+        let p = Prompt {
+            id,
+            since,
+            blocks,
+            cached,
+            previous: None,
+            cold: false,
+        };
+        c.match_prompt(p, now)
+    }
 
     /// One stored event.
     fn chain(c: &mut Chains, hashes: &[u64], parent: Option<u64>, now: Instant) {
@@ -519,10 +646,10 @@ mod tests {
         chain(&mut c, &[30, 31, 32], Some(2), step);
         // The second's answer comes first: three chains fit, so it waits,
         // and so does the third.
-        assert_eq!(c.match_prompt(102, d2, 5, 2, None, step), Found::default());
-        assert_eq!(c.match_prompt(103, d3, 5, 2, None, step), Found::default());
+        assert_eq!(ask(&mut c, 102, d2, (5, 2), step), Found::default());
+        assert_eq!(ask(&mut c, 103, d3, (5, 2), step), Found::default());
         // With the first's answer all three are matched, in order.
-        let f = c.match_prompt(101, d1, 5, 2, None, step);
+        let f = ask(&mut c, 101, d1, (5, 2), step);
         assert_eq!(f.tips, vec![(101, 12), (102, 22), (103, 32)]);
         assert_eq!(f.in_order, 3);
         assert!(c.waiting.is_empty());
@@ -532,25 +659,86 @@ mod tests {
         let late = step + ms(10);
         chain(&mut c, &[40, 41, 42], Some(2), step);
         chain(&mut c, &[50, 51, 52], Some(2), step);
-        assert_eq!(c.match_prompt(104, late, 5, 2, None, late).tips, vec![]);
-        assert_eq!(c.match_prompt(105, step, 5, 2, None, late).tips, vec![]);
+        assert_eq!(ask(&mut c, 104, late, (5, 2), late).tips, vec![]);
+        assert_eq!(ask(&mut c, 105, step, (5, 2), late).tips, vec![]);
         assert_eq!(c.waiting.len(), 2);
         // Nothing fits a third shape yet.
-        assert_eq!(
-            c.match_prompt(106, late, 9, 2, None, late),
-            Found::default()
-        );
+        assert_eq!(ask(&mut c, 106, late, (9, 2), late), Found::default());
         // Past WAIT_AGE the three are given up: 105 as ambiguous (two
         // chains fitted it), 104 and 106 as unseen; and a prompt under a
         // block (nothing to match) counts as unseen at once.
-        let f = c.match_prompt(107, late, 0, 0, None, late + WAIT_AGE + ms(1));
+        let f = ask(&mut c, 107, late, (0, 0), late + WAIT_AGE + ms(1));
         assert_eq!((f.ambiguous, f.unseen), (1, 3));
         assert!(c.waiting.is_empty());
         // Bounded.
         for k in 0..(WAITING as u64 + 10) {
-            c.match_prompt(k, late, 7, 2, None, late);
+            ask(&mut c, k, late, (7, 2), late);
         }
         assert!(c.waiting.len() <= WAITING);
+    }
+
+    #[test]
+    fn a_full_replica_s_chains_take_about_fourteen_megabytes() {
+        let now = Instant::now();
+        let mut c = Chains::default();
+        let full = crate::kv_events::MAX_HELD_BLOCKS as u64;
+        let mut p = None;
+        for h in 1..=full + GHOSTS as u64 {
+            c.store(h, p, true, now);
+            p = Some(h);
+        }
+        for h in 1..=GHOSTS as u64 {
+            c.remove(h);
+        }
+        c.waiting.reserve_exact(WAITING);
+        assert_eq!(c.len() as u64, full);
+        let mib = c.heap_bytes() as f64 / (1 << 20) as f64;
+        println!("{full} blocks held, {GHOSTS} removed, {RECENT} recent: {mib:.1} MiB");
+        assert!(mib < 14.0, "{mib:.1} MiB");
+    }
+
+    #[test]
+    fn cold_prompts_that_found_one_root_predict_it_for_the_next() {
+        let t0 = Instant::now();
+        let mut c = Chains::default();
+        chain(&mut c, &[1, 2], None, t0);
+        // Prompt `id`, decided (and its chain stored) `id` ms in.
+        let at = |id: u64| t0 + Duration::from_millis(id);
+        let cold = |id, blocks, cached| Prompt {
+            id,
+            since: at(id),
+            blocks,
+            cached,
+            previous: None,
+            cold: true,
+        };
+        chain(&mut c, &[10, 11], Some(2), at(1));
+        c.match_prompt(cold(1, 4, 2), at(1));
+        assert_eq!(c.cold_root(), None, "one is not a pattern");
+        chain(&mut c, &[20, 21, 22], Some(2), at(2));
+        c.match_prompt(cold(2, 5, 2), at(2));
+        assert_eq!(c.cold_root(), Some(2));
+        // A warm prompt's match says nothing of cold ones.
+        chain(&mut c, &[12], Some(11), at(3));
+        let warm = Prompt {
+            cold: false,
+            previous: Some(11),
+            ..cold(3, 5, 4)
+        };
+        assert_eq!(c.match_prompt(warm, at(3)).tips, vec![(3, 12)]);
+        assert_eq!(c.cold_root(), Some(2));
+        // One that found nothing breaks the pattern; and a root the engine
+        // freed is not predicted.
+        chain(&mut c, &[30, 31], None, at(4));
+        assert_eq!(c.match_prompt(cold(4, 2, 0), at(4)).tips, vec![(4, 31)]);
+        assert_eq!(c.cold_root(), None);
+        for k in 5..7 {
+            chain(&mut c, &[k * 10, k * 10 + 1], Some(2), at(k));
+            c.match_prompt(cold(k, 4, 2), at(k));
+        }
+        assert_eq!(c.cold_root(), Some(2));
+        c.remove(2);
+        assert_eq!(c.cold_root(), None);
     }
 
     #[test]

@@ -42,7 +42,7 @@ use std::time::Instant;
 use hearth_wire::kv_events::{Batch, Event, Medium};
 use serde::{Deserialize, Serialize};
 
-use crate::kv_chains::Chains;
+use crate::kv_chains::{Chains, Prompt};
 
 /// Blocks a replica's event set holds at most: 4,194,304 tokens in
 /// blocks of 16, more than one engine's KV cache today; about 4.5 MB.
@@ -405,31 +405,46 @@ impl KvEvents {
     }
 
     /// Matches prompt `id` (its tip), decided at `since`, with the chain
-    /// the engine stored for it: `prompt_tokens` and `cached_tokens` are
-    /// its answer's usage, read at `now`; `previous` is the engine tip of
-    /// the turn it continues here (see [`crate::kv_chains`]). Returns the
-    /// prompts matched now (this one, or waiting ones it settled) with
-    /// their engine tips; nothing unless the figures are exact.
+    /// the engine stored for it: `usage` is its answer's prompt and cached
+    /// tokens, read at `now`; `previous` the engine tip of the turn it
+    /// continues here; `cold`: its decision credited this replica with
+    /// nothing of it (see [`crate::kv_chains`]). Returns the prompts
+    /// matched now (this one, or waiting ones it settled) with their
+    /// engine tips; nothing unless the figures are exact.
     pub(crate) fn match_prompt(
         &mut self,
         id: u64,
         since: Instant,
         usage: (u64, u64),
-        previous: Option<u64>,
+        (previous, cold): (Option<u64>, bool),
         now: Instant,
     ) -> Vec<(u64, u64)> {
         let Some(block) = self.exact_blocks() else {
             return Vec::new();
         };
         let whole = |t: u64| u32::try_from(t / block).unwrap_or(u32::MAX);
-        let found =
-            self.held
-                .match_prompt(id, since, whole(usage.0), whole(usage.1), previous, now);
+        let prompt = Prompt {
+            id,
+            since,
+            blocks: whole(usage.0),
+            cached: whole(usage.1),
+            previous,
+            cold,
+        };
+        let found = self.held.match_prompt(prompt, now);
         self.matched += found.tips.len() as u64;
         self.matched_in_order += found.in_order;
         self.ambiguous += found.ambiguous;
         self.unseen += found.unseen;
         found.tips
+    }
+
+    /// Tokens a prompt with no history on this replica finds in its cache:
+    /// the root the last such prompts hung off, while the engine holds it
+    /// and the figures are exact ([`Chains::cold_root`]).
+    pub(crate) fn cold_root_tokens(&self) -> Option<u64> {
+        let block = self.exact_blocks()?;
+        Some(u64::from(self.held.cold_root()?) * block)
     }
 
     /// Tokens of a prompt of `prompt_tokens` whose chain ends at engine

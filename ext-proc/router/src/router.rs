@@ -509,7 +509,10 @@ impl Router {
                 tip,
                 p.decided_at,
                 (usage.prompt_tokens, usage.cached_tokens),
-                p.previous_engine_tip,
+                (
+                    p.previous_engine_tip,
+                    p.blocks == 0 && p.previous_engine_tip.is_none(),
+                ),
                 now,
             ),
             None => Vec::new(),

@@ -292,6 +292,14 @@ fn a_turn_matched_with_its_stored_chain_predicts_the_next_from_what_the_engine_s
         &batch(vec![chain(100..108, Some(2)), chain(200..205, Some(2))]),
         t1 + Duration::from_millis(50),
     );
+    // X's answer fills one more block (its prompt's partial last block
+    // and the first tokens it generated).
+    router.apply_kv_batch_at(
+        a,
+        2,
+        &batch(vec![chain(108..109, Some(107))]),
+        t1 + Duration::from_millis(500),
+    );
     let t2 = t1 + Duration::from_secs(2);
     // 10 whole blocks of 16 tokens, 2 from cache: the chain 10 deep.
     let served = x1.record_usage_at(
@@ -311,21 +319,28 @@ fn a_turn_matched_with_its_stored_chain_predicts_the_next_from_what_the_engine_s
     );
     assert_eq!(kv(t2).matched_prompts_total, 2);
     drop((x1, other));
-    // Between the turns the engine frees the tail of X's chain (its 4
+    // Before the engine frees anything, X's next turn is predicted to
+    // find its prompt and its answer's block: 11 blocks. (A retried turn
+    // of another spelling: the real one comes below.)
+    let x2 = router.decide_at(&req(&[11, 12, 13, 99]), t2).unwrap();
+    assert_eq!(x2.continuation.unwrap().engine_tip, Some(108));
+    assert_eq!(x2.prediction.held_tokens, Some(176));
+    drop(x2);
+    // Between the turns the engine frees the tail of X's chain (its 5
     // last blocks): 6 blocks, 96 tokens, are left of it.
-    router.apply_kv_batch_at(a, 2, &batch(vec![removed(104..108)]), t2);
+    router.apply_kv_batch_at(a, 3, &batch(vec![removed(104..109)]), t2);
     // Turn 2 of X is predicted from what the engine holds, not from the
     // whole previous prompt (165 tokens) the warmth index still credits.
     let t3 = t2 + Duration::from_secs(1);
     let x2 = router.decide_at(&req(&[11, 12, 13, 14, 15]), t3).unwrap();
-    assert_eq!(x2.continuation.unwrap().engine_tip, Some(107));
+    assert_eq!(x2.continuation.unwrap().engine_tip, Some(108));
     assert_eq!(x2.prediction.held_tokens, Some(96));
     // And credited only that share of its 3 blocks: 96 of 165 tokens of
     // 6,144 bytes, one whole 2,048-byte block.
     assert_eq!(x2.overlap, 1);
     router.apply_kv_batch_at(
         a,
-        3,
+        4,
         &batch(vec![chain(104..112, Some(103)), chain(112..114, Some(111))]),
         t3 + Duration::from_millis(50),
     );
@@ -357,9 +372,12 @@ fn a_turn_matched_with_its_stored_chain_predicts_the_next_from_what_the_engine_s
     let q = router
         .decide_at(&req(&[41, 42]), t4 + Duration::from_millis(1))
         .unwrap();
+    // With no history here, each is predicted to find what the last such
+    // prompts (X's first turn, and the other) found: the shared 2 blocks.
+    assert_eq!(p.prediction.held_tokens, Some(32));
     router.apply_kv_batch_at(
         a,
-        4,
+        5,
         &batch(vec![chain(300..303, Some(2)), chain(400..403, Some(2))]),
         t4 + Duration::from_millis(50),
     );
@@ -378,7 +396,7 @@ fn a_turn_matched_with_its_stored_chain_predicts_the_next_from_what_the_engine_s
         (5, 2)
     );
     drop((p, q));
-    router.apply_kv_batch_at(a, 5, &batch(vec![removed(302..303)]), t4);
+    router.apply_kv_batch_at(a, 6, &batch(vec![removed(302..303)]), t4);
     let p2 = router.decide_at(&req(&[31, 32, 33]), t4).unwrap();
     assert_eq!(p2.continuation.unwrap().engine_tip, Some(302));
     assert_eq!(p2.prediction.held_tokens, Some(64));

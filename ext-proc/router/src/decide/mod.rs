@@ -212,6 +212,11 @@ impl Router {
             .filter(|c| c.from == key)
             .and_then(|c| c.engine_tip);
         let resident = previous_engine_tip.and_then(|t| fleet.state[chosen].kv.resident_tokens(t));
+        // Nothing of it there: what such prompts found there lately (a
+        // shared system prompt under one fingerprint block).
+        let cold_root = (held == 0 && previous_engine_tip.is_none())
+            .then(|| fleet.state[chosen].kv.cold_root_tokens())
+            .flatten();
         let reservation = reserve::reserve(self, fleet, &mut tips, req, &warm, &picked, now);
         drop(tips);
         let replicas = Arc::clone(&fleet.replicas);
@@ -236,9 +241,8 @@ impl Router {
         let block_bytes = held as u64 * self.params.block_size as u64;
         let previous = warm.continued.filter(|c| c.from == key && c.depth <= held);
         let (held_bytes, held_tokens) = match (warm.continued, resident) {
-            // The engine's own figure, never more than the previous prompt.
+            // The engine's own figure (the previous answer's blocks too).
             (Some(c), Some(tokens)) => {
-                let tokens = c.prompt_tokens.map_or(tokens, |t| tokens.min(t));
                 let bytes = match c.prompt_tokens {
                     Some(t) if t > 0 => c.prompt_bytes.saturating_mul(tokens) / t,
                     _ => block_bytes,
@@ -247,7 +251,7 @@ impl Router {
             }
             _ => match previous {
                 Some(c) if c.prompt_bytes > block_bytes => (c.prompt_bytes, c.prompt_tokens),
-                _ => (block_bytes, None),
+                _ => (block_bytes, cold_root),
             },
         };
         let prediction = Prediction {
