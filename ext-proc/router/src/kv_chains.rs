@@ -50,17 +50,19 @@ pub const MAX_WALK: u32 = 1 << 15;
 /// A block's place in its chain (16 bytes).
 #[derive(Clone, Copy, Debug)]
 struct Link {
-    /// The block before it (meaningless for a root).
+    /// The block before it; a root names itself.
     parent: u64,
     /// Blocks from the chain's root, this one included (1 for a root); 0
     /// while unknown (its parent came later in the same batch, or never).
     depth: u32,
-    root: bool,
+    /// The batch that stored it ([`Chains::batch`]).
+    batch: u32,
 }
 
 impl Link {
-    fn parent(&self) -> Option<u64> {
-        (!self.root).then_some(self.parent)
+    /// The parent of block `hash`, whose link this is.
+    fn parent(&self, hash: u64) -> Option<u64> {
+        (self.parent != hash).then_some(self.parent)
     }
 }
 
@@ -70,6 +72,7 @@ impl Link {
 #[derive(Clone, Copy, Debug)]
 struct Recent {
     at: Instant,
+    batch: u32,
     hash: u64,
     /// Already matched with a prompt.
     claimed: bool,
@@ -98,6 +101,8 @@ pub(crate) struct Chains {
     /// Prompts waiting for their chains (see [`Chains::match_prompt`]).
     waiting: VecDeque<Waiting>,
     cold_root: Option<ColdRoot>,
+    /// Batches applied (wrapping): what [`Link::batch`] counts in.
+    batch: u32,
 }
 
 impl Chains {
@@ -156,9 +161,9 @@ impl Chains {
         self.held.insert(
             hash,
             Link {
-                parent: parent.unwrap_or(0),
+                parent: parent.unwrap_or(hash),
                 depth,
-                root: parent.is_none(),
+                batch: self.batch,
             },
         );
         if !last {
@@ -174,6 +179,7 @@ impl Chains {
         }
         self.recent.push_back(Recent {
             at: now,
+            batch: self.batch,
             hash,
             claimed: false,
         });
@@ -202,6 +208,7 @@ impl Chains {
         for hash in std::mem::take(&mut self.unresolved) {
             self.resolve(hash);
         }
+        self.batch = self.batch.wrapping_add(1);
     }
 
     /// Gives `hash` and the unknown blocks above it their depths, where a
@@ -219,7 +226,7 @@ impl Chains {
                 break;
             }
             path.push(at);
-            match link.parent() {
+            match link.parent(at) {
                 Some(p) => at = p,
                 None => {
                     // `at` is a root stored with a depth of 1 already; a
@@ -253,7 +260,7 @@ impl Chains {
             if link.depth < depth || link.depth == 0 {
                 return None;
             }
-            at = link.parent()?;
+            at = link.parent(at)?;
         }
         None
     }
@@ -268,7 +275,7 @@ impl Chains {
                 return (link.depth > 0).then_some(link.depth);
             }
             let link = self.ghosts.get(&at)?;
-            match link.parent() {
+            match link.parent(at) {
                 Some(p) => at = p,
                 // The whole chain is gone.
                 None => return Some(0),
@@ -361,12 +368,16 @@ impl Chains {
         let through = previous
             .filter(|_| cached > 0)
             .and_then(|p| self.ancestor(p, cached));
+        let from = self.batch_since(since);
         let mut found: Option<usize> = None;
         for (i, r) in self.recent.iter().enumerate().rev() {
             if r.at < since {
                 break;
             }
-            if r.claimed || self.held.get(&r.hash).is_none_or(|l| l.depth != prompt) {
+            if r.claimed
+                || self.held.get(&r.hash).is_none_or(|l| l.depth != prompt)
+                || !self.fresh(r.hash, cached, from)
+            {
                 continue;
             }
             if through.is_some() && self.ancestor(r.hash, cached) != through {
@@ -413,6 +424,23 @@ impl Chains {
         deepest.1
     }
 
+    /// The first batch applied at or after `since`.
+    fn batch_since(&self, since: Instant) -> u32 {
+        let i = self.recent.partition_point(|r| r.at < since);
+        self.recent.get(i).map_or(self.batch, |r| r.batch)
+    }
+
+    /// Whether the chain through `hash` was stored past depth `cached` in
+    /// batch `from` or later: a prompt that found `cached` blocks in the
+    /// cache stored the rest after its decision (a chain that merely runs
+    /// as deep, stored turns ago and extended now, is another
+    /// conversation's).
+    fn fresh(&self, hash: u64, cached: u32, from: u32) -> bool {
+        self.ancestor(hash, cached.saturating_add(1))
+            .and_then(|h| self.link(h))
+            .is_some_and(|l| l.batch.wrapping_sub(from) < 1 << 31)
+    }
+
     fn expire_waiting(&mut self, now: Instant, found: &mut Found) {
         self.waiting.retain(|w| {
             let keep = now.saturating_duration_since(w.prompt.since) <= WAIT_AGE;
@@ -444,21 +472,22 @@ impl Chains {
             let Some(first) = group.first().map(|p| p.since) else {
                 continue;
             };
-            let from = self.recent.partition_point(|r| r.at < first);
-            let chains: Vec<usize> = (from..self.recent.len())
+            let start = self.recent.partition_point(|r| r.at < first);
+            let from = self.batch_since(first);
+            let chains: Vec<usize> = (start..self.recent.len())
                 .filter(|&i| {
                     let r = &self.recent[i];
-                    r.at >= first
-                        && !r.claimed
+                    !r.claimed
                         && self.held.get(&r.hash).is_some_and(|l| l.depth == blocks)
+                        && self.fresh(r.hash, cached, from)
                 })
                 .collect();
             // Each prompt's chain stored after its own decision.
             if chains.len() != group.len()
-                || group
-                    .iter()
-                    .zip(&chains)
-                    .any(|(p, &i)| self.recent[i].at < p.since)
+                || group.iter().zip(&chains).any(|(p, &i)| {
+                    self.recent[i].at < p.since
+                        || !self.fresh(self.recent[i].hash, cached, self.batch_since(p.since))
+                })
             {
                 continue;
             }
@@ -626,6 +655,12 @@ mod tests {
         // Blocks stored before the decision are not its own.
         let t2 = t1 + Duration::from_secs(1);
         assert_eq!(c.find(t2, 4, 2, Some(2)), Match::Unseen);
+        // A prompt that found only the shared root is not matched with a
+        // longer conversation's chain that reached the same depth now: that
+        // chain's block past the root was stored turns ago.
+        chain(&mut c, &[5, 6, 7], Some(4), t2);
+        chain(&mut c, &[30, 31, 32, 33, 34], Some(2), t2);
+        assert_eq!(c.find(t2, 7, 2, None), Match::Tip(34));
         // A turn that stored nothing new ends inside its earlier chain.
         assert_eq!(c.find(t2, 3, 3, Some(4)), Match::Tip(3));
     }

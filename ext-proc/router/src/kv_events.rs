@@ -34,7 +34,9 @@
 //! figures, drop or thin its own replica's warmth (which an engine restart
 //! does anyway), and size its own replica's warmth index when the engine's
 //! metrics state no capacity. It never changes health, never reaches
-//! another replica, and holds at most [`MAX_HELD_BLOCKS`] hashes.
+//! another replica, and holds the chains of at most [`MAX_HELD_BLOCKS`]
+//! blocks (see [`crate::kv_chains`] for what else it keeps, and how
+//! answers are matched with the chains their prompts stored).
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -45,7 +47,8 @@ use serde::{Deserialize, Serialize};
 use crate::kv_chains::{Chains, Prompt};
 
 /// Blocks a replica's event set holds at most: 4,194,304 tokens in
-/// blocks of 16, more than one engine's KV cache today; about 4.5 MB.
+/// blocks of 16, more than one engine's KV cache today (with their
+/// links and the matching's tables, 12.3 MiB at most).
 pub const MAX_HELD_BLOCKS: usize = 1 << 18;
 
 /// Why a replica's event figures are not exact.
