@@ -522,6 +522,7 @@ async fn a_vllm_engines_kv_events_show_its_blocks_and_its_restart() {
         aliases: vec![VLLM_MODEL.into()],
         kv_blocks: Some(KV_BLOCKS),
         kv_events: true,
+        dev_endpoints: true,
         ..small_vllm()
     };
     let mut engine = VllmServer::start(config).await.unwrap();
@@ -551,6 +552,20 @@ async fn a_vllm_engines_kv_events_show_its_blocks_and_its_restart() {
         "as vLLM states it"
     );
 
+    // The engine ran before the feed subscribed: its figures are exact
+    // from its cache's next emptying.
+    let reset = fleet
+        .client
+        .post(format!("http://{}/reset_prefix_cache", engine.addr))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reset.status(), 200, "{:?}", reset.text().await);
+    wait_for(&fleet, Duration::from_secs(30), "exact figures", |s| {
+        kv(s).exact
+    })
+    .await;
+
     // One conversation, three turns: each stores its prompt's whole blocks.
     let mut session = Session::new(500);
     for _ in 0..3 {
@@ -573,9 +588,26 @@ async fn a_vllm_engines_kv_events_show_its_blocks_and_its_restart() {
     );
     assert_eq!((k.refused_total, k.gaps_total), (0, 0), "{k:?}");
     assert!(k.stored_blocks_total >= k.held_blocks as u64);
-    if k.exact {
-        assert_eq!(k.occupancy_tokens, Some(k.held_blocks as u64 * block));
-    }
+    assert!(k.exact, "{k:?}");
+    assert_eq!(k.occupancy_tokens, Some(k.held_blocks as u64 * block));
+    // Each turn's answer was matched with the chain vLLM stored for its
+    // prompt; the later turns were predicted from what it still held of
+    // the earlier ones, and it served that.
+    let s = wait_for(&fleet, Duration::from_secs(30), "three matches", |s| {
+        kv(s).matched_prompts_total >= 3
+    })
+    .await;
+    let usage = &replica(&s, "vllm-0").usage;
+    eprintln!(
+        "matched {}, predicted {} cached tokens, served {}",
+        kv(&s).matched_prompts_total,
+        usage.predicted_cached_tokens_total,
+        usage.compared_cached_tokens_total
+    );
+    assert_eq!(
+        usage.predicted_cached_tokens_total, usage.compared_cached_tokens_total,
+        "{usage:?}"
+    );
 
     // Killed and restarted: a new process, its sequence from 0 again.
     engine.restart().await.unwrap();

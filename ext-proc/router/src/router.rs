@@ -511,7 +511,7 @@ impl Router {
                 (usage.prompt_tokens, usage.cached_tokens),
                 (
                     p.previous_engine_tip,
-                    p.blocks == 0 && p.previous_engine_tip.is_none(),
+                    p.overlap == 0 && p.previous_engine_tip.is_none(),
                 ),
                 now,
             ),

@@ -171,6 +171,28 @@ impl Tips {
         self.went.contains_key(&tip)
     }
 
+    /// The deepest turn in `warm` (the leading blocks `replica` holds of
+    /// a prompt) that went to `replica` and whose chain its engine's KV
+    /// events showed: a conversation that moved away and came back finds
+    /// its earlier turn there.
+    pub(crate) fn matched_on(&self, warm: &[u64], replica: ReplicaKey) -> Option<Continuation> {
+        let (depth, tip, turn) = warm.iter().enumerate().rev().find_map(|(j, h)| {
+            self.went
+                .get(h)
+                .filter(|t| t.replica == replica && t.engine_tip.is_some())
+                .map(|&t| (j + 1, *h, t))
+        })?;
+        Some(Continuation {
+            tip,
+            depth,
+            conversation: turn.conversation,
+            from: turn.replica,
+            prompt_bytes: turn.prompt_bytes,
+            prompt_tokens: turn.prompt_tokens,
+            engine_tip: turn.engine_tip,
+        })
+    }
+
     /// The turn `warm` (a prompt's leading blocks that some candidate
     /// holds) continues, if any.
     pub(crate) fn continued(&self, warm: &[u64]) -> Option<Continuation> {
@@ -359,6 +381,18 @@ mod tests {
         assert_eq!(tips.continued(&[6]).unwrap().engine_tip, None);
         tips.note_engine_tip(6, key(2), 77);
         assert_eq!(tips.continued(&[6]).unwrap().engine_tip, Some(77));
+        // The conversation moves to replica 1, then comes back to 2: its
+        // last turn there (and the engine's chain for it) is found in what
+        // replica 2 holds of the prompt.
+        let moved = tips.continued(&[1, 2, 3, 4, 5, 6, 7, 8]).unwrap();
+        tips.record(8, key(1), 8 * 2048, Some(&moved), true);
+        assert_eq!(tips.continued(&[1, 2, 3, 4, 5, 6, 7, 8]).unwrap().tip, 8);
+        let back = tips.matched_on(&[1, 2, 3, 4, 5, 6], key(2)).unwrap();
+        assert_eq!(
+            (back.tip, back.engine_tip, back.conversation),
+            (6, Some(77), 3)
+        );
+        assert_eq!(tips.matched_on(&[1, 2, 3, 4, 5, 6, 7, 8], key(1)), None);
         assert_eq!(tips.continued(&[1, 2]), None);
         // Recorded again elsewhere: the latest replica wins.
         tips.record(6, key(1), 6 * 2048 + 100, None, true);

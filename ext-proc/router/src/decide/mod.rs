@@ -206,15 +206,18 @@ impl Router {
         // What the engine itself still holds of the previous turn's chain,
         // when its KV events showed which chain that was (exact where the
         // warmth index and the horizon only approximate it).
+        // The turn it continues there: the previous one, or, for a
+        // conversation that comes back, its last turn there.
         let key = fleet.replicas[chosen].key();
-        let previous_engine_tip = warm
-            .continued
-            .filter(|c| c.from == key)
-            .and_then(|c| c.engine_tip);
+        let here = warm.continued.filter(|c| c.from == key).or_else(|| {
+            let warm_here = &req.hashes[..(picked.overlap as usize).min(req.hashes.len())];
+            tips.matched_on(warm_here, key)
+        });
+        let previous_engine_tip = here.and_then(|c| c.engine_tip);
         let resident = previous_engine_tip.and_then(|t| fleet.state[chosen].kv.resident_tokens(t));
         // Nothing of it there: what such prompts found there lately (a
         // shared system prompt under one fingerprint block).
-        let cold_root = (held == 0 && previous_engine_tip.is_none())
+        let cold_root = (picked.overlap == 0 && previous_engine_tip.is_none())
             .then(|| fleet.state[chosen].kv.cold_root_tokens())
             .flatten();
         let reservation = reserve::reserve(self, fleet, &mut tips, req, &warm, &picked, now);
@@ -240,7 +243,7 @@ impl Router {
         // last block a fingerprint cannot name).
         let block_bytes = held as u64 * self.params.block_size as u64;
         let previous = warm.continued.filter(|c| c.from == key && c.depth <= held);
-        let (held_bytes, held_tokens) = match (warm.continued, resident) {
+        let (held_bytes, held_tokens) = match (here, resident) {
             // The engine's own figure (the previous answer's blocks too).
             (Some(c), Some(tokens)) => {
                 let bytes = match c.prompt_tokens {
