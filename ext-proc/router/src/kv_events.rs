@@ -401,6 +401,11 @@ impl KvEvents {
         restarts
     }
 
+    /// The figures are the engine's own (see the module docs).
+    pub(crate) fn is_exact(&self) -> bool {
+        self.exact_blocks().is_some()
+    }
+
     /// Figures that are the engine's own, in tokens a block.
     fn exact_blocks(&self) -> Option<u64> {
         self.block_tokens

@@ -186,8 +186,11 @@ impl Router {
         // LRU of the engine's size tells what is left.
         let chosen = picked.order[0];
         let state = &mut fleet.state[chosen];
+        // (Not while its KV events are exact: the index already forgets
+        // what the engine's own turnover evicted, by its own count.)
         let room = state
             .engine_blocks
+            .filter(|_| !state.kv.is_exact())
             .map(|b| state.usage.engine_room(b))
             .filter(|&room| room < state.warmth.capacity());
         let held = match room {
