@@ -609,6 +609,59 @@ async fn a_vllm_engines_kv_events_show_its_blocks_and_its_restart() {
         "{usage:?}"
     );
 
+    // Others' prompts straight to the engine (traffic Hearth does not
+    // route) until it frees blocks: the least recently used first, this
+    // conversation's among them. Its next turn is predicted from what the
+    // engine's events say is left of its chain, and served exactly that.
+    let mut others = 0;
+    loop {
+        let k = kv(&fleet.state().await.unwrap());
+        if k.removed_blocks_total > 0 {
+            break;
+        }
+        assert!(others < 24, "vLLM never freed a block");
+        let mut body = Session::new(900 + others).conv.next_turn(240, false);
+        body["max_tokens"] = 1.into();
+        let r = fleet
+            .client
+            .post(format!("http://{}/v1/chat/completions", engine.addr))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{:?}", r.text().await);
+        others += 1;
+        wait_for(&fleet, Duration::from_secs(30), "its blocks stored", |s| {
+            kv(s).stored_blocks_total > k.stored_blocks_total
+        })
+        .await;
+    }
+    let (p0, s0) = (
+        usage.predicted_cached_tokens_total,
+        usage.compared_cached_tokens_total,
+    );
+    let mut body = session.conv.next_turn(240, false);
+    body["max_tokens"] = 8.into();
+    let t = post(&fleet, &body, &[]).await;
+    let (served, _) = cached_and_prompt_tokens(&t.body);
+    let s = wait_for(&fleet, Duration::from_secs(30), "its usage", |s| {
+        replica(s, "vllm-0").usage.compared_cached_tokens_total > s0
+            || replica(s, "vllm-0").usage.compared_total > usage.compared_total
+    })
+    .await;
+    let after = &replica(&s, "vllm-0").usage;
+    eprintln!(
+        "after {others} others' prompts: {:?}; the next turn: served {served}, predicted {}",
+        kv(&s),
+        after.predicted_cached_tokens_total - p0
+    );
+    assert!(
+        served < last_prompt / block * block,
+        "the engine kept all {last_prompt} tokens of the last turn"
+    );
+    assert_eq!(after.compared_cached_tokens_total - s0, served);
+    assert_eq!(after.predicted_cached_tokens_total - p0, served);
+
     // Killed and restarted: a new process, its sequence from 0 again.
     engine.restart().await.unwrap();
     eprintln!("vllm-0 restarted in {:?}", engine.last_start);
