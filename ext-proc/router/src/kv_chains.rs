@@ -10,26 +10,37 @@
 //! cached. A prompt of `P` whole blocks of which `C` were cached left, on
 //! its replica, a chain `P` blocks deep whose blocks past `C` were stored
 //! after the decision. [`Chains::match_prompt`] looks for that block among
-//! the ones stored since the decision; where the conversation's previous
-//! turn was matched too, the new chain must run through it up to depth
-//! `C`. One block found: the prompt's *engine tip*. None, or more than
-//! one (two prompts of the same length prefilled side by side, with no
-//! earlier turn to tell them apart): no tip, and the prediction stays
-//! approximate.
+//! the last blocks of the events stored since the decision (an engine
+//! reports a request's new blocks of one step in one event), whose part
+//! past `C` was stored after the decision; where the conversation's
+//! previous turn was matched too, the new chain must run through it up to
+//! depth `C`. One block found: the prompt's chain. More than one (prompts
+//! of one shape prefilled side by side, with no earlier turn to tell them
+//! apart): the prompt waits, and prompts of one shape are matched in the
+//! order they were decided once as many of their chains are stored, as a
+//! first-come-first-served engine stores them. The prompt's *engine tip*
+//! is the deepest block its request stored on that chain (its answer's
+//! blocks too, which the next turn, carrying the answer, finds).
 //!
 //! With the tip, the next turn's prediction is exact
 //! ([`Chains::resident`]): the deepest block of the chain the engine still
 //! holds, found by following the chain up through the blocks it removed
 //! (kept, with their links, for a while: [`GHOSTS`]). An engine that evicts
 //! least recently used blocks first frees a prompt's tail before its head,
-//! so what is left of it is a prefix.
+//! so what is left of it is a prefix. A prompt its replica holds nothing of
+//! is predicted to find the root the last cold prompts there found
+//! ([`Chains::cold_root`]).
 //!
 //! Everything here is bounded: the held blocks by the caller's
 //! [`crate::kv_events::MAX_HELD_BLOCKS`], the removed ones by [`GHOSTS`],
-//! the recent stores by [`RECENT`] and [`RECENT_AGE`], and every walk by
-//! [`MAX_WALK`]. A feed's blocks only ever name its own replica's chains.
+//! the recent stores by [`RECENT`] and [`RECENT_AGE`], the waiting
+//! prompts by [`WAITING`] and [`WAIT_AGE`], every walk by [`MAX_WALK`],
+//! and all of an answer's walks together by [`MATCH_WALK`]; a batch's
+//! blocks of unknown depth are each walked over once. A feed's blocks
+//! only ever name its own replica's chains.
 
-use std::collections::{HashMap, VecDeque};
+use std::cell::Cell;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::warmth::BlockHashState;
@@ -46,6 +57,11 @@ pub const RECENT_AGE: Duration = Duration::from_secs(60);
 
 /// The most links followed in one walk up a chain.
 pub const MAX_WALK: u32 = 1 << 15;
+
+/// The most links followed up chains in matching one answer, all walks
+/// together (a hostile feed's chains cost the router's lock this much at
+/// most per answer; about half a millisecond).
+pub const MATCH_WALK: u32 = 1 << 17;
 
 /// A block's place in its chain (16 bytes).
 #[derive(Clone, Copy, Debug)]
@@ -78,7 +94,7 @@ struct Recent {
     claimed: bool,
 }
 
-/// What [`Chains::match_prompt`] found.
+/// What one search for a prompt's chain found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Match {
     /// The prompt's last whole block, in the engine's hashes.
@@ -103,6 +119,8 @@ pub(crate) struct Chains {
     cold_root: Option<ColdRoot>,
     /// Batches applied (wrapping): what [`Link::batch`] counts in.
     batch: u32,
+    /// Links the current match may still follow ([`MATCH_WALK`]).
+    budget: Cell<u32>,
 }
 
 impl Chains {
@@ -205,15 +223,18 @@ impl Chains {
     /// After a batch: the depths of blocks stored before their parents in
     /// it (an engine may log a prompt's blocks from its last to its first).
     pub(crate) fn settle(&mut self) {
+        // Each block is walked over once per batch, however its chain
+        // loops or breaks.
+        let mut walked = HashSet::new();
         for hash in std::mem::take(&mut self.unresolved) {
-            self.resolve(hash);
+            self.resolve(hash, &mut walked);
         }
         self.batch = self.batch.wrapping_add(1);
     }
 
     /// Gives `hash` and the unknown blocks above it their depths, where a
     /// known depth or a root is reached within [`MAX_WALK`] links.
-    fn resolve(&mut self, hash: u64) {
+    fn resolve(&mut self, hash: u64, walked: &mut HashSet<u64>) {
         let mut path = Vec::new();
         let mut at = hash;
         let mut base = None;
@@ -223,6 +244,10 @@ impl Chains {
             };
             if link.depth > 0 {
                 base = Some(link.depth);
+                break;
+            }
+            if !walked.insert(at) {
+                // Walked before in this batch, and left unknown.
                 break;
             }
             path.push(at);
@@ -249,10 +274,13 @@ impl Chains {
         self.held.get(&hash).or_else(|| self.ghosts.get(&hash))
     }
 
-    /// The block at `depth` on `hash`'s chain (held or lately removed).
+    /// The block at `depth` on `hash`'s chain (held or lately removed),
+    /// within what is left of the match's budget.
     fn ancestor(&self, hash: u64, depth: u32) -> Option<u64> {
         let mut at = hash;
-        for _ in 0..MAX_WALK {
+        loop {
+            let left = self.budget.get().checked_sub(1)?;
+            self.budget.set(left);
             let link = self.link(at)?;
             if link.depth == depth {
                 return Some(at);
@@ -262,7 +290,6 @@ impl Chains {
             }
             at = link.parent(at)?;
         }
-        None
     }
 
     /// Blocks of `tip`'s chain the engine still holds from its root: the
@@ -352,8 +379,10 @@ impl Chains {
         self.held.contains_key(&c.hash).then_some(c.depth)
     }
 
-    /// The one chain that fits, claimed.
+    /// The one chain that fits, claimed. (It starts an answer's matching,
+    /// and its budget of links: [`MATCH_WALK`].)
     fn find(&mut self, since: Instant, prompt: u32, cached: u32, previous: Option<u64>) -> Match {
+        self.budget.set(MATCH_WALK);
         if prompt == 0 {
             return Match::Unseen;
         }
@@ -774,6 +803,45 @@ mod tests {
         assert_eq!(c.cold_root(), Some(2));
         c.remove(2);
         assert_eq!(c.cold_root(), None);
+    }
+
+    #[test]
+    fn a_hostile_feeds_loops_and_broken_chains_cost_a_bounded_walk() {
+        let now = Instant::now();
+        let mut c = Chains::default();
+        // One batch: a long chain hanging off a block never stored, logged
+        // last block first (each block's depth unknown until the batch
+        // ends), and a loop.
+        let n = 40_000u64;
+        for h in (1..=n).rev() {
+            c.store(
+                h,
+                Some(h + 1_000_000).filter(|_| h == 1).or(Some(h - 1)),
+                true,
+                now,
+            );
+        }
+        c.store(900_001, Some(900_002), true, now);
+        c.store(900_002, Some(900_001), true, now);
+        let started = Instant::now();
+        c.settle();
+        // Nothing resolves (no root, no known depth), each block walked
+        // once: quadratic would be 800 million steps.
+        assert_eq!(c.resident(n), None);
+        // A deep chain whose blocks are known, and 64 leaves off its end
+        // stored now: a prompt of that depth that found only the root
+        // would walk each leaf back to its second block (64 times 40,000
+        // links); the answer's budget stops it.
+        let deep: Vec<u64> = (3_000_000..3_000_000 + n).collect();
+        chain(&mut c, &deep, None, now);
+        let later = now + Duration::from_secs(1);
+        for k in 0..64 {
+            chain(&mut c, &[4_000_000 + k], Some(*deep.last().unwrap()), later);
+        }
+        let f = ask(&mut c, 1, later, (n as u32 + 1, 1), later);
+        assert_eq!(f.tips, vec![]);
+        assert_eq!(c.budget.get(), 0, "the walk stopped at MATCH_WALK links");
+        println!("settled and matched in {:?}", started.elapsed());
     }
 
     #[test]
