@@ -206,11 +206,11 @@ impl Router {
             .checked_sub(1)
             .and_then(|k| req.hashes.get(k))
             .and_then(|&h| fleet.state[chosen].warmth.stamp(h));
-        // What the engine itself still holds of the previous turn's chain,
-        // when its KV events showed which chain that was (exact where the
-        // warmth index and the horizon only approximate it).
-        // The turn it continues there: the previous one, or, for a
-        // conversation that comes back, its last turn there.
+        // The turn it continues on the chosen replica (the previous one,
+        // or, for a conversation that comes back, its last turn there),
+        // and what the engine itself still holds of that turn's chain when
+        // its KV events showed which chain that was (exact where the warmth
+        // index and the horizon only approximate it).
         let key = fleet.replicas[chosen].key();
         let here = warm.continued.filter(|c| c.from == key).or_else(|| {
             let warm_here = &req.hashes[..(picked.overlap as usize).min(req.hashes.len())];
