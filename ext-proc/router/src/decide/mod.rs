@@ -212,9 +212,11 @@ impl Router {
         // its KV events showed which chain that was (exact where the warmth
         // index and the horizon only approximate it).
         let key = fleet.replicas[chosen].key();
+        let exact = fleet.state[chosen].kv.is_exact();
         let here = warm.continued.filter(|c| c.from == key).or_else(|| {
+            // (Only an engine whose events are followed has matched turns.)
             let warm_here = &req.hashes[..(picked.overlap as usize).min(req.hashes.len())];
-            tips.matched_on(warm_here, key)
+            exact.then(|| tips.matched_on(warm_here, key)).flatten()
         });
         let previous_engine_tip = here.and_then(|c| c.engine_tip);
         let resident = previous_engine_tip.and_then(|t| fleet.state[chosen].kv.resident_tokens(t));
