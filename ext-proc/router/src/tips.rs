@@ -176,31 +176,23 @@ impl Tips {
     /// events showed: a conversation that moved away and came back finds
     /// its earlier turn there.
     pub(crate) fn matched_on(&self, warm: &[u64], replica: ReplicaKey) -> Option<Continuation> {
-        let (depth, tip, turn) = warm.iter().enumerate().rev().find_map(|(j, h)| {
-            self.went
-                .get(h)
-                .filter(|t| t.replica == replica && t.engine_tip.is_some())
-                .map(|&t| (j + 1, *h, t))
-        })?;
-        Some(Continuation {
-            tip,
-            depth,
-            conversation: turn.conversation,
-            from: turn.replica,
-            prompt_bytes: turn.prompt_bytes,
-            prompt_tokens: turn.prompt_tokens,
-            engine_tip: turn.engine_tip,
-        })
+        self.deepest(warm, |t| t.replica == replica && t.engine_tip.is_some())
     }
 
     /// The turn `warm` (a prompt's leading blocks that some candidate
     /// holds) continues, if any.
     pub(crate) fn continued(&self, warm: &[u64]) -> Option<Continuation> {
-        let (depth, tip, turn) = warm
-            .iter()
-            .enumerate()
-            .rev()
-            .find_map(|(j, h)| self.went.get(h).map(|&t| (j + 1, *h, t)))?;
+        self.deepest(warm, |_| true)
+    }
+
+    /// The deepest tip in `warm` whose turn is `wanted`.
+    fn deepest(&self, warm: &[u64], wanted: impl Fn(&Turn) -> bool) -> Option<Continuation> {
+        let (depth, tip, turn) = warm.iter().enumerate().rev().find_map(|(j, h)| {
+            self.went
+                .get(h)
+                .filter(|t| wanted(t))
+                .map(|&t| (j + 1, *h, t))
+        })?;
         Some(Continuation {
             tip,
             depth,
