@@ -397,19 +397,16 @@ impl Chains {
         let through = previous
             .filter(|_| cached > 0)
             .and_then(|p| self.ancestor(p, cached));
-        let from = self.batch_since(since);
+        let from = self.batch_at(self.recent_since(since));
         let mut found: Option<usize> = None;
         for (i, r) in self.recent.iter().enumerate().rev() {
             if r.at < since {
                 break;
             }
-            if r.claimed
-                || self.held.get(&r.hash).is_none_or(|l| l.depth != prompt)
-                || !self.fresh(r.hash, cached, from)
-            {
+            let Some(start) = self.fits(r, prompt, cached, from) else {
                 continue;
-            }
-            if through.is_some() && self.ancestor(r.hash, cached) != through {
+            };
+            if through.is_some() && self.link(start).and_then(|l| l.parent(start)) != through {
                 continue;
             }
             if found.is_some() {
@@ -453,21 +450,30 @@ impl Chains {
         deepest.1
     }
 
-    /// The first batch applied at or after `since`.
-    fn batch_since(&self, since: Instant) -> u32 {
-        let i = self.recent.partition_point(|r| r.at < since);
+    /// The first recent event stored at or after `since`.
+    fn recent_since(&self, since: Instant) -> usize {
+        self.recent.partition_point(|r| r.at < since)
+    }
+
+    /// The batch of recent event `i` (the next batch past the last).
+    fn batch_at(&self, i: usize) -> u32 {
         self.recent.get(i).map_or(self.batch, |r| r.batch)
     }
 
-    /// Whether the chain through `hash` was stored past depth `cached` in
-    /// batch `from` or later: a prompt that found `cached` blocks in the
-    /// cache stored the rest after its decision (a chain that merely runs
-    /// as deep, stored turns ago and extended now, is another
-    /// conversation's).
-    fn fresh(&self, hash: u64, cached: u32, from: u32) -> bool {
-        self.ancestor(hash, cached.saturating_add(1))
-            .and_then(|h| self.link(h))
-            .is_some_and(|l| l.batch.wrapping_sub(from) < 1 << 31)
+    /// Whether recent event `r` can end the chain of a prompt of `blocks`
+    /// whole blocks, `cached` of them found in the cache, decided before
+    /// batch `from`: unclaimed, held at that depth, and stored past the
+    /// cached depth in batch `from` or later (a chain that merely runs as
+    /// deep, stored turns ago and extended now, is another
+    /// conversation's). Returns the chain's first block past the cached
+    /// depth.
+    fn fits(&self, r: &Recent, blocks: u32, cached: u32, from: u32) -> Option<u64> {
+        if r.claimed || self.held.get(&r.hash).is_none_or(|l| l.depth != blocks) {
+            return None;
+        }
+        let start = self.ancestor(r.hash, cached.saturating_add(1))?;
+        let stored = self.link(start)?.batch;
+        (stored.wrapping_sub(from) < 1 << 31).then_some(start)
     }
 
     fn expire_waiting(&mut self, now: Instant, found: &mut Found) {
@@ -501,21 +507,19 @@ impl Chains {
             let Some(first) = group.first().map(|p| p.since) else {
                 continue;
             };
-            let start = self.recent.partition_point(|r| r.at < first);
-            let from = self.batch_since(first);
+            let start = self.recent_since(first);
+            let from = self.batch_at(start);
             let chains: Vec<usize> = (start..self.recent.len())
-                .filter(|&i| {
-                    let r = &self.recent[i];
-                    !r.claimed
-                        && self.held.get(&r.hash).is_some_and(|l| l.depth == blocks)
-                        && self.fresh(r.hash, cached, from)
-                })
+                .filter(|&i| self.fits(&self.recent[i], blocks, cached, from).is_some())
                 .collect();
             // Each prompt's chain stored after its own decision.
             if chains.len() != group.len()
                 || group.iter().zip(&chains).any(|(p, &i)| {
-                    self.recent[i].at < p.since
-                        || !self.fresh(self.recent[i].hash, cached, self.batch_since(p.since))
+                    let r = &self.recent[i];
+                    r.at < p.since
+                        || self
+                            .fits(r, blocks, cached, self.batch_at(self.recent_since(p.since)))
+                            .is_none()
                 })
             {
                 continue;
