@@ -404,6 +404,7 @@ impl Policy {
                         model: Some(fp.model.clone()),
                         max_output_tokens: fp.max_output_tokens,
                         cache: fp.cache,
+                        priority: 0,
                     },
                     None => RequestInfo::default(),
                 };

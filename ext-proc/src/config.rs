@@ -427,6 +427,14 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_FLOW_AFFINITY_WAIT_SECONDS", default_value_t = 2.0)]
     pub flow_affinity_wait_seconds: f64,
 
+    /// Seconds a priority band's peak of requests in flight on a replica
+    /// stays reserved for it: a request of a lower band finds the replica
+    /// saturated while its engine's batch (as learnt from its figures) has
+    /// no slot beyond those, so an interactive band finds free slots while
+    /// batch or sheddable load fills the rest (0 = nothing reserved).
+    #[arg(long, env = "HEARTH_FLOW_HEADROOM_SECONDS", default_value_t = 30.0)]
+    pub flow_headroom_seconds: f64,
+
     /// Seconds a request waits in the queue at most; then 429 with
     /// `x-hearth-drop-reason: ttl` (at most 540: Envoy's rendered
     /// max_message_timeout is 600 s).
@@ -1364,6 +1372,7 @@ impl Settings {
                 uncached_bytes: self.flow_uncached_bytes,
                 prefill_seconds: self.flow_prefill_seconds,
                 affinity_wait: seconds(self.flow_affinity_wait_seconds),
+                headroom: seconds(self.flow_headroom_seconds),
             },
         }
     }
@@ -1473,6 +1482,14 @@ impl Settings {
             problems.push(format!(
                 "HEARTH_FLOW_AFFINITY_WAIT_SECONDS must be between 0 and 86400 seconds, got {}",
                 self.flow_affinity_wait_seconds
+            ));
+        }
+        if !(self.flow_headroom_seconds.is_finite()
+            && (0.0..=86_400.0).contains(&self.flow_headroom_seconds))
+        {
+            problems.push(format!(
+                "HEARTH_FLOW_HEADROOM_SECONDS must be between 0 and 86400 seconds, got {}",
+                self.flow_headroom_seconds
             ));
         }
         if !(self.flow_prefill_seconds.is_finite()
@@ -1788,6 +1805,29 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(cli.settings.long_lane, LongLane::AvoidUnlessWarm);
+    }
+
+    #[test]
+    fn headroom_seconds_reach_the_flow_params_and_bad_ones_are_named() {
+        let s = parse(&["--upstreams", "127.0.0.1:1"]).unwrap().settings;
+        assert_eq!(s.router_params().flow.headroom, Duration::from_secs(30));
+        let s = parse(&["--upstreams", "127.0.0.1:1", "--flow-headroom-seconds", "0"])
+            .unwrap()
+            .settings;
+        assert_eq!(s.router_params().flow.headroom, Duration::ZERO);
+        for bad in ["-1", "NaN", "inf"] {
+            let arg = format!("--flow-headroom-seconds={bad}");
+            let s = parse(&["--upstreams", "127.0.0.1:1", &arg])
+                .unwrap()
+                .settings;
+            let problems = s.validate().unwrap_err();
+            assert!(
+                problems
+                    .iter()
+                    .any(|p| p.contains("HEARTH_FLOW_HEADROOM_SECONDS must be between 0 and 86400")),
+                "{bad}: {problems:?}"
+            );
+        }
     }
 
     #[test]

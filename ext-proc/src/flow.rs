@@ -26,7 +26,8 @@ use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::HttpHeaders;
 use hearth_router::{
-    Decision, DropReason, Entry, FlowQueue, QueueParams, RequestInfo, Room, RouteError, Router,
+    Decision, DropReason, Entry, FlowQueue, Kept, QueueParams, RequestInfo, Room, RouteError,
+    Router,
 };
 use hearth_wire::names::{FAIRNESS_ID, OBJECTIVE};
 use tokio::sync::{oneshot, Notify};
@@ -86,8 +87,9 @@ pub struct Dispatch {
 /// What [`FlowControl::admit`] says of a request.
 #[derive(Debug)]
 pub enum Admission {
-    /// Decide it now.
-    Decide(RequestInfo),
+    /// Decide it now: among these replicas when some keep their free
+    /// slots for higher bands (`None`: among all it may use).
+    Decide(RequestInfo, Option<Vec<usize>>),
     /// 429 at once, for this reason.
     Refuse(RequestInfo, DropReason),
     /// It waits: the ticket's channel brings its [`Dispatch`].
@@ -242,23 +244,38 @@ impl FlowControl {
     /// at once if it has room.
     pub fn admit(
         self: &Arc<Self>,
-        info: RequestInfo,
+        mut info: RequestInfo,
         subset: Option<&[usize]>,
         class: &Class,
     ) -> Admission {
+        // Its band, for the slots kept for higher ones.
+        info.priority = class.priority;
         // A request that names no model and carries no prompt (a model
         // list, a health check) costs the engines nothing to speak of.
         let promptless = info.model.is_none() && info.prompt_bytes == 0;
         if !self.enabled || promptless {
-            return Admission::Decide(info);
+            return Admission::Decide(info, None);
         }
         let now = Instant::now();
         let saturated = self.router.saturated_for_at(&info, subset, now);
+        // Slots kept for higher bands: decided among the replicas that keep
+        // none, unless the one holding most of its prompt keeps them (then
+        // it waits for that one, as for a saturated warm replica).
+        let kept = if saturated {
+            Kept::Nothing
+        } else {
+            self.router.kept_slots_at(&info, subset, now)
+        };
+        let warm_kept = kept == Kept::Warm;
         let mut queue = self.lock();
-        if !saturated && queue.is_empty() {
-            return Admission::Decide(info);
+        if !saturated && !warm_kept && queue.is_empty() {
+            let open = match kept {
+                Kept::Around(open) => Some(open),
+                Kept::Nothing | Kept::Warm => None,
+            };
+            return Admission::Decide(info, open);
         }
-        if saturated && class.priority < 0 {
+        if (saturated || warm_kept) && class.priority < 0 {
             drop(queue);
             self.observer
                 .flow
@@ -426,9 +443,17 @@ mod tests {
     }
 
     fn flow_over(enabled: bool, upstreams: &[&str]) -> Arc<FlowControl> {
+        flow_tuned(enabled, upstreams, |p| p.flow.uncached_bytes = 1)
+    }
+
+    fn flow_tuned(
+        enabled: bool,
+        upstreams: &[&str],
+        tune: impl FnOnce(&mut RouterParams),
+    ) -> Arc<FlowControl> {
         let upstreams: Vec<_> = upstreams.iter().map(|u| u.parse().unwrap()).collect();
         let mut params = RouterParams::default();
-        params.flow.uncached_bytes = 1;
+        tune(&mut params);
         let router = Router::new(params, &upstreams);
         let observer = Observer::new(
             router,
@@ -498,7 +523,7 @@ mod tests {
         // No model, no prompt: nothing to hold back.
         assert!(matches!(
             f.admit(RequestInfo::default(), None, &class(0)),
-            Admission::Decide(_)
+            Admission::Decide(..)
         ));
         // The request ends: the queued prompt leaves with a decision.
         drop(busy);
@@ -553,6 +578,93 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_sheddable_request_finds_the_slots_an_interactive_band_used_lately_kept() {
+        let list = ["127.0.0.1:1", "127.0.0.1:2"];
+        let f = flow_tuned(true, &list, |p| p.flow.uncached_bytes = 0);
+        let now = Instant::now();
+        // Both engines run two at once (requests waited behind two in two
+        // figures in a row), then drain.
+        for a in list {
+            for (running, waiting) in [(2.0, 1.0), (2.0, 1.0), (0.0, 0.0)] {
+                f.router.set_engine_signals(
+                    a.parse().unwrap(),
+                    hearth_router::EngineSignals {
+                        waiting,
+                        running,
+                        kv_usage: None,
+                        at: now,
+                        own_in_flight: 0,
+                        prompt_tokens_total: None,
+                        started_at: None,
+                        kv_capacity_tokens: None,
+                        cache_block_tokens: None,
+                        progress_total: None,
+                    },
+                );
+            }
+        }
+        let class = |priority| Class {
+            priority,
+            fairness_id: "t".into(),
+        };
+        let on = |replica: usize, priority: i32| {
+            let info = RequestInfo {
+                priority,
+                ..prompt(100)
+            };
+            let d = f
+                .router
+                .decide_within_at(&info, Some(&[replica]), now)
+                .unwrap();
+            d.prefill().done_at(now);
+            d
+        };
+        // An interactive request (band 10) ran on each replica.
+        drop((on(0, 10), on(1, 10)));
+        // A sheddable one runs on replica 0: its last slot is kept, so the
+        // next sheddable one is decided among the others.
+        let first = on(0, -1);
+        match f.admit(prompt(100), None, &class(-1)) {
+            Admission::Decide(_, open) => assert_eq!(open, Some(vec![1])),
+            other => panic!("{other:?}"),
+        }
+        // With both replicas down to their kept slot, it is refused; an
+        // interactive request is decided at once, anywhere.
+        let second = on(1, -1);
+        assert!(matches!(
+            f.admit(prompt(100), None, &class(-1)),
+            Admission::Refuse(_, DropReason::Sheddable)
+        ));
+        assert!(matches!(
+            f.admit(prompt(100), None, &class(10)),
+            Admission::Decide(_, None)
+        ));
+        drop(second);
+        // A prompt replica 0 holds, while replica 0 keeps its last slot and
+        // replica 1 has room: a sheddable one is refused rather than read
+        // again on replica 1, a standard one waits for replica 0.
+        let warm = |priority: i32| RequestInfo {
+            hashes: vec![7, 8],
+            priority,
+            ..prompt(4096)
+        };
+        drop(
+            f.router
+                .decide_within_at(&warm(10), Some(&[0]), now)
+                .unwrap(),
+        );
+        assert!(matches!(
+            f.admit(warm(-1), None, &class(-1)),
+            Admission::Refuse(_, DropReason::Sheddable)
+        ));
+        assert!(matches!(
+            f.admit(warm(0), None, &class(0)),
+            Admission::Wait(_)
+        ));
+        drop(first);
+    }
+
+    #[tokio::test]
     async fn a_ticket_dropped_while_waiting_takes_its_request_out() {
         let f = flow(true);
         let _busy = f.router.decide(&prompt(5000)).unwrap();
@@ -569,7 +681,7 @@ mod tests {
         for enabled in [true, false] {
             let f = flow(enabled);
             let admitted = f.admit(RequestInfo::default(), None, &Class::default());
-            assert!(matches!(admitted, Admission::Decide(_)), "{admitted:?}");
+            assert!(matches!(admitted, Admission::Decide(..)), "{admitted:?}");
         }
     }
 }

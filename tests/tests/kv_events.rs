@@ -717,6 +717,7 @@ async fn a_hostile_feed_reaches_only_its_own_replica_and_fences_nothing() {
             model: None,
             max_output_tokens: None,
             cache: Default::default(),
+            priority: 0,
         };
         drop(router.decide(&req).unwrap());
     }

@@ -39,6 +39,7 @@ fn session(s: u64) -> RequestInfo {
         model: Some("m".into()),
         max_output_tokens: None,
         cache: Default::default(),
+        priority: 0,
     }
 }
 

@@ -209,6 +209,113 @@ pub(crate) struct ReplicaState {
     /// How many requests the engine runs at once, as its figures showed
     /// it.
     pub(crate) batch: EngineBatch,
+    /// This sidecar's requests in flight here by priority band, with each
+    /// band's recent peak: the slots lower bands leave free for it.
+    pub(crate) bands: BandLoads,
+}
+
+/// A priority band's requests in flight on one replica, and the most it
+/// had in flight lately (the peak stands for the headroom window after it
+/// was last reached).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct BandInFlight {
+    priority: i32,
+    in_flight: u32,
+    peak: u32,
+    peak_at: Instant,
+}
+
+/// Requests in flight on one replica by priority band. Bands are the
+/// operator's objectives (an unknown objective is band 0), so the list
+/// is as short as that setting; a band with nothing in flight and its
+/// peak past the window is dropped at the next change.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct BandLoads {
+    bands: Vec<BandInFlight>,
+}
+
+impl BandLoads {
+    /// A request of band `priority` starts here at `now` (a peak older
+    /// than `window` gives way to what is in flight now).
+    pub(crate) fn start(&mut self, priority: i32, now: Instant, window: Duration) {
+        let band = match self.bands.iter_mut().position(|b| b.priority == priority) {
+            Some(i) => &mut self.bands[i],
+            None => {
+                self.bands.push(BandInFlight {
+                    priority,
+                    in_flight: 0,
+                    peak: 0,
+                    peak_at: now,
+                });
+                self.bands.last_mut().expect("just pushed")
+            }
+        };
+        band.in_flight += 1;
+        let stale = now.saturating_duration_since(band.peak_at) > window;
+        if stale || band.in_flight >= band.peak {
+            band.peak = band.in_flight;
+            band.peak_at = now;
+        }
+    }
+
+    /// A request of band `priority` ended here at `now`; bands idle past
+    /// `window` are forgotten.
+    pub(crate) fn end(&mut self, priority: i32, now: Instant, window: Duration) {
+        if let Some(b) = self.bands.iter_mut().find(|b| b.priority == priority) {
+            b.in_flight = b.in_flight.saturating_sub(1);
+        }
+        self.bands
+            .retain(|b| b.in_flight > 0 || now.saturating_duration_since(b.peak_at) <= window);
+    }
+
+    /// What `/state` shows: each band's in flight and its peak within
+    /// `window`, highest band first.
+    pub(crate) fn view(
+        &self,
+        now: Instant,
+        window: Duration,
+    ) -> Vec<crate::snapshot::BandSnapshot> {
+        let mut v: Vec<_> = self
+            .bands
+            .iter()
+            .map(|b| crate::snapshot::BandSnapshot {
+                priority: b.priority,
+                in_flight: b.in_flight,
+                peak: if now.saturating_duration_since(b.peak_at) <= window {
+                    b.peak
+                } else {
+                    b.in_flight
+                },
+            })
+            .collect();
+        v.sort_by_key(|b| std::cmp::Reverse(b.priority));
+        v
+    }
+
+    /// Whether a band above `priority` has requests in flight here at
+    /// `now`, or had within `window`.
+    pub(crate) fn active_above(&self, priority: i32, now: Instant, window: Duration) -> bool {
+        self.bands.iter().any(|b| {
+            b.priority > priority
+                && (b.in_flight > 0 || now.saturating_duration_since(b.peak_at) <= window)
+        })
+    }
+
+    /// The slots a request of band `priority` leaves free here at `now`:
+    /// for every higher band about (in flight, or its peak within
+    /// `window`), its peak less what it has in flight now, and at least
+    /// one (its next request finds a slot even past its peak).
+    pub(crate) fn headroom_above(&self, priority: i32, now: Instant, window: Duration) -> u32 {
+        self.bands
+            .iter()
+            .filter(|b| b.priority > priority)
+            .filter_map(|b| {
+                let recent = now.saturating_duration_since(b.peak_at) <= window;
+                let peak = if recent { b.peak } else { b.in_flight };
+                (recent || b.in_flight > 0).then(|| peak.saturating_sub(b.in_flight).max(1))
+            })
+            .sum()
+    }
 }
 
 /// How long a learnt batch size stands without a figure that bears it
@@ -281,6 +388,7 @@ impl ReplicaState {
             peer_load: 0.0,
             kv: KvEvents::default(),
             batch: EngineBatch::default(),
+            bands: BandLoads::default(),
         }
     }
 }

@@ -47,8 +47,8 @@ pub use decide::policy::Candidate;
 pub use decide::{Decision, Prefill, RequestInfo, Reservation, RouteError, ScoredCandidate};
 pub use fleet::EngineSignals;
 pub use flow::{
-    BandLoad, DropReason, Dropped, Entry, FlowLoad, FlowParams, FlowQueue, QueueParams, QueueView,
-    Room, AFFINITY_UNITS_MAX, LOOK_DEPTH,
+    BandLoad, DropReason, Dropped, Entry, FlowLoad, FlowParams, FlowQueue, Kept, QueueParams,
+    QueueView, Room, AFFINITY_UNITS_MAX, LOOK_DEPTH,
 };
 pub use health::{
     Failure, FleetHealth, HealthParams, HealthSnapshot, HealthState, Outcome, ProbeReason,
@@ -62,6 +62,6 @@ pub use replica::{
     ProbeTarget, ReloadSummary, Replica, ReplicaKey, UpstreamSpec,
 };
 pub use router::{Router, SourceStatus};
-pub use snapshot::{EngineSnapshot, ReplicaSnapshot, Snapshot, UpstreamsSnapshot};
+pub use snapshot::{BandSnapshot, EngineSnapshot, ReplicaSnapshot, Snapshot, UpstreamsSnapshot};
 pub use tips::Continuation;
 pub use usage::{Correction, Prediction, Served, Usage, UsageSnapshot};

@@ -106,6 +106,11 @@ pub struct FlowParams {
     /// How long a queued request waits for a saturated replica that holds
     /// more of its prompt than any free one, before it takes a free one.
     pub affinity_wait: Duration,
+    /// How long a priority band's peak of requests in flight on a replica
+    /// stays reserved: a lower band's request finds the replica saturated
+    /// while its engine's batch has no slot beyond those (zero: no
+    /// reserve).
+    pub headroom: Duration,
 }
 
 impl Default for FlowParams {
@@ -116,6 +121,7 @@ impl Default for FlowParams {
             uncached_bytes: 8 << 20,
             prefill_seconds: 0.0,
             affinity_wait: Duration::from_secs(2),
+            headroom: Duration::from_secs(30),
         }
     }
 }

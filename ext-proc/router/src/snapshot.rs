@@ -23,6 +23,15 @@ pub struct EngineSnapshot {
     pub age_s: f64,
 }
 
+/// A priority band's requests in flight on a replica, and its recent
+/// peak there.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct BandSnapshot {
+    pub priority: i32,
+    pub in_flight: u32,
+    pub peak: u32,
+}
+
 /// Per-replica figures for the state endpoint.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ReplicaSnapshot {
@@ -61,6 +70,11 @@ pub struct ReplicaSnapshot {
     /// (none until requests waited there in two figures in a row).
     #[serde(default)]
     pub engine_batch: Option<f64>,
+    /// This sidecar's requests in flight here by priority band, highest
+    /// first, with each band's peak within `HEARTH_FLOW_HEADROOM_SECONDS`
+    /// (the slots kept from lower bands are the peaks less the in flight).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bands: Vec<BandSnapshot>,
     pub warmth_blocks: usize,
     pub warmth_capacity: usize,
     pub warmth_memory_bytes: usize,
@@ -191,6 +205,7 @@ impl Router {
                     prefill_samples: s.prefill_rate.samples(),
                     saturated: self.saturated(s, now),
                     engine_batch: s.batch.size(),
+                    bands: s.bands.view(now, self.params.flow.headroom),
                     warmth_blocks: s.warmth.len(),
                     warmth_capacity: s.warmth.capacity(),
                     warmth_memory_bytes: s.warmth.memory_bytes(),

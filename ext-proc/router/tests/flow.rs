@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hearth_router::{
-    DropReason, EngineSignals, FlowQueue, QueueParams, RequestInfo, Room, Router, RouterParams,
-    UpstreamSpec, AFFINITY_UNITS_MAX, LOOK_DEPTH,
+    DropReason, EngineSignals, FlowQueue, Kept, QueueParams, RequestInfo, Room, Router,
+    RouterParams, UpstreamSpec, AFFINITY_UNITS_MAX, LOOK_DEPTH,
 };
 
 const LIST: &str = "127.0.0.1:1,127.0.0.1:2";
@@ -184,6 +184,107 @@ fn an_engine_seen_full_is_saturated_by_what_is_sent_beyond_its_batch() {
     let sent: Vec<_> = (30..40).map(send).collect();
     assert!(!r.saturated_for_at(&next, only0, t0));
     drop(sent);
+}
+
+#[test]
+fn a_lower_band_leaves_free_the_slots_a_higher_band_used_lately() {
+    let r = fleet(|p| p.flow.uncached_bytes = 0);
+    assert_eq!(r.params().flow.headroom, Duration::from_secs(30));
+    let t0 = Instant::now();
+    let only0: Option<&[usize]> = Some(&[0]);
+    let band = |priority: i32, h: u64| RequestInfo {
+        priority,
+        ..req(&[h])
+    };
+    let figure = |running: f64, waiting: f64| EngineSignals {
+        running,
+        ..signals(waiting, None, t0)
+    };
+    // Sent, and its prompt read (its first token out).
+    let send = |priority: i32, h: u64| {
+        let d = r.decide_within_at(&band(priority, h), only0, t0).unwrap();
+        d.prefill().done_at(t0);
+        d
+    };
+    let kept_from = |priority: i32, at: Instant| r.saturated_for_at(&band(priority, 99), only0, at);
+    // Replica 0's engine runs four at once (requests waited behind four in
+    // two figures in a row), then drains.
+    r.set_engine_signals(addr(0), figure(4.0, 2.0));
+    r.set_engine_signals(addr(0), figure(4.0, 2.0));
+    r.set_engine_signals(addr(0), figure(0.0, 0.0));
+    // No band has run there yet: every slot is anyone's.
+    let batch: Vec<_> = (1..4).map(|h| send(0, h)).collect();
+    assert!(!kept_from(0, t0));
+    drop(batch);
+    // Two interactive requests (band 10) at once: that band's peak is two.
+    let interactive = (send(10, 11), send(10, 12));
+    drop(interactive);
+    let bands = &r.snapshot_at(t0).replicas[0].bands;
+    let shown: Vec<_> = bands
+        .iter()
+        .map(|b| (b.priority, b.in_flight, b.peak))
+        .collect();
+    assert_eq!(shown, [(10, 0, 2), (0, 0, 3)], "/state shows the bands");
+    // While the interactive band is about, band 0's prompts are read one
+    // at a time: not beside another unread prompt.
+    let unread = r.decide_within_at(&band(0, 30), only0, t0).unwrap();
+    assert!(kept_from(0, t0), "a prompt is being read there");
+    unread.prefill().done_at(t0);
+    assert!(!kept_from(0, t0));
+    drop(unread);
+    // Band 0 may now fill two slots, not three: the last two are kept.
+    let x = send(0, 21);
+    assert!(!kept_from(0, t0));
+    let y = send(0, 22);
+    assert!(kept_from(0, t0), "two running and two kept fill the batch");
+    assert!(!kept_from(10, t0), "the band they are kept for takes them");
+    // ... and a replica that keeps nothing takes band 0 instead; an
+    // admission decides among those (the dispatch too: `room_at`).
+    assert_eq!(
+        r.kept_slots_at(&band(0, 99), None, t0),
+        Kept::Around(vec![1])
+    );
+    assert_eq!(r.kept_slots_at(&band(10, 99), None, t0), Kept::Nothing);
+    // Unless replica 0 holds the request's prompt: moving would read it
+    // again, so it waits for replica 0 instead.
+    assert_eq!(r.kept_slots_at(&band(0, 21), None, t0), Kept::Warm);
+    assert_eq!(
+        r.room_at(&band(0, 99), None, Duration::ZERO, t0),
+        Room::Go(Some(vec![1]))
+    );
+    // One interactive request runs: one slot stays kept, so band 0 has
+    // room again only once one of its own ends.
+    let c = send(10, 13);
+    assert!(kept_from(0, t0));
+    drop(y);
+    assert!(
+        !kept_from(0, t0),
+        "one of band 0, one interactive, one kept: a slot is free"
+    );
+    drop((x, c));
+    // The engine's own figure counts requests from elsewhere too: four
+    // running fill the batch however few are Hearth's.
+    r.set_engine_signals(addr(0), figure(3.0, 0.0));
+    assert!(kept_from(0, t0));
+    assert!(!kept_from(10, t0));
+    // A peak older than the headroom window keeps nothing (the engine's
+    // figure is stale by then: Hearth's own in flight count).
+    let later = t0 + Duration::from_secs(31);
+    assert!(!kept_from(0, later));
+    // Off (0 s), nothing is ever kept.
+    let off = fleet(|p| {
+        p.flow.uncached_bytes = 0;
+        p.flow.headroom = Duration::ZERO;
+    });
+    off.set_engine_signals(addr(0), figure(4.0, 2.0));
+    off.set_engine_signals(addr(0), figure(4.0, 2.0));
+    off.set_engine_signals(addr(0), figure(0.0, 0.0));
+    drop(off.decide_within_at(&band(10, 1), only0, t0).unwrap());
+    let full: Vec<_> = (2..5)
+        .map(|h| off.decide_within_at(&band(0, h), only0, t0).unwrap())
+        .collect();
+    assert!(!off.saturated_for_at(&band(0, 99), only0, t0));
+    drop(full);
 }
 
 #[test]

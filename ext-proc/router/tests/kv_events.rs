@@ -23,6 +23,7 @@ fn req(hashes: &[u64]) -> RequestInfo {
         model: None,
         max_output_tokens: None,
         cache: Default::default(),
+        priority: 0,
     }
 }
 

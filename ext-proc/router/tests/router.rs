@@ -31,6 +31,7 @@ fn req(hashes: &[u64]) -> RequestInfo {
         model: Some("m".into()),
         max_output_tokens: None,
         cache: Default::default(),
+        priority: 0,
     }
 }
 
@@ -291,6 +292,7 @@ fn sized(hashes: &[u64], bytes: u64) -> RequestInfo {
         model: None,
         max_output_tokens: None,
         cache: Default::default(),
+        priority: 0,
     }
 }
 

@@ -26,6 +26,7 @@ fn req(hashes: &[u64]) -> RequestInfo {
         model: Some("m".into()),
         max_output_tokens: None,
         cache: Default::default(),
+        priority: 0,
     }
 }
 

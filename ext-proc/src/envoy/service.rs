@@ -651,9 +651,10 @@ impl Exchange {
     /// goes out in the response `answer` names.
     fn route(&mut self, info: RequestInfo, answer: Answer) -> Replies {
         match self.flow.admit(info, self.subset.as_deref(), &self.class) {
-            Admission::Decide(info) => {
+            Admission::Decide(info, open) => {
                 let started = std::time::Instant::now();
-                let decided = self.router.decide_within(&info, self.subset.as_deref());
+                let allowed = open.as_deref().or(self.subset.as_deref());
+                let decided = self.router.decide_within(&info, allowed);
                 self.decided(info, decided, started.elapsed(), None, answer)
             }
             Admission::Refuse(info, reason) => {

@@ -383,6 +383,7 @@ mod tests {
             model: None,
             max_output_tokens: None,
             cache: Default::default(),
+            priority: 0,
         };
         // Turn 1 of a conversation: new.
         let first = info(chain(1, 2, 3));

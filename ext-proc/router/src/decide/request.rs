@@ -18,6 +18,10 @@ pub struct RequestInfo {
     /// requests that partition or bypass it are never compared with the
     /// prediction (what they were served says nothing of the shared cache).
     pub cache: CacheUse,
+    /// The request's priority band (its objective's; 0 when it names
+    /// none): a replica keeps the slots higher bands used lately free of
+    /// lower ones (flow control's headroom).
+    pub priority: i32,
 }
 
 /// Why a request could not be routed.

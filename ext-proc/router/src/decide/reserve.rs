@@ -29,6 +29,8 @@ pub struct Reservation {
     pub(crate) uncached_bytes: u64,
     /// The prompt's last full block, left as its conversation's tip.
     pub(crate) tip: Option<u64>,
+    /// The request's priority band (counted in the replica's band loads).
+    priority: i32,
 }
 
 /// The load of a request's unread prompt: its uncached bytes and the load
@@ -130,6 +132,8 @@ impl Drop for Reservation {
         let mut fleet = router.lock();
         let r = &mut fleet.state[*replica];
         r.in_flight = r.in_flight.saturating_sub(1);
+        r.bands
+            .end(self.priority, Instant::now(), router.params.flow.headroom);
         r.load -= 1.0;
         // (A prompt never read times nothing.)
         load.release(r);
@@ -170,6 +174,7 @@ pub(crate) fn reserve(
     let alone = router.uncached_in_flight(&fleet.state[chosen]) == 0;
     let r = &mut fleet.state[chosen];
     r.in_flight += 1;
+    r.bands.start(req.priority, now, p.flow.headroom);
     r.load += 1.0 + prefill_units;
     r.uncached_bytes = r.uncached_bytes.saturating_add(uncached);
     r.routed += 1;
@@ -218,5 +223,6 @@ pub(crate) fn reserve(
         },
         uncached_bytes: uncached,
         tip,
+        priority: req.priority,
     }
 }

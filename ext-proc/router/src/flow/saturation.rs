@@ -10,7 +10,9 @@
 //! they lag; Hearth's own in-flight figure moves with every decision and
 //! every release, and the engine's figures are carried forward by what
 //! Hearth sent and saw end since they were read, against the batch the
-//! engine was seen to run at once.
+//! engine was seen to run at once. For a request of a lower priority band
+//! a replica is also saturated while its batch has no slot beyond those
+//! higher bands used lately ([`Router::kept_for_higher_bands`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -36,6 +38,22 @@ pub enum Room {
     Full,
     /// Within the affinity wait, the replica that holds most of its
     /// prompt is saturated while others have room: it waits for that one.
+    Warm,
+}
+
+/// What the slots kept for higher bands leave a request
+/// ([`Router::kept_slots_at`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Kept {
+    /// No replica it may use keeps a slot from it (or every one does, and
+    /// flow control's saturation answers for it): decide as usual.
+    Nothing,
+    /// Some keep their slots from it and hold no more of its prompt than
+    /// these, which do not: decide among these.
+    Around(Vec<usize>),
+    /// The replica holding most of its prompt keeps its slots from it:
+    /// moving would read that prompt again elsewhere, so it waits (or, if
+    /// sheddable, is refused) instead.
     Warm,
 }
 
@@ -75,6 +93,92 @@ impl Router {
             || self
                 .uncached_limit(s)
                 .is_some_and(|limit| self.uncached_in_flight(s) > limit)
+    }
+
+    /// Whether replica state `s` is saturated at `now` for a request of
+    /// band `priority`: saturated for all, or holding no slot beyond those
+    /// kept for higher bands ([`Router::kept_for_higher_bands`]).
+    pub(crate) fn saturated_for_band(&self, s: &ReplicaState, priority: i32, now: Instant) -> bool {
+        self.saturated(s, now) || self.kept_for_higher_bands(s, priority, now)
+    }
+
+    /// Whether replica state `s` keeps its free slots at `now` for bands
+    /// above `priority`: each higher band's peak of this sidecar's
+    /// requests in flight there within `HEARTH_FLOW_HEADROOM_SECONDS`,
+    /// less what it has in flight now, is kept free of lower bands. The
+    /// slots are the engine's learnt batch; what occupies them is its
+    /// running and waiting requests carried forward by what was sent and
+    /// ended since its figure (Hearth's own in flight without a fresh
+    /// figure). Without a learnt batch nothing is kept: an engine never
+    /// seen full has slots to spare.
+    pub(crate) fn kept_for_higher_bands(
+        &self,
+        s: &ReplicaState,
+        priority: i32,
+        now: Instant,
+    ) -> bool {
+        let window = self.params.flow.headroom;
+        if window.is_zero() || !s.bands.active_above(priority, now, window) {
+            return false;
+        }
+        // A lower band's prompt is read alone: not beside another unread
+        // prompt Hearth sent here (an engine reads its running prompts'
+        // chunks first come, first served, so a higher band's request
+        // arriving then waits behind at most one).
+        if self.uncached_in_flight(s) > 0 {
+            return true;
+        }
+        let kept = s.bands.headroom_above(priority, now, window);
+        let Some(batch) = s.batch.size().filter(|_| kept > 0) else {
+            return false;
+        };
+        let own = f64::from(s.in_flight.saturating_add(s.peer_in_flight));
+        let occupied = match self.fresh_engine(s, now) {
+            Some(e) => e.running + e.waiting + own - f64::from(e.own_in_flight),
+            None => own,
+        };
+        occupied + f64::from(kept) >= batch
+    }
+
+    /// What the slots kept for bands above `req`'s leave it at `now`
+    /// among the replicas it may use (`allowed`) that have room for all.
+    pub fn kept_slots_at(
+        self: &Arc<Self>,
+        req: &RequestInfo,
+        allowed: Option<&[usize]>,
+        now: Instant,
+    ) -> Kept {
+        let fleet = self.lock();
+        let window = self.params.flow.headroom;
+        if window.is_zero()
+            || !fleet
+                .state
+                .iter()
+                .any(|s| s.bands.headroom_above(req.priority, now, window) > 0)
+        {
+            return Kept::Nothing;
+        }
+        let Ok(admitted) = candidates::admit(self, &fleet, req, allowed, now) else {
+            return Kept::Nothing;
+        };
+        let (kept, open): (Vec<usize>, Vec<usize>) = admitted
+            .candidates
+            .iter()
+            .partition(|&&i| self.kept_for_higher_bands(&fleet.state[i], req.priority, now));
+        if kept.is_empty() || open.is_empty() {
+            return Kept::Nothing;
+        }
+        let held = |set: &[usize]| {
+            let sets: Vec<&LruBlocks> = set.iter().map(|&i| &fleet.state[i].warmth).collect();
+            LruBlocks::leading_overlaps(&sets, &req.hashes)
+                .into_iter()
+                .max()
+                .unwrap_or(0)
+        };
+        if !req.hashes.is_empty() && held(&kept) > held(&open) {
+            return Kept::Warm;
+        }
+        Kept::Around(open)
     }
 
     /// The uncached prompt bytes in flight beyond which replica state `s`
@@ -126,7 +230,7 @@ impl Router {
         let (free, full): (Vec<usize>, Vec<usize>) = admitted
             .candidates
             .iter()
-            .partition(|&&i| !self.saturated(&fleet.state[i], now));
+            .partition(|&&i| !self.saturated_for_band(&fleet.state[i], req.priority, now));
         if free.is_empty() {
             return Room::Full;
         }
