@@ -236,8 +236,11 @@ pub(crate) struct BandLoads {
 
 impl BandLoads {
     /// A request of band `priority` starts here at `now` (a peak older
-    /// than `window` gives way to what is in flight now).
+    /// than `window` gives way to what is in flight now; bands idle past
+    /// it are forgotten).
     pub(crate) fn start(&mut self, priority: i32, now: Instant, window: Duration) {
+        self.bands
+            .retain(|b| b.in_flight > 0 || now.saturating_duration_since(b.peak_at) <= window);
         let band = match self.bands.iter_mut().position(|b| b.priority == priority) {
             Some(i) => &mut self.bands[i],
             None => {
@@ -258,37 +261,29 @@ impl BandLoads {
         }
     }
 
-    /// A request of band `priority` ended here at `now`; bands idle past
-    /// `window` are forgotten.
-    pub(crate) fn end(&mut self, priority: i32, now: Instant, window: Duration) {
+    /// A request of band `priority` ended here.
+    pub(crate) fn end(&mut self, priority: i32) {
         if let Some(b) = self.bands.iter_mut().find(|b| b.priority == priority) {
             b.in_flight = b.in_flight.saturating_sub(1);
         }
-        self.bands
-            .retain(|b| b.in_flight > 0 || now.saturating_duration_since(b.peak_at) <= window);
     }
 
-    /// What `/state` shows: each band's in flight and its peak within
-    /// `window`, highest band first.
-    pub(crate) fn view(
-        &self,
-        now: Instant,
-        window: Duration,
-    ) -> Vec<crate::snapshot::BandSnapshot> {
+    /// Each band's priority, in flight and peak within `window` at `now`
+    /// (what `/state` shows), highest band first.
+    pub(crate) fn view(&self, now: Instant, window: Duration) -> Vec<(i32, u32, u32)> {
         let mut v: Vec<_> = self
             .bands
             .iter()
-            .map(|b| crate::snapshot::BandSnapshot {
-                priority: b.priority,
-                in_flight: b.in_flight,
-                peak: if now.saturating_duration_since(b.peak_at) <= window {
-                    b.peak
-                } else {
-                    b.in_flight
-                },
+            .map(|b| {
+                let recent = now.saturating_duration_since(b.peak_at) <= window;
+                (
+                    b.priority,
+                    b.in_flight,
+                    if recent { b.peak } else { b.in_flight },
+                )
             })
             .collect();
-        v.sort_by_key(|b| std::cmp::Reverse(b.priority));
+        v.sort_by_key(|&(priority, _, _)| std::cmp::Reverse(priority));
         v
     }
 

@@ -205,7 +205,16 @@ impl Router {
                     prefill_samples: s.prefill_rate.samples(),
                     saturated: self.saturated(s, now),
                     engine_batch: s.batch.size(),
-                    bands: s.bands.view(now, self.params.flow.headroom),
+                    bands: s
+                        .bands
+                        .view(now, self.params.flow.headroom)
+                        .into_iter()
+                        .map(|(priority, in_flight, peak)| BandSnapshot {
+                            priority,
+                            in_flight,
+                            peak,
+                        })
+                        .collect(),
                     warmth_blocks: s.warmth.len(),
                     warmth_capacity: s.warmth.capacity(),
                     warmth_memory_bytes: s.warmth.memory_bytes(),

@@ -132,8 +132,7 @@ impl Drop for Reservation {
         let mut fleet = router.lock();
         let r = &mut fleet.state[*replica];
         r.in_flight = r.in_flight.saturating_sub(1);
-        r.bands
-            .end(self.priority, Instant::now(), router.params.flow.headroom);
+        r.bands.end(self.priority);
         r.load -= 1.0;
         // (A prompt never read times nothing.)
         load.release(r);
