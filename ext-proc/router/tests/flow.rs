@@ -271,25 +271,22 @@ fn a_lower_band_leaves_free_the_slots_a_higher_band_used_lately() {
     // figure is stale by then: Hearth's own in flight count).
     let later = t0 + Duration::from_secs(31);
     assert!(!kept_from(0, later));
-    // However busy the interactive band was, a lower band keeps one slot:
-    // held back, never shut out.
+    // Priority is strict: an interactive band that used the whole batch
+    // lately keeps it all, however idle the engine is now.
     let busy = fleet(|p| p.flow.uncached_bytes = 0);
     busy.set_engine_signals(addr(0), figure(4.0, 2.0));
     busy.set_engine_signals(addr(0), figure(4.0, 2.0));
     busy.set_engine_signals(addr(0), figure(0.0, 0.0));
-    let on0 = |priority: i32, h: u64| {
-        let d = busy
-            .decide_within_at(&band(priority, h), only0, t0)
-            .unwrap();
-        d.prefill().done_at(t0);
-        d
-    };
-    let all: Vec<_> = (1..5).map(|h| on0(10, h)).collect();
+    let all: Vec<_> = (1..5)
+        .map(|h| {
+            let d = busy.decide_within_at(&band(10, h), only0, t0).unwrap();
+            d.prefill().done_at(t0);
+            d
+        })
+        .collect();
     drop(all);
-    assert!(!busy.saturated_for_at(&band(0, 99), only0, t0));
-    let one = on0(0, 5);
     assert!(busy.saturated_for_at(&band(0, 99), only0, t0));
-    drop(one);
+    assert!(!busy.saturated_for_at(&band(10, 99), only0, t0));
     // Off (0 s), nothing is ever kept.
     let off = fleet(|p| {
         p.flow.uncached_bytes = 0;

@@ -110,8 +110,7 @@ impl Router {
     /// running and waiting requests carried forward by what was sent and
     /// ended since its figure (Hearth's own in flight without a fresh
     /// figure). Without a learnt batch nothing is kept: an engine never
-    /// seen full has slots to spare; and at most all but one of its slots
-    /// are kept, so a lower band is held back, never shut out.
+    /// seen full has slots to spare.
     pub(crate) fn kept_for_higher_bands(
         &self,
         s: &ReplicaState,
@@ -138,10 +137,7 @@ impl Router {
             Some(e) => e.running + e.waiting + own - f64::from(e.own_in_flight),
             None => own,
         };
-        // At most all but one slot: a lower band is held back, never
-        // shut out while the engine has room.
-        let kept = f64::from(kept).min(batch - 1.0);
-        occupied + kept >= batch
+        occupied + f64::from(kept) >= batch
     }
 
     /// What the slots kept for bands above `req`'s leave it at `now`
