@@ -1431,6 +1431,11 @@ impl Settings {
                 self.first_byte_timeout_seconds,
             ),
             ("HEARTH_PEERS_SYNC_SECONDS", self.peers_sync_seconds),
+            (
+                "HEARTH_FLOW_AFFINITY_WAIT_SECONDS",
+                self.flow_affinity_wait_seconds,
+            ),
+            ("HEARTH_FLOW_HEADROOM_SECONDS", self.flow_headroom_seconds),
         ] {
             if !(v.is_finite() && (0.0..=86_400.0).contains(&v)) {
                 problems.push(format!(
@@ -1474,22 +1479,6 @@ impl Settings {
                 "HEARTH_FLOW_TTL_SECONDS must be between 0 and {MAX_FLOW_TTL_SECONDS} (Envoy's \
                  rendered max_message_timeout is 600 s), got {}",
                 self.flow_ttl_seconds
-            ));
-        }
-        if !(self.flow_affinity_wait_seconds.is_finite()
-            && (0.0..=86_400.0).contains(&self.flow_affinity_wait_seconds))
-        {
-            problems.push(format!(
-                "HEARTH_FLOW_AFFINITY_WAIT_SECONDS must be between 0 and 86400 seconds, got {}",
-                self.flow_affinity_wait_seconds
-            ));
-        }
-        if !(self.flow_headroom_seconds.is_finite()
-            && (0.0..=86_400.0).contains(&self.flow_headroom_seconds))
-        {
-            problems.push(format!(
-                "HEARTH_FLOW_HEADROOM_SECONDS must be between 0 and 86400 seconds, got {}",
-                self.flow_headroom_seconds
             ));
         }
         if !(self.flow_prefill_seconds.is_finite()
@@ -1807,6 +1796,22 @@ mod tests {
         assert_eq!(cli.settings.long_lane, LongLane::AvoidUnlessWarm);
     }
 
+    /// Each of `bad` given to `flag` is refused by validation with a
+    /// problem that says `message`.
+    fn refused_with(flag: &str, bad: &[&str], message: &str) {
+        for value in bad {
+            let arg = format!("{flag}={value}");
+            let s = parse(&["--upstreams", "127.0.0.1:1", &arg])
+                .unwrap()
+                .settings;
+            let problems = s.validate().unwrap_err();
+            assert!(
+                problems.iter().any(|p| p.contains(message)),
+                "{value}: {problems:?}"
+            );
+        }
+    }
+
     #[test]
     fn headroom_seconds_reach_the_flow_params_and_bad_ones_are_named() {
         let s = parse(&["--upstreams", "127.0.0.1:1"]).unwrap().settings;
@@ -1815,19 +1820,11 @@ mod tests {
             .unwrap()
             .settings;
         assert_eq!(s.router_params().flow.headroom, Duration::ZERO);
-        for bad in ["-1", "NaN", "inf"] {
-            let arg = format!("--flow-headroom-seconds={bad}");
-            let s = parse(&["--upstreams", "127.0.0.1:1", &arg])
-                .unwrap()
-                .settings;
-            let problems = s.validate().unwrap_err();
-            assert!(
-                problems
-                    .iter()
-                    .any(|p| p.contains("HEARTH_FLOW_HEADROOM_SECONDS must be between 0 and 86400")),
-                "{bad}: {problems:?}"
-            );
-        }
+        refused_with(
+            "--flow-headroom-seconds",
+            &["-1", "NaN", "inf"],
+            "HEARTH_FLOW_HEADROOM_SECONDS must be between 0 and 86400",
+        );
     }
 
     #[test]
@@ -1842,19 +1839,11 @@ mod tests {
         .settings;
         assert_eq!(s.router_params().flow.prefill_seconds, 0.5);
         assert!(s.validate().is_ok());
-        for bad in ["-1", "NaN", "4000"] {
-            let arg = format!("--flow-prefill-seconds={bad}");
-            let s = parse(&["--upstreams", "127.0.0.1:1", &arg])
-                .unwrap()
-                .settings;
-            let problems = s.validate().unwrap_err();
-            assert!(
-                problems
-                    .iter()
-                    .any(|p| p.contains("HEARTH_FLOW_PREFILL_SECONDS must be between 0 and 3600")),
-                "{bad}: {problems:?}"
-            );
-        }
+        refused_with(
+            "--flow-prefill-seconds",
+            &["-1", "NaN", "4000"],
+            "HEARTH_FLOW_PREFILL_SECONDS must be between 0 and 3600",
+        );
     }
 
     #[test]
