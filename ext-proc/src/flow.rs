@@ -257,15 +257,12 @@ impl FlowControl {
             return Admission::Decide(info, None);
         }
         let now = Instant::now();
-        let saturated = self.router.saturated_for_at(&info, subset, now);
         // Slots kept for higher bands: decided among the replicas that keep
         // none, unless the one holding most of its prompt keeps them (then
         // it waits for that one, as for a saturated warm replica).
-        let kept = if saturated {
-            Kept::Nothing
-        } else {
-            self.router.kept_slots_at(&info, subset, now)
-        };
+        let admission = self.router.admission_at(&info, subset, now);
+        let saturated = admission.is_none();
+        let kept = admission.unwrap_or(Kept::Nothing);
         let warm_kept = kept == Kept::Warm;
         let mut queue = self.lock();
         if !saturated && !warm_kept && queue.is_empty() {

@@ -225,10 +225,23 @@ struct BandInFlight {
     peak_at: Instant,
 }
 
+impl BandInFlight {
+    /// Its peak at `now`, while it stands (reached within `window`).
+    fn standing_peak(&self, now: Instant, window: Duration) -> Option<u32> {
+        (now.saturating_duration_since(self.peak_at) <= window).then_some(self.peak)
+    }
+
+    /// Whether the band is about at `now`: requests in flight, or a
+    /// standing peak.
+    fn about(&self, now: Instant, window: Duration) -> bool {
+        self.in_flight > 0 || self.standing_peak(now, window).is_some()
+    }
+}
+
 /// Requests in flight on one replica by priority band. Bands are the
 /// operator's objectives (an unknown objective is band 0), so the list
-/// is as short as that setting; a band with nothing in flight and its
-/// peak past the window is dropped at the next change.
+/// is as short as that setting; a band no longer about is dropped when a
+/// request starts.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct BandLoads {
     bands: Vec<BandInFlight>,
@@ -236,11 +249,10 @@ pub(crate) struct BandLoads {
 
 impl BandLoads {
     /// A request of band `priority` starts here at `now` (a peak older
-    /// than `window` gives way to what is in flight now; bands idle past
-    /// it are forgotten).
+    /// than `window` gives way to what is in flight now; bands no longer
+    /// about are forgotten).
     pub(crate) fn start(&mut self, priority: i32, now: Instant, window: Duration) {
-        self.bands
-            .retain(|b| b.in_flight > 0 || now.saturating_duration_since(b.peak_at) <= window);
+        self.bands.retain(|b| b.about(now, window));
         let band = match self.bands.iter_mut().position(|b| b.priority == priority) {
             Some(i) => &mut self.bands[i],
             None => {
@@ -254,8 +266,8 @@ impl BandLoads {
             }
         };
         band.in_flight += 1;
-        let stale = now.saturating_duration_since(band.peak_at) > window;
-        if stale || band.in_flight >= band.peak {
+        let standing = band.standing_peak(now, window).unwrap_or(0);
+        if band.in_flight >= standing {
             band.peak = band.in_flight;
             band.peak_at = now;
         }
@@ -275,39 +287,25 @@ impl BandLoads {
             .bands
             .iter()
             .map(|b| {
-                let recent = now.saturating_duration_since(b.peak_at) <= window;
-                (
-                    b.priority,
-                    b.in_flight,
-                    if recent { b.peak } else { b.in_flight },
-                )
+                let peak = b.standing_peak(now, window).unwrap_or(b.in_flight);
+                (b.priority, b.in_flight, peak)
             })
             .collect();
         v.sort_by_key(|&(priority, _, _)| std::cmp::Reverse(priority));
         v
     }
 
-    /// Whether a band above `priority` has requests in flight here at
-    /// `now`, or had within `window`.
-    pub(crate) fn active_above(&self, priority: i32, now: Instant, window: Duration) -> bool {
-        self.bands.iter().any(|b| {
-            b.priority > priority
-                && (b.in_flight > 0 || now.saturating_duration_since(b.peak_at) <= window)
-        })
-    }
-
     /// The slots a request of band `priority` leaves free here at `now`:
-    /// for every higher band about (in flight, or its peak within
-    /// `window`), its peak less what it has in flight now, and at least
-    /// one (its next request finds a slot even past its peak).
+    /// for every higher band about, its standing peak less what it has in
+    /// flight now, and at least one (its next request finds a slot even
+    /// past its peak). Zero: no higher band is about.
     pub(crate) fn headroom_above(&self, priority: i32, now: Instant, window: Duration) -> u32 {
         self.bands
             .iter()
-            .filter(|b| b.priority > priority)
-            .filter_map(|b| {
-                let recent = now.saturating_duration_since(b.peak_at) <= window;
-                let peak = if recent { b.peak } else { b.in_flight };
-                (recent || b.in_flight > 0).then(|| peak.saturating_sub(b.in_flight).max(1))
+            .filter(|b| b.priority > priority && b.about(now, window))
+            .map(|b| {
+                let peak = b.standing_peak(now, window).unwrap_or(b.in_flight);
+                peak.saturating_sub(b.in_flight).max(1)
             })
             .sum()
     }

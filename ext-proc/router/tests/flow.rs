@@ -241,13 +241,15 @@ fn a_lower_band_leaves_free_the_slots_a_higher_band_used_lately() {
     // ... and a replica that keeps nothing takes band 0 instead; an
     // admission decides among those (the dispatch too: `room_at`).
     assert_eq!(
-        r.kept_slots_at(&band(0, 99), None, t0),
-        Kept::Around(vec![1])
+        r.admission_at(&band(0, 99), None, t0),
+        Some(Kept::Around(vec![1]))
     );
-    assert_eq!(r.kept_slots_at(&band(10, 99), None, t0), Kept::Nothing);
+    assert_eq!(r.admission_at(&band(10, 99), None, t0), Some(Kept::Nothing));
     // Unless replica 0 holds the request's prompt: moving would read it
     // again, so it waits for replica 0 instead.
-    assert_eq!(r.kept_slots_at(&band(0, 21), None, t0), Kept::Warm);
+    assert_eq!(r.admission_at(&band(0, 21), None, t0), Some(Kept::Warm));
+    // Where it may use replica 0 only, the fleet is saturated for it.
+    assert_eq!(r.admission_at(&band(0, 99), only0, t0), None);
     assert_eq!(
         r.room_at(&band(0, 99), None, Duration::ZERO, t0),
         Room::Go(Some(vec![1]))

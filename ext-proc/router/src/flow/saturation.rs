@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::decide::candidates;
 use crate::decide::RequestInfo;
-use crate::fleet::{EngineSignals, ReplicaState};
+use crate::fleet::{EngineSignals, Fleet, ReplicaState};
 use crate::router::Router;
 use crate::warmth::LruBlocks;
 
@@ -42,7 +42,7 @@ pub enum Room {
 }
 
 /// What the slots kept for higher bands leave a request
-/// ([`Router::kept_slots_at`]).
+/// ([`Router::admission_at`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Kept {
     /// No replica it may use keeps a slot from it (or every one does, and
@@ -118,7 +118,12 @@ impl Router {
         now: Instant,
     ) -> bool {
         let window = self.params.flow.headroom;
-        if window.is_zero() || !s.bands.active_above(priority, now, window) {
+        if window.is_zero() {
+            return false;
+        }
+        // Zero while no higher band is about here.
+        let kept = s.bands.headroom_above(priority, now, window);
+        if kept == 0 {
             return false;
         }
         // A lower band's prompt is read alone: not beside another unread
@@ -128,8 +133,7 @@ impl Router {
         if self.uncached_in_flight(s) > 0 {
             return true;
         }
-        let kept = s.bands.headroom_above(priority, now, window);
-        let Some(batch) = s.batch.size().filter(|_| kept > 0) else {
+        let Some(batch) = s.batch.size() else {
             return false;
         };
         let own = f64::from(s.in_flight.saturating_add(s.peer_in_flight));
@@ -140,45 +144,38 @@ impl Router {
         occupied + f64::from(kept) >= batch
     }
 
-    /// What the slots kept for bands above `req`'s leave it at `now`
-    /// among the replicas it may use (`allowed`) that have room for all.
-    pub fn kept_slots_at(
+    /// For a request not queued yet, at `now`: `None` when every replica
+    /// it may use (`allowed`) is saturated for it (as
+    /// [`Router::saturated_for_at`] says), else what the slots kept for
+    /// bands above its own leave it. One look at the fleet serves both.
+    pub fn admission_at(
         self: &Arc<Self>,
         req: &RequestInfo,
         allowed: Option<&[usize]>,
         now: Instant,
-    ) -> Kept {
+    ) -> Option<Kept> {
         let fleet = self.lock();
-        let window = self.params.flow.headroom;
-        if window.is_zero()
-            || !fleet
-                .state
-                .iter()
-                .any(|s| s.bands.headroom_above(req.priority, now, window) > 0)
-        {
-            return Kept::Nothing;
-        }
+        // No candidate at all: the decision says why.
         let Ok(admitted) = candidates::admit(self, &fleet, req, allowed, now) else {
-            return Kept::Nothing;
+            return Some(Kept::Nothing);
         };
-        let (kept, open): (Vec<usize>, Vec<usize>) = admitted
-            .candidates
+        let candidates = &admitted.candidates;
+        if candidates
+            .iter()
+            .all(|&i| self.saturated_for_band(&fleet.state[i], req.priority, now))
+        {
+            return None;
+        }
+        let (kept, open): (Vec<usize>, Vec<usize>) = candidates
             .iter()
             .partition(|&&i| self.kept_for_higher_bands(&fleet.state[i], req.priority, now));
         if kept.is_empty() || open.is_empty() {
-            return Kept::Nothing;
+            return Some(Kept::Nothing);
         }
-        let held = |set: &[usize]| {
-            let sets: Vec<&LruBlocks> = set.iter().map(|&i| &fleet.state[i].warmth).collect();
-            LruBlocks::leading_overlaps(&sets, &req.hashes)
-                .into_iter()
-                .max()
-                .unwrap_or(0)
-        };
-        if !req.hashes.is_empty() && held(&kept) > held(&open) {
-            return Kept::Warm;
+        if !req.hashes.is_empty() && warmest(&fleet, &kept, req) > warmest(&fleet, &open, req) {
+            return Some(Kept::Warm);
         }
-        Kept::Around(open)
+        Some(Kept::Around(open))
     }
 
     /// The uncached prompt bytes in flight beyond which replica state `s`
@@ -235,14 +232,7 @@ impl Router {
             return Room::Full;
         }
         if !full.is_empty() && !req.hashes.is_empty() {
-            let held = |set: &[usize]| {
-                let sets: Vec<&LruBlocks> = set.iter().map(|&i| &fleet.state[i].warmth).collect();
-                LruBlocks::leading_overlaps(&sets, &req.hashes)
-                    .into_iter()
-                    .max()
-                    .unwrap_or(0)
-            };
-            let (warm, cold) = (held(&full), held(&free));
+            let (warm, cold) = (warmest(&fleet, &full, req), warmest(&fleet, &free, req));
             if warm > cold && waited < self.affinity_bound(warm - cold) {
                 return Room::Warm;
             }
@@ -274,4 +264,13 @@ impl Router {
     ) -> bool {
         self.room_at(req, allowed, Duration::MAX, now) == Room::Full
     }
+}
+
+/// The most leading blocks of `req`'s prompt any replica of `set` holds.
+fn warmest(fleet: &Fleet, set: &[usize], req: &RequestInfo) -> usize {
+    let sets: Vec<&LruBlocks> = set.iter().map(|&i| &fleet.state[i].warmth).collect();
+    LruBlocks::leading_overlaps(&sets, &req.hashes)
+        .into_iter()
+        .max()
+        .unwrap_or(0)
 }
