@@ -585,18 +585,7 @@ mod tests {
             for (running, waiting) in [(2.0, 1.0), (2.0, 1.0), (0.0, 0.0)] {
                 f.router.set_engine_signals(
                     a.parse().unwrap(),
-                    hearth_router::EngineSignals {
-                        waiting,
-                        running,
-                        kv_usage: None,
-                        at: now,
-                        own_in_flight: 0,
-                        prompt_tokens_total: None,
-                        started_at: None,
-                        kv_capacity_tokens: None,
-                        cache_block_tokens: None,
-                        progress_total: None,
-                    },
+                    hearth_router::EngineSignals::queue(running, waiting, now),
                 );
             }
         }

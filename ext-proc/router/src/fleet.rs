@@ -45,6 +45,23 @@ pub struct EngineSignals {
 }
 
 impl EngineSignals {
+    /// A figure of the engine's queue alone: `running` and `waiting` read
+    /// `at`, nothing else said (no KV use, counters or capacity).
+    pub fn queue(running: f64, waiting: f64, at: Instant) -> EngineSignals {
+        EngineSignals {
+            waiting,
+            running,
+            kv_usage: None,
+            at,
+            own_in_flight: 0,
+            prompt_tokens_total: None,
+            started_at: None,
+            kv_capacity_tokens: None,
+            cache_block_tokens: None,
+            progress_total: None,
+        }
+    }
+
     /// The engine restarted between `self` and `next`: its start time
     /// changed, or its prompt-token count went down.
     pub fn restarted_by(&self, next: &EngineSignals) -> bool {

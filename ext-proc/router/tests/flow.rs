@@ -35,16 +35,8 @@ fn req(hashes: &[u64]) -> RequestInfo {
 
 fn signals(waiting: f64, kv_usage: Option<f64>, at: Instant) -> EngineSignals {
     EngineSignals {
-        waiting,
-        running: 1.0,
         kv_usage,
-        at,
-        own_in_flight: 0,
-        prompt_tokens_total: None,
-        started_at: None,
-        kv_capacity_tokens: None,
-        cache_block_tokens: None,
-        progress_total: None,
+        ..EngineSignals::queue(1.0, waiting, at)
     }
 }
 

@@ -495,17 +495,8 @@ fn engine_figures_add_load_until_they_go_stale() {
         p.max_queue = 4;
         p.resident_load = 0.0;
     });
-    let busy = |waiting: f64, running: f64, age: u64| EngineSignals {
-        waiting,
-        running,
-        kv_usage: None,
-        at: Instant::now() - Duration::from_secs(age),
-        own_in_flight: 0,
-        prompt_tokens_total: None,
-        started_at: None,
-        kv_capacity_tokens: None,
-        cache_block_tokens: None,
-        progress_total: None,
+    let busy = |waiting: f64, running: f64, age: u64| {
+        EngineSignals::queue(running, waiting, Instant::now() - Duration::from_secs(age))
     };
     let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
     // Another gateway keeps engine 0 busy: new work goes to engine 1.

@@ -84,18 +84,7 @@ fn a_queued_engine_stops_repelling_traffic_once_its_figures_are_stale() {
             .decide_at(&req(&conversation(1, 8)), t0)
             .unwrap()
             .primary();
-        let queued = EngineSignals {
-            waiting: 500.0,
-            running: 0.0,
-            kv_usage: None,
-            at: t0,
-            own_in_flight: 0,
-            prompt_tokens_total: None,
-            started_at: None,
-            kv_capacity_tokens: None,
-            cache_block_tokens: None,
-            progress_total: None,
-        };
+        let queued = EngineSignals::queue(0.0, 500.0, t0);
         r.set_engine_signals(addr(home), queued);
         let next = r.decide_at(&req(&conversation(1, 10)), t0 + after).unwrap();
         assert!(next.continues());
