@@ -210,7 +210,7 @@ pub struct Shape {
 }
 
 impl Shape {
-    fn of(args: &RealArgs) -> Shape {
+    pub(crate) fn of(args: &RealArgs) -> Shape {
         Shape {
             workload: args.workload,
             users_per_group: args.users_per_group.max(1),
@@ -237,6 +237,9 @@ pub struct Planned {
     /// The pause after each turn but the last.
     pub thinks: Vec<Duration>,
     pub conversation: Conversation,
+    /// More request headers its every turn sends (a tenant's fairness id,
+    /// an objective; none in `real`'s own runs).
+    pub headers: Vec<(String, String)>,
 }
 
 /// The salt of `policy`'s prompts in a run.
@@ -283,6 +286,7 @@ pub fn plan(shape: &Shape, model: &str, salt: u64) -> Vec<Planned> {
                 start,
                 thinks,
                 conversation: Conversation::new(model, &system, false, own),
+                headers: Vec::new(),
             }
         })
         .collect()
@@ -720,11 +724,14 @@ impl Client {
             error: None,
         };
         let sent = Instant::now();
-        let req = self
+        let mut req = self
             .http
             .post(&self.url)
             .header(SESSION_HEADER, &p.session)
             .json(body);
+        for (name, value) in &p.headers {
+            req = req.header(name, value);
+        }
         let resp = match self.authorized(req).send().await {
             Ok(r) => r,
             Err(e) => {
@@ -830,7 +837,10 @@ fn with_key(req: reqwest::RequestBuilder, api_key: Option<&str>) -> reqwest::Req
 }
 
 /// The model the first engine serves.
-async fn first_model(engine: SocketAddr, api_key: Option<&str>) -> anyhow::Result<String> {
+pub(crate) async fn first_model(
+    engine: SocketAddr,
+    api_key: Option<&str>,
+) -> anyhow::Result<String> {
     let req = reqwest::Client::new()
         .get(format!("http://{engine}/v1/models"))
         .timeout(Duration::from_secs(10));
@@ -863,6 +873,10 @@ pub struct PolicyRun {
     /// A peer router's command line, as started (its key hidden).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peer_command: Option<String>,
+    /// The sidecar's `/metrics` page at the end (hearth only; not in the
+    /// JSON: its figures that matter are in the summary).
+    #[serde(skip)]
+    pub sidecar_metrics: Option<String>,
 }
 
 /// The sidecar's latest `limit` decisions.
@@ -1178,6 +1192,19 @@ pub async fn run_policy(
     model: &str,
     run_salt: u64,
 ) -> anyhow::Result<PolicyRun> {
+    let salt = policy_salt(args.seed, run_salt, policy);
+    let planned = plan(&Shape::of(args), model, salt);
+    run_planned(args, policy, model, planned).await
+}
+
+/// [`run_policy`] with the conversations given (`hearth-bench tenants`
+/// on real engines plays a subset, each with its tenant's headers).
+pub async fn run_planned(
+    args: &RealArgs,
+    policy: Policy,
+    model: &str,
+    planned: Vec<Planned>,
+) -> anyhow::Result<PolicyRun> {
     let shape = Shape::of(args);
     let front = Serving::start(args, policy, model).await?;
     let admin = match (&front, policy) {
@@ -1198,9 +1225,8 @@ pub async fn run_policy(
         engine_models: engine_models(&args.engines, args.api_key.as_deref()).await,
         shape: shape.clone(),
     });
-    let salt = policy_salt(args.seed, run_salt, policy);
     let start = Instant::now();
-    let tasks: Vec<_> = plan(&shape, model, salt)
+    let tasks: Vec<_> = planned
         .into_iter()
         .map(|p| tokio::spawn(Arc::clone(&client).conversation(p, start)))
         .collect();
@@ -1210,11 +1236,11 @@ pub async fn run_policy(
     }
     let wall = start.elapsed().as_secs_f64();
     let mut summary = summarize(policy.name(), &records, args.engines.len(), wall);
-    let (mut journal, mut state) = (None, None);
+    let (mut journal, mut state, mut sidecar_metrics) = (None, None, None);
     if let Some(admin) = admin {
         // One scrape for every figure read after the run.
-        let after = metrics(admin).await;
-        let after = after.as_deref();
+        sidecar_metrics = metrics(admin).await;
+        let after = sidecar_metrics.as_deref();
         summary.probes = match (probes_before, after.map(probes_sent)) {
             (Some(a), Some(b)) => Some(b.saturating_sub(a)),
             (None, b) => b,
@@ -1263,6 +1289,7 @@ pub async fn run_policy(
         decisions: journal,
         sidecar_state: state,
         peer_command,
+        sidecar_metrics,
     })
 }
 

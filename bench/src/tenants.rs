@@ -34,6 +34,8 @@ use crate::report::{RequestRecord, RunResult};
 use crate::scenario::Scenario;
 use crate::workload::Generator;
 
+mod on_engines;
+
 /// The objectives every Hearth cell is configured with
 /// (`HEARTH_FLOW_OBJECTIVES`): the high band and the sheddable one.
 const HIGH_OBJECTIVE: &str = "interactive";
@@ -89,6 +91,31 @@ pub struct TenantsArgs {
     /// Sidecar settings for every Hearth cell (`--set HEARTH_NAME=VALUE`).
     #[command(flatten)]
     pub sidecar: crate::settings::SidecarSettings,
+    /// Real engines (OpenAI-compatible, `ip:port,...`: vLLM, llama.cpp,
+    /// ...) instead of simulated ones. Each cell then plays `--turns`
+    /// turns of every agent's conversation through `hearth-bench real`'s
+    /// client, in wall-clock time; `--scenario`, `--replicas`,
+    /// `--max-running`, `--seconds` and `--time-scale` do not apply (the
+    /// engines' own size does: vLLM's `--max-num-seqs`).
+    #[arg(long, value_delimiter = ',')]
+    pub engines: Vec<std::net::SocketAddr>,
+    /// Real engines: the model to ask for (default: the first one the
+    /// first engine lists).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Real engines: turns of each agent's conversation in a cell.
+    #[arg(long, default_value_t = 8)]
+    pub turns: usize,
+    /// Real engines: `max_tokens` of every answer.
+    #[arg(long, default_value_t = 32)]
+    pub max_tokens: u32,
+    /// Real engines: mean pause between an agent's turns, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    pub think_ms: u64,
+    /// Real engines: empty every engine's prefix cache before each cell
+    /// (`POST /reset_prefix_cache`: vLLM as `hearth-bench vllm` starts it).
+    #[arg(long)]
+    pub reset_caches: bool,
 }
 
 /// Who an agent sends for; its turns are counted under its class.
@@ -498,6 +525,9 @@ fn hearth_settings(args: &TenantsArgs, sc: &Scenario) -> Vec<(String, String)> {
 
 /// `hearth-bench tenants ...` as run (settings shown, credentials hidden).
 fn command(args: &TenantsArgs) -> String {
+    if !args.engines.is_empty() {
+        return on_engines::command(args);
+    }
     format!(
         "hearth-bench tenants --scenario {} --replicas {} --max-running {} --quiet-tenants {} \
          --quiet-agents {} --noisy-agents {} --high-agents {} --sheddable-agents {} --seconds {} \
@@ -632,21 +662,66 @@ pub fn queue_waits(metrics: &str, scale: f64) -> QueueWaits {
     }
 }
 
+/// What the cells run on.
+enum Fleet {
+    /// Simulated engines, started afresh for each cell.
+    Simulated {
+        sc: Box<Scenario>,
+        windows: (Duration, Duration),
+    },
+    /// The engines of `--engines`.
+    Engines(on_engines::Engines),
+}
+
+impl Fleet {
+    async fn run_cell(
+        &self,
+        cell: (Mix, Setup),
+        args: &TenantsArgs,
+        hearth: &[(String, String)],
+    ) -> anyhow::Result<Cell> {
+        match self {
+            Fleet::Simulated { sc, windows } => run_cell(cell, args, sc, hearth, *windows).await,
+            Fleet::Engines(engines) => engines.run_cell(cell, args, hearth).await,
+        }
+    }
+}
+
 pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
-    let (sc, wall, warmup) = scenario(&args)?;
-    let hearth = hearth_settings(&args, &sc);
+    let (fleet, hearth) = if args.engines.is_empty() {
+        let (sc, wall, warmup) = scenario(&args)?;
+        let hearth = hearth_settings(&args, &sc);
+        (
+            Fleet::Simulated {
+                sc: Box::new(sc),
+                windows: (wall, warmup),
+            },
+            hearth,
+        )
+    } else {
+        let hearth = on_engines::hearth_settings(&args);
+        (
+            Fleet::Engines(on_engines::Engines::of(&args).await?),
+            hearth,
+        )
+    };
     // A bad setting fails before anything starts.
     crate::settings::parse(&Setup::HearthFlowControl.settings(&hearth))?;
-    println!("{}", command(&args));
-    println!(
-        "# {} replicas of {} running sequences each, {} s per cell ({} s warm-up), time scale {}, seed {}",
-        sc.replicas,
-        args.max_running,
-        args.seconds,
-        warmup.as_secs(),
-        args.time_scale,
-        args.seed
-    );
+    match &fleet {
+        Fleet::Simulated { sc, windows } => {
+            println!("{}", command(&args));
+            println!(
+                "# {} replicas of {} running sequences each, {} s per cell ({} s warm-up), time scale {}, seed {}",
+                sc.replicas,
+                args.max_running,
+                args.seconds,
+                windows.1.as_secs(),
+                args.time_scale,
+                args.seed
+            );
+        }
+        Fleet::Engines(engines) => engines.describe(&args),
+    }
     println!(
         "# hearth settings: {}",
         hearth
@@ -665,7 +740,8 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
     for (mix, setup) in CELLS.into_iter().filter(|&(mix, _)| chosen(mix)) {
         let name = format!("{} under {}", mix.name(), setup.name());
         eprintln!("hearth-bench tenants: running {name}");
-        let cell = run_cell((mix, setup), &args, &sc, &hearth, (wall, warmup))
+        let cell = fleet
+            .run_cell((mix, setup), &args, &hearth)
             .await
             .with_context(|| name.clone())?;
         rows.extend(cell.rows);
@@ -676,14 +752,22 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
     let ratios = ratios(&rows);
     println!("{}", markdown(&rows));
     println!("{}", ratios_markdown(&ratios));
+    let unit = match fleet {
+        Fleet::Simulated { .. } => "engine time",
+        Fleet::Engines(_) => "wall time",
+    };
     for (name, w) in &queued {
         println!(
-            "# {name}: {} requests left the flow queue for a replica, after {:.2} s there on average (engine time, warm-up included)",
+            "# {name}: {} requests left the flow queue for a replica, after {:.2} s there on average ({unit}, warm-up included)",
             w.dispatched, w.mean_wait_s
         );
     }
     if let Some(path) = &args.json {
-        let doc = serde_json::json!({
+        let fleet = match &fleet {
+            Fleet::Simulated { sc, .. } => serde_json::json!({ "scenario": sc }),
+            Fleet::Engines(engines) => engines.json(&args),
+        };
+        let mut doc = serde_json::json!({
             "command": command(&args),
             "argv": std::env::args().collect::<Vec<_>>().join(" "),
             "seed": args.seed,
@@ -691,7 +775,6 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
                 .iter()
                 .map(crate::settings::shown_setting)
                 .collect::<Vec<_>>(),
-            "scenario": sc,
             "rows": rows,
             "ratios": ratios,
             "flow_queue": queued
@@ -699,6 +782,10 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
                 .map(|(name, w)| (name.clone(), *w))
                 .collect::<std::collections::BTreeMap<_, _>>(),
         });
+        // The scenario, or the engines and their model, beside the rest.
+        if let (Some(doc), serde_json::Value::Object(fleet)) = (doc.as_object_mut(), fleet) {
+            doc.extend(fleet);
+        }
         std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
         println!("wrote {}", path.display());
     }
