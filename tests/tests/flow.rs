@@ -4,7 +4,9 @@
 //! `override_message_timeout`, within the rendered `max_message_timeout`);
 //! when room opens the higher band leaves first; a sheddable request, one
 //! past the queue's bound or its time to live gets the 429 and its reason;
-//! a client that goes away leaves the queue at once.
+//! a client that goes away leaves the queue at once; while a higher band
+//! is reading a prompt on the replica, a lower band does not read beside
+//! it (headroom for higher bands).
 //!
 //! The fleet is one simulated engine, saturated deterministically: the
 //! uncached-prompt limit is one byte, so one cold request in flight fills
@@ -450,4 +452,84 @@ async fn a_queued_turn_waits_for_its_warm_replica_rather_than_the_first_that_fre
     assert_eq!(t.status, 200, "{:?}", t.body);
     assert_eq!(t.upstream.as_deref(), Some(home.as_str()));
     assert!(t.cached_tokens() > 0, "served cold: {:?}", t.body);
+}
+
+/// Headroom for higher bands through Envoy: while an interactive request
+/// is in flight on the replica with its prompt still unread, a lower
+/// band's prompt is not read beside it (a sheddable one is refused, a
+/// standard one waits) until the interactive request is gone; with the
+/// headroom set to 0 both go to the engine at once.
+#[tokio::test]
+async fn a_lower_band_waits_while_an_interactive_prompt_is_read_unless_headroom_is_off() {
+    for headroom in ["30", "0"] {
+        let fleet = Fleet::start(FleetOptions {
+            engines: 1,
+            sidecar_flags: vec![
+                "--flow-objectives=chat=10,batch=-1".into(),
+                format!("--flow-headroom-seconds={headroom}"),
+                "--probe-interval-seconds=0".into(),
+                "--stall-seconds=0".into(),
+            ],
+            ..FleetOptions::default()
+        })
+        .await
+        .unwrap();
+        // The engine takes requests and never answers: the interactive
+        // request, dispatched at once (nothing else in flight), stays in
+        // flight with its prompt unread until its client leaves.
+        fleet.engines[0].engine.set_fault(Fault::Stall);
+        let chat = send(
+            &fleet,
+            prompt(1, 3000),
+            &[("x-gateway-inference-objective", "chat")],
+        );
+        in_flight_reaches(&fleet, 1).await;
+        let state = fleet.state().await.unwrap();
+        let bands = &state.replicas[0].bands;
+        assert!(
+            bands.iter().any(|b| b.priority == 10 && b.in_flight == 1),
+            "headroom {headroom}: {bands:?}"
+        );
+        let batch = send(
+            &fleet,
+            prompt(2, 3000),
+            &[("x-gateway-inference-objective", "batch")],
+        );
+        if headroom == "0" {
+            // No room kept: the sheddable request goes beside it.
+            in_flight_reaches(&fleet, 2).await;
+            chat.abort();
+            batch.abort();
+            continue;
+        }
+        assert_dropped(&batch.await.unwrap(), "sheddable");
+        // A standard request waits in band 0 rather than share the read.
+        let standard = send(&fleet, prompt(3, 3000), &[]);
+        metric_reaches(
+            &fleet,
+            "llm_d_epp_flow_control_queue_size{priority=\"0\"}",
+            1.0,
+        )
+        .await;
+        assert_eq!(fleet.state().await.unwrap().replicas[0].in_flight, 1);
+        // The engine answers again and the interactive client leaves: the
+        // standard request follows.
+        fleet.engines[0].engine.set_fault(Fault::None);
+        chat.abort();
+        let standard = standard.await.unwrap();
+        assert_eq!(standard.status, 200, "{:?}", standard.body);
+        assert!(
+            standard.upstream.is_some(),
+            "no x-hearth-upstream: {:?}",
+            standard.body
+        );
+        metric_reaches(&fleet, "hearth_flow_dispatched_total{priority=\"0\"}", 1.0).await;
+        metric_reaches(
+            &fleet,
+            "hearth_flow_dropped_total{reason=\"sheddable\"}",
+            1.0,
+        )
+        .await;
+        fleet.assert_wasm_healthy();
+    }
 }
