@@ -620,7 +620,11 @@ async fn run_cell(
         driven.records.iter().map(|(_, r)| r.clone()).collect(),
         driven.rate_limited.iter().sum(),
     ));
-    Ok(Cell { rows, waits })
+    Ok(Cell {
+        rows,
+        waits,
+        turns: None,
+    })
 }
 
 /// What one cell measured: its rows, and for Hearth the flow queue's
@@ -628,6 +632,8 @@ async fn run_cell(
 struct Cell {
     rows: Vec<ClassRow>,
     waits: Option<QueueWaits>,
+    /// On real engines, every turn with its agent's class (for the JSON).
+    turns: Option<serde_json::Value>,
 }
 
 /// The requests that left the sidecar's flow queue for a replica over a
@@ -732,6 +738,7 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
     );
     let mut rows = Vec::new();
     let mut queued = Vec::new();
+    let mut turns = serde_json::Map::new();
     let chosen = |mix: Mix| match args.mix.as_deref() {
         Some("tenants") => matches!(mix, Mix::Tenants | Mix::QuietAlone),
         Some("priority") => matches!(mix, Mix::Priority | Mix::HighAlone),
@@ -745,6 +752,9 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| name.clone())?;
         rows.extend(cell.rows);
+        if let Some(t) = cell.turns {
+            turns.insert(name.clone(), t);
+        }
         if let Some(w) = cell.waits {
             queued.push((name, w));
         }
@@ -782,6 +792,9 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
                 .map(|(name, w)| (name.clone(), *w))
                 .collect::<std::collections::BTreeMap<_, _>>(),
         });
+        if !turns.is_empty() {
+            doc["records"] = serde_json::Value::Object(turns);
+        }
         // The scenario, or the engines and their model, beside the rest.
         if let (Some(doc), serde_json::Value::Object(fleet)) = (doc.as_object_mut(), fleet) {
             doc.extend(fleet);

@@ -230,7 +230,16 @@ impl Engines {
             engines,
             wall,
         ));
-        Ok(Cell { rows, waits })
+        let turns = run
+            .turns
+            .iter()
+            .map(|t| json!({"class": class_of.get(&t.conversation), "record": t}))
+            .collect();
+        Ok(Cell {
+            rows,
+            waits,
+            turns: Some(Value::Array(turns)),
+        })
     }
 }
 
