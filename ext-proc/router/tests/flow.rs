@@ -298,50 +298,6 @@ fn a_lower_band_leaves_free_the_slots_a_higher_band_used_lately() {
 }
 
 #[test]
-fn a_replica_keeps_one_slot_while_a_higher_band_is_about_on_another() {
-    let r = fleet(|p| p.flow.uncached_bytes = 0);
-    let t0 = Instant::now();
-    let band = |priority: i32, h: u64| RequestInfo {
-        priority,
-        ..req(&[h])
-    };
-    let figure = |running: f64, waiting: f64| EngineSignals {
-        running,
-        ..signals(waiting, None, t0)
-    };
-    // Both engines run four at once, then drain.
-    for i in 0..2 {
-        r.set_engine_signals(addr(i), figure(4.0, 2.0));
-        r.set_engine_signals(addr(i), figure(4.0, 2.0));
-        r.set_engine_signals(addr(i), figure(0.0, 0.0));
-    }
-    let (on0, on1): (Option<&[usize]>, Option<&[usize]>) = (Some(&[0]), Some(&[1]));
-    let kept_on1 = |priority: i32, at: Instant| r.saturated_for_at(&band(priority, 99), on1, at);
-    // No higher band about: replica 1's slots are anyone's, three prompts
-    // of band 0 read side by side.
-    let a = r.decide_within_at(&band(0, 1), on1, t0).unwrap();
-    let b = r.decide_within_at(&band(0, 2), on1, t0).unwrap();
-    let c = r.decide_within_at(&band(0, 3), on1, t0).unwrap();
-    assert!(!kept_on1(0, t0));
-    drop(c);
-    // An interactive request runs on replica 0: replica 1, where that
-    // band has not been, keeps one slot for its next conversation, and no
-    // more (its prompts are still read side by side).
-    let interactive = r.decide_within_at(&band(10, 11), on0, t0).unwrap();
-    assert!(
-        !kept_on1(0, t0),
-        "two of four running, one kept: a slot is free for band 0"
-    );
-    let c = r.decide_within_at(&band(0, 3), on1, t0).unwrap();
-    assert!(kept_on1(0, t0), "three and the one kept fill the batch");
-    assert!(!kept_on1(10, t0), "the band it is kept for takes it");
-    // Past the window with the band gone, nothing is kept.
-    drop(interactive);
-    assert!(!kept_on1(0, t0 + Duration::from_secs(31)));
-    drop((a, b, c));
-}
-
-#[test]
 fn hearths_own_uncached_prompt_in_flight_saturates_a_replica_until_released() {
     let r = fleet(|p| p.flow.uncached_bytes = 10 * BLOCK);
     let t0 = Instant::now();

@@ -98,28 +98,8 @@ impl Router {
     /// Whether replica state `s` is saturated at `now` for a request of
     /// band `priority`: saturated for all, or holding no slot beyond those
     /// kept for higher bands ([`Router::kept_for_higher_bands`]).
-    pub(crate) fn saturated_for_band(
-        &self,
-        s: &ReplicaState,
-        priority: i32,
-        about_elsewhere: bool,
-        now: Instant,
-    ) -> bool {
-        self.saturated(s, now) || self.kept_for_higher_bands(s, priority, about_elsewhere, now)
-    }
-
-    /// Whether a band above `priority` is about on any replica of the
-    /// fleet at `now`: then every replica keeps a slot for it
-    /// ([`Router::kept_for_higher_bands`]), so that its next conversation
-    /// finds room wherever it is routed, not only where the band already
-    /// runs.
-    fn higher_band_about(&self, fleet: &Fleet, priority: i32, now: Instant) -> bool {
-        let window = self.params.flow.headroom;
-        !window.is_zero()
-            && fleet
-                .state
-                .iter()
-                .any(|s| s.bands.headroom_above(priority, now, window) > 0)
+    pub(crate) fn saturated_for_band(&self, s: &ReplicaState, priority: i32, now: Instant) -> bool {
+        self.saturated(s, now) || self.kept_for_higher_bands(s, priority, now)
     }
 
     /// Whether replica state `s` keeps its free slots at `now` for bands
@@ -130,15 +110,11 @@ impl Router {
     /// running and waiting requests carried forward by what was sent and
     /// ended since its figure (Hearth's own in flight without a fresh
     /// figure). Without a learnt batch nothing is kept: an engine never
-    /// seen full has slots to spare. A replica where no higher band has
-    /// been lately keeps one slot while one is about on another replica
-    /// (`about_elsewhere`), and no more: it reads lower bands' prompts
-    /// side by side.
+    /// seen full has slots to spare.
     pub(crate) fn kept_for_higher_bands(
         &self,
         s: &ReplicaState,
         priority: i32,
-        about_elsewhere: bool,
         now: Instant,
     ) -> bool {
         let window = self.params.flow.headroom;
@@ -146,19 +122,17 @@ impl Router {
             return false;
         }
         // Zero while no higher band is about here.
-        let here = s.bands.headroom_above(priority, now, window);
-        if here == 0 && !about_elsewhere {
+        let kept = s.bands.headroom_above(priority, now, window);
+        if kept == 0 {
             return false;
         }
-        // Where a higher band is about, a lower band's prompt is read
-        // alone: not beside another unread prompt Hearth sent there (an
-        // engine reads its running prompts' chunks first come, first
-        // served, so a higher band's request arriving then waits behind
-        // at most one).
-        if here > 0 && self.uncached_in_flight(s) > 0 {
+        // A lower band's prompt is read alone: not beside another unread
+        // prompt Hearth sent here (an engine reads its running prompts'
+        // chunks first come, first served, so a higher band's request
+        // arriving then waits behind at most one).
+        if self.uncached_in_flight(s) > 0 {
             return true;
         }
-        let kept = here.max(1);
         let Some(batch) = s.batch.size() else {
             return false;
         };
@@ -186,16 +160,15 @@ impl Router {
             return Some(Kept::Nothing);
         };
         let candidates = &admitted.candidates;
-        let about = self.higher_band_about(&fleet, req.priority, now);
         if candidates
             .iter()
-            .all(|&i| self.saturated_for_band(&fleet.state[i], req.priority, about, now))
+            .all(|&i| self.saturated_for_band(&fleet.state[i], req.priority, now))
         {
             return None;
         }
         let (kept, open): (Vec<usize>, Vec<usize>) = candidates
             .iter()
-            .partition(|&&i| self.kept_for_higher_bands(&fleet.state[i], req.priority, about, now));
+            .partition(|&&i| self.kept_for_higher_bands(&fleet.state[i], req.priority, now));
         if kept.is_empty() || open.is_empty() {
             return Some(Kept::Nothing);
         }
@@ -251,11 +224,10 @@ impl Router {
         let Ok(admitted) = candidates::admit(self, &fleet, req, allowed, now) else {
             return Room::Go(None);
         };
-        let about = self.higher_band_about(&fleet, req.priority, now);
         let (free, full): (Vec<usize>, Vec<usize>) = admitted
             .candidates
             .iter()
-            .partition(|&&i| !self.saturated_for_band(&fleet.state[i], req.priority, about, now));
+            .partition(|&&i| !self.saturated_for_band(&fleet.state[i], req.priority, now));
         if free.is_empty() {
             return Room::Full;
         }
