@@ -813,8 +813,13 @@ impl Client {
                 self.shape.max_tokens,
             );
             let (record, answer) = self.turn(&p, turn, &body).await;
-            if let Some(e) = &record.error {
-                tracing::warn!(conversation = p.index, turn, "{e}");
+            match (&record.error, record.status) {
+                // A 429 is the gateway's answer to load (flow control
+                // refusing a sheddable turn): counted in the table, not
+                // worth a line each.
+                (Some(e), Some(429)) => tracing::debug!(conversation = p.index, turn, "{e}"),
+                (Some(e), _) => tracing::warn!(conversation = p.index, turn, "{e}"),
+                (None, _) => {}
             }
             records.push(record);
             // A failed turn still leaves the agent's next message after an
