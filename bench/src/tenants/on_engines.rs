@@ -125,6 +125,10 @@ impl Engines {
             },
             args.seed
         );
+        println!(
+            "# turns/min: a row's answered turns over its whole cell's wall time (every agent plays \
+             the same turns): compare the `all` rows across setups; between classes, only TTFT"
+        );
     }
 
     pub(super) fn json(&self, args: &TenantsArgs) -> Value {
