@@ -66,7 +66,7 @@ pub struct RealArgs {
     #[arg(long)]
     pub api_key: Option<String>,
     /// Model name to ask for (default: the first one the first engine's
-    /// `/v1/models` lists).
+    /// `/v1/models` lists that every engine lists).
     #[arg(long)]
     pub model: Option<String>,
     /// What the clients send: multi-turn conversations, or llm-d's
@@ -841,11 +841,8 @@ fn with_key(req: reqwest::RequestBuilder, api_key: Option<&str>) -> reqwest::Req
     }
 }
 
-/// The model the first engine serves.
-pub(crate) async fn first_model(
-    engine: SocketAddr,
-    api_key: Option<&str>,
-) -> anyhow::Result<String> {
+/// Every model name `engine` lists at `/v1/models`, in its order.
+async fn models(engine: SocketAddr, api_key: Option<&str>) -> anyhow::Result<Vec<String>> {
     let req = reqwest::Client::new()
         .get(format!("http://{engine}/v1/models"))
         .timeout(Duration::from_secs(10));
@@ -856,10 +853,45 @@ pub(crate) async fn first_model(
         .with_context(|| format!("GET http://{engine}/v1/models"))?
         .json()
         .await?;
-    v["data"][0]["id"]
-        .as_str()
-        .map(str::to_string)
+    Ok(v["data"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|m| m["id"].as_str().map(str::to_string))
+        .collect())
+}
+
+/// The model the first engine serves.
+async fn first_model(engine: SocketAddr, api_key: Option<&str>) -> anyhow::Result<String> {
+    models(engine, api_key)
+        .await?
+        .into_iter()
+        .next()
         .with_context(|| format!("http://{engine}/v1/models lists no model; pass --model"))
+}
+
+/// The first name of `lists[0]` that every list holds: the model every
+/// engine answers to, in the first engine's order.
+pub fn common_model(lists: &[Vec<String>]) -> Option<String> {
+    let (first, rest) = lists.split_first()?;
+    first
+        .iter()
+        .find(|m| rest.iter().all(|l| l.contains(m)))
+        .cloned()
+}
+
+/// The model to ask for when none is given: the first name the first
+/// engine lists that every engine serves (engines that each list a name
+/// of their own first and a shared one after it, as `hearth-bench vllm`
+/// starts them, are asked for the shared one).
+pub(crate) async fn shared_model(
+    engines: &[SocketAddr],
+    api_key: Option<&str>,
+) -> anyhow::Result<String> {
+    let lists = futures::future::try_join_all(engines.iter().map(|e| models(*e, api_key))).await?;
+    common_model(&lists).with_context(|| {
+        format!("the engines list no model name in common ({lists:?}); pass --model")
+    })
 }
 
 /// One policy's run: its row, every turn, and (hearth) the sidecar's
@@ -1400,7 +1432,7 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
     args.sidecar.parse()?;
     let model = match &args.model {
         Some(m) => m.clone(),
-        None => first_model(args.engines[0], args.api_key.as_deref()).await?,
+        None => shared_model(&args.engines, args.api_key.as_deref()).await?,
     };
     let run_salt = args.salt.unwrap_or_else(|| {
         std::time::SystemTime::now()
@@ -1562,6 +1594,26 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_model_asked_for_by_default_is_the_first_every_engine_serves() {
+        let list = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        // `hearth-bench vllm`: each engine's own name, then the shared one.
+        let both = [
+            list(&["vllm-0", "llama-4x512"]),
+            list(&["vllm-1", "llama-4x512"]),
+        ];
+        assert_eq!(common_model(&both).as_deref(), Some("llama-4x512"));
+        // One engine, or engines of one name: the first engine's first.
+        assert_eq!(common_model(&[list(&["a", "b"])]).as_deref(), Some("a"));
+        assert_eq!(
+            common_model(&[list(&["b", "a"]), list(&["a", "b"])]).as_deref(),
+            Some("b")
+        );
+        // Nothing in common, or no engine: none to ask for.
+        assert_eq!(common_model(&[list(&["a"]), list(&["b"])]), None);
+        assert_eq!(common_model(&[]), None);
+    }
     use hearth_ext_proc::envoy::render::render;
 
     fn shape() -> Shape {

@@ -100,7 +100,7 @@ pub struct TenantsArgs {
     #[arg(long, value_delimiter = ',')]
     pub engines: Vec<std::net::SocketAddr>,
     /// Real engines: the model to ask for (default: the first one the
-    /// first engine lists).
+    /// first engine lists that every engine lists).
     #[arg(long)]
     pub model: Option<String>,
     /// Real engines: turns of each agent's conversation in a cell.

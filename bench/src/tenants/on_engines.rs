@@ -98,7 +98,7 @@ impl Engines {
         );
         let model = match &args.model {
             Some(m) => m.clone(),
-            None => real::first_model(args.engines[0], None).await?,
+            None => real::shared_model(&args.engines, None).await?,
         };
         let run_salt = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
