@@ -103,6 +103,17 @@ fn send(
     })
 }
 
+/// A 200 whose replica the sidecar chose: it answered (Envoy did not
+/// fail open past its `message_timeout`) and named the replica.
+fn assert_routed(t: &Turn, context: &str) {
+    assert_eq!(t.status, 200, "{context}{:?}", t.body);
+    assert!(
+        t.upstream.is_some(),
+        "{context}no x-hearth-upstream: {:?}",
+        t.body
+    );
+}
+
 /// A 429 from flow control, with its reason in the header and the body.
 fn assert_dropped(t: &Turn, reason: &str) {
     assert_eq!(t.status, 429, "{:?}", t.body);
@@ -220,10 +231,7 @@ async fn a_saturated_fleet_queues_lets_the_higher_band_out_first_and_drops_with_
     let high = high.await.unwrap();
     let low = low.await.unwrap();
     for t in [&high, &low] {
-        assert_eq!(t.status, 200, "{:?}", t.body);
-        // The sidecar answered (Envoy did not fail open past its
-        // message_timeout): it named the replica.
-        assert!(t.upstream.is_some(), "no x-hearth-upstream: {:?}", t.body);
+        assert_routed(t, "");
     }
     // The higher band left first, though it came later: the journal
     // lists decisions newest first, each with its wait.
@@ -323,12 +331,7 @@ async fn the_body_and_endpoint_picker_shapes_hold_the_answer_while_the_request_w
         fleet.engines[0].engine.set_fault(Fault::None);
         blocker.abort();
         let t = waiting.await.unwrap();
-        assert_eq!(t.status, 200, "{shape}: {:?}", t.body);
-        assert!(
-            t.upstream.is_some(),
-            "{shape}: no x-hearth-upstream: {:?}",
-            t.body
-        );
+        assert_routed(&t, &format!("{shape}: "));
         metric_reaches(&fleet, "hearth_flow_dispatched_total{priority=\"0\"}", 1.0).await;
         let (_, text) = fleet.admin_get("/debug/decisions?limit=5").await.unwrap();
         let journal: Value = serde_json::from_str(&text).unwrap();
@@ -516,13 +519,7 @@ async fn a_lower_band_waits_while_an_interactive_prompt_is_read_unless_headroom_
         // standard request follows.
         fleet.engines[0].engine.set_fault(Fault::None);
         chat.abort();
-        let standard = standard.await.unwrap();
-        assert_eq!(standard.status, 200, "{:?}", standard.body);
-        assert!(
-            standard.upstream.is_some(),
-            "no x-hearth-upstream: {:?}",
-            standard.body
-        );
+        assert_routed(&standard.await.unwrap(), "");
         metric_reaches(&fleet, "hearth_flow_dispatched_total{priority=\"0\"}", 1.0).await;
         metric_reaches(
             &fleet,
