@@ -525,9 +525,6 @@ fn hearth_settings(args: &TenantsArgs, sc: &Scenario) -> Vec<(String, String)> {
 
 /// `hearth-bench tenants ...` as run (settings shown, credentials hidden).
 fn command(args: &TenantsArgs) -> String {
-    if !args.engines.is_empty() {
-        return on_engines::command(args);
-    }
     format!(
         "hearth-bench tenants --scenario {} --replicas {} --max-running {} --quiet-tenants {} \
          --quiet-agents {} --noisy-agents {} --high-agents {} --sheddable-agents {} --seconds {} \
@@ -680,6 +677,15 @@ enum Fleet {
 }
 
 impl Fleet {
+    /// `hearth-bench tenants ...` as this run was given (settings shown,
+    /// credentials hidden; on engines, with the model asked for).
+    fn command(&self, args: &TenantsArgs) -> String {
+        match self {
+            Fleet::Simulated { .. } => command(args),
+            Fleet::Engines(engines) => engines.command(args),
+        }
+    }
+
     async fn run_cell(
         &self,
         cell: (Mix, Setup),
@@ -713,9 +719,9 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
     };
     // A bad setting fails before anything starts.
     crate::settings::parse(&Setup::HearthFlowControl.settings(&hearth))?;
+    println!("{}", fleet.command(&args));
     match &fleet {
         Fleet::Simulated { sc, windows } => {
-            println!("{}", command(&args));
             println!(
                 "# {} replicas of {} running sequences each, {} s per cell ({} s warm-up), time scale {}, seed {}",
                 sc.replicas,
@@ -773,12 +779,12 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
         );
     }
     if let Some(path) = &args.json {
-        let fleet = match &fleet {
+        let described = match &fleet {
             Fleet::Simulated { sc, .. } => serde_json::json!({ "scenario": sc }),
             Fleet::Engines(engines) => engines.json(&args),
         };
         let mut doc = serde_json::json!({
-            "command": command(&args),
+            "command": fleet.command(&args),
             "argv": std::env::args().collect::<Vec<_>>().join(" "),
             "seed": args.seed,
             "hearth_settings": hearth
@@ -796,8 +802,9 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
             doc["records"] = serde_json::Value::Object(turns);
         }
         // The scenario, or the engines and their model, beside the rest.
-        if let (Some(doc), serde_json::Value::Object(fleet)) = (doc.as_object_mut(), fleet) {
-            doc.extend(fleet);
+        if let (Some(doc), serde_json::Value::Object(described)) = (doc.as_object_mut(), described)
+        {
+            doc.extend(described);
         }
         std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
         println!("wrote {}", path.display());
@@ -816,8 +823,14 @@ mod tests {
         args: TenantsArgs,
     }
 
+    /// `hearth-bench tenants` with `flags`, as the command line parses it.
+    pub(super) fn parsed(flags: &[&str]) -> TenantsArgs {
+        let argv = std::iter::once("tenants").chain(flags.iter().copied());
+        Cmd::try_parse_from(argv).unwrap().args
+    }
+
     fn args() -> TenantsArgs {
-        Cmd::try_parse_from(["tenants"]).unwrap().args
+        parsed(&[])
     }
 
     fn header<'a>(p: &'a Planned, name: &str) -> Option<&'a str> {

@@ -45,9 +45,9 @@ pub(super) fn hearth_settings(args: &TenantsArgs) -> Vec<(String, String)> {
     settings
 }
 
-/// `hearth-bench tenants --engines ...` as run (settings shown,
-/// credentials hidden).
-pub(super) fn command(args: &TenantsArgs) -> String {
+/// `hearth-bench tenants --engines ...` as run, asking for `model`
+/// (settings shown, credentials hidden).
+fn command(args: &TenantsArgs, model: &str) -> String {
     format!(
         "hearth-bench tenants --engines {} --model {} --turns {} --max-tokens {} --think-ms {} \
          --quiet-tenants {} --quiet-agents {} --noisy-agents {} --high-agents {} \
@@ -57,7 +57,7 @@ pub(super) fn command(args: &TenantsArgs) -> String {
             .map(|e| e.to_string())
             .collect::<Vec<_>>()
             .join(","),
-        args.model.as_deref().unwrap_or("(the first engine's)"),
+        model,
         args.turns,
         args.max_tokens,
         args.think_ms,
@@ -106,11 +106,13 @@ impl Engines {
         Ok(Engines { model, run_salt })
     }
 
+    /// This run's command line (the model it asks for shown, whether
+    /// given or found).
+    pub(super) fn command(&self, args: &TenantsArgs) -> String {
+        command(args, &self.model)
+    }
+
     pub(super) fn describe(&self, args: &TenantsArgs) {
-        println!(
-            "{}",
-            command(args).replace("(the first engine's)", &self.model)
-        );
         println!(
             "# {} real engines; each agent plays one conversation of {} turns (streamed, max_tokens {}, \
              temperature 0, pauses of {} ms on average), wall-clock time, no warm-up; caches {}; seed {}",
@@ -282,13 +284,7 @@ pub(super) fn class_row(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cmd {
-        #[command(flatten)]
-        args: TenantsArgs,
-    }
+    use crate::tenants::tests::parsed;
 
     fn turn(conversation: usize, status: u16, ttft: f64, cached: u64) -> TurnRecord {
         let ok = status == 200;
@@ -326,15 +322,12 @@ mod tests {
 
     #[test]
     fn real_engines_take_the_objectives_and_the_command_lines_settings_unscaled() {
-        let args = Cmd::try_parse_from([
-            "tenants",
+        let args = parsed(&[
             "--engines",
             "127.0.0.1:8001,127.0.0.1:8002",
             "--set",
             "HEARTH_FLOW_ENGINE_WAITING=1",
-        ])
-        .unwrap()
-        .args;
+        ]);
         let settings = hearth_settings(&args);
         let get = |name: &str| {
             settings
@@ -347,7 +340,8 @@ mod tests {
         // Wall-clock engines: the flow control's waits stay the sidecar's.
         assert_eq!(get("HEARTH_FLOW_AFFINITY_WAIT_SECONDS"), None);
         assert_eq!(get("HEARTH_FLOW_TTL_SECONDS"), None);
-        assert!(command(&args).contains("--engines 127.0.0.1:8001,127.0.0.1:8002"));
+        assert!(command(&args, "m")
+            .contains("--engines 127.0.0.1:8001,127.0.0.1:8002 --model m --turns 8"));
         assert_eq!(everyone(&args), 4 * 2 + 16 + 4 + 20);
     }
 }
