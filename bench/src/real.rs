@@ -1594,6 +1594,7 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hearth_ext_proc::envoy::render::render;
 
     #[test]
     fn the_model_asked_for_by_default_is_the_first_every_engine_serves() {
@@ -1614,7 +1615,6 @@ mod tests {
         assert_eq!(common_model(&[list(&["a"]), list(&["b"])]), None);
         assert_eq!(common_model(&[]), None);
     }
-    use hearth_ext_proc::envoy::render::render;
 
     fn shape() -> Shape {
         Shape {
