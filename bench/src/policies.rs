@@ -405,6 +405,7 @@ impl Policy {
                         max_output_tokens: fp.max_output_tokens,
                         cache: fp.cache,
                         priority: 0,
+                        flow: 0,
                     },
                     None => RequestInfo::default(),
                 };

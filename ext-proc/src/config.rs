@@ -435,6 +435,16 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_FLOW_HEADROOM_SECONDS", default_value_t = 30.0)]
     pub flow_headroom_seconds: f64,
 
+    /// Seconds a flow's peak of requests in flight on a replica stays kept
+    /// for it while the flow is under its fair share: within a band, a
+    /// request whose flow (its fairness id) has its share of the engines'
+    /// learnt batches in flight finds a replica saturated while the
+    /// replica has no slot beyond those the band's other flows under
+    /// their share came back for within this window (0 = nothing kept
+    /// between flows).
+    #[arg(long, env = "HEARTH_FLOW_FAIR_SLOTS_SECONDS", default_value_t = 0.0)]
+    pub flow_fair_slots_seconds: f64,
+
     /// Seconds a request waits in the queue at most; then 429 with
     /// `x-hearth-drop-reason: ttl` (at most 540: Envoy's rendered
     /// max_message_timeout is 600 s).
@@ -1373,6 +1383,7 @@ impl Settings {
                 prefill_seconds: self.flow_prefill_seconds,
                 affinity_wait: seconds(self.flow_affinity_wait_seconds),
                 headroom: seconds(self.flow_headroom_seconds),
+                fair_window: seconds(self.flow_fair_slots_seconds),
             },
         }
     }
@@ -1436,6 +1447,10 @@ impl Settings {
                 self.flow_affinity_wait_seconds,
             ),
             ("HEARTH_FLOW_HEADROOM_SECONDS", self.flow_headroom_seconds),
+            (
+                "HEARTH_FLOW_FAIR_SLOTS_SECONDS",
+                self.flow_fair_slots_seconds,
+            ),
         ] {
             if !(v.is_finite() && (0.0..=86_400.0).contains(&v)) {
                 problems.push(format!(
@@ -1810,6 +1825,26 @@ mod tests {
                 "{value}: {problems:?}"
             );
         }
+    }
+
+    #[test]
+    fn fair_slots_seconds_reach_the_flow_params_and_bad_ones_are_named() {
+        let s = parse(&["--upstreams", "127.0.0.1:1"]).unwrap().settings;
+        assert_eq!(s.router_params().flow.fair_window, Duration::ZERO);
+        let s = parse(&[
+            "--upstreams",
+            "127.0.0.1:1",
+            "--flow-fair-slots-seconds",
+            "5",
+        ])
+        .unwrap()
+        .settings;
+        assert_eq!(s.router_params().flow.fair_window, Duration::from_secs(5));
+        refused_with(
+            "--flow-fair-slots-seconds",
+            &["-1", "NaN", "inf"],
+            "HEARTH_FLOW_FAIR_SLOTS_SECONDS must be between 0 and 86400",
+        );
     }
 
     #[test]

@@ -248,8 +248,10 @@ impl FlowControl {
         subset: Option<&[usize]>,
         class: &Class,
     ) -> Admission {
-        // Its band, for the slots kept for higher ones.
+        // Its band and flow, for the slots kept for higher bands and for
+        // flows under their fair share.
         info.priority = class.priority;
+        info.flow = flow_digest(&class.fairness_id);
         // A request that names no model and carries no prompt (a model
         // list, a health check) costs the engines nothing to speak of.
         let promptless = info.model.is_none() && info.prompt_bytes == 0;
@@ -355,9 +357,11 @@ impl FlowControl {
             let router = &self.router;
             // Requests for a model, replicas and lane found full in this
             // look wait without asking again (dispatching only fills them
-            // more).
+            // more); found kept for other flows, so do the flow's later
+            // requests (its band and fairness id), not other flows'.
             let long = router.params().long_prompt_bytes;
-            let mut full: HashSet<(Option<String>, Option<Vec<usize>>, bool)> = HashSet::new();
+            let mut full: HashSet<FullKey> = HashSet::new();
+            let mut shared: HashSet<(FullKey, (i32, u64))> = HashSet::new();
             while let Some((entry, room)) = queue.pop_where(|e| {
                 let info = &e.item.info;
                 let key = (
@@ -365,7 +369,8 @@ impl FlowControl {
                     e.item.subset.clone(),
                     info.prompt_bytes >= long,
                 );
-                if full.contains(&key) {
+                let flow = (info.priority, info.flow);
+                if full.contains(&key) || shared.contains(&(key.clone(), flow)) {
                     return None;
                 }
                 let since = e.item.warm_since.get();
@@ -373,6 +378,10 @@ impl FlowControl {
                 match router.room_at(&e.item.info, e.item.subset.as_deref(), held, now) {
                     Room::Full => {
                         full.insert(key);
+                        None
+                    }
+                    Room::Share => {
+                        shared.insert((key, flow));
                         None
                     }
                     Room::Warm => {
@@ -422,6 +431,17 @@ impl FlowControl {
 
 /// A fairness id kept as a digest: never the value itself (it may be a
 /// credential), and bounded in size.
+/// What a look at the queue found full: a model, a replica subset, and
+/// the long lane or not.
+type FullKey = (Option<String>, Option<Vec<usize>>, bool);
+
+/// A fairness id's digest, as the router's flows know it.
+fn flow_digest(fairness_id: &str) -> u64 {
+    let mut h = DefaultHasher::new();
+    fairness_id.hash(&mut h);
+    h.finish()
+}
+
 fn digest(value: &str) -> String {
     let mut h = DefaultHasher::new();
     value.hash(&mut h);
@@ -648,6 +668,55 @@ mod tests {
             Admission::Wait(_)
         ));
         drop(first);
+    }
+
+    #[tokio::test]
+    async fn a_flow_past_its_fair_share_waits_while_another_flow_leaves_the_queue() {
+        let f = flow_tuned(true, &["127.0.0.1:1"], |p| {
+            p.flow.uncached_bytes = 0;
+            p.flow.fair_window = Duration::from_secs(30);
+        });
+        let now = Instant::now();
+        // The engine runs four at once (requests waited behind four in two
+        // figures in a row), then drains.
+        for (running, waiting) in [(4.0, 1.0), (4.0, 1.0), (0.0, 0.0)] {
+            f.router.set_engine_signals(
+                "127.0.0.1:1".parse().unwrap(),
+                hearth_router::EngineSignals::queue(running, waiting, now),
+            );
+        }
+        let class = |id: &str| Class {
+            priority: 0,
+            fairness_id: id.into(),
+        };
+        let of = |id: &str| RequestInfo {
+            flow: flow_digest(id),
+            ..prompt(100)
+        };
+        let send = |id: &str| {
+            let d = f.router.decide_within_at(&of(id), None, now).unwrap();
+            d.prefill().done_at(now);
+            d
+        };
+        // Tenant "quiet" ran two at once lately; "noisy" has its share (two
+        // of four slots) in flight.
+        drop((send("quiet"), send("quiet")));
+        let _noisy = (send("noisy"), send("noisy"));
+        // The noisy tenant's next request waits; the quiet tenant's, queued
+        // behind it, leaves at the next look, and the noisy one stays.
+        let Admission::Wait(noisy) = f.admit(prompt(100), None, &class("noisy")) else {
+            panic!("a noisy request past its share did not wait")
+        };
+        let Admission::Wait(mut quiet) = f.admit(prompt(100), None, &class("quiet")) else {
+            panic!("a request queued behind another did not wait")
+        };
+        f.dispatch_at(now);
+        let Dispatch { left, info, .. } = (&mut quiet.from).await.unwrap();
+        assert!(matches!(left, Left::Decided { ref decided, .. } if decided.is_ok()));
+        assert_eq!(info.flow, flow_digest("quiet"));
+        assert_eq!(f.lock().len(), 1, "the noisy request still waits");
+        drop(noisy);
+        assert!(f.lock().is_empty());
     }
 
     #[tokio::test]

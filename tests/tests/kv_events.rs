@@ -718,6 +718,7 @@ async fn a_hostile_feed_reaches_only_its_own_replica_and_fences_nothing() {
             max_output_tokens: None,
             cache: Default::default(),
             priority: 0,
+            flow: 0,
         };
         drop(router.decide(&req).unwrap());
     }

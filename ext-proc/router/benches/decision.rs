@@ -40,6 +40,7 @@ fn session(s: u64) -> RequestInfo {
         max_output_tokens: None,
         cache: Default::default(),
         priority: 0,
+        flow: 0,
     }
 }
 

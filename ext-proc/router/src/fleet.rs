@@ -229,84 +229,128 @@ pub(crate) struct ReplicaState {
     /// This sidecar's requests in flight here by priority band, with each
     /// band's recent peak: the slots lower bands leave free for it.
     pub(crate) bands: BandLoads,
+    /// The same by flow (band and fairness id): the slots a flow under
+    /// its fair share comes back for ([`crate::Router::kept_for_flows`]).
+    pub(crate) flows: FlowLoads,
 }
 
-/// A priority band's requests in flight on one replica, and the most it
-/// had in flight lately (the peak stands for the headroom window after it
-/// was last reached).
+/// One key's requests in flight on one replica (a priority band's, or a
+/// flow's: a band and a fairness id), and the most it had in flight
+/// lately (the peak stands for the headroom window after it was last
+/// reached).
 #[derive(Clone, Copy, Debug, PartialEq)]
-struct BandInFlight {
-    priority: i32,
+struct InFlightPeak<K> {
+    key: K,
     in_flight: u32,
     peak: u32,
     peak_at: Instant,
 }
 
-impl BandInFlight {
+impl<K> InFlightPeak<K> {
     /// Its peak at `now`, while it stands (reached within `window`).
     fn standing_peak(&self, now: Instant, window: Duration) -> Option<u32> {
         (now.saturating_duration_since(self.peak_at) <= window).then_some(self.peak)
     }
 
-    /// Whether the band is about at `now`: requests in flight, or a
+    /// Whether the key is about at `now`: requests in flight, or a
     /// standing peak.
     fn about(&self, now: Instant, window: Duration) -> bool {
         self.in_flight > 0 || self.standing_peak(now, window).is_some()
+    }
+
+    /// The slots it comes back for at `now`: its standing peak less what
+    /// it has in flight.
+    fn unused_peak(&self, now: Instant, window: Duration) -> u32 {
+        let peak = self.standing_peak(now, window).unwrap_or(self.in_flight);
+        peak.saturating_sub(self.in_flight)
+    }
+}
+
+/// The most keys one replica's [`PeakLoads`] tracks. Fairness ids come
+/// from clients: past this many flows about at once on one replica, a new
+/// flow's requests are not tracked (it has no slots kept for it there)
+/// until one goes quiet for the headroom window.
+pub const MAX_TRACKED_KEYS: usize = 64;
+
+/// Requests in flight on one replica by key, with each key's recent peak;
+/// a key no longer about is dropped when a request starts.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct PeakLoads<K> {
+    keys: Vec<InFlightPeak<K>>,
+}
+
+impl<K> Default for PeakLoads<K> {
+    fn default() -> Self {
+        PeakLoads { keys: Vec::new() }
+    }
+}
+
+impl<K: Copy + PartialEq> PeakLoads<K> {
+    /// A request of `key` starts here at `now` (a peak older than `window`
+    /// gives way to what is in flight now; keys no longer about are
+    /// forgotten). False when it is not tracked: [`MAX_TRACKED_KEYS`] other
+    /// keys are about here (its end must then not be counted either).
+    pub(crate) fn start(&mut self, key: K, now: Instant, window: Duration) -> bool {
+        self.keys.retain(|k| k.about(now, window));
+        let entry = match self.keys.iter_mut().position(|k| k.key == key) {
+            Some(i) => &mut self.keys[i],
+            None if self.keys.len() >= MAX_TRACKED_KEYS => return false,
+            None => {
+                self.keys.push(InFlightPeak {
+                    key,
+                    in_flight: 0,
+                    peak: 0,
+                    peak_at: now,
+                });
+                self.keys.last_mut().expect("just pushed")
+            }
+        };
+        entry.in_flight += 1;
+        let standing = entry.standing_peak(now, window).unwrap_or(0);
+        if entry.in_flight >= standing {
+            entry.peak = entry.in_flight;
+            entry.peak_at = now;
+        }
+        true
+    }
+
+    /// A tracked request of `key` ended here.
+    pub(crate) fn end(&mut self, key: K) {
+        if let Some(k) = self.keys.iter_mut().find(|k| k.key == key) {
+            k.in_flight = k.in_flight.saturating_sub(1);
+        }
+    }
+
+    /// Every key about at `now`, with its requests in flight and the
+    /// slots it comes back for (its standing peak less those).
+    pub(crate) fn about(
+        &self,
+        now: Instant,
+        window: Duration,
+    ) -> impl Iterator<Item = (K, u32, u32)> + '_ {
+        self.keys
+            .iter()
+            .filter(move |k| k.about(now, window))
+            .map(move |k| (k.key, k.in_flight, k.unused_peak(now, window)))
     }
 }
 
 /// Requests in flight on one replica by priority band. Bands are the
 /// operator's objectives (an unknown objective is band 0), so the list
-/// is as short as that setting; a band no longer about is dropped when a
-/// request starts.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub(crate) struct BandLoads {
-    bands: Vec<BandInFlight>,
-}
+/// is as short as that setting.
+pub(crate) type BandLoads = PeakLoads<i32>;
+
+/// Requests in flight on one replica by flow: a priority band and a
+/// digest of a fairness id ([`crate::RequestInfo::flow`]).
+pub(crate) type FlowLoads = PeakLoads<(i32, u64)>;
 
 impl BandLoads {
-    /// A request of band `priority` starts here at `now` (a peak older
-    /// than `window` gives way to what is in flight now; bands no longer
-    /// about are forgotten).
-    pub(crate) fn start(&mut self, priority: i32, now: Instant, window: Duration) {
-        self.bands.retain(|b| b.about(now, window));
-        let band = match self.bands.iter_mut().position(|b| b.priority == priority) {
-            Some(i) => &mut self.bands[i],
-            None => {
-                self.bands.push(BandInFlight {
-                    priority,
-                    in_flight: 0,
-                    peak: 0,
-                    peak_at: now,
-                });
-                self.bands.last_mut().expect("just pushed")
-            }
-        };
-        band.in_flight += 1;
-        let standing = band.standing_peak(now, window).unwrap_or(0);
-        if band.in_flight >= standing {
-            band.peak = band.in_flight;
-            band.peak_at = now;
-        }
-    }
-
-    /// A request of band `priority` ended here.
-    pub(crate) fn end(&mut self, priority: i32) {
-        if let Some(b) = self.bands.iter_mut().find(|b| b.priority == priority) {
-            b.in_flight = b.in_flight.saturating_sub(1);
-        }
-    }
-
     /// Each band's priority, in flight and peak within `window` at `now`
     /// (what `/state` shows), highest band first.
     pub(crate) fn view(&self, now: Instant, window: Duration) -> Vec<(i32, u32, u32)> {
         let mut v: Vec<_> = self
-            .bands
-            .iter()
-            .map(|b| {
-                let peak = b.standing_peak(now, window).unwrap_or(b.in_flight);
-                (b.priority, b.in_flight, peak)
-            })
+            .about(now, window)
+            .map(|(priority, in_flight, unused)| (priority, in_flight, in_flight + unused))
             .collect();
         v.sort_by_key(|&(priority, _, _)| std::cmp::Reverse(priority));
         v
@@ -317,13 +361,9 @@ impl BandLoads {
     /// flight now, and at least one (its next request finds a slot even
     /// past its peak). Zero: no higher band is about.
     pub(crate) fn headroom_above(&self, priority: i32, now: Instant, window: Duration) -> u32 {
-        self.bands
-            .iter()
-            .filter(|b| b.priority > priority && b.about(now, window))
-            .map(|b| {
-                let peak = b.standing_peak(now, window).unwrap_or(b.in_flight);
-                peak.saturating_sub(b.in_flight).max(1)
-            })
+        self.about(now, window)
+            .filter(|&(band, _, _)| band > priority)
+            .map(|(_, _, unused)| unused.max(1))
             .sum()
     }
 }
@@ -399,6 +439,7 @@ impl ReplicaState {
             kv: KvEvents::default(),
             batch: EngineBatch::default(),
             bands: BandLoads::default(),
+            flows: FlowLoads::default(),
         }
     }
 }

@@ -111,6 +111,12 @@ pub struct FlowParams {
     /// while its engine's batch has no slot beyond those (zero: no
     /// reserve).
     pub headroom: Duration,
+    /// How long a flow's peak of requests in flight on a replica stays
+    /// kept for it while the flow is under its fair share of the fleet's
+    /// slots: a request of a flow of the same band over its share finds
+    /// the replica saturated while its batch has no slot beyond those
+    /// (zero: nothing kept between flows).
+    pub fair_window: Duration,
 }
 
 impl Default for FlowParams {
@@ -122,6 +128,7 @@ impl Default for FlowParams {
             prefill_seconds: 0.0,
             affinity_wait: Duration::from_secs(2),
             headroom: Duration::from_secs(30),
+            fair_window: Duration::ZERO,
         }
     }
 }

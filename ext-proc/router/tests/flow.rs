@@ -298,6 +298,95 @@ fn a_lower_band_leaves_free_the_slots_a_higher_band_used_lately() {
 }
 
 #[test]
+fn a_flow_past_its_fair_share_leaves_free_the_slots_flows_under_it_came_back_for() {
+    let r = fleet(|p| {
+        p.flow.uncached_bytes = 0;
+        p.flow.fair_window = Duration::from_secs(30);
+    });
+    let t0 = Instant::now();
+    let only0: Option<&[usize]> = Some(&[0]);
+    let (noisy, quiet) = (1, 2);
+    let of = |flow: u64, h: u64| RequestInfo { flow, ..req(&[h]) };
+    let figure = |running: f64, waiting: f64| EngineSignals {
+        running,
+        ..signals(waiting, None, t0)
+    };
+    let send = |r: &Arc<Router>, flow: u64, h: u64| {
+        let d = r.decide_within_at(&of(flow, h), only0, t0).unwrap();
+        d.prefill().done_at(t0);
+        d
+    };
+    let room = |r: &Arc<Router>, flow: u64, at: Instant| {
+        r.room_at(&of(flow, 99), only0, Duration::ZERO, at)
+    };
+    // Replica 0's engine runs four at once; two flows of band 0 share it,
+    // so each one's share is two slots.
+    let learn = |r: &Arc<Router>| {
+        r.set_engine_signals(addr(0), figure(4.0, 2.0));
+        r.set_engine_signals(addr(0), figure(4.0, 2.0));
+        r.set_engine_signals(addr(0), figure(0.0, 0.0));
+    };
+    learn(&r);
+    // The quiet flow ran two at once, and both ended (its agents think).
+    drop((send(&r, quiet, 1), send(&r, quiet, 2)));
+    // The noisy flow takes its share, two slots, freely ...
+    let first = (send(&r, noisy, 11), send(&r, noisy, 12));
+    // ... and no more: the last two are kept for the quiet flow, which
+    // takes them; the noisy flow's requests wait as for a full fleet.
+    assert_eq!(room(&r, noisy, t0), Room::Share);
+    assert!(r.saturated_for_at(&of(noisy, 99), only0, t0));
+    assert_eq!(room(&r, quiet, t0), Room::Go(Some(vec![0])));
+    let q = send(&r, quiet, 3);
+    assert_eq!(room(&r, noisy, t0), Room::Share, "one still kept");
+    // A band's flows share only that band: an interactive request is not
+    // held for band 0's quiet flow.
+    let high = RequestInfo {
+        priority: 10,
+        ..of(noisy, 99)
+    };
+    assert_eq!(
+        r.room_at(&high, only0, Duration::ZERO, t0),
+        Room::Go(Some(vec![0]))
+    );
+    // Where another replica keeps nothing, the noisy flow goes there.
+    assert_eq!(
+        r.admission_at(&of(noisy, 99), None, t0),
+        Some(Kept::Around(vec![1]))
+    );
+    // A noisy request ends: the noisy flow is under its share again.
+    drop(first.0);
+    assert_eq!(room(&r, noisy, t0), Room::Go(Some(vec![0])));
+    drop((first.1, q));
+    // A quiet flow idle for the whole window keeps nothing: its slots
+    // are anyone's.
+    let later = t0 + Duration::from_secs(31);
+    let at_later = |flow: u64, h: u64| {
+        let d = r.decide_within_at(&of(flow, h), only0, later).unwrap();
+        d.prefill().done_at(later);
+        d
+    };
+    let busy: Vec<_> = (21..24).map(|h| at_later(noisy, h)).collect();
+    assert_eq!(room(&r, noisy, later), Room::Go(Some(vec![0])));
+    // Once the quiet flow is back, under its share though at its peak,
+    // the batch full: the noisy flow, past its share, waits here rather
+    // than in the engine's own queue (where it would be ahead of the
+    // quiet flow's next request); the quiet flow's request goes.
+    let back = at_later(quiet, 5);
+    assert_eq!(room(&r, noisy, later), Room::Share);
+    assert_eq!(room(&r, quiet, later), Room::Go(Some(vec![0])));
+    drop((busy, back));
+    // Off (the default), flows share nothing: the noisy flow takes every
+    // free slot.
+    let off = fleet(|p| p.flow.uncached_bytes = 0);
+    assert!(off.params().flow.fair_window.is_zero());
+    learn(&off);
+    drop((send(&off, quiet, 1), send(&off, quiet, 2)));
+    let three: Vec<_> = (11..14).map(|h| send(&off, noisy, h)).collect();
+    assert_eq!(room(&off, noisy, t0), Room::Go(Some(vec![0])));
+    drop(three);
+}
+
+#[test]
 fn hearths_own_uncached_prompt_in_flight_saturates_a_replica_until_released() {
     let r = fleet(|p| p.flow.uncached_bytes = 10 * BLOCK);
     let t0 = Instant::now();

@@ -24,6 +24,7 @@ fn req(hashes: &[u64]) -> RequestInfo {
         max_output_tokens: None,
         cache: Default::default(),
         priority: 0,
+        flow: 0,
     }
 }
 

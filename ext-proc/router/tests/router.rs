@@ -32,6 +32,7 @@ fn req(hashes: &[u64]) -> RequestInfo {
         max_output_tokens: None,
         cache: Default::default(),
         priority: 0,
+        flow: 0,
     }
 }
 
@@ -293,6 +294,7 @@ fn sized(hashes: &[u64], bytes: u64) -> RequestInfo {
         max_output_tokens: None,
         cache: Default::default(),
         priority: 0,
+        flow: 0,
     }
 }
 

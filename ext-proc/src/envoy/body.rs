@@ -63,7 +63,7 @@ pub fn request_info(endpoint: Endpoint, body: &[u8], block_size: usize) -> Reque
             model: Some(hearth_wire::names::capped_model(&fp.model)),
             max_output_tokens: fp.max_output_tokens,
             cache: fp.cache,
-            priority: 0,
+            ..RequestInfo::default()
         },
         Err(reason) => {
             tracing::debug!(%reason, "body not fingerprinted; routing on load");

@@ -380,10 +380,7 @@ mod tests {
         let info = |hashes: Vec<u64>| RequestInfo {
             prompt_bytes: hashes.len() as u64 * 2048,
             hashes,
-            model: None,
-            max_output_tokens: None,
-            cache: Default::default(),
-            priority: 0,
+            ..RequestInfo::default()
         };
         // Turn 1 of a conversation: new.
         let first = info(chain(1, 2, 3));

@@ -22,6 +22,11 @@ pub struct RequestInfo {
     /// none): a replica keeps the slots higher bands used lately free of
     /// lower ones (flow control's headroom).
     pub priority: i32,
+    /// A digest of the request's fairness id (0 when it names none and
+    /// no default applies): with its band, its flow. A replica keeps
+    /// slots for flows of its band under their fair share of the fleet
+    /// from flows over it (`HEARTH_FLOW_FAIR_SLOTS_SECONDS`).
+    pub flow: u64,
 }
 
 /// Why a request could not be routed.

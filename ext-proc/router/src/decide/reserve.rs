@@ -31,6 +31,9 @@ pub struct Reservation {
     pub(crate) tip: Option<u64>,
     /// The request's priority band (counted in the replica's band loads).
     priority: i32,
+    /// Its flow (band and fairness digest), when the replica's flow loads
+    /// track it.
+    flow: Option<(i32, u64)>,
 }
 
 /// The load of a request's unread prompt: its uncached bytes and the load
@@ -133,6 +136,9 @@ impl Drop for Reservation {
         let r = &mut fleet.state[*replica];
         r.in_flight = r.in_flight.saturating_sub(1);
         r.bands.end(self.priority);
+        if let Some(flow) = self.flow {
+            r.flows.end(flow);
+        }
         r.load -= 1.0;
         // (A prompt never read times nothing.)
         load.release(r);
@@ -174,6 +180,8 @@ pub(crate) fn reserve(
     let r = &mut fleet.state[chosen];
     r.in_flight += 1;
     r.bands.start(req.priority, now, p.flow.headroom);
+    let flow = (req.priority, req.flow);
+    let flow = r.flows.start(flow, now, p.flow.fair_window).then_some(flow);
     r.load += 1.0 + prefill_units;
     r.uncached_bytes = r.uncached_bytes.saturating_add(uncached);
     r.routed += 1;
@@ -223,5 +231,6 @@ pub(crate) fn reserve(
         uncached_bytes: uncached,
         tip,
         priority: req.priority,
+        flow,
     }
 }

@@ -12,8 +12,13 @@
 //! Hearth sent and saw end since they were read, against the batch the
 //! engine was seen to run at once. For a request of a lower priority band
 //! a replica is also saturated while its batch has no slot beyond those
-//! higher bands used lately ([`Router::kept_for_higher_bands`]).
+//! higher bands used lately ([`Router::kept_for_higher_bands`]); with
+//! `HEARTH_FLOW_FAIR_SLOTS_SECONDS`, for a request whose flow has its fair share
+//! of the band's slots in flight, while it has no slot beyond those its
+//! band's flows under their share came back for
+//! ([`Router::kept_for_flows`]).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,6 +44,10 @@ pub enum Room {
     /// Within the affinity wait, the replica that holds most of its
     /// prompt is saturated while others have room: it waits for that one.
     Warm,
+    /// Its flow has its fair share in flight, and the replicas not
+    /// saturated keep their free slots for its band's other flows: it
+    /// waits (and so do its flow's later requests; other flows may go).
+    Share,
 }
 
 /// What the slots kept for higher bands leave a request
@@ -95,22 +104,52 @@ impl Router {
                 .is_some_and(|limit| self.uncached_in_flight(s) > limit)
     }
 
-    /// Whether replica state `s` is saturated at `now` for a request of
-    /// band `priority`: saturated for all, or holding no slot beyond those
-    /// kept for higher bands ([`Router::kept_for_higher_bands`]).
-    pub(crate) fn saturated_for_band(&self, s: &ReplicaState, priority: i32, now: Instant) -> bool {
-        self.saturated(s, now) || self.kept_for_higher_bands(s, priority, now)
+    /// Whether replica state `s` is saturated at `now` for `req`:
+    /// saturated for all, or holding no slot beyond those kept for higher
+    /// bands ([`Router::kept_for_higher_bands`]) or for flows under their
+    /// fair share ([`Router::kept_for_flows`]).
+    fn saturated_for(
+        &self,
+        s: &ReplicaState,
+        req: &RequestInfo,
+        fair: Option<&FairShare>,
+        now: Instant,
+    ) -> bool {
+        self.saturated(s, now) || self.keeps_from(s, req, fair, now)
+    }
+
+    /// Whether replica state `s` keeps its free slots at `now` from `req`:
+    /// for higher bands, or for flows of its band under their fair share.
+    fn keeps_from(
+        &self,
+        s: &ReplicaState,
+        req: &RequestInfo,
+        fair: Option<&FairShare>,
+        now: Instant,
+    ) -> bool {
+        self.kept_for_higher_bands(s, req.priority, now)
+            || fair.is_some_and(|f| self.kept_for_flows(s, req, f, now))
+    }
+
+    /// The engine's slots occupied on replica state `s` at `now`: its
+    /// running and waiting requests carried forward by what was sent and
+    /// ended since its figure (Hearth's own in flight without a fresh
+    /// figure).
+    fn occupied(&self, s: &ReplicaState, now: Instant) -> f64 {
+        let own = f64::from(s.in_flight.saturating_add(s.peer_in_flight));
+        match self.fresh_engine(s, now) {
+            Some(e) => e.running + e.waiting + own - f64::from(e.own_in_flight),
+            None => own,
+        }
     }
 
     /// Whether replica state `s` keeps its free slots at `now` for bands
     /// above `priority`: each higher band's peak of this sidecar's
     /// requests in flight there within `HEARTH_FLOW_HEADROOM_SECONDS`,
     /// less what it has in flight now, is kept free of lower bands. The
-    /// slots are the engine's learnt batch; what occupies them is its
-    /// running and waiting requests carried forward by what was sent and
-    /// ended since its figure (Hearth's own in flight without a fresh
-    /// figure). Without a learnt batch nothing is kept: an engine never
-    /// seen full has slots to spare.
+    /// slots are the engine's learnt batch, less those occupied
+    /// ([`Router::occupied`]). Without a learnt batch nothing is kept: an
+    /// engine never seen full has slots to spare.
     pub(crate) fn kept_for_higher_bands(
         &self,
         s: &ReplicaState,
@@ -133,15 +172,85 @@ impl Router {
         if self.uncached_in_flight(s) > 0 {
             return true;
         }
-        let Some(batch) = s.batch.size() else {
+        s.batch
+            .size()
+            .is_some_and(|batch| self.occupied(s, now) + f64::from(kept) >= batch)
+    }
+
+    /// Whether replica state `s` keeps its free slots at `now` from
+    /// `req`'s flow for other flows of its band: only when `req`'s flow
+    /// has its fair share in flight already and another flow is under
+    /// its share. Then the replica is saturated for it once its engine's
+    /// learnt batch is occupied ([`Router::occupied`]) but for the slots
+    /// those flows came back for here (each one's peak within
+    /// `HEARTH_FLOW_FAIR_SLOTS_SECONDS` less what it has in flight, at
+    /// most what it lacks of its share): a flow past its share never
+    /// joins the engine's own queue, where it would be ahead of the next
+    /// request of a flow under it. A flow within its share takes any
+    /// free slot, so every flow gets its share while the others use
+    /// theirs, and what a quiet flow leaves unused for a whole window is
+    /// anyone's.
+    pub(crate) fn kept_for_flows(
+        &self,
+        s: &ReplicaState,
+        req: &RequestInfo,
+        fair: &FairShare,
+        now: Instant,
+    ) -> bool {
+        let lacks = |flow: u64| fair.share - f64::from(fair.in_flight(flow));
+        if lacks(req.flow) > 0.0 || !fair.in_flight.keys().any(|&f| lacks(f) > 0.0) {
             return false;
-        };
-        let own = f64::from(s.in_flight.saturating_add(s.peer_in_flight));
-        let occupied = match self.fresh_engine(s, now) {
-            Some(e) => e.running + e.waiting + own - f64::from(e.own_in_flight),
-            None => own,
-        };
-        occupied + f64::from(kept) >= batch
+        }
+        let window = self.params.flow.fair_window;
+        let kept: u32 = s
+            .flows
+            .about(now, window)
+            .filter(|&((band, flow), _, _)| band == req.priority && flow != req.flow)
+            .map(|((_, flow), _, unused)| {
+                let lacks = lacks(flow);
+                if lacks > 0.0 {
+                    unused.min(lacks.ceil() as u32)
+                } else {
+                    0
+                }
+            })
+            .sum();
+        s.batch
+            .size()
+            .is_some_and(|batch| self.occupied(s, now) + f64::from(kept) >= batch)
+    }
+
+    /// The fair share of `req`'s band on `candidates` at `now`
+    /// (`HEARTH_FLOW_FAIR_SLOTS_SECONDS`): the engines' learnt batches over the
+    /// band's flows about there (`req`'s own among them). `None` when off,
+    /// when no batch is learnt, or when `req`'s flow is the band's only
+    /// one.
+    fn fair_share(
+        &self,
+        fleet: &Fleet,
+        candidates: &[usize],
+        req: &RequestInfo,
+        now: Instant,
+    ) -> Option<FairShare> {
+        let p = &self.params.flow;
+        if p.fair_window.is_zero() {
+            return None;
+        }
+        let mut slots = 0.0;
+        let mut in_flight: HashMap<u64, u32> = HashMap::from([(req.flow, 0)]);
+        for &i in candidates {
+            let s = &fleet.state[i];
+            slots += s.batch.size().unwrap_or(0.0);
+            for ((band, flow), n, _) in s.flows.about(now, p.fair_window) {
+                if band == req.priority {
+                    *in_flight.entry(flow).or_default() += n;
+                }
+            }
+        }
+        (slots > 0.0 && in_flight.len() > 1).then(|| FairShare {
+            share: slots / in_flight.len() as f64,
+            in_flight,
+        })
     }
 
     /// For a request not queued yet, at `now`: `None` when every replica
@@ -160,15 +269,17 @@ impl Router {
             return Some(Kept::Nothing);
         };
         let candidates = &admitted.candidates;
+        let fair = self.fair_share(&fleet, candidates, req, now);
+        let fair = fair.as_ref();
         if candidates
             .iter()
-            .all(|&i| self.saturated_for_band(&fleet.state[i], req.priority, now))
+            .all(|&i| self.saturated_for(&fleet.state[i], req, fair, now))
         {
             return None;
         }
         let (kept, open): (Vec<usize>, Vec<usize>) = candidates
             .iter()
-            .partition(|&&i| self.kept_for_higher_bands(&fleet.state[i], req.priority, now));
+            .partition(|&&i| self.keeps_from(&fleet.state[i], req, fair, now));
         if kept.is_empty() || open.is_empty() {
             return Some(Kept::Nothing);
         }
@@ -224,12 +335,26 @@ impl Router {
         let Ok(admitted) = candidates::admit(self, &fleet, req, allowed, now) else {
             return Room::Go(None);
         };
-        let (free, full): (Vec<usize>, Vec<usize>) = admitted
-            .candidates
-            .iter()
-            .partition(|&&i| !self.saturated_for_band(&fleet.state[i], req.priority, now));
+        let fair = self.fair_share(&fleet, &admitted.candidates, req, now);
+        // Saturated for every flow of its band, or kept for its band's
+        // other flows only.
+        let (mut full, mut kept, mut free) = (Vec::new(), false, Vec::new());
+        for &i in &admitted.candidates {
+            let s = &fleet.state[i];
+            if self.saturated(s, now) || self.kept_for_higher_bands(s, req.priority, now) {
+                full.push(i);
+            } else if fair
+                .as_ref()
+                .is_some_and(|f| self.kept_for_flows(s, req, f, now))
+            {
+                full.push(i);
+                kept = true;
+            } else {
+                free.push(i);
+            }
+        }
         if free.is_empty() {
-            return Room::Full;
+            return if kept { Room::Share } else { Room::Full };
         }
         if !full.is_empty() && !req.hashes.is_empty() {
             let (warm, cold) = (warmest(&fleet, &full, req), warmest(&fleet, &free, req));
@@ -262,7 +387,26 @@ impl Router {
         allowed: Option<&[usize]>,
         now: Instant,
     ) -> bool {
-        self.room_at(req, allowed, Duration::MAX, now) == Room::Full
+        matches!(
+            self.room_at(req, allowed, Duration::MAX, now),
+            Room::Full | Room::Share
+        )
+    }
+}
+
+/// The fair share of one band's slots on some replicas at one moment
+/// ([`Router::kept_for_flows`]).
+#[derive(Debug)]
+pub(crate) struct FairShare {
+    /// Slots a flow: the engines' learnt batches over the band's flows.
+    share: f64,
+    /// Each of the band's flows about there, with its requests in flight.
+    in_flight: HashMap<u64, u32>,
+}
+
+impl FairShare {
+    fn in_flight(&self, flow: u64) -> u32 {
+        self.in_flight.get(&flow).copied().unwrap_or(0)
     }
 }
 
