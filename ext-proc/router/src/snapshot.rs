@@ -75,6 +75,12 @@ pub struct ReplicaSnapshot {
     /// (the slots kept from lower bands are the peaks less the in flight).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub bands: Vec<BandSnapshot>,
+    /// Flows (a band and a fairness id) of this sidecar about here: with
+    /// requests in flight, or a peak within
+    /// `HEARTH_FLOW_FAIR_SLOTS_SECONDS` (the slots kept for tenants under
+    /// their fair share are those peaks less the in flight).
+    #[serde(default)]
+    pub flows_about: usize,
     pub warmth_blocks: usize,
     pub warmth_capacity: usize,
     pub warmth_memory_bytes: usize,
@@ -215,6 +221,7 @@ impl Router {
                             peak,
                         })
                         .collect(),
+                    flows_about: s.flows.about(now, self.params.flow.fair_window).count(),
                     warmth_blocks: s.warmth.len(),
                     warmth_capacity: s.warmth.capacity(),
                     warmth_memory_bytes: s.warmth.memory_bytes(),

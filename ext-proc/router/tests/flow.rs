@@ -372,6 +372,7 @@ fn a_flow_past_its_fair_share_leaves_free_the_slots_flows_under_it_came_back_for
     // than in the engine's own queue (where it would be ahead of the
     // quiet flow's next request); the quiet flow's request goes.
     let back = at_later(quiet, 5);
+    assert_eq!(r.snapshot_at(later).replicas[0].flows_about, 2, "/state");
     assert_eq!(room(&r, noisy, later), Room::Share);
     assert_eq!(room(&r, quiet, later), Room::Go(Some(vec![0])));
     drop((busy, back));
