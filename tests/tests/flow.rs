@@ -6,7 +6,8 @@
 //! past the queue's bound or its time to live gets the 429 and its reason;
 //! a client that goes away leaves the queue at once; while a higher band
 //! is reading a prompt on the replica, a lower band does not read beside
-//! it (headroom for higher bands).
+//! it (headroom for higher bands); a tenant past its fair share waits
+//! while a quiet tenant's request passes it (slots kept for tenants).
 //!
 //! The fleet is one simulated engine, saturated deterministically: the
 //! uncached-prompt limit is one byte, so one cold request in flight fills
@@ -527,6 +528,95 @@ async fn a_lower_band_waits_while_an_interactive_prompt_is_read_unless_headroom_
             1.0,
         )
         .await;
+        fleet.assert_wasm_healthy();
+    }
+}
+
+/// Waits until `fleet`'s one replica shows the engine's batch learnt.
+async fn batch_learnt(fleet: &Fleet, batch: f64) {
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let s = fleet.state().await.unwrap();
+        if s.replicas[0].engine_batch == Some(batch) {
+            return;
+        }
+        assert!(Instant::now() < until, "{:?}", s.replicas[0]);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Slots kept for tenants under their fair share, through Envoy: on an
+/// engine of two slots shared by two tenants, the noisy tenant with both
+/// slots in flight and the quiet tenant's last request gone, the noisy
+/// tenant's next request waits in the sidecar's queue (not the engine's),
+/// and the quiet tenant's request, sent after it, passes it. With the
+/// setting at 0 the noisy request goes to the engine at once.
+#[tokio::test]
+async fn a_tenant_past_its_fair_share_waits_while_a_quiet_tenants_request_passes() {
+    const QUIET: (&str, &str) = ("x-gateway-inference-fairness-id", "quiet");
+    const NOISY: (&str, &str) = ("x-gateway-inference-fairness-id", "noisy");
+    for window in ["30", "0"] {
+        let fleet = Fleet::start(FleetOptions {
+            engines: 1,
+            max_running: 2,
+            sidecar_flags: vec![
+                format!("--flow-fair-slots-seconds={window}"),
+                "--engine-metrics-seconds=0.1".into(),
+                "--probe-interval-seconds=0".into(),
+                "--stall-seconds=0".into(),
+            ],
+            ..FleetOptions::default()
+        })
+        .await
+        .unwrap();
+        // Every request stalls in the engine until its client leaves.
+        fleet.engines[0].engine.set_fault(Fault::Stall);
+        // The quiet tenant's request, then two of the noisy tenant's: the
+        // engine runs two, one waits there, and the sidecar learns the
+        // batch from its figures.
+        let q1 = send(&fleet, prompt(1, 3000), &[QUIET]);
+        in_flight_reaches(&fleet, 1).await;
+        let n1 = send(&fleet, prompt(2, 3000), &[NOISY]);
+        let n2 = send(&fleet, prompt(3, 3000), &[NOISY]);
+        in_flight_reaches(&fleet, 3).await;
+        batch_learnt(&fleet, 2.0).await;
+        // The quiet tenant's request goes away (its agent thinks): the
+        // noisy tenant holds the engine's two slots, its whole fair share
+        // and more.
+        q1.abort();
+        in_flight_reaches(&fleet, 2).await;
+        let n3 = send(&fleet, prompt(4, 3000), &[NOISY]);
+        if window == "0" {
+            in_flight_reaches(&fleet, 3).await;
+            for t in [n1, n2, n3] {
+                t.abort();
+            }
+            continue;
+        }
+        metric_reaches(
+            &fleet,
+            "llm_d_epp_flow_control_queue_size{priority=\"0\"}",
+            1.0,
+        )
+        .await;
+        assert_eq!(fleet.state().await.unwrap().replicas[0].flows_about, 2);
+        // The engine answers new requests again; the quiet tenant's next
+        // one passes the waiting noisy request to the engine's queue.
+        fleet.engines[0].engine.set_fault(Fault::None);
+        let q2 = send(&fleet, prompt(5, 3000), &[QUIET]);
+        in_flight_reaches(&fleet, 3).await;
+        let (_, text) = fleet.admin_get("/metrics").await.unwrap();
+        assert_eq!(
+            metric_sample(&text, "llm_d_epp_flow_control_queue_size{priority=\"0\"}"),
+            Some(1.0),
+            "the noisy request still waits"
+        );
+        // A noisy request ends: the quiet one takes its slot and is
+        // answered; then the noisy one waiting follows.
+        n1.abort();
+        assert_routed(&q2.await.unwrap(), "quiet: ");
+        n2.abort();
+        assert_routed(&n3.await.unwrap(), "noisy: ");
         fleet.assert_wasm_healthy();
     }
 }
