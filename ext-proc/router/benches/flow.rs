@@ -2,7 +2,8 @@
 //! three bands): one look at the queue that lets one request out (`pop`,
 //! then the request queued again so the queue stays full), and the same
 //! with the sidecar's work for it (where it may go, `Router::room_at`,
-//! and its decision among the replicas with room, at 8 replicas). Prints
+//! and its decision among the replicas with room, at 8 replicas; then
+//! with slots kept for tenants under their fair share). Prints
 //! the queue's memory per request before measuring.
 //!
 //! Run: `cargo bench -p hearth-router --bench flow -- --warm-up-time 1 --measurement-time 3`
@@ -10,7 +11,10 @@
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use hearth_router::{Entry, FlowQueue, QueueParams, RequestInfo, Room, Router, RouterParams};
+use hearth_router::params::FlowParams;
+use hearth_router::{
+    EngineSignals, Entry, FlowQueue, QueueParams, RequestInfo, Room, Router, RouterParams,
+};
 
 const QUEUED: usize = 10_000;
 const TENANTS: usize = 1_000;
@@ -22,6 +26,7 @@ fn request(k: u64) -> RequestInfo {
         prompt_bytes: hashes.len() as u64 * 2048,
         hashes,
         model: Some("m".into()),
+        flow: k % TENANTS as u64,
         ..RequestInfo::default()
     }
 }
@@ -75,24 +80,48 @@ fn bench_flow(c: &mut Criterion) {
     let upstreams: Vec<_> = (0..8)
         .map(|i| format!("127.0.0.1:{}", 20000 + i).parse().expect("address"))
         .collect();
-    let router = Router::new(RouterParams::default(), &upstreams);
-    g.bench_function("dispatch_one_of_10k_8_replicas", |b| {
-        b.iter(|| {
-            let (e, free) = q
-                .pop_where(
-                    |e| match router.room_at(&e.item, None, e.waited(now), now) {
-                        Room::Go(free) => Some(free),
-                        _ => None,
-                    },
-                )
-                .expect("room");
-            let decision = router
-                .decide_within_at(&e.item, free.as_deref(), now)
-                .expect("decide");
-            drop(decision);
-            requeue(&mut q, e, now);
-        })
-    });
+    let plain = Router::new(RouterParams::default(), &upstreams);
+    // With slots kept for tenants (`HEARTH_FLOW_FAIR_SLOTS_SECONDS`), each
+    // engine's batch learnt and every request's flow its tenant's: each
+    // look reckons its band's fair share over the replicas' tracked flows
+    // (up to 64 a replica, all about: the clock stands still here).
+    let fair = Router::new(
+        RouterParams {
+            flow: FlowParams {
+                fair_window: Duration::from_secs(30),
+                ..FlowParams::default()
+            },
+            ..RouterParams::default()
+        },
+        &upstreams,
+    );
+    for u in &upstreams {
+        for (running, waiting) in [(4.0, 2.0), (4.0, 2.0), (0.0, 0.0)] {
+            fair.set_engine_signals(u.addr, EngineSignals::queue(running, waiting, now));
+        }
+    }
+    for (name, router) in [
+        ("dispatch_one_of_10k_8_replicas", &plain),
+        ("dispatch_one_of_10k_8_replicas_fair_slots", &fair),
+    ] {
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                let (e, free) = q
+                    .pop_where(
+                        |e| match router.room_at(&e.item, None, e.waited(now), now) {
+                            Room::Go(free) => Some(free),
+                            _ => None,
+                        },
+                    )
+                    .expect("room");
+                let decision = router
+                    .decide_within_at(&e.item, free.as_deref(), now)
+                    .expect("decide");
+                drop(decision);
+                requeue(&mut q, e, now);
+            })
+        });
+    }
     g.finish();
 }
 
