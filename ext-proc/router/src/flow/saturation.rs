@@ -13,9 +13,9 @@
 //! engine was seen to run at once. For a request of a lower priority band
 //! a replica is also saturated while its batch has no slot beyond those
 //! higher bands used lately ([`Router::kept_for_higher_bands`]); with
-//! `HEARTH_FLOW_FAIR_SLOTS_SECONDS`, for a request whose flow has its fair share
-//! of the band's slots in flight, while it has no slot beyond those its
-//! band's flows under their share came back for
+//! `HEARTH_FLOW_FAIR_SLOTS_SECONDS`, for a request whose flow has its
+//! fair share of the band's slots in flight, while it has no slot beyond
+//! those its band's flows under their share came back for
 //! ([`Router::kept_for_flows`]).
 
 use std::collections::HashMap;
@@ -221,10 +221,10 @@ impl Router {
     }
 
     /// The fair share of `req`'s band on `candidates` at `now`
-    /// (`HEARTH_FLOW_FAIR_SLOTS_SECONDS`): the engines' learnt batches over the
-    /// band's flows about there (`req`'s own among them). `None` when off,
-    /// when no batch is learnt, or when `req`'s flow is the band's only
-    /// one.
+    /// (`HEARTH_FLOW_FAIR_SLOTS_SECONDS`): the engines' learnt batches
+    /// over the band's flows about there (`req`'s own among them). `None`
+    /// when off, when no batch is learnt, or when `req`'s flow is the
+    /// band's only one.
     fn fair_share(
         &self,
         fleet: &Fleet,
