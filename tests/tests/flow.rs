@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use hearth_bench::engine::Fault;
 use hearth_e2e::{filler, metric_sample, Conversation, Fleet, FleetOptions, Turn, MODEL};
+use hearth_router::Snapshot;
 use serde_json::Value;
 
 /// Waits until `series` in the sidecar's metrics reads `want`.
@@ -39,19 +40,11 @@ async fn metric_reaches(fleet: &Fleet, series: &str, want: f64) {
 
 /// Waits until the replica has `n` requests in flight.
 async fn in_flight_reaches(fleet: &Fleet, n: u32) {
-    let until = Instant::now() + Duration::from_secs(20);
-    loop {
-        let s = fleet.state().await.unwrap();
-        if s.replicas[0].in_flight == n {
-            return;
-        }
-        assert!(
-            Instant::now() < until,
-            "in flight: {}",
-            s.replicas[0].in_flight
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let s = fleet
+        .state_when(Duration::from_secs(20), |s| s.replicas[0].in_flight == n)
+        .await
+        .unwrap();
+    assert_eq!(s.replicas[0].in_flight, n, "in flight");
 }
 
 /// A first turn of its own conversation, `bytes` of prompt.
@@ -343,16 +336,12 @@ async fn the_body_and_endpoint_picker_shapes_hold_the_answer_while_the_request_w
 
 /// Waits until the replica named `id` has `n` requests in flight.
 async fn replica_in_flight_reaches(fleet: &Fleet, id: &str, n: u32) {
-    let until = Instant::now() + Duration::from_secs(20);
-    loop {
-        let s = fleet.state().await.unwrap();
-        let r = s.replicas.iter().find(|r| r.id == id).unwrap();
-        if r.in_flight == n {
-            return;
-        }
-        assert!(Instant::now() < until, "{id} in flight: {}", r.in_flight);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let in_flight = |s: &Snapshot| s.replicas.iter().find(|r| r.id == id).unwrap().in_flight;
+    let s = fleet
+        .state_when(Duration::from_secs(20), |s| in_flight(s) == n)
+        .await
+        .unwrap();
+    assert_eq!(in_flight(&s), n, "{id} in flight");
 }
 
 #[tokio::test]
@@ -534,15 +523,18 @@ async fn a_lower_band_waits_while_an_interactive_prompt_is_read_unless_headroom_
 
 /// Waits until `fleet`'s one replica shows the engine's batch learnt.
 async fn batch_learnt(fleet: &Fleet, batch: f64) {
-    let until = Instant::now() + Duration::from_secs(20);
-    loop {
-        let s = fleet.state().await.unwrap();
-        if s.replicas[0].engine_batch == Some(batch) {
-            return;
-        }
-        assert!(Instant::now() < until, "{:?}", s.replicas[0]);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let s = fleet
+        .state_when(Duration::from_secs(20), |s| {
+            s.replicas[0].engine_batch == Some(batch)
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        s.replicas[0].engine_batch,
+        Some(batch),
+        "{:?}",
+        s.replicas[0]
+    );
 }
 
 /// Slots kept for tenants under their fair share, through Envoy: on an
