@@ -179,8 +179,8 @@ impl Router {
 
     /// Whether replica state `s` keeps its free slots at `now` from
     /// `req`'s flow for other flows of its band: only when `req`'s flow
-    /// has its fair share in flight already and another flow is under
-    /// its share. Then the replica is saturated for it once its engine's
+    /// has its fair share in flight already (and, as `fair` exists,
+    /// another flow is under its share). Then the replica is saturated for it once its engine's
     /// learnt batch is occupied ([`Router::occupied`]) but for the slots
     /// those flows came back for here (each one's peak within
     /// `HEARTH_FLOW_FAIR_SLOTS_SECONDS` less what it has in flight, at
@@ -198,7 +198,7 @@ impl Router {
         now: Instant,
     ) -> bool {
         let lacks = |flow: u64| fair.share - f64::from(fair.in_flight(flow));
-        if lacks(req.flow) > 0.0 || !fair.in_flight.keys().any(|&f| lacks(f) > 0.0) {
+        if lacks(req.flow) > 0.0 {
             return false;
         }
         let window = self.params.flow.fair_window;
@@ -223,8 +223,9 @@ impl Router {
     /// The fair share of `req`'s band on `candidates` at `now`
     /// (`HEARTH_FLOW_FAIR_SLOTS_SECONDS`): the engines' learnt batches
     /// over the band's flows about there (`req`'s own among them). `None`
-    /// when off, when no batch is learnt, or when `req`'s flow is the
-    /// band's only one.
+    /// when off, when no batch is learnt, when `req`'s flow is the band's
+    /// only one, or when no flow is under its share (nothing is kept for
+    /// any).
     fn fair_share(
         &self,
         fleet: &Fleet,
@@ -247,10 +248,12 @@ impl Router {
                 }
             }
         }
-        (slots > 0.0 && in_flight.len() > 1).then(|| FairShare {
-            share: slots / in_flight.len() as f64,
-            in_flight,
-        })
+        if slots <= 0.0 || in_flight.len() < 2 {
+            return None;
+        }
+        let share = slots / in_flight.len() as f64;
+        let under = in_flight.values().any(|&n| f64::from(n) < share);
+        under.then_some(FairShare { share, in_flight })
     }
 
     /// For a request not queued yet, at `now`: `None` when every replica
