@@ -429,8 +429,6 @@ impl FlowControl {
     }
 }
 
-/// A fairness id kept as a digest: never the value itself (it may be a
-/// credential), and bounded in size.
 /// What a look at the queue found full: a model, a replica subset, and
 /// the long lane or not.
 type FullKey = (Option<String>, Option<Vec<usize>>, bool);
@@ -442,10 +440,10 @@ fn flow_digest(fairness_id: &str) -> u64 {
     h.finish()
 }
 
+/// A fairness id kept as a digest: never the value itself (it may be a
+/// credential), and bounded in size.
 fn digest(value: &str) -> String {
-    let mut h = DefaultHasher::new();
-    value.hash(&mut h);
-    format!("h-{:016x}", h.finish())
+    format!("h-{:016x}", flow_digest(value))
 }
 
 #[cfg(test)]
