@@ -3,7 +3,7 @@
 //! A request about to be decided asks [`FlowControl::admit`] first. While
 //! the fleet has room for it (and nothing waits), it is decided at once,
 //! as without flow control. While every replica it may use is saturated
-//! ([`hearth_router::Router::room_at`]), it waits in the queue
+//! ([`hearth_router::Router::room_in`]), it waits in the queue
 //! ([`hearth_router::FlowQueue`]: priority band from its objective,
 //! fairness id, prompt bytes) and its ext_proc stream holds Envoy's
 //! answer; a sheddable request (negative priority) is refused at once. One
@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::HttpHeaders;
 use hearth_router::{
-    Decision, DropReason, Entry, FlowQueue, Kept, QueueParams, RequestInfo, Room, RouteError,
+    Decision, DropReason, Entry, FlowQueue, Kept, Look, QueueParams, RequestInfo, Room, RouteError,
     Router,
 };
 use hearth_wire::names::{FAIRNESS_ID, OBJECTIVE};
@@ -362,6 +362,9 @@ impl FlowControl {
             let long = router.params().long_prompt_bytes;
             let mut full: HashSet<FullKey> = HashSet::new();
             let mut shared: HashSet<(FullKey, (i32, u64))> = HashSet::new();
+            // What the look reckons once for all its questions (each band's
+            // fair share), until a request leaves.
+            let mut look = Look::default();
             while let Some((entry, room)) = queue.pop_where(|e| {
                 let info = &e.item.info;
                 let key = (
@@ -375,7 +378,7 @@ impl FlowControl {
                 }
                 let since = e.item.warm_since.get();
                 let held = since.map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
-                match router.room_at(&e.item.info, e.item.subset.as_deref(), held, now) {
+                match router.room_in(&mut look, &e.item.info, e.item.subset.as_deref(), held, now) {
                     Room::Full => {
                         full.insert(key);
                         None
@@ -395,6 +398,7 @@ impl FlowControl {
                 let allowed = room.as_deref().or(entry.item.subset.as_deref());
                 let decided = Box::new(router.decide_within_at(&entry.item.info, allowed, now));
                 let elapsed = started.elapsed();
+                look.changed();
                 out.push((entry, Left::Decided { decided, elapsed }));
             }
             queue.next_expiry()

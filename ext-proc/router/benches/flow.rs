@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, Criterion};
 use hearth_router::params::FlowParams;
 use hearth_router::{
-    EngineSignals, Entry, FlowQueue, QueueParams, RequestInfo, Room, Router, RouterParams,
+    EngineSignals, Entry, FlowQueue, Look, QueueParams, RequestInfo, Room, Router, RouterParams,
 };
 
 const QUEUED: usize = 10_000;
@@ -122,7 +122,107 @@ fn bench_flow(c: &mut Criterion) {
             })
         });
     }
+    look_with_flows_past_share(&mut g, now);
     g.finish();
+}
+
+/// Replicas in the look below, flows each replica tracks with a request
+/// in flight (past their share), and flows with none (under it).
+const LOOK_REPLICAS: u64 = 8;
+const HELD_FLOWS: u64 = 48;
+const QUIET_FLOWS: u64 = 16;
+
+/// A whole look at a queue of 10,000 requests in which no request may
+/// leave: each replica tracks the most flows it may (64: 48 with a
+/// request in flight, past their fair share, and 16 that came and went,
+/// under it), every queued request is of a flow past its share, and the
+/// slots left are kept for the others. The look asks once per flow (384
+/// flows) and skips the flow's later requests, as the sidecar's does.
+fn look_with_flows_past_share(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    now: Instant,
+) {
+    let upstreams: Vec<_> = (0..LOOK_REPLICAS)
+        .map(|i| format!("127.0.0.1:{}", 21000 + i).parse().expect("address"))
+        .collect();
+    let router = Router::new(
+        RouterParams {
+            flow: FlowParams {
+                fair_window: Duration::from_secs(30),
+                ..FlowParams::default()
+            },
+            ..RouterParams::default()
+        },
+        &upstreams,
+    );
+    let batch = HELD_FLOWS as f64;
+    for u in &upstreams {
+        for _ in 0..2 {
+            router.set_engine_signals(u.addr, EngineSignals::queue(batch, 1.0, now));
+        }
+    }
+    let flow_of = |r: u64, f: u64| r * 64 + f;
+    let mut held = Vec::new();
+    for r in 0..LOOK_REPLICAS {
+        for f in 0..HELD_FLOWS + QUIET_FLOWS {
+            let info = RequestInfo {
+                flow: flow_of(r, f),
+                ..request(flow_of(r, f))
+            };
+            let d = router
+                .decide_within_at(&info, Some(&[r as usize]), now)
+                .expect("decide");
+            if f < HELD_FLOWS {
+                held.push(d);
+            }
+        }
+    }
+    // The engines' figures now: their batches full of those requests,
+    // nothing waiting.
+    for u in &upstreams {
+        router.set_engine_signals(u.addr, EngineSignals::queue(batch, 0.0, now));
+    }
+    let params = QueueParams {
+        ttl: Duration::from_secs(3600),
+        max_requests: QUEUED * 2,
+        max_bytes: u64::MAX,
+        ..QueueParams::default()
+    };
+    let mut q: FlowQueue<RequestInfo> = FlowQueue::new(params);
+    let held_flows = LOOK_REPLICAS * HELD_FLOWS;
+    for k in 0..QUEUED as u64 {
+        let n = k % held_flows;
+        let flow = flow_of(n / HELD_FLOWS, n % HELD_FLOWS);
+        let info = RequestInfo { flow, ..request(k) };
+        let bytes = info.prompt_bytes;
+        q.push(info, 0, &format!("tenant-{flow}"), bytes, now)
+            .expect("room");
+    }
+    let asked = std::cell::Cell::new(0usize);
+    g.bench_function("look_10k_queued_384_flows_past_share", |b| {
+        b.iter(|| {
+            asked.set(0);
+            let mut shared = std::collections::HashSet::new();
+            let mut look = Look::default();
+            let left = q.pop_where(|e| {
+                if shared.contains(&e.item.flow) {
+                    return None;
+                }
+                asked.set(asked.get() + 1);
+                match router.room_in(&mut look, &e.item, None, e.waited(now), now) {
+                    Room::Share => {
+                        shared.insert(e.item.flow);
+                        None
+                    }
+                    Room::Go(free) => Some(free),
+                    Room::Full | Room::Warm => None,
+                }
+            });
+            assert!(left.is_none(), "no flow past its share leaves");
+        })
+    });
+    assert_eq!(asked.get(), held_flows as usize, "one question a flow");
+    drop(held);
 }
 
 criterion_group!(benches, bench_flow);

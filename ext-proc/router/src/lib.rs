@@ -47,7 +47,7 @@ pub use decide::policy::Candidate;
 pub use decide::{Decision, Prefill, RequestInfo, Reservation, RouteError, ScoredCandidate};
 pub use fleet::EngineSignals;
 pub use flow::{
-    BandLoad, DropReason, Dropped, Entry, FlowLoad, FlowParams, FlowQueue, Kept, QueueParams,
+    BandLoad, DropReason, Dropped, Entry, FlowLoad, FlowParams, FlowQueue, Kept, Look, QueueParams,
     QueueView, Room, AFFINITY_UNITS_MAX, LOOK_DEPTH,
 };
 pub use health::{

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hearth_router::{
-    DropReason, EngineSignals, FlowQueue, Kept, QueueParams, RequestInfo, Room, Router,
+    DropReason, EngineSignals, FlowQueue, Kept, Look, QueueParams, RequestInfo, Room, Router,
     RouterParams, UpstreamSpec, AFFINITY_UNITS_MAX, LOOK_DEPTH,
 };
 
@@ -385,6 +385,61 @@ fn a_flow_past_its_fair_share_leaves_free_the_slots_flows_under_it_came_back_for
     let three: Vec<_> = (11..14).map(|h| send(&off, noisy, h)).collect();
     assert_eq!(room(&off, noisy, t0), Room::Go(Some(vec![0])));
     drop(three);
+}
+
+#[test]
+fn a_look_reckons_a_bands_fair_share_once_until_a_request_leaves() {
+    let r = fleet(|p| {
+        p.flow.uncached_bytes = 0;
+        p.flow.fair_window = Duration::from_secs(30);
+    });
+    let t0 = Instant::now();
+    let only0: Option<&[usize]> = Some(&[0]);
+    let (noisy, quiet) = (1, 2);
+    let of = |flow: u64, h: u64| RequestInfo { flow, ..req(&[h]) };
+    let send = |flow: u64, h: u64| {
+        let d = r.decide_within_at(&of(flow, h), only0, t0).unwrap();
+        d.prefill().done_at(t0);
+        d
+    };
+    // Four slots on replica 0, two flows of band 0: two slots a flow.
+    for (running, waiting) in [(4.0, 2.0), (4.0, 2.0), (0.0, 0.0)] {
+        r.set_engine_signals(
+            addr(0),
+            EngineSignals {
+                running,
+                ..signals(waiting, None, t0)
+            },
+        );
+    }
+    drop((send(quiet, 1), send(quiet, 2)));
+    let first = send(noisy, 11);
+    let mut look = Look::default();
+    let ask =
+        |look: &mut Look, info: &RequestInfo| r.room_in(look, info, only0, Duration::ZERO, t0);
+    // One noisy request in flight: under its share, it may go.
+    assert_eq!(ask(&mut look, &of(noisy, 99)), Room::Go(Some(vec![0])));
+    // Another leaves without the look hearing of it: the look answers from
+    // what it reckoned (one in flight), where a fresh question counts two
+    // (its share: the last two slots are kept for the quiet flow).
+    let second = send(noisy, 12);
+    assert_eq!(ask(&mut look, &of(noisy, 99)), Room::Go(Some(vec![0])));
+    assert_eq!(
+        r.room_at(&of(noisy, 99), only0, Duration::ZERO, t0),
+        Room::Share
+    );
+    // Told, it reckons again.
+    look.changed();
+    assert_eq!(ask(&mut look, &of(noisy, 99)), Room::Share);
+    assert_eq!(ask(&mut look, &of(quiet, 99)), Room::Go(Some(vec![0])));
+    // Each band is reckoned on its own: band 10 has one flow, and nothing
+    // is kept from it.
+    let high = RequestInfo {
+        priority: 10,
+        ..of(noisy, 99)
+    };
+    assert_eq!(ask(&mut look, &high), Room::Go(Some(vec![0])));
+    drop((first, second));
 }
 
 #[test]

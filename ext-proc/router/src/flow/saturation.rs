@@ -107,28 +107,29 @@ impl Router {
     /// Whether replica state `s` is saturated at `now` for `req`:
     /// saturated for all, or holding no slot beyond those kept for higher
     /// bands ([`Router::kept_for_higher_bands`]) or for flows under their
-    /// fair share ([`Router::kept_for_flows`]).
+    /// fair share (`flows`: [`Router::kept_for_flows`]).
     fn saturated_for(
         &self,
         s: &ReplicaState,
         req: &RequestInfo,
-        fair: Option<&FairShare>,
+        flows: Option<(&FlowsKept, u32)>,
         now: Instant,
     ) -> bool {
-        self.saturated(s, now) || self.keeps_from(s, req, fair, now)
+        self.saturated(s, now) || self.keeps_from(s, req, flows, now)
     }
 
     /// Whether replica state `s` keeps its free slots at `now` from `req`:
-    /// for higher bands, or for flows of its band under their fair share.
+    /// for higher bands, or for flows of its band under their fair share
+    /// (`flows`: the band's shares, and the slots kept for them here).
     fn keeps_from(
         &self,
         s: &ReplicaState,
         req: &RequestInfo,
-        fair: Option<&FairShare>,
+        flows: Option<(&FlowsKept, u32)>,
         now: Instant,
     ) -> bool {
         self.kept_for_higher_bands(s, req.priority, now)
-            || fair.is_some_and(|f| self.kept_for_flows(s, req, f, now))
+            || flows.is_some_and(|(f, kept)| self.kept_for_flows(s, req, f, kept, now))
     }
 
     /// The engine's slots occupied on replica state `s` at `now`: its
@@ -178,72 +179,56 @@ impl Router {
     }
 
     /// Whether replica state `s` keeps its free slots at `now` from
-    /// `req`'s flow for other flows of its band: only when `req`'s flow
-    /// has its fair share in flight already (and, as `fair` exists,
-    /// another flow is under its share). Then the replica is saturated for it once its engine's
-    /// learnt batch is occupied ([`Router::occupied`]) but for the slots
-    /// those flows came back for here (each one's peak within
-    /// `HEARTH_FLOW_FAIR_SLOTS_SECONDS` less what it has in flight, at
-    /// most what it lacks of its share): a flow past its share never
+    /// `req`'s flow for other flows of its band (`fair`): only when
+    /// `req`'s flow has its fair share in flight already (and, as `fair`
+    /// exists, another flow is under its share). Then the replica is
+    /// saturated for it once its engine's learnt batch is occupied
+    /// ([`Router::occupied`]) but for the `kept` slots those flows came
+    /// back for here ([`FlowsKept::reckon`]): a flow past its share never
     /// joins the engine's own queue, where it would be ahead of the next
-    /// request of a flow under it. A flow within its share takes any
-    /// free slot, so every flow gets its share while the others use
-    /// theirs, and what a quiet flow leaves unused for a whole window is
-    /// anyone's.
+    /// request of a flow under it. A flow within its share takes any free
+    /// slot, so every flow gets its share while the others use theirs,
+    /// and what a quiet flow leaves unused for a whole window is anyone's.
     pub(crate) fn kept_for_flows(
         &self,
         s: &ReplicaState,
         req: &RequestInfo,
-        fair: &FairShare,
+        fair: &FlowsKept,
+        kept: u32,
         now: Instant,
     ) -> bool {
-        let lacks = |flow: u64| fair.share - f64::from(fair.in_flight(flow));
-        if lacks(req.flow) > 0.0 {
-            return false;
-        }
-        let window = self.params.flow.fair_window;
-        let kept: u32 = s
-            .flows
-            .about(now, window)
-            .filter(|&((band, flow), _, _)| band == req.priority && flow != req.flow)
-            .map(|((_, flow), _, unused)| {
-                let lacks = lacks(flow);
-                if lacks > 0.0 {
-                    unused.min(lacks.ceil() as u32)
-                } else {
-                    0
-                }
-            })
-            .sum();
-        s.batch
-            .size()
-            .is_some_and(|batch| self.occupied(s, now) + f64::from(kept) >= batch)
+        fair.lacks(req.flow) <= 0.0
+            && s.batch
+                .size()
+                .is_some_and(|batch| self.occupied(s, now) + f64::from(kept) >= batch)
     }
 
-    /// The fair share of `req`'s band on `candidates` at `now`
-    /// (`HEARTH_FLOW_FAIR_SLOTS_SECONDS`): the engines' learnt batches
-    /// over the band's flows about there (`req`'s own among them). `None`
-    /// when off, when no batch is learnt, when `req`'s flow is the band's
-    /// only one, or when no flow is under its share (nothing is kept for
-    /// any).
-    fn fair_share(
+    /// The fair share of band `band` on `candidates` at `now`
+    /// (`HEARTH_FLOW_FAIR_SLOTS_SECONDS`): the engines' learnt batches over
+    /// the band's flows about there; and the slots each candidate keeps
+    /// for the flows under it. `None` when off, when no batch is learnt,
+    /// when fewer than two of the band's flows are about there, or when
+    /// none is under its share (nothing is kept for any). A flow not about
+    /// there has nothing in flight, so it is under the share whatever the
+    /// share is: whichever request asks, the answer is the same.
+    fn flows_kept(
         &self,
         fleet: &Fleet,
         candidates: &[usize],
-        req: &RequestInfo,
+        band: i32,
         now: Instant,
-    ) -> Option<FairShare> {
-        let p = &self.params.flow;
-        if p.fair_window.is_zero() {
+    ) -> Option<FlowsKept> {
+        let window = self.params.flow.fair_window;
+        if window.is_zero() {
             return None;
         }
         let mut slots = 0.0;
-        let mut in_flight: HashMap<u64, u32> = HashMap::from([(req.flow, 0)]);
+        let mut in_flight: HashMap<u64, u32> = HashMap::new();
         for &i in candidates {
             let s = &fleet.state[i];
             slots += s.batch.size().unwrap_or(0.0);
-            for ((band, flow), n, _) in s.flows.about(now, p.fair_window) {
-                if band == req.priority {
+            for ((b, flow), n, _) in s.flows.about(now, window) {
+                if b == band {
                     *in_flight.entry(flow).or_default() += n;
                 }
             }
@@ -252,8 +237,19 @@ impl Router {
             return None;
         }
         let share = slots / in_flight.len() as f64;
-        let under = in_flight.values().any(|&n| f64::from(n) < share);
-        under.then_some(FairShare { share, in_flight })
+        if !in_flight.values().any(|&n| f64::from(n) < share) {
+            return None;
+        }
+        let mut fair = FlowsKept {
+            share,
+            in_flight,
+            kept: Vec::new(),
+        };
+        fair.kept = candidates
+            .iter()
+            .map(|&i| fair.reckon(&fleet.state[i], band, now, window))
+            .collect();
+        Some(fair)
     }
 
     /// For a request not queued yet, at `now`: `None` when every replica
@@ -272,17 +268,23 @@ impl Router {
             return Some(Kept::Nothing);
         };
         let candidates = &admitted.candidates;
-        let fair = self.fair_share(&fleet, candidates, req, now);
-        let fair = fair.as_ref();
+        let fair = self.flows_kept(&fleet, candidates, req.priority, now);
+        let flows = |n: usize| fair.as_ref().map(|f| (f, f.kept[n]));
         if candidates
             .iter()
-            .all(|&i| self.saturated_for(&fleet.state[i], req, fair, now))
+            .enumerate()
+            .all(|(n, &i)| self.saturated_for(&fleet.state[i], req, flows(n), now))
         {
             return None;
         }
-        let (kept, open): (Vec<usize>, Vec<usize>) = candidates
-            .iter()
-            .partition(|&&i| self.keeps_from(&fleet.state[i], req, fair, now));
+        let (mut kept, mut open) = (Vec::new(), Vec::new());
+        for (n, &i) in candidates.iter().enumerate() {
+            if self.keeps_from(&fleet.state[i], req, flows(n), now) {
+                kept.push(i);
+            } else {
+                open.push(i);
+            }
+        }
         if kept.is_empty() || open.is_empty() {
             return Some(Kept::Nothing);
         }
@@ -334,21 +336,43 @@ impl Router {
         waited: Duration,
         now: Instant,
     ) -> Room {
+        self.room_in(&mut Look::default(), req, allowed, waited, now)
+    }
+
+    /// [`Router::room_at`] within one look at a queue (`look`): each band's
+    /// fair share on each set of candidates is reckoned at its first
+    /// question and reused by the look's later ones.
+    pub fn room_in(
+        self: &Arc<Self>,
+        look: &mut Look,
+        req: &RequestInfo,
+        allowed: Option<&[usize]>,
+        waited: Duration,
+        now: Instant,
+    ) -> Room {
         let fleet = self.lock();
         let Ok(admitted) = candidates::admit(self, &fleet, req, allowed, now) else {
             return Room::Go(None);
         };
-        let fair = self.fair_share(&fleet, &admitted.candidates, req, now);
+        let candidates = admitted.candidates;
+        let fair = look
+            .fair
+            .entry((req.priority, candidates.clone()))
+            .or_insert_with(|| {
+                self.flows_kept(&fleet, &candidates, req.priority, now)
+                    .map(Arc::new)
+            })
+            .clone();
         // Saturated for every flow of its band, or kept for its band's
         // other flows only.
         let (mut full, mut kept, mut free) = (Vec::new(), false, Vec::new());
-        for &i in &admitted.candidates {
+        for (n, &i) in candidates.iter().enumerate() {
             let s = &fleet.state[i];
             if self.saturated(s, now) || self.kept_for_higher_bands(s, req.priority, now) {
                 full.push(i);
             } else if fair
-                .as_ref()
-                .is_some_and(|f| self.kept_for_flows(s, req, f, now))
+                .as_deref()
+                .is_some_and(|f| self.kept_for_flows(s, req, f, f.kept[n], now))
             {
                 full.push(i);
                 kept = true;
@@ -397,19 +421,61 @@ impl Router {
     }
 }
 
-/// The fair share of one band's slots on some replicas at one moment
+/// One band's fair share of the slots of some replicas at one moment, and
+/// what each of them keeps for the band's flows under it
 /// ([`Router::kept_for_flows`]).
 #[derive(Debug)]
-pub(crate) struct FairShare {
+pub(crate) struct FlowsKept {
     /// Slots a flow: the engines' learnt batches over the band's flows.
     share: f64,
     /// Each of the band's flows about there, with its requests in flight.
     in_flight: HashMap<u64, u32>,
+    /// Slots kept for the flows under their share, by candidate (in the
+    /// order of the candidates it was reckoned for).
+    kept: Vec<u32>,
 }
 
-impl FairShare {
-    fn in_flight(&self, flow: u64) -> u32 {
-        self.in_flight.get(&flow).copied().unwrap_or(0)
+impl FlowsKept {
+    /// What `flow` lacks of its share (its share when it is not about).
+    fn lacks(&self, flow: u64) -> f64 {
+        self.share - f64::from(self.in_flight.get(&flow).copied().unwrap_or(0))
+    }
+
+    /// The slots replica state `s` keeps for band `band`'s flows under
+    /// their share: each one's peak there within `window` less what it
+    /// has in flight, at most what it lacks of its share. A flow past its
+    /// share counts nothing, so the figure is the same whichever flow of
+    /// the band asks.
+    fn reckon(&self, s: &ReplicaState, band: i32, now: Instant, window: Duration) -> u32 {
+        s.flows
+            .about(now, window)
+            .filter(|&((b, _), _, _)| b == band)
+            .map(|((_, flow), _, unused)| {
+                let lacks = self.lacks(flow);
+                if lacks > 0.0 {
+                    unused.min(lacks.ceil() as u32)
+                } else {
+                    0
+                }
+            })
+            .sum()
+    }
+}
+
+/// What one look at a queue reckoned once for all its questions
+/// ([`Router::room_in`]): each band's fair share and kept slots, by set of
+/// candidate replicas. A look lets requests out one at a time; after each
+/// one leaves, [`Look::changed`] forgets it all (that request's flow now
+/// has one more in flight).
+#[derive(Debug, Default)]
+pub struct Look {
+    fair: HashMap<(i32, Vec<usize>), Option<Arc<FlowsKept>>>,
+}
+
+impl Look {
+    /// The fleet changed (a request left the queue): reckon again.
+    pub fn changed(&mut self) {
+        self.fair.clear();
     }
 }
 
