@@ -10,9 +10,6 @@
 //! share of recent first turns that went on to a second turn: where
 //! requests are one-shot (an app's system prompt and a question), a
 //! placement holds no conversation, and the shared prefix counts in full.
-//! A later turn on replicas that each run many requests, none waiting,
-//! weighs load differences in proportion to what they run
-//! ([`load_weight`]).
 //! The benchmark's simulator calls this same code, so what it measures is
 //! what the sidecar runs.
 
@@ -112,8 +109,7 @@ pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Inst
             }
         }
     }
-    let weight = load_weight(router, fleet, warm, &candidates, now);
-    let scores = scores(params.alpha * weight, &credits, &candidates);
+    let scores = scores(params.alpha, &credits, &candidates);
     Scored {
         candidates,
         credits,
@@ -128,39 +124,6 @@ pub fn scores(alpha: f64, credits: &[f64], candidates: &[Candidate]) -> Vec<f64>
         .zip(candidates)
         .map(|(credit, c)| credit - alpha * c.load)
         .collect()
-}
-
-/// What a later turn's load differences weigh (`HEARTH_RELATIVE_LOAD_ABOVE`):
-/// while no candidate's engine has requests waiting and their mean load
-/// is above the setting, the setting over that mean. An engine that runs
-/// every request it has shares its steps among them, so a few requests
-/// more on a replica that runs many slow each of them by a small share,
-/// in proportion to what it runs, while moving the conversation reads its
-/// own blocks again. A request that waits in an engine's queue waits for
-/// whole requests: then differences count as they are, and so they do
-/// for first turns, whose placement spreads new conversations.
-fn load_weight(
-    router: &Router,
-    fleet: &Fleet,
-    warm: &Warmth,
-    candidates: &[Candidate],
-    now: Instant,
-) -> f64 {
-    let above = router.params.relative_load_above;
-    if above <= 0.0 || warm.continued.is_none() || candidates.is_empty() {
-        return 1.0;
-    }
-    let queued = warm.candidates.iter().any(|&i| {
-        router
-            .fresh_engine(&fleet.state[i], now)
-            .is_some_and(|e| e.waiting > 0.0)
-    });
-    let mean = candidates.iter().map(|c| c.load).sum::<f64>() / candidates.len() as f64;
-    if queued || mean <= above {
-        1.0
-    } else {
-        above / mean
-    }
 }
 
 /// Load that a new conversation sees on a replica for the conversations
