@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hearth_router::{
-    DropReason, EngineSignals, FlowQueue, Kept, Look, QueueParams, RequestInfo, Room, Router,
-    RouterParams, UpstreamSpec, AFFINITY_UNITS_MAX, LOOK_DEPTH,
+    Decision, DropReason, EngineSignals, FlowQueue, Kept, Look, QueueParams, RequestInfo, Room,
+    Router, RouterParams, UpstreamSpec, AFFINITY_UNITS_MAX, LOOK_DEPTH,
 };
 
 const LIST: &str = "127.0.0.1:1,127.0.0.1:2";
@@ -297,36 +297,56 @@ fn a_lower_band_leaves_free_the_slots_a_higher_band_used_lately() {
     drop(full);
 }
 
-#[test]
-fn a_flow_past_its_fair_share_leaves_free_the_slots_flows_under_it_came_back_for() {
-    let r = fleet(|p| {
+/// The fleet with slots kept for flows under their fair share (a 30 s
+/// window), Hearth's own unread prompts saturating nothing.
+fn fair_fleet() -> Arc<Router> {
+    fleet(|p| {
         p.flow.uncached_bytes = 0;
         p.flow.fair_window = Duration::from_secs(30);
-    });
+    })
+}
+
+/// Replica 0 alone.
+const ONLY_0: Option<&[usize]> = Some(&[0]);
+
+/// A one-block request (block `h`) of flow `flow`.
+fn of(flow: u64, h: u64) -> RequestInfo {
+    RequestInfo { flow, ..req(&[h]) }
+}
+
+/// Replica 0's engine seen to run four at once by `at`: two figures
+/// with requests waiting, then an idle one.
+fn learn_four(r: &Arc<Router>, at: Instant) {
+    for (running, waiting) in [(4.0, 2.0), (4.0, 2.0), (0.0, 0.0)] {
+        let figure = EngineSignals {
+            running,
+            ..signals(waiting, None, at)
+        };
+        r.set_engine_signals(addr(0), figure);
+    }
+}
+
+/// A request of flow `flow` decided onto replica 0 at `at`, its prompt
+/// read.
+fn send_on_0(r: &Arc<Router>, flow: u64, h: u64, at: Instant) -> Decision {
+    let d = r.decide_within_at(&of(flow, h), ONLY_0, at).unwrap();
+    d.prefill().done_at(at);
+    d
+}
+
+#[test]
+fn a_flow_past_its_fair_share_leaves_free_the_slots_flows_under_it_came_back_for() {
+    let r = fair_fleet();
     let t0 = Instant::now();
-    let only0: Option<&[usize]> = Some(&[0]);
+    let only0 = ONLY_0;
     let (noisy, quiet) = (1, 2);
-    let of = |flow: u64, h: u64| RequestInfo { flow, ..req(&[h]) };
-    let figure = |running: f64, waiting: f64| EngineSignals {
-        running,
-        ..signals(waiting, None, t0)
-    };
-    let send = |r: &Arc<Router>, flow: u64, h: u64| {
-        let d = r.decide_within_at(&of(flow, h), only0, t0).unwrap();
-        d.prefill().done_at(t0);
-        d
-    };
+    let send = |r: &Arc<Router>, flow: u64, h: u64| send_on_0(r, flow, h, t0);
     let room = |r: &Arc<Router>, flow: u64, at: Instant| {
         r.room_at(&of(flow, 99), only0, Duration::ZERO, at)
     };
     // Replica 0's engine runs four at once; two flows of band 0 share it,
     // so each one's share is two slots.
-    let learn = |r: &Arc<Router>| {
-        r.set_engine_signals(addr(0), figure(4.0, 2.0));
-        r.set_engine_signals(addr(0), figure(4.0, 2.0));
-        r.set_engine_signals(addr(0), figure(0.0, 0.0));
-    };
-    learn(&r);
+    learn_four(&r, t0);
     // The quiet flow ran two at once, and both ended (its agents think).
     drop((send(&r, quiet, 1), send(&r, quiet, 2)));
     // The noisy flow takes its share, two slots, freely ...
@@ -360,11 +380,7 @@ fn a_flow_past_its_fair_share_leaves_free_the_slots_flows_under_it_came_back_for
     // A quiet flow idle for the whole window keeps nothing: its slots
     // are anyone's.
     let later = t0 + Duration::from_secs(31);
-    let at_later = |flow: u64, h: u64| {
-        let d = r.decide_within_at(&of(flow, h), only0, later).unwrap();
-        d.prefill().done_at(later);
-        d
-    };
+    let at_later = |flow: u64, h: u64| send_on_0(&r, flow, h, later);
     let busy: Vec<_> = (21..24).map(|h| at_later(noisy, h)).collect();
     assert_eq!(room(&r, noisy, later), Room::Go(Some(vec![0])));
     // Once the quiet flow is back, under its share though at its peak,
@@ -380,7 +396,7 @@ fn a_flow_past_its_fair_share_leaves_free_the_slots_flows_under_it_came_back_for
     // free slot.
     let off = fleet(|p| p.flow.uncached_bytes = 0);
     assert!(off.params().flow.fair_window.is_zero());
-    learn(&off);
+    learn_four(&off, t0);
     drop((send(&off, quiet, 1), send(&off, quiet, 2)));
     let three: Vec<_> = (11..14).map(|h| send(&off, noisy, h)).collect();
     assert_eq!(room(&off, noisy, t0), Room::Go(Some(vec![0])));
@@ -389,29 +405,13 @@ fn a_flow_past_its_fair_share_leaves_free_the_slots_flows_under_it_came_back_for
 
 #[test]
 fn a_look_reckons_a_bands_fair_share_once_until_a_request_leaves() {
-    let r = fleet(|p| {
-        p.flow.uncached_bytes = 0;
-        p.flow.fair_window = Duration::from_secs(30);
-    });
+    let r = fair_fleet();
     let t0 = Instant::now();
-    let only0: Option<&[usize]> = Some(&[0]);
+    let only0 = ONLY_0;
     let (noisy, quiet) = (1, 2);
-    let of = |flow: u64, h: u64| RequestInfo { flow, ..req(&[h]) };
-    let send = |flow: u64, h: u64| {
-        let d = r.decide_within_at(&of(flow, h), only0, t0).unwrap();
-        d.prefill().done_at(t0);
-        d
-    };
+    let send = |flow: u64, h: u64| send_on_0(&r, flow, h, t0);
     // Four slots on replica 0, two flows of band 0: two slots a flow.
-    for (running, waiting) in [(4.0, 2.0), (4.0, 2.0), (0.0, 0.0)] {
-        r.set_engine_signals(
-            addr(0),
-            EngineSignals {
-                running,
-                ..signals(waiting, None, t0)
-            },
-        );
-    }
+    learn_four(&r, t0);
     drop((send(quiet, 1), send(quiet, 2)));
     let first = send(noisy, 11);
     let mut look = Look::default();
