@@ -14,6 +14,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use hearth_router::params::FlowParams;
 use hearth_router::{
     EngineSignals, Entry, FlowQueue, Look, QueueParams, RequestInfo, Room, Router, RouterParams,
+    UpstreamSpec,
 };
 
 const QUEUED: usize = 10_000;
@@ -31,15 +32,35 @@ fn request(k: u64) -> RequestInfo {
     }
 }
 
-fn full_queue(now: Instant) -> (FlowQueue<RequestInfo>, Vec<String>) {
-    let params = QueueParams {
+/// A queue that holds twice [`QUEUED`] requests for an hour.
+fn deep_queue() -> FlowQueue<RequestInfo> {
+    FlowQueue::new(QueueParams {
         ttl: Duration::from_secs(3600),
         max_requests: QUEUED * 2,
         max_bytes: u64::MAX,
         ..QueueParams::default()
-    };
+    })
+}
+
+/// A router over `replicas` loopback addresses from port `base`, with
+/// slots kept for tenants under their fair share when `fair`.
+fn router(replicas: u16, base: u16, fair: bool) -> (std::sync::Arc<Router>, Vec<UpstreamSpec>) {
+    let upstreams: Vec<UpstreamSpec> = (0..replicas)
+        .map(|i| format!("127.0.0.1:{}", base + i).parse().expect("address"))
+        .collect();
+    let mut params = RouterParams::default();
+    if fair {
+        params.flow = FlowParams {
+            fair_window: Duration::from_secs(30),
+            ..FlowParams::default()
+        };
+    }
+    (Router::new(params, &upstreams), upstreams)
+}
+
+fn full_queue(now: Instant) -> (FlowQueue<RequestInfo>, Vec<String>) {
     let tenants: Vec<String> = (0..TENANTS).map(|t| format!("tenant-{t}")).collect();
-    let mut q = FlowQueue::new(params);
+    let mut q = deep_queue();
     for k in 0..QUEUED as u64 {
         let info = request(k);
         let bytes = info.prompt_bytes;
@@ -77,24 +98,12 @@ fn bench_flow(c: &mut Criterion) {
             requeue(&mut q, e, now);
         })
     });
-    let upstreams: Vec<_> = (0..8)
-        .map(|i| format!("127.0.0.1:{}", 20000 + i).parse().expect("address"))
-        .collect();
-    let plain = Router::new(RouterParams::default(), &upstreams);
+    let (plain, _) = router(8, 20000, false);
     // With slots kept for tenants (`HEARTH_FLOW_FAIR_SLOTS_SECONDS`), each
     // engine's batch learnt and every request's flow its tenant's: each
     // look reckons its band's fair share over the replicas' tracked flows
     // (up to 64 a replica, all about: the clock stands still here).
-    let fair = Router::new(
-        RouterParams {
-            flow: FlowParams {
-                fair_window: Duration::from_secs(30),
-                ..FlowParams::default()
-            },
-            ..RouterParams::default()
-        },
-        &upstreams,
-    );
+    let (fair, upstreams) = router(8, 20000, true);
     for u in &upstreams {
         for (running, waiting) in [(4.0, 2.0), (4.0, 2.0), (0.0, 0.0)] {
             fair.set_engine_signals(u.addr, EngineSignals::queue(running, waiting, now));
@@ -142,19 +151,7 @@ fn look_with_flows_past_share(
     g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
     now: Instant,
 ) {
-    let upstreams: Vec<_> = (0..LOOK_REPLICAS)
-        .map(|i| format!("127.0.0.1:{}", 21000 + i).parse().expect("address"))
-        .collect();
-    let router = Router::new(
-        RouterParams {
-            flow: FlowParams {
-                fair_window: Duration::from_secs(30),
-                ..FlowParams::default()
-            },
-            ..RouterParams::default()
-        },
-        &upstreams,
-    );
+    let (router, upstreams) = router(LOOK_REPLICAS as u16, 21000, true);
     let batch = HELD_FLOWS as f64;
     for u in &upstreams {
         for _ in 0..2 {
@@ -182,13 +179,7 @@ fn look_with_flows_past_share(
     for u in &upstreams {
         router.set_engine_signals(u.addr, EngineSignals::queue(batch, 0.0, now));
     }
-    let params = QueueParams {
-        ttl: Duration::from_secs(3600),
-        max_requests: QUEUED * 2,
-        max_bytes: u64::MAX,
-        ..QueueParams::default()
-    };
-    let mut q: FlowQueue<RequestInfo> = FlowQueue::new(params);
+    let mut q = deep_queue();
     let held_flows = LOOK_REPLICAS * HELD_FLOWS;
     for k in 0..QUEUED as u64 {
         let n = k % held_flows;
