@@ -224,6 +224,17 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_RESIDENT_LOAD", default_value_t = 5.0)]
     pub resident_load: f64,
 
+    /// Mean load (load units) of the candidate replicas above which a
+    /// later turn of a conversation weighs their load differences in
+    /// proportion to that mean (scaled by this over the mean), while no
+    /// candidate's engine reports requests waiting and none runs more
+    /// than four times another's load: a few requests more
+    /// on a replica that runs many slow each of them by a small share of
+    /// its steps, while moving reads the conversation again (0 = load
+    /// differences always count as they are).
+    #[arg(long, env = "HEARTH_RELATIVE_LOAD_ABOVE", default_value_t = 8.0)]
+    pub relative_load_above: f64,
+
     /// Correct each replica's warmth index from its answers' usage (the
     /// cached tokens the engine reports): shrink it toward the engine's
     /// real cache when it served less than predicted, drop it when the
@@ -1375,6 +1386,7 @@ impl Settings {
             engine_load_weight: self.engine_load_weight,
             resident_window: seconds(self.resident_seconds),
             resident_load: self.resident_load,
+            relative_load_above: self.relative_load_above,
             usage_feedback: self.usage_feedback,
             flow: FlowParams {
                 engine_waiting: self.flow_engine_waiting,
@@ -1465,6 +1477,12 @@ impl Settings {
             problems.push(format!(
                 "HEARTH_RESIDENT_LOAD must be a finite number >= 0, got {}",
                 self.resident_load
+            ));
+        }
+        if !(self.relative_load_above.is_finite() && self.relative_load_above >= 0.0) {
+            problems.push(format!(
+                "HEARTH_RELATIVE_LOAD_ABOVE must be a finite number >= 0, got {}",
+                self.relative_load_above
             ));
         }
         if !(self.engine_load_weight.is_finite() && self.engine_load_weight >= 0.0) {

@@ -52,6 +52,12 @@ pub struct RouterParams {
     /// Load units a resident conversation (running or paused) adds for newcomers
     /// while some replica is idle (0: none).
     pub resident_load: f64,
+    /// Mean load, in load units, of the candidates above which a later
+    /// turn of a conversation weighs their load differences in
+    /// proportion to that mean (scaled by this over the mean), while no
+    /// candidate's engine has requests waiting and none runs more than
+    /// four times another's load; 0 = always as counted.
+    pub relative_load_above: f64,
     /// When a replica is saturated, for flow control.
     pub flow: FlowParams,
 }
@@ -80,6 +86,7 @@ impl Default for RouterParams {
             engine_load_weight: 1.0,
             resident_window: Duration::from_secs(120),
             resident_load: 5.0,
+            relative_load_above: 8.0,
             usage_feedback: true,
             flow: FlowParams::default(),
         }

@@ -10,6 +10,9 @@
 //! share of recent first turns that went on to a second turn: where
 //! requests are one-shot (an app's system prompt and a question), a
 //! placement holds no conversation, and the shared prefix counts in full.
+//! A later turn on replicas that each run many requests, none waiting,
+//! weighs load differences in proportion to what they run
+//! ([`load_weight`]).
 //! The benchmark's simulator calls this same code, so what it measures is
 //! what the sidecar runs.
 
@@ -109,7 +112,8 @@ pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Inst
             }
         }
     }
-    let scores = scores(params.alpha, &credits, &candidates);
+    let weight = load_weight(router, fleet, warm, &candidates, now);
+    let scores = scores(params.alpha * weight, &credits, &candidates);
     Scored {
         candidates,
         credits,
@@ -124,6 +128,49 @@ pub fn scores(alpha: f64, credits: &[f64], candidates: &[Candidate]) -> Vec<f64>
         .zip(candidates)
         .map(|(credit, c)| credit - alpha * c.load)
         .collect()
+}
+
+/// How many times another candidate's load one candidate must run for
+/// [`load_weight`] to count load differences as they are.
+const HOTSPOT: f64 = 4.0;
+
+/// What a later turn's load differences weigh (`HEARTH_RELATIVE_LOAD_ABOVE`):
+/// while no candidate's engine has requests waiting and their mean load
+/// is above the setting, the setting over that mean. An engine that runs
+/// every request it has shares its steps among them, so a few requests
+/// more on a replica that runs many slow each of them by a small share,
+/// in proportion to what it runs, while moving the conversation reads its
+/// own blocks again. A request that waits in an engine's queue waits for
+/// whole requests: then differences count as they are, and so they do
+/// for first turns, whose placement spreads new conversations, and
+/// beside a hotspot: once one candidate runs more than [`HOTSPOT`] times
+/// another's load, the hotspot itself raises the mean, and scaled by it
+/// the difference would weigh less the larger it grew.
+fn load_weight(
+    router: &Router,
+    fleet: &Fleet,
+    warm: &Warmth,
+    candidates: &[Candidate],
+    now: Instant,
+) -> f64 {
+    let above = router.params.relative_load_above;
+    if above <= 0.0 || warm.continued.is_none() || candidates.is_empty() {
+        return 1.0;
+    }
+    let queued = warm.candidates.iter().any(|&i| {
+        router
+            .fresh_engine(&fleet.state[i], now)
+            .is_some_and(|e| e.waiting > 0.0)
+    });
+    let loads = candidates.iter().map(|c| c.load);
+    let mean = loads.clone().sum::<f64>() / candidates.len() as f64;
+    let most = loads.clone().fold(0.0, f64::max);
+    let least = loads.fold(f64::INFINITY, f64::min);
+    if queued || mean <= above || most > HOTSPOT * least {
+        1.0
+    } else {
+        above / mean
+    }
 }
 
 /// Load that a new conversation sees on a replica for the conversations
