@@ -1424,11 +1424,16 @@ impl Settings {
         if self.warmth_blocks == Some(0) {
             problems.push("HEARTH_WARMTH_BLOCKS must be at least 1".into());
         }
-        if !(self.alpha.is_finite() && self.alpha >= 0.0) {
-            problems.push(format!(
-                "HEARTH_ALPHA must be a finite number >= 0, got {}",
-                self.alpha
-            ));
+        for (name, v) in [
+            ("HEARTH_ALPHA", self.alpha),
+            ("HEARTH_RESIDENT_LOAD", self.resident_load),
+            ("HEARTH_RELATIVE_LOAD_ABOVE", self.relative_load_above),
+            ("HEARTH_ENGINE_LOAD_WEIGHT", self.engine_load_weight),
+            ("HEARTH_FLOW_ENGINE_WAITING", self.flow_engine_waiting),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                problems.push(format!("{name} must be a finite number >= 0, got {v}"));
+            }
         }
         for (name, v) in [
             ("HEARTH_ENGINE_METRICS_SECONDS", self.engine_metrics_seconds),
@@ -1473,24 +1478,6 @@ impl Settings {
         if self.probe_interval_seconds > 0.0 && self.probe_timeout_seconds <= 0.0 {
             problems.push("HEARTH_PROBE_TIMEOUT_SECONDS must be above 0 when probes run".into());
         }
-        if !(self.resident_load.is_finite() && self.resident_load >= 0.0) {
-            problems.push(format!(
-                "HEARTH_RESIDENT_LOAD must be a finite number >= 0, got {}",
-                self.resident_load
-            ));
-        }
-        if !(self.relative_load_above.is_finite() && self.relative_load_above >= 0.0) {
-            problems.push(format!(
-                "HEARTH_RELATIVE_LOAD_ABOVE must be a finite number >= 0, got {}",
-                self.relative_load_above
-            ));
-        }
-        if !(self.engine_load_weight.is_finite() && self.engine_load_weight >= 0.0) {
-            problems.push(format!(
-                "HEARTH_ENGINE_LOAD_WEIGHT must be a finite number >= 0, got {}",
-                self.engine_load_weight
-            ));
-        }
         if let Err(e) = self.engine_api_key() {
             problems.push(e);
         }
@@ -1520,12 +1507,6 @@ impl Settings {
             problems.push(format!(
                 "HEARTH_FLOW_PREFILL_SECONDS must be between 0 and 3600 seconds, got {}",
                 self.flow_prefill_seconds
-            ));
-        }
-        if !(self.flow_engine_waiting.is_finite() && self.flow_engine_waiting >= 0.0) {
-            problems.push(format!(
-                "HEARTH_FLOW_ENGINE_WAITING must be a finite number >= 0, got {}",
-                self.flow_engine_waiting
             ));
         }
         if !(self.flow_kv_usage.is_finite() && (0.0..=1.0).contains(&self.flow_kv_usage)) {
@@ -1862,6 +1843,19 @@ mod tests {
             "--flow-fair-slots-seconds",
             &["-1", "NaN", "inf"],
             "HEARTH_FLOW_FAIR_SLOTS_SECONDS must be between 0 and 86400",
+        );
+    }
+
+    #[test]
+    fn relative_load_above_reaches_the_router_params_and_bad_ones_are_named() {
+        let s = parse(&["--upstreams", "127.0.0.1:1", "--relative-load-above", "0"])
+            .unwrap()
+            .settings;
+        assert_eq!(s.router_params().relative_load_above, 0.0);
+        refused_with(
+            "--relative-load-above",
+            &["-1", "NaN", "inf"],
+            "HEARTH_RELATIVE_LOAD_ABOVE must be a finite number >= 0",
         );
     }
 
