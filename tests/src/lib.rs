@@ -19,6 +19,7 @@ use serde_json::Value;
 
 pub use hearth_bench::conversation::{cached_and_prompt_tokens, filler, reply_text, Conversation};
 
+pub mod keep_alive;
 pub mod nats;
 pub mod snippets;
 pub mod vllm;

@@ -630,3 +630,76 @@ async fn reasoning_engines_with_no_visible_text_are_healthy() {
     assert_eq!(probes(&fleet, addr, "empty_answer").await, 0.0);
     fleet.assert_wasm_healthy();
 }
+
+/// An engine that closes an idle connection just as a request arrives on
+/// it (its keep-alive firing at that moment) loses that request, and Envoy
+/// answers 503 "connection termination", which no retry policy may safely
+/// repeat. Envoy's pool closes engine connections idle for
+/// `ENGINE_IDLE_SECONDS` first, so a request after a longer pause goes out
+/// on a new connection. The relay in front of the engine closes every
+/// connection a request reaches after 4 s idle.
+async fn a_pause_longer_than_the_engines_keep_alive_loses_no_request(shape: FleetOptions) {
+    use hearth_e2e::keep_alive::KeepAliveRelay;
+    let keep_alive = Duration::from_secs(4);
+    assert!(hearth_ext_proc::envoy::render::ENGINE_IDLE_SECONDS < keep_alive.as_secs());
+    let engine = hearth_bench::engine::spawn(
+        hearth_bench::engine::EngineConfig {
+            id: "engine-0".into(),
+            model: MODEL.into(),
+            ..Default::default()
+        },
+        tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+    )
+    .await
+    .unwrap();
+    let relay = KeepAliveRelay::start(engine.addr, keep_alive)
+        .await
+        .unwrap();
+    // The sidecar neither probes nor scrapes: the relay sees Envoy alone.
+    let fleet = Fleet::start(FleetOptions {
+        external_engines: vec![("engine-0".into(), relay.addr)],
+        sidecar_flags: vec![
+            "--probe-interval-seconds=0".into(),
+            "--engine-metrics-seconds=0".into(),
+        ],
+        ..shape
+    })
+    .await
+    .unwrap();
+    let mut conv = Conversation::new(MODEL, "sys", false, 1400);
+    for turn in 0..3 {
+        if turn > 0 {
+            tokio::time::sleep(keep_alive + Duration::from_millis(500)).await;
+        }
+        let t = fleet
+            .post_json("/v1/chat/completions", &conv.next_turn(300, false))
+            .await
+            .unwrap();
+        assert_eq!(t.status, 200, "turn {turn} after a pause: {:?}", t.body);
+        conv.push_assistant(&reply_text(&t.body));
+    }
+    assert_eq!(
+        relay.closed_on_arrival(),
+        0,
+        "a request met a closing connection"
+    );
+    assert!(
+        relay.connections() >= 3,
+        "each turn after a pause came on a new connection: {}",
+        relay.connections()
+    );
+}
+
+#[tokio::test]
+async fn a_pause_longer_than_the_engines_keep_alive_loses_no_request_in_filter_mode() {
+    a_pause_longer_than_the_engines_keep_alive_loses_no_request(FleetOptions::default()).await;
+}
+
+#[tokio::test]
+async fn a_pause_longer_than_the_engines_keep_alive_loses_no_request_as_an_endpoint_picker() {
+    a_pause_longer_than_the_engines_keep_alive_loses_no_request(FleetOptions {
+        gie_mode: true,
+        ..FleetOptions::default()
+    })
+    .await;
+}

@@ -250,6 +250,30 @@ fn static_endpoints(g: &Gateway) -> String {
     )
 }
 
+/// Seconds an engine connection may stay idle in Envoy's pool: the
+/// `idle_timeout` of the engines cluster in every rendering (and in
+/// `envoy/snippets/engines-cluster.yaml`). Envoy closes the connection
+/// before the engine's own keep-alive (5 s in vLLM, SGLang and llama.cpp)
+/// can close it just as a request goes out on it, which fails that request
+/// with a 503 no retry may safely repeat.
+pub const ENGINE_IDLE_SECONDS: u64 = 3;
+
+/// The engines cluster's connection pool in the renderings that do not
+/// take `envoy/snippets/engines-cluster.yaml` (the plain baseline, the
+/// endpoint-picker shape), as that snippet sets it.
+fn engine_connections() -> String {
+    format!(
+        r#"    # Closed by Envoy after {ENGINE_IDLE_SECONDS} s idle, before the engine's keep-alive (5 s in
+    # vLLM, SGLang and llama.cpp) can close one under a request going out.
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        common_http_protocol_options: {{ idle_timeout: {ENGINE_IDLE_SECONDS}s }}
+        explicit_http_config: {{ http_protocol_options: {{}} }}
+"#
+    )
+}
+
 /// Envoy alone in front of the upstreams: the same listener, buffer limits
 /// and timeouts as the gateway, no Hearth, `least_request`. The floor that
 /// `hearth-bench overhead` measures the gateway against.
@@ -273,9 +297,10 @@ pub fn render_plain(g: &Gateway) -> String {
     connect_timeout: 2s
     per_connection_buffer_limit_bytes: {buffer}
     lb_policy: LEAST_REQUEST
-{tls}{endpoints}"#,
+{connections}{tls}{endpoints}"#,
         head = listener_head(g, ""),
         buffer = g.buffer_limit(),
+        connections = engine_connections(),
         tls = engines_tls(g),
         endpoints = static_endpoints(g),
     )
@@ -752,6 +777,40 @@ mod body_mode_tests {
     }
 
     #[test]
+    fn every_shape_closes_idle_engine_connections_before_the_engines_do() {
+        use clap::Parser;
+        let cli = crate::config::Cli::try_parse_from([
+            "hearth-ext-proc",
+            "--upstreams=127.0.0.1:8001",
+            "envoy-config",
+        ])
+        .unwrap();
+        let Some(crate::config::Command::EnvoyConfig(args)) = &cli.command else {
+            panic!("envoy-config did not parse")
+        };
+        let g = args.gateway(&cli.settings);
+        let idle =
+            format!("common_http_protocol_options: {{ idle_timeout: {ENGINE_IDLE_SECONDS}s }}");
+        for (shape, yaml) in [
+            ("plain", render_plain(&g)),
+            ("filter", render(&g)),
+            ("body", render_body(&g)),
+            ("gie", render_gie(&g)),
+        ] {
+            // Once, in the engines cluster (the sidecar's clusters come after it).
+            assert_eq!(yaml.matches(&idle).count(), 1, "{shape}");
+            let engines = yaml.find("\n  - name: engines\n").unwrap();
+            let next = yaml[engines + 1..]
+                .find("\n  - name: ")
+                .map_or(yaml.len(), |i| engines + 1 + i);
+            assert!(yaml[engines..next].contains(&idle), "{shape}");
+        }
+        // Below the 5 s keep-alive of vLLM's and SGLang's uvicorn and
+        // llama.cpp's server.
+        const _: () = assert!(ENGINE_IDLE_SECONDS < 5);
+    }
+
+    #[test]
     fn filter_mode_backs_the_wasm_filter_up_with_the_same_removals_as_body_mode() {
         use clap::Parser;
         let cli = crate::config::Cli::try_parse_from([
@@ -865,9 +924,10 @@ pub fn render_gie(g: &Gateway) -> String {
     original_dst_lb_config:
       use_http_header: true
       http_header_name: x-gateway-destination-endpoint
-{tls}{sidecar}"#,
+{connections}{tls}{sidecar}"#,
         head = listener_head(g, ""),
         hearth_headers = hearth_headers(),
+        connections = engine_connections(),
         strip_reserved = strip_reserved(
             "          # No wasm filter here to drop client-sent routing headers: remove
           # them before ext_proc, so a client can neither steer routing nor

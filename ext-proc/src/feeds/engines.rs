@@ -10,6 +10,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::config::Secret;
+use crate::envoy::render::ENGINE_IDLE_SECONDS;
 
 #[derive(Clone)]
 pub struct EngineClient {
@@ -22,8 +23,15 @@ impl EngineClient {
     /// `https://` engines may chain to (PEM, one or more), or `None` for
     /// the system's roots.
     pub fn new(key: Option<Secret>, ca_pem: Option<&[u8]>) -> Result<EngineClient, String> {
+        // A connection idle for a few seconds is closed here, before the
+        // engine's own keep-alive (5 s in vLLM, SGLang and llama.cpp)
+        // can close it just as a probe or a scrape goes out on it: the
+        // interval that matches it (a scrape every 5 s) would otherwise
+        // race it on every request. Envoy's pool does the same
+        // (`ENGINE_IDLE_SECONDS`).
         let mut builder = reqwest::Client::builder()
             .pool_max_idle_per_host(1)
+            .pool_idle_timeout(Duration::from_secs(ENGINE_IDLE_SECONDS))
             .use_rustls_tls();
         if let Some(pem) = ca_pem {
             let roots = reqwest::Certificate::from_pem_bundle(pem)
