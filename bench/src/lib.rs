@@ -40,6 +40,7 @@ pub mod peers;
 pub mod policies;
 pub mod pool;
 pub mod process;
+pub mod provenance;
 pub mod real;
 pub mod report;
 pub mod rng;

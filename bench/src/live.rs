@@ -832,6 +832,7 @@ pub async fn measure_policies(cli: &LiveCli) -> anyhow::Result<Measured> {
          --kv-events`"
     );
     println!("{}", command(args, &sc, Some(&cli.policies)));
+    println!("{}", crate::provenance::header());
     let (policies, skipped) = runnable(&cli.policies, PeerKind::find);
     for (p, why) in &skipped {
         println!("# skipped {}: {why}", p.name());
@@ -968,6 +969,7 @@ async fn run_policies(cli: &LiveCli) -> anyhow::Result<()> {
         let (sc, _, _) = cell(&cli.cell)?;
         let doc = serde_json::json!({
             "command": command(&cli.cell, &sc, Some(&cli.policies)),
+            "build": crate::provenance::json(),
             "argv": std::env::args().collect::<Vec<_>>().join(" "),
             "order": m.order,
             "skipped": m

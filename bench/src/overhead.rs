@@ -98,6 +98,7 @@ struct Sample {
 pub async fn run(args: OverheadArgs) -> anyhow::Result<()> {
     let ticks = clock_ticks();
     println!("# hearth-bench overhead");
+    println!("{}", crate::provenance::header());
     println!(
         "# command: hearth-bench overhead --bodies {} --concurrency {} --requests-base {} --requests-per-client {} --rounds {} --engines {} --sessions {}",
         join(&args.bodies),

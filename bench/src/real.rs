@@ -1407,6 +1407,7 @@ async fn run_harness(
     if let Some(path) = &args.json {
         let doc = json!({
             "command": command_line(),
+            "build": crate::provenance::json(),
             "driver": "inference-perf",
             "engines": args.engines,
             "model": model,
@@ -1470,6 +1471,7 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
     };
     println!("# hearth-bench real");
     println!("# command: {}", command_line());
+    println!("{}", crate::provenance::header());
     let driver = match args.driver {
         Driver::HearthBench => format!(
             "--workload {workload} --conversations {} --turns {} --shared-bytes {} --system-bytes {} \
@@ -1577,6 +1579,7 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.json {
         let doc = json!({
             "command": command_line(),
+            "build": crate::provenance::json(),
             "engines": args.engines,
             "model": model,
             "shape": Shape::of(&args),

@@ -743,6 +743,7 @@ pub fn main(args: SimArgs) -> anyhow::Result<()> {
         .collect();
     let command = command_line();
     println!("# {command}");
+    println!("{}", crate::provenance::header());
     println!(
         "# scenario {} ({} replicas, KV {} tokens each, {} s warm-up + {} s measured, seed {}, salt {})",
         sc.name,
@@ -790,6 +791,7 @@ pub fn main(args: SimArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.json {
         let doc = serde_json::json!({
             "command": command,
+            "build": crate::provenance::json(),
             "driver": "sim",
             "seed": args.seed,
             "salt": salt,

@@ -720,6 +720,7 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
     // A bad setting fails before anything starts.
     crate::settings::parse(&Setup::HearthFlowControl.settings(&hearth))?;
     println!("{}", fleet.command(&args));
+    println!("{}", crate::provenance::header());
     match &fleet {
         Fleet::Simulated { sc, windows } => {
             println!(
@@ -785,6 +786,7 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
         };
         let mut doc = serde_json::json!({
             "command": fleet.command(&args),
+            "build": crate::provenance::json(),
             "argv": std::env::args().collect::<Vec<_>>().join(" "),
             "seed": args.seed,
             "hearth_settings": hearth
