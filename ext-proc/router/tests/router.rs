@@ -795,3 +795,120 @@ fn a_short_conversation_stays_where_it_read_its_partial_last_block_beside_anothe
     assert_eq!(second.overlap, 1);
     assert_eq!(second.primary(), home, "{:?}", second.candidates);
 }
+
+#[test]
+fn prompts_still_being_read_weigh_as_counted_beside_requests_that_run() {
+    // A conversation of 4 blocks read at home; home then runs 25 requests
+    // and away 18, none waiting (mean above the setting's 8: differences
+    // of running requests weigh in proportion).
+    let next_turn = |home_reading: bool| {
+        let r = fleet("127.0.0.1:1,127.0.0.1:2", |p| {
+            p.resident_load = 0.0;
+            p.relative_load_above = 8.0;
+        });
+        let now = Instant::now();
+        let first = r.decide_at(&req(&[1, 2, 3, 4]), now).unwrap();
+        let home = first.primary();
+        drop(first);
+        let mut running = Vec::new();
+        for (replica, n) in [(home, 25), (1 - home, 18)] {
+            for k in 0..n {
+                let hashes: Vec<u64> = if replica == home && k == 0 && home_reading {
+                    // 96 blocks of 2 KiB nobody holds: 3 load units of
+                    // prompt still being read (its first token not out).
+                    (0..96).map(|b| 50_000 + b).collect()
+                } else {
+                    vec![1000 * (replica as u64 + 1) + k]
+                };
+                let d = r
+                    .decide_within_at(&req(&hashes), Some(&[replica]), now)
+                    .unwrap();
+                if hashes.len() == 1 {
+                    d.prefill().done_at(now);
+                }
+                running.push(d);
+            }
+        }
+        let next = r.decide_at(&req(&[1, 2, 3, 4, 5, 6]), now).unwrap();
+        assert!(next.continues());
+        next.primary() == home
+    };
+    // Seven running requests more at home weigh 8/25 of themselves (2.2
+    // units) against the conversation's 4 blocks: it stays.
+    assert!(next_turn(false));
+    // When one of home's requests is a 192 KiB prompt still being read,
+    // those 3 units count in full (a first token waits for them), 5.2
+    // units in all: it moves. Scaled with the rest (10 units more at a
+    // mean of 23, 3.5 units) it would have stayed.
+    assert!(!next_turn(true));
+}
+
+#[test]
+fn one_shot_requests_weigh_running_load_in_proportion_on_busy_replicas() {
+    // Two replicas; replica 0 has read app 1's 12-block prompt.
+    let router = fleet("127.0.0.1:1001,127.0.0.1:1002", |p| {
+        p.resident_load = 0.0;
+        p.relative_load_above = 8.0;
+    });
+    let question = |app: u64, q: u64| {
+        let mut h: Vec<u64> = (1..=12).map(|k| app * 100 + k).collect();
+        h.push(app * 100 + 50 + q);
+        req(&h)
+    };
+    let t0 = Instant::now();
+    let on = |i: usize, r: &RequestInfo, at: Instant| {
+        let d = router.decide_within_at(r, Some(&[i]), at).unwrap();
+        d.prefill().done_at(at);
+        d
+    };
+    drop(on(0, &question(1, 0), t0));
+    // 144 one-shot requests, answered at once, settle once the horizon
+    // has passed: 16 continued (the prior) of 160, a sequel share of 0.1.
+    for k in 0..144 {
+        drop(on(1, &req(&[80_000 + k]), t0));
+    }
+    let later = t0 + hearth_router::tips::SEQUEL_HORIZON;
+    drop(on(1, &req(&[79_999]), later));
+    let snap = router.snapshot_at(later);
+    assert!(
+        (snap.first_turn_sequel_share - 0.1).abs() < 1e-9,
+        "{}",
+        snap.first_turn_sequel_share
+    );
+    // Replica 0 runs 30 requests, replica 1 runs 14: 16 more where the
+    // app's prompt is. Counted as they are they outweigh its 12 blocks;
+    // for one-shot requests they weigh 0.1 + 0.9 x 8/22 of themselves
+    // (6.8 units), and the question goes where its app is held.
+    let running: Vec<_> = (0..30)
+        .map(|k| on(0, &req(&[70_000 + k]), later))
+        .chain((0..14).map(|k| on(1, &req(&[60_000 + k]), later)))
+        .collect();
+    let d = router.decide_at(&question(1, 1), later).unwrap();
+    assert!(!d.continues());
+    assert_eq!((d.primary(), d.overlap), (0, 12));
+    drop(d);
+    // Agents' first turns (a share of 1) would weigh the 16 in full, as
+    // would one-shot requests with the proportional rule off.
+    let router_off = fleet("127.0.0.1:1001,127.0.0.1:1002", |p| {
+        p.resident_load = 0.0;
+        p.relative_load_above = 0.0;
+    });
+    let on_off = |i: usize, r: &RequestInfo, at: Instant| {
+        let d = router_off.decide_within_at(r, Some(&[i]), at).unwrap();
+        d.prefill().done_at(at);
+        d
+    };
+    drop(on_off(0, &question(1, 0), t0));
+    for k in 0..144 {
+        drop(on_off(1, &req(&[80_000 + k]), t0));
+    }
+    drop(on_off(1, &req(&[79_999]), later));
+    let running_off: Vec<_> = (0..30)
+        .map(|k| on_off(0, &req(&[70_000 + k]), later))
+        .chain((0..14).map(|k| on_off(1, &req(&[60_000 + k]), later)))
+        .collect();
+    let d = router_off.decide_at(&question(1, 1), later).unwrap();
+    assert_eq!((d.primary(), d.overlap), (1, 0));
+    drop(running);
+    drop(running_off);
+}

@@ -10,8 +10,9 @@
 //! share of recent first turns that went on to a second turn: where
 //! requests are one-shot (an app's system prompt and a question), a
 //! placement holds no conversation, and the shared prefix counts in full.
-//! A later turn on replicas that each run many requests, none waiting,
-//! weighs load differences in proportion to what they run
+//! A later turn (and a one-shot request) on replicas that each run many
+//! requests, none waiting, weighs the differences of what they run in
+//! proportion to it, and the prompts they are still reading as counted
 //! ([`load_weight`]).
 //! The benchmark's simulator calls this same code, so what it measures is
 //! what the sidecar runs.
@@ -112,8 +113,23 @@ pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Inst
             }
         }
     }
+    // The weight applies to requests that run; the prompts still being
+    // read (their prefill, in load units) weigh as counted: an engine
+    // reads them ahead of everything that waits for a first token.
     let weight = load_weight(router, fleet, warm, &candidates, now);
-    let scores = scores(params.alpha * weight, &credits, &candidates);
+    let unit = p.load_unit_bytes.max(1) as f64;
+    let weighed: Vec<Candidate> = candidates
+        .iter()
+        .zip(&warm.candidates)
+        .map(|(c, &i)| {
+            let reading = (fleet.state[i].uncached_bytes as f64 / unit).min(c.load);
+            Candidate {
+                load: weight * (c.load - reading) + reading,
+                ..*c
+            }
+        })
+        .collect();
+    let scores = scores(params.alpha, &credits, &weighed);
     Scored {
         candidates,
         credits,
@@ -136,7 +152,11 @@ const HOTSPOT: f64 = 4.0;
 
 /// What a later turn's load differences weigh (`HEARTH_RELATIVE_LOAD_ABOVE`):
 /// while no candidate's engine has requests waiting and their mean load
-/// is above the setting, the setting over that mean. An engine that runs
+/// is above the setting, the setting over that mean. A first turn's
+/// weight lies between that and 1 by the sequel share: 1 where first
+/// turns start conversations, the later turns' weight where requests are
+/// one-shot. The caller applies it to running requests only, not to
+/// prompts still being read. An engine that runs
 /// every request it has shares its steps among them, so a few requests
 /// more on a replica that runs many slow each of them by a small share,
 /// in proportion to what it runs, while moving the conversation reads its
@@ -154,7 +174,19 @@ fn load_weight(
     now: Instant,
 ) -> f64 {
     let above = router.params.relative_load_above;
-    if above <= 0.0 || warm.continued.is_none() || candidates.is_empty() {
+    if above <= 0.0 || candidates.is_empty() {
+        return 1.0;
+    }
+    // A first turn's placement holds its conversation for the
+    // conversation's whole life, in so far as first turns go on at all
+    // (the sequel share): agents' first turns weigh load as counted,
+    // one-shot requests (an app's prompt and a question) as later turns.
+    let holds = if warm.continued.is_some() {
+        0.0
+    } else {
+        warm.sequel_share.clamp(0.0, 1.0)
+    };
+    if holds >= 1.0 {
         return 1.0;
     }
     let queued = warm.candidates.iter().any(|&i| {
@@ -169,7 +201,7 @@ fn load_weight(
     if queued || mean <= above || most > HOTSPOT * least {
         1.0
     } else {
-        above / mean
+        holds + (1.0 - holds) * above / mean
     }
 }
 
