@@ -231,7 +231,9 @@ pub struct Settings {
     /// than four times another's load: a few requests more
     /// on a replica that runs many slow each of them by a small share of
     /// its steps, while moving reads the conversation again (0 = load
-    /// differences always count as they are).
+    /// differences always count as they are). One-shot requests weigh it
+    /// the same way, first turns by the share that go on (the sequel
+    /// share); prompts still being read always count as they are.
     #[arg(long, env = "HEARTH_RELATIVE_LOAD_ABOVE", default_value_t = 8.0)]
     pub relative_load_above: f64,
 
