@@ -62,6 +62,14 @@ pub struct RouterParams {
     pub flow: FlowParams,
 }
 
+impl RouterParams {
+    /// What `bytes` of prompt still to read weigh, in load units
+    /// (`load_unit_bytes` each).
+    pub fn load_units(&self, bytes: u64) -> f64 {
+        bytes as f64 / self.load_unit_bytes as f64
+    }
+}
+
 impl Default for RouterParams {
     fn default() -> Self {
         RouterParams {

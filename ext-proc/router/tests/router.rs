@@ -845,70 +845,55 @@ fn prompts_still_being_read_weigh_as_counted_beside_requests_that_run() {
 
 #[test]
 fn one_shot_requests_weigh_running_load_in_proportion_on_busy_replicas() {
-    // Two replicas; replica 0 has read app 1's 12-block prompt.
-    let router = fleet("127.0.0.1:1001,127.0.0.1:1002", |p| {
-        p.resident_load = 0.0;
-        p.relative_load_above = 8.0;
-    });
-    let question = |app: u64, q: u64| {
-        let mut h: Vec<u64> = (1..=12).map(|k| app * 100 + k).collect();
-        h.push(app * 100 + 50 + q);
-        req(&h)
+    // Where app 1's next question goes (replica, overlap), with
+    // `HEARTH_RELATIVE_LOAD_ABOVE` at `above`, once first turns are
+    // one-shot and replica 0, which read the app's 12-block prompt, runs
+    // 16 requests more than replica 1.
+    let next_question = |above: f64| {
+        let router = fleet("127.0.0.1:1001,127.0.0.1:1002", |p| {
+            p.resident_load = 0.0;
+            p.relative_load_above = above;
+        });
+        let question = |app: u64, q: u64| {
+            let mut h: Vec<u64> = (1..=12).map(|k| app * 100 + k).collect();
+            h.push(app * 100 + 50 + q);
+            req(&h)
+        };
+        let t0 = Instant::now();
+        let on = |i: usize, r: &RequestInfo, at: Instant| {
+            let d = router.decide_within_at(r, Some(&[i]), at).unwrap();
+            d.prefill().done_at(at);
+            d
+        };
+        drop(on(0, &question(1, 0), t0));
+        // 144 one-shot requests, answered at once, settle once the
+        // horizon has passed: 16 continued (the prior) of 160, a sequel
+        // share of 0.1.
+        for k in 0..144 {
+            drop(on(1, &req(&[80_000 + k]), t0));
+        }
+        let later = t0 + hearth_router::tips::SEQUEL_HORIZON;
+        drop(on(1, &req(&[79_999]), later));
+        let snap = router.snapshot_at(later);
+        assert!(
+            (snap.first_turn_sequel_share - 0.1).abs() < 1e-9,
+            "{}",
+            snap.first_turn_sequel_share
+        );
+        // Replica 0 runs 30 requests, replica 1 runs 14.
+        let _running: Vec<_> = (0..30)
+            .map(|k| on(0, &req(&[70_000 + k]), later))
+            .chain((0..14).map(|k| on(1, &req(&[60_000 + k]), later)))
+            .collect();
+        let d = router.decide_at(&question(1, 1), later).unwrap();
+        assert!(!d.continues());
+        (d.primary(), d.overlap)
     };
-    let t0 = Instant::now();
-    let on = |i: usize, r: &RequestInfo, at: Instant| {
-        let d = router.decide_within_at(r, Some(&[i]), at).unwrap();
-        d.prefill().done_at(at);
-        d
-    };
-    drop(on(0, &question(1, 0), t0));
-    // 144 one-shot requests, answered at once, settle once the horizon
-    // has passed: 16 continued (the prior) of 160, a sequel share of 0.1.
-    for k in 0..144 {
-        drop(on(1, &req(&[80_000 + k]), t0));
-    }
-    let later = t0 + hearth_router::tips::SEQUEL_HORIZON;
-    drop(on(1, &req(&[79_999]), later));
-    let snap = router.snapshot_at(later);
-    assert!(
-        (snap.first_turn_sequel_share - 0.1).abs() < 1e-9,
-        "{}",
-        snap.first_turn_sequel_share
-    );
-    // Replica 0 runs 30 requests, replica 1 runs 14: 16 more where the
-    // app's prompt is. Counted as they are they outweigh its 12 blocks;
-    // for one-shot requests they weigh 0.1 + 0.9 x 8/22 of themselves
-    // (6.8 units), and the question goes where its app is held.
-    let running: Vec<_> = (0..30)
-        .map(|k| on(0, &req(&[70_000 + k]), later))
-        .chain((0..14).map(|k| on(1, &req(&[60_000 + k]), later)))
-        .collect();
-    let d = router.decide_at(&question(1, 1), later).unwrap();
-    assert!(!d.continues());
-    assert_eq!((d.primary(), d.overlap), (0, 12));
-    drop(d);
-    // Agents' first turns (a share of 1) would weigh the 16 in full, as
-    // would one-shot requests with the proportional rule off.
-    let router_off = fleet("127.0.0.1:1001,127.0.0.1:1002", |p| {
-        p.resident_load = 0.0;
-        p.relative_load_above = 0.0;
-    });
-    let on_off = |i: usize, r: &RequestInfo, at: Instant| {
-        let d = router_off.decide_within_at(r, Some(&[i]), at).unwrap();
-        d.prefill().done_at(at);
-        d
-    };
-    drop(on_off(0, &question(1, 0), t0));
-    for k in 0..144 {
-        drop(on_off(1, &req(&[80_000 + k]), t0));
-    }
-    drop(on_off(1, &req(&[79_999]), later));
-    let running_off: Vec<_> = (0..30)
-        .map(|k| on_off(0, &req(&[70_000 + k]), later))
-        .chain((0..14).map(|k| on_off(1, &req(&[60_000 + k]), later)))
-        .collect();
-    let d = router_off.decide_at(&question(1, 1), later).unwrap();
-    assert_eq!((d.primary(), d.overlap), (1, 0));
-    drop(running);
-    drop(running_off);
+    // Counted as they are, the 16 outweigh the app's 12 blocks; for
+    // one-shot requests they weigh 0.1 + 0.9 x 8/22 of themselves (6.8
+    // units), and the question goes where its app is held.
+    assert_eq!(next_question(8.0), (0, 12));
+    // With the proportional rule off (as for agents' first turns, a
+    // share of 1) the 16 weigh in full.
+    assert_eq!(next_question(0.0), (1, 0));
 }

@@ -117,12 +117,11 @@ pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Inst
     // read (their prefill, in load units) weigh as counted: an engine
     // reads them ahead of everything that waits for a first token.
     let weight = load_weight(router, fleet, warm, &candidates, now);
-    let unit = p.load_unit_bytes.max(1) as f64;
     let weighed: Vec<Candidate> = candidates
         .iter()
         .zip(&warm.candidates)
         .map(|(c, &i)| {
-            let reading = (fleet.state[i].uncached_bytes as f64 / unit).min(c.load);
+            let reading = p.load_units(fleet.state[i].uncached_bytes).min(c.load);
             Candidate {
                 load: weight * (c.load - reading) + reading,
                 ..*c

@@ -174,7 +174,7 @@ pub(crate) fn reserve(
     let chosen = picked.order[0];
     let cached_bytes = u64::from(picked.overlap) * p.block_size as u64;
     let uncached = req.prompt_bytes.saturating_sub(cached_bytes);
-    let prefill_units = uncached as f64 / p.load_unit_bytes as f64;
+    let prefill_units = p.load_units(uncached);
     // Whether its first token will time this prompt's prefill alone.
     let alone = router.uncached_in_flight(&fleet.state[chosen]) == 0;
     let r = &mut fleet.state[chosen];
