@@ -733,6 +733,21 @@ mod body_mode_tests {
         assert_eq!(yaml.matches("header_mutation.v3").count(), 1, "{yaml}");
     }
 
+    /// The gateway `envoy-config` renders for one upstream at defaults.
+    fn default_gateway() -> Gateway {
+        use clap::Parser;
+        let cli = crate::config::Cli::try_parse_from([
+            "hearth-ext-proc",
+            "--upstreams=127.0.0.1:8001",
+            "envoy-config",
+        ])
+        .unwrap();
+        let Some(crate::config::Command::EnvoyConfig(args)) = &cli.command else {
+            panic!("envoy-config did not parse")
+        };
+        args.gateway(&cli.settings)
+    }
+
     /// The removals of a header_mutation filter, in order.
     fn removals(yaml: &str) -> Vec<&str> {
         yaml.lines()
@@ -778,17 +793,7 @@ mod body_mode_tests {
 
     #[test]
     fn every_shape_closes_idle_engine_connections_before_the_engines_do() {
-        use clap::Parser;
-        let cli = crate::config::Cli::try_parse_from([
-            "hearth-ext-proc",
-            "--upstreams=127.0.0.1:8001",
-            "envoy-config",
-        ])
-        .unwrap();
-        let Some(crate::config::Command::EnvoyConfig(args)) = &cli.command else {
-            panic!("envoy-config did not parse")
-        };
-        let g = args.gateway(&cli.settings);
+        let g = default_gateway();
         let idle =
             format!("common_http_protocol_options: {{ idle_timeout: {ENGINE_IDLE_SECONDS}s }}");
         for (shape, yaml) in [
@@ -812,17 +817,7 @@ mod body_mode_tests {
 
     #[test]
     fn filter_mode_backs_the_wasm_filter_up_with_the_same_removals_as_body_mode() {
-        use clap::Parser;
-        let cli = crate::config::Cli::try_parse_from([
-            "hearth-ext-proc",
-            "--upstreams=127.0.0.1:8001",
-            "envoy-config",
-        ])
-        .unwrap();
-        let Some(crate::config::Command::EnvoyConfig(args)) = &cli.command else {
-            panic!("envoy-config did not parse")
-        };
-        let g = args.gateway(&cli.settings);
+        let g = default_gateway();
         let filter = render(&g);
         let backstop = filter.find("hearth.drop_client_headers").unwrap();
         // Before the wasm filter, so a failed VM lets nothing through.
