@@ -435,7 +435,11 @@ pub async fn run(cli: LiveCli) -> anyhow::Result<()> {
         ratio(Some(rows[1].ttft_p50_s), Some(rows[0].ttft_p50_s)),
     );
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_vec_pretty(&rows)?)?;
+        let doc = serde_json::json!({
+            "build": crate::provenance::json(),
+            "rows": rows,
+        });
+        std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
         println!("wrote {}", path.display());
     }
     Ok(())
@@ -780,6 +784,7 @@ async fn run_one(
 pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
     let (sc, wall, warmup) = cell(args)?;
     println!("{}", command(args, &sc, None));
+    println!("{}", crate::provenance::header());
     let live = run_one(
         LivePolicy::Hearth,
         &sc,

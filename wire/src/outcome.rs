@@ -217,28 +217,31 @@ pub struct Scanner {
 
 impl Scanner {
     pub fn feed(&mut self, chunk: &[u8]) {
-        let mut window = std::mem::take(&mut self.carry);
-        window.extend_from_slice(chunk);
+        // The carried tail and this chunk, in one buffer that keeps its
+        // allocation from chunk to chunk.
+        self.carry.extend_from_slice(chunk);
+        let window = &self.carry[..];
         // Usage comes last in an answer; the last value seen wins (an
         // engine that reports usage in every chunk counts up).
-        if let Some(n) = last_count(&window, b"\"prompt_tokens\"") {
+        if let Some(n) = last_count(window, b"\"prompt_tokens\"") {
             self.prompt_tokens = Some(n);
         }
-        if let Some(n) = last_count(&window, b"\"cached_tokens\"") {
+        if let Some(n) = last_count(window, b"\"cached_tokens\"") {
             self.cached_tokens = Some(n);
         }
         if !self.text {
-            self.text = TEXT_KEYS.iter().any(|k| has_nonempty_string(&window, k))
-                || has_positive_count(&window, b"\"completion_tokens\"")
-                || has_string(&window, b"\"finish_reason\"", b"\"length\"");
+            self.text = TEXT_KEYS.iter().any(|k| has_nonempty_string(window, k))
+                || has_positive_count(window, b"\"completion_tokens\"")
+                || has_string(window, b"\"finish_reason\"", b"\"length\"");
         }
         if !self.done {
-            self.done = find(&window, b"[DONE]").is_some()
-                || has_nonempty_string(&window, b"\"finish_reason\"")
-                || value_starts_with(&window, b"\"usage\"", b'{');
+            self.done = find(window, b"[DONE]").is_some()
+                || has_nonempty_string(window, b"\"finish_reason\"")
+                || value_starts_with(window, b"\"usage\"", b'{');
         }
         let keep = window.len().min(CARRY);
-        self.carry = window.split_off(window.len() - keep);
+        let cut = window.len() - keep;
+        self.carry.drain(..cut);
     }
 
     pub fn text(&self) -> bool {
@@ -274,8 +277,23 @@ impl Scanner {
     }
 }
 
+/// Where `needle` first occurs in `hay`. Runs for every chunk of every
+/// streamed answer, so it looks for the needle's first byte and compares
+/// the rest only there (`benches/outcome_scan.rs`).
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
+    let Some((&first, rest)) = needle.split_first() else {
+        return Some(0);
+    };
+    let last_start = hay.len().checked_sub(needle.len())?;
+    let mut at = 0;
+    while at <= last_start {
+        at += hay[at..=last_start].iter().position(|&b| b == first)?;
+        if hay[at + 1..].starts_with(rest) {
+            return Some(at);
+        }
+        at += 1;
+    }
+    None
 }
 
 /// Every position where `key` is followed by `:` and the value's first byte.
@@ -529,5 +547,23 @@ mod tests {
             let split = scan(&[&body[..cut], &body[cut..]]);
             proptest::prop_assert_eq!(whole.verdict(), split.verdict());
         }
+
+        #[test]
+        fn find_agrees_with_comparing_at_every_position(
+            hay in proptest::collection::vec(b'a'..=b'c', 0..40),
+            needle in proptest::collection::vec(b'a'..=b'c', 1..5),
+        ) {
+            let every = hay.windows(needle.len()).position(|w| w == needle.as_slice());
+            proptest::prop_assert_eq!(find(&hay, &needle), every);
+        }
+    }
+
+    #[test]
+    fn find_sees_a_needle_at_either_end_and_not_past_it() {
+        assert_eq!(find(b"[DONE]", b"[DONE]"), Some(0));
+        assert_eq!(find(b"data: [DONE]", b"[DONE]"), Some(6));
+        assert_eq!(find(b"data: [DONE", b"[DONE]"), None);
+        assert_eq!(find(b"[", b"[DONE]"), None);
+        assert_eq!(find(b"\"\"usage\"", b"\"usage\""), Some(1));
     }
 }
