@@ -212,13 +212,13 @@ pub struct Scanner {
     done: bool,
     prompt_tokens: Option<u64>,
     cached_tokens: Option<u64>,
+    /// The last [`CARRY`] bytes fed; while a chunk is scanned, that chunk
+    /// follows them (one allocation, kept from chunk to chunk).
     carry: Vec<u8>,
 }
 
 impl Scanner {
     pub fn feed(&mut self, chunk: &[u8]) {
-        // The carried tail and this chunk, in one buffer that keeps its
-        // allocation from chunk to chunk.
         self.carry.extend_from_slice(chunk);
         let window = &self.carry[..];
         // Usage comes last in an answer; the last value seen wins (an
@@ -239,8 +239,7 @@ impl Scanner {
                 || has_nonempty_string(window, b"\"finish_reason\"")
                 || value_starts_with(window, b"\"usage\"", b'{');
         }
-        let keep = window.len().min(CARRY);
-        let cut = window.len() - keep;
+        let cut = window.len().saturating_sub(CARRY);
         self.carry.drain(..cut);
     }
 
