@@ -42,6 +42,7 @@ use crate::scenario::Scenario;
 use crate::sim::{self, RunSpec};
 use crate::stack::{Front, Stack};
 use crate::workload::{Client, Generator, Turn};
+use hearth_ext_proc::Settings;
 
 pub(crate) const MODEL: &str = "hearth-sim";
 
@@ -484,6 +485,54 @@ pub(crate) fn windows(
     Ok((wall, warmup))
 }
 
+/// The sidecar's settings that are spans of the engines' and the
+/// clients' time (how long a conversation stays resident, how long a
+/// first turn waits for its second, how long a request may queue), with
+/// how to read each from the settings.
+const ENGINE_TIME: [(&str, fn(&Settings) -> f64); 7] = [
+    ("HEARTH_RESIDENT_SECONDS", |s| s.resident_seconds),
+    ("HEARTH_SEQUEL_HORIZON_SECONDS", |s| {
+        s.sequel_horizon_seconds
+    }),
+    ("HEARTH_FLOW_PREFILL_SECONDS", |s| s.flow_prefill_seconds),
+    ("HEARTH_FLOW_AFFINITY_WAIT_SECONDS", |s| {
+        s.flow_affinity_wait_seconds
+    }),
+    ("HEARTH_FLOW_HEADROOM_SECONDS", |s| s.flow_headroom_seconds),
+    ("HEARTH_FLOW_FAIR_SLOTS_SECONDS", |s| {
+        s.flow_fair_slots_seconds
+    }),
+    ("HEARTH_FLOW_TTL_SECONDS", |s| s.flow_ttl_seconds),
+];
+
+/// The live sidecar's engine-time settings on the wall clock: each one's
+/// value in `settings` (given or default) divided by `time_scale`, so
+/// that against engines and clients `time_scale` times faster the sidecar
+/// behaves as the simulator's router does on engine time.
+fn on_wall_clock(
+    settings: &[(String, String)],
+    time_scale: f64,
+) -> anyhow::Result<Vec<(String, String)>> {
+    let parsed = crate::settings::parse(settings)?;
+    Ok(ENGINE_TIME
+        .iter()
+        .map(|(name, value)| (name.to_string(), format!("{}", value(&parsed) / time_scale)))
+        .collect())
+}
+
+/// What [`on_wall_clock`] gives the live sidecar, as a comment line.
+fn wall_clock_line(sc: &Scenario, time_scale: f64) -> anyhow::Result<String> {
+    let scaled = on_wall_clock(sc.hearth.settings(), time_scale)?;
+    Ok(format!(
+        "# the live sidecar's engine-time settings, divided by the time scale {time_scale}: {}",
+        scaled
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    ))
+}
+
 /// `hearth-bench live ...` as run (settings shown, credentials hidden).
 fn command(args: &LiveArgs, sc: &Scenario, policies: Option<&[LivePolicy]>) -> String {
     format!(
@@ -699,6 +748,7 @@ async fn run_one(
         // cache events, and the stack lists where.
         LivePolicy::Hearth | LivePolicy::HearthKvEvents => {
             let mut settings = sc.hearth.settings().to_vec();
+            settings.extend(on_wall_clock(&settings, args.time_scale)?);
             settings.extend(
                 [
                     ("HEARTH_PROBE_INTERVAL_SECONDS", "0"),
@@ -785,6 +835,7 @@ pub async fn measure(args: &LiveArgs) -> anyhow::Result<Vec<report::Row>> {
     let (sc, wall, warmup) = cell(args)?;
     println!("{}", command(args, &sc, None));
     println!("{}", crate::provenance::header());
+    println!("{}", wall_clock_line(&sc, args.time_scale)?);
     let live = run_one(
         LivePolicy::Hearth,
         &sc,
@@ -838,6 +889,7 @@ pub async fn measure_policies(cli: &LiveCli) -> anyhow::Result<Measured> {
     );
     println!("{}", command(args, &sc, Some(&cli.policies)));
     println!("{}", crate::provenance::header());
+    println!("{}", wall_clock_line(&sc, args.time_scale)?);
     let (policies, skipped) = runnable(&cli.policies, PeerKind::find);
     for (p, why) in &skipped {
         println!("# skipped {}: {why}", p.name());
@@ -1017,6 +1069,25 @@ mod tests {
 
     fn parse(args: &[&str]) -> Result<LiveCli, clap::Error> {
         Cmd::try_parse_from(std::iter::once("live").chain(args.iter().copied())).map(|c| c.cli)
+    }
+
+    #[test]
+    fn the_live_sidecar_gets_its_engine_time_settings_divided_by_the_time_scale() {
+        let given = [("HEARTH_RESIDENT_SECONDS".to_string(), "60".to_string())];
+        let scaled: std::collections::HashMap<_, _> =
+            on_wall_clock(&given, 3.0).unwrap().into_iter().collect();
+        assert_eq!(scaled.len(), ENGINE_TIME.len());
+        // A value given (for the simulator too) and the defaults alike.
+        assert_eq!(scaled["HEARTH_RESIDENT_SECONDS"], "20");
+        assert_eq!(scaled["HEARTH_SEQUEL_HORIZON_SECONDS"], "5");
+        assert_eq!(scaled["HEARTH_FLOW_TTL_SECONDS"], "20");
+        // What the sidecar then runs with: the later value wins.
+        let mut all = given.to_vec();
+        all.extend(on_wall_clock(&given, 3.0).unwrap());
+        let params = crate::settings::parse(&all).unwrap().router_params();
+        assert_eq!(params.sequel_horizon, Duration::from_secs(5));
+        assert_eq!(params.resident_window, Duration::from_secs(20));
+        assert!(on_wall_clock(&[("HEARTH_RESIDENT_SECONDS".into(), "x".into())], 3.0).is_err());
     }
 
     #[test]

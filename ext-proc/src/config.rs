@@ -251,6 +251,14 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_RESIDENT_SECONDS", default_value_t = 120.0)]
     pub resident_seconds: f64,
 
+    /// Seconds after its answer ended that a first turn may wait for a
+    /// second turn before it counts as one-shot, for the sequel share
+    /// that sets a first turn's credit cap (HEARTH_FIRST_TURN_CAP). An
+    /// agent's tool call comes back within seconds; a second turn after a
+    /// longer pause still moves its first turn back from one-shot.
+    #[arg(long, env = "HEARTH_SEQUEL_HORIZON_SECONDS", default_value_t = 15.0)]
+    pub sequel_horizon_seconds: f64,
+
     /// Uncached prompt bytes that weigh one extra load unit (every request
     /// weighs at least one).
     #[arg(long, env = "HEARTH_LOAD_UNIT_BYTES", default_value_t = 65_536)]
@@ -1387,6 +1395,7 @@ impl Settings {
             engine_stale: seconds(self.engine_metrics_stale_seconds),
             engine_load_weight: self.engine_load_weight,
             resident_window: seconds(self.resident_seconds),
+            sequel_horizon: seconds(self.sequel_horizon_seconds),
             resident_load: self.resident_load,
             relative_load_above: self.relative_load_above,
             usage_feedback: self.usage_feedback,
@@ -1455,6 +1464,7 @@ impl Settings {
             ),
             ("HEARTH_BUSY_GRACE_SECONDS", self.busy_grace_seconds),
             ("HEARTH_RESIDENT_SECONDS", self.resident_seconds),
+            ("HEARTH_SEQUEL_HORIZON_SECONDS", self.sequel_horizon_seconds),
             ("HEARTH_UPSTREAMS_POLL_SECONDS", self.upstreams_poll_seconds),
             (
                 "HEARTH_FIRST_BYTE_TIMEOUT_SECONDS",

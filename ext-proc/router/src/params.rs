@@ -45,6 +45,9 @@ pub struct RouterParams {
     pub engine_load_weight: f64,
     /// How long after its latest turn a conversation stays resident.
     pub resident_window: Duration,
+    /// How long after its answer ended a first turn may wait for its
+    /// second turn before it counts as one-shot (see [`crate::tips`]).
+    pub sequel_horizon: Duration,
     /// Correct each replica's warmth from what its answers' usage says it
     /// served from cache (see [`crate::usage`]), and drop it when the
     /// engine's metrics show a restart.
@@ -93,6 +96,7 @@ impl Default for RouterParams {
             engine_stale: Duration::from_secs(10),
             engine_load_weight: 1.0,
             resident_window: Duration::from_secs(120),
+            sequel_horizon: Duration::from_secs(15),
             resident_load: 5.0,
             relative_load_above: 8.0,
             usage_feedback: true,

@@ -76,7 +76,7 @@ enum Fate {
     Later,
     /// A first turn this sidecar routed, its answer still running.
     Pending,
-    /// A first turn whose answer ended less than [`SEQUEL_HORIZON`] ago,
+    /// A first turn whose answer ended less than the sequel horizon ago,
     /// with no second turn yet.
     Answered,
     /// A first turn that had no second turn within the horizon (counted
@@ -85,12 +85,6 @@ enum Fate {
     /// A first turn that had its second turn.
     Continued,
 }
-
-/// How long after its answer ended a first turn may wait for its second
-/// turn before it counts as one-shot (an agent's tool call comes back
-/// within seconds; a second turn after a longer pause moves it back).
-/// The answer's end is taken at the first decision after it.
-pub const SEQUEL_HORIZON: Duration = Duration::from_secs(15);
 
 /// Answered first turns awaiting their fate, at most (the oldest is
 /// settled early beyond it).
@@ -273,9 +267,12 @@ impl Tips {
         }
     }
 
-    /// First turns whose answers ended a horizon ago with no second turn
-    /// are one-shot (before each decision's scoring).
-    pub(crate) fn settle(&mut self, now: Instant) {
+    /// First turns whose answers ended `horizon` ago with no second turn
+    /// are one-shot (before each decision's scoring). The horizon is how
+    /// long a first turn may wait for its second (an agent's tool call
+    /// comes back within seconds; a second turn after a longer pause moves
+    /// it back); an answer's end is taken at the first decision after it.
+    pub(crate) fn settle(&mut self, now: Instant, horizon: Duration) {
         let mut ended = std::mem::take(&mut self.sequels.ended);
         for tip in ended.drain(..) {
             match self.went.get_mut(&tip) {
@@ -292,7 +289,7 @@ impl Tips {
             .sequels
             .pending
             .front()
-            .is_some_and(|&(at, _)| now.saturating_duration_since(at) >= SEQUEL_HORIZON)
+            .is_some_and(|&(at, _)| now.saturating_duration_since(at) >= horizon)
         {
             self.settle_oldest();
         }
@@ -343,6 +340,9 @@ mod tests {
     fn key(port: u16) -> ReplicaKey {
         (([127, 0, 0, 1], port).into(), None)
     }
+
+    /// The sidecar's default horizon.
+    const HORIZON: Duration = Duration::from_secs(15);
 
     #[test]
     fn the_deepest_tip_is_the_previous_turn_and_the_first_names_the_conversation() {
@@ -444,13 +444,13 @@ mod tests {
         tips.record(5_000, key(2), 2048, None, false);
         tips.answered(5_000);
         // The horizon starts when an answer's end is seen...
-        tips.settle(t0);
+        tips.settle(t0, HORIZON);
         assert_eq!(tips.sequels().share(), 1.0);
-        tips.settle(t0 + SEQUEL_HORIZON / 2);
+        tips.settle(t0 + HORIZON / 2, HORIZON);
         assert_eq!(tips.sequels().share(), 1.0);
         // ...and once it has passed with no second turn, they are one-shot.
-        let later = t0 + SEQUEL_HORIZON;
-        tips.settle(later);
+        let later = t0 + HORIZON;
+        tips.settle(later, HORIZON);
         let one_shot = tips.sequels().share();
         assert!((one_shot - 16.0 / 36.0).abs() < 1e-9, "{one_shot}");
         // A conversation's second turn, even after the horizon, moves its
@@ -466,7 +466,7 @@ mod tests {
         // A first turn still running when the horizon would have passed
         // is not one-shot: its answer's end starts the horizon.
         tips.record(7, key(1), 2048, None, true);
-        tips.settle(later + SEQUEL_HORIZON * 4);
+        tips.settle(later + HORIZON * 4, HORIZON);
         assert_eq!(tips.sequels().share(), back);
         // Conversations that go on raise it again.
         for n in 0..200u64 {
@@ -480,6 +480,26 @@ mod tests {
     }
 
     #[test]
+    fn the_horizon_given_is_the_one_that_settles() {
+        let t0 = Instant::now();
+        let short = Duration::from_secs(5);
+        let mut tips = Tips::new(1_000);
+        for t in 1..=20u64 {
+            tips.record(t, key(1), 2048, None, true);
+            tips.answered(t);
+        }
+        tips.settle(t0, short);
+        tips.settle(t0 + short - Duration::from_millis(1), short);
+        assert_eq!(tips.sequels().share(), 1.0);
+        // Five seconds on: one-shot under a 5 s horizon, not yet under 15 s.
+        tips.settle(t0 + short, HORIZON);
+        assert_eq!(tips.sequels().share(), 1.0);
+        tips.settle(t0 + short, short);
+        let share = tips.sequels().share();
+        assert!((share - 16.0 / 36.0).abs() < 1e-9, "{share}");
+    }
+
+    #[test]
     fn answered_first_turns_awaiting_their_fate_are_bounded() {
         let t0 = Instant::now();
         let mut tips = Tips::new(100_000);
@@ -487,7 +507,7 @@ mod tests {
             tips.record(t + 1, key(1), 2048, None, true);
             tips.answered(t + 1);
         }
-        tips.settle(t0);
+        tips.settle(t0, HORIZON);
         assert_eq!(tips.sequels.pending.len(), PENDING_MAX);
         assert!(tips.sequels.ended.is_empty());
         // The oldest were settled early, as one-shot.

@@ -177,7 +177,7 @@ impl Router {
             self.rejected.fetch_add(1, Ordering::Relaxed);
         })?;
         let mut tips = lock(&self.tips);
-        tips.settle(now);
+        tips.settle(now, self.params.sequel_horizon);
         let warm = overlap::measure(self, fleet, &tips, req, admitted, known);
         let scored = policy::score(self, fleet, &warm, now);
         let picked = pick::pick(self, fleet, req, &warm, &scored);
