@@ -488,7 +488,9 @@ pub(crate) fn windows(
 /// The sidecar's settings that are spans of the engines' and the
 /// clients' time (how long a conversation stays resident, how long a
 /// first turn waits for its second, how long a request may queue), with
-/// how to read each from the settings.
+/// how to read each from the settings. (`hearth-bench tenants` scales
+/// only flow control's defaults: its commands give flow settings in wall
+/// time.)
 const ENGINE_TIME: [(&str, fn(&Settings) -> f64); 7] = [
     ("HEARTH_RESIDENT_SECONDS", |s| s.resident_seconds),
     ("HEARTH_SEQUEL_HORIZON_SECONDS", |s| {
