@@ -489,8 +489,8 @@ pub(crate) fn windows(
 /// clients' time (how long a conversation stays resident, how long a
 /// first turn waits for its second, how long a request may queue), with
 /// how to read each from the settings. (`hearth-bench tenants` scales
-/// only flow control's defaults: its commands give flow settings in wall
-/// time.)
+/// only the defaults of flow control's affinity wait, time to live and
+/// prefill limit: its commands give the rest in wall time.)
 const ENGINE_TIME: [(&str, fn(&Settings) -> f64); 7] = [
     ("HEARTH_RESIDENT_SECONDS", |s| s.resident_seconds),
     ("HEARTH_SEQUEL_HORIZON_SECONDS", |s| {
