@@ -491,7 +491,7 @@ pub(crate) fn windows(
 /// how to read each from the settings. (`hearth-bench tenants` scales
 /// only the defaults of flow control's affinity wait, time to live and
 /// prefill limit: its commands give the rest in wall time.)
-const ENGINE_TIME: [(&str, fn(&Settings) -> f64); 7] = [
+const ENGINE_TIME: [(&str, SettingValue); 7] = [
     ("HEARTH_RESIDENT_SECONDS", |s| s.resident_seconds),
     ("HEARTH_SEQUEL_HORIZON_SECONDS", |s| {
         s.sequel_horizon_seconds
@@ -506,6 +506,9 @@ const ENGINE_TIME: [(&str, fn(&Settings) -> f64); 7] = [
     }),
     ("HEARTH_FLOW_TTL_SECONDS", |s| s.flow_ttl_seconds),
 ];
+
+/// How to read one setting's value from the parsed settings.
+type SettingValue = fn(&Settings) -> f64;
 
 /// The live sidecar's engine-time settings on the wall clock: each one's
 /// value in `settings` (given or default) divided by `time_scale`, so

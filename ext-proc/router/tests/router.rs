@@ -205,7 +205,7 @@ fn one_shot_requests_on_an_app_prompt_keep_to_the_replica_that_read_it() {
     // decision saw), with none of them extended, first turns hold no
     // conversation: app 2's prompt counts in full and its next question
     // goes where it is held, busy as that replica is.
-    let later = t0 + hearth_router::tips::SEQUEL_HORIZON;
+    let later = t0 + router.params().sequel_horizon;
     let d = router.decide_at(&question(2, 1), later).unwrap();
     assert!(!d.continues());
     assert_eq!((d.primary(), d.overlap), (0, 12));
@@ -872,7 +872,7 @@ fn one_shot_requests_weigh_running_load_in_proportion_on_busy_replicas() {
         for k in 0..144 {
             drop(on(1, &req(&[80_000 + k]), t0));
         }
-        let later = t0 + hearth_router::tips::SEQUEL_HORIZON;
+        let later = t0 + router.params().sequel_horizon;
         drop(on(1, &req(&[79_999]), later));
         let snap = router.snapshot_at(later);
         assert!(
