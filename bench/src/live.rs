@@ -488,27 +488,23 @@ pub(crate) fn windows(
 /// The sidecar's settings that are spans of the engines' and the
 /// clients' time (how long a conversation stays resident, how long a
 /// first turn waits for its second, how long a request may queue), with
-/// how to read each from the settings. (`hearth-bench tenants` scales
-/// only the defaults of flow control's affinity wait, time to live and
-/// prefill limit: its commands give the rest in wall time.)
-const ENGINE_TIME: [(&str, SettingValue); 7] = [
-    ("HEARTH_RESIDENT_SECONDS", |s| s.resident_seconds),
-    ("HEARTH_SEQUEL_HORIZON_SECONDS", |s| {
-        s.sequel_horizon_seconds
-    }),
-    ("HEARTH_FLOW_PREFILL_SECONDS", |s| s.flow_prefill_seconds),
-    ("HEARTH_FLOW_AFFINITY_WAIT_SECONDS", |s| {
-        s.flow_affinity_wait_seconds
-    }),
-    ("HEARTH_FLOW_HEADROOM_SECONDS", |s| s.flow_headroom_seconds),
-    ("HEARTH_FLOW_FAIR_SLOTS_SECONDS", |s| {
-        s.flow_fair_slots_seconds
-    }),
-    ("HEARTH_FLOW_TTL_SECONDS", |s| s.flow_ttl_seconds),
-];
-
-/// How to read one setting's value from the parsed settings.
-type SettingValue = fn(&Settings) -> f64;
+/// their values in `s`. (`hearth-bench tenants` scales only the defaults
+/// of flow control's affinity wait, time to live and prefill limit: its
+/// commands give the rest in wall time.)
+fn engine_time(s: &Settings) -> [(&'static str, f64); 7] {
+    [
+        ("HEARTH_RESIDENT_SECONDS", s.resident_seconds),
+        ("HEARTH_SEQUEL_HORIZON_SECONDS", s.sequel_horizon_seconds),
+        ("HEARTH_FLOW_PREFILL_SECONDS", s.flow_prefill_seconds),
+        (
+            "HEARTH_FLOW_AFFINITY_WAIT_SECONDS",
+            s.flow_affinity_wait_seconds,
+        ),
+        ("HEARTH_FLOW_HEADROOM_SECONDS", s.flow_headroom_seconds),
+        ("HEARTH_FLOW_FAIR_SLOTS_SECONDS", s.flow_fair_slots_seconds),
+        ("HEARTH_FLOW_TTL_SECONDS", s.flow_ttl_seconds),
+    ]
+}
 
 /// The live sidecar's engine-time settings on the wall clock: each one's
 /// value in `settings` (given or default) divided by `time_scale`, so
@@ -519,9 +515,9 @@ fn on_wall_clock(
     time_scale: f64,
 ) -> anyhow::Result<Vec<(String, String)>> {
     let parsed = crate::settings::parse(settings)?;
-    Ok(ENGINE_TIME
-        .iter()
-        .map(|(name, value)| (name.to_string(), format!("{}", value(&parsed) / time_scale)))
+    Ok(engine_time(&parsed)
+        .into_iter()
+        .map(|(name, engine_s)| (name.to_string(), format!("{}", engine_s / time_scale)))
         .collect())
 }
 
@@ -1081,7 +1077,7 @@ mod tests {
         let given = [("HEARTH_RESIDENT_SECONDS".to_string(), "60".to_string())];
         let scaled: std::collections::HashMap<_, _> =
             on_wall_clock(&given, 3.0).unwrap().into_iter().collect();
-        assert_eq!(scaled.len(), ENGINE_TIME.len());
+        assert_eq!(scaled.len(), 7);
         // A value given (for the simulator too) and the defaults alike.
         assert_eq!(scaled["HEARTH_RESIDENT_SECONDS"], "20");
         assert_eq!(scaled["HEARTH_SEQUEL_HORIZON_SECONDS"], "5");
