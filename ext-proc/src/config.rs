@@ -228,7 +228,7 @@ pub struct Settings {
     /// later turn of a conversation weighs their load differences in
     /// proportion to that mean (scaled by this over the mean), while no
     /// candidate's engine reports requests waiting and none runs more
-    /// than four times another's load: a few requests more
+    /// than `HEARTH_HOTSPOT_RATIO` times another's load: a few requests more
     /// on a replica that runs many slow each of them by a small share of
     /// its steps, while moving reads the conversation again (0 = load
     /// differences always count as they are). One-shot requests weigh it
@@ -236,6 +236,14 @@ pub struct Settings {
     /// share); prompts still being read always count as they are.
     #[arg(long, env = "HEARTH_RELATIVE_LOAD_ABOVE", default_value_t = 8.0)]
     pub relative_load_above: f64,
+
+    /// How many times another candidate's load one candidate must run to
+    /// be a hotspot, beside which load differences count as they are
+    /// whatever `HEARTH_RELATIVE_LOAD_ABOVE` says (scaled by the mean, a
+    /// difference would weigh ever less as the hotspot, raising the mean
+    /// itself, grew). At least 1.
+    #[arg(long, env = "HEARTH_HOTSPOT_RATIO", default_value_t = 8.0)]
+    pub hotspot_ratio: f64,
 
     /// Correct each replica's warmth index from its answers' usage (the
     /// cached tokens the engine reports): shrink it toward the engine's
@@ -1398,6 +1406,7 @@ impl Settings {
             sequel_horizon: seconds(self.sequel_horizon_seconds),
             resident_load: self.resident_load,
             relative_load_above: self.relative_load_above,
+            hotspot_ratio: self.hotspot_ratio,
             usage_feedback: self.usage_feedback,
             flow: FlowParams {
                 engine_waiting: self.flow_engine_waiting,
@@ -1434,6 +1443,12 @@ impl Settings {
         }
         if self.warmth_blocks == Some(0) {
             problems.push("HEARTH_WARMTH_BLOCKS must be at least 1".into());
+        }
+        if !(self.hotspot_ratio.is_finite() && self.hotspot_ratio >= 1.0) {
+            problems.push(format!(
+                "HEARTH_HOTSPOT_RATIO must be a finite number >= 1, got {}",
+                self.hotspot_ratio
+            ));
         }
         for (name, v) in [
             ("HEARTH_ALPHA", self.alpha),
@@ -1868,6 +1883,21 @@ mod tests {
             "--relative-load-above",
             &["-1", "NaN", "inf"],
             "HEARTH_RELATIVE_LOAD_ABOVE must be a finite number >= 0",
+        );
+    }
+
+    #[test]
+    fn hotspot_ratio_reaches_the_router_params_and_bad_ones_are_named() {
+        let s = parse(&["--upstreams", "127.0.0.1:1"]).unwrap().settings;
+        assert_eq!(s.router_params().hotspot_ratio, 8.0);
+        let s = parse(&["--upstreams", "127.0.0.1:1", "--hotspot-ratio", "2.5"])
+            .unwrap()
+            .settings;
+        assert_eq!(s.router_params().hotspot_ratio, 2.5);
+        refused_with(
+            "--hotspot-ratio",
+            &["0.5", "0", "-1", "NaN", "inf"],
+            "HEARTH_HOTSPOT_RATIO must be a finite number >= 1",
         );
     }
 

@@ -59,8 +59,12 @@ pub struct RouterParams {
     /// turn of a conversation weighs their load differences in
     /// proportion to that mean (scaled by this over the mean), while no
     /// candidate's engine has requests waiting and none runs more than
-    /// four times another's load; 0 = always as counted.
+    /// `hotspot_ratio` times another's load; 0 = always as counted.
     pub relative_load_above: f64,
+    /// How many times another candidate's load one candidate must run for
+    /// a later turn to weigh load differences as counted (a hotspot),
+    /// whatever `relative_load_above` says.
+    pub hotspot_ratio: f64,
     /// When a replica is saturated, for flow control.
     pub flow: FlowParams,
 }
@@ -99,6 +103,7 @@ impl Default for RouterParams {
             sequel_horizon: Duration::from_secs(15),
             resident_load: 5.0,
             relative_load_above: 8.0,
+            hotspot_ratio: 8.0,
             usage_feedback: true,
             flow: FlowParams::default(),
         }

@@ -110,42 +110,50 @@ fn first_turns_spread_by_load_and_later_turns_follow_their_history() {
 fn a_later_turn_weighs_load_differences_in_proportion_on_busy_replicas() {
     // Where a conversation of `blocks` blocks goes for its next turn, with
     // `home` (the replica that read it) running `at_home` requests and the
-    // other `away`, and engine 0 reporting `waiting` requests queued.
-    let next_turn = |above: f64, blocks: u64, at_home: u64, away: u64, waiting: f64| {
-        let r = fleet("127.0.0.1:1,127.0.0.1:2", |p| {
-            p.resident_load = 0.0;
-            p.relative_load_above = above;
-        });
-        let now = Instant::now();
-        let conversation: Vec<u64> = (1..=blocks).collect();
-        let first = r.decide_at(&req(&conversation), now).unwrap();
-        let home = first.primary();
-        drop(first);
-        let mut running = Vec::new();
-        for (replica, n) in [(home, at_home), (1 - home, away)] {
-            for k in 0..n {
-                let d = r
-                    .decide_within_at(
-                        &req(&[1000 * (replica as u64 + 1) + k]),
-                        Some(&[replica]),
-                        now,
-                    )
-                    .unwrap();
-                d.prefill().done_at(now);
-                running.push(d);
+    // other `away`, engine 0 reporting `waiting` requests queued, and
+    // `HEARTH_HOTSPOT_RATIO` at `ratio`.
+    let next_turn_beside =
+        |ratio: f64, above: f64, blocks: u64, at_home: u64, away: u64, waiting: f64| {
+            let r = fleet("127.0.0.1:1,127.0.0.1:2", |p| {
+                p.resident_load = 0.0;
+                p.relative_load_above = above;
+                p.hotspot_ratio = ratio;
+            });
+            let now = Instant::now();
+            let conversation: Vec<u64> = (1..=blocks).collect();
+            let first = r.decide_at(&req(&conversation), now).unwrap();
+            let home = first.primary();
+            drop(first);
+            let mut running = Vec::new();
+            for (replica, n) in [(home, at_home), (1 - home, away)] {
+                for k in 0..n {
+                    let d = r
+                        .decide_within_at(
+                            &req(&[1000 * (replica as u64 + 1) + k]),
+                            Some(&[replica]),
+                            now,
+                        )
+                        .unwrap();
+                    d.prefill().done_at(now);
+                    running.push(d);
+                }
             }
-        }
-        if waiting > 0.0 {
-            r.set_engine_signals(
-                "127.0.0.1:1".parse().unwrap(),
-                EngineSignals::queue(0.0, waiting, now),
-            );
-        }
-        let next = r
-            .decide_at(&req(&(1..=blocks + 2).collect::<Vec<_>>()), now)
-            .unwrap();
-        assert!(next.continues());
-        (next.primary() == home, next.candidates.len())
+            if waiting > 0.0 {
+                r.set_engine_signals(
+                    "127.0.0.1:1".parse().unwrap(),
+                    EngineSignals::queue(0.0, waiting, now),
+                );
+            }
+            let next = r
+                .decide_at(&req(&(1..=blocks + 2).collect::<Vec<_>>()), now)
+                .unwrap();
+            assert!(next.continues());
+            (next.primary() == home, next.candidates.len())
+        };
+    let ratio = RouterParams::default().hotspot_ratio;
+    assert_eq!(ratio, 8.0);
+    let next_turn = |above: f64, blocks: u64, at_home: u64, away: u64, waiting: f64| {
+        next_turn_beside(ratio, above, blocks, at_home, away, waiting)
     };
     // Six requests more at home than away outweigh the conversation's four
     // blocks when the replicas run few (a mean of 5: the setting's 8 is
@@ -159,14 +167,16 @@ fn a_later_turn_weighs_load_differences_in_proportion_on_busy_replicas() {
     // Once an engine has requests waiting, each one more is a whole
     // request's wait: the difference counts as it is again.
     assert_eq!(next_turn(8.0, 4, 24, 18, 1.0), (false, 2));
-    // A hotspot raises the mean itself: 60 requests at home and 14 away,
-    // scaled by their mean of 37, would weigh 10 units against a
-    // conversation of 20 blocks. Past four times the other's load, the
+    // A hotspot raises the mean itself: 60 requests at home and 7 away,
+    // scaled by their mean of 33.5, would weigh 12.7 units against a
+    // conversation of 20 blocks. Past eight times the other's load, the
     // difference counts as it is and the turn leaves the hotspot ...
-    assert_eq!(next_turn(8.0, 20, 60, 14, 0.0), (false, 2));
-    // ... while at three times (48 against 16: 32 more, weighing 8/32 of
-    // themselves, 8 units) it stays with its 20 blocks.
-    assert_eq!(next_turn(8.0, 20, 48, 16, 0.0), (true, 2));
+    assert_eq!(next_turn(8.0, 20, 60, 7, 0.0), (false, 2));
+    // ... while at six times (48 against 8: 40 more, weighing 8/28 of
+    // themselves, 11.4 units) it stays with its 20 blocks ...
+    assert_eq!(next_turn(8.0, 20, 48, 8, 0.0), (true, 2));
+    // ... unless the operator sets the bound below six times.
+    assert_eq!(next_turn_beside(4.0, 8.0, 20, 48, 8, 0.0), (false, 2));
 }
 
 #[test]

@@ -145,10 +145,6 @@ pub fn scores(alpha: f64, credits: &[f64], candidates: &[Candidate]) -> Vec<f64>
         .collect()
 }
 
-/// How many times another candidate's load one candidate must run for
-/// [`load_weight`] to count load differences as they are.
-const HOTSPOT: f64 = 4.0;
-
 /// What a later turn's load differences weigh (`HEARTH_RELATIVE_LOAD_ABOVE`):
 /// while no candidate's engine has requests waiting and their mean load
 /// is above the setting, the setting over that mean. A first turn's
@@ -162,9 +158,10 @@ const HOTSPOT: f64 = 4.0;
 /// own blocks again. A request that waits in an engine's queue waits for
 /// whole requests: then differences count as they are, and so they do
 /// for first turns, whose placement spreads new conversations, and
-/// beside a hotspot: once one candidate runs more than [`HOTSPOT`] times
-/// another's load, the hotspot itself raises the mean, and scaled by it
-/// the difference would weigh less the larger it grew.
+/// beside a hotspot: once one candidate runs more than
+/// `HEARTH_HOTSPOT_RATIO` times another's load, the hotspot itself raises
+/// the mean, and scaled by it the difference would weigh less the larger
+/// it grew.
 fn load_weight(
     router: &Router,
     fleet: &Fleet,
@@ -197,7 +194,7 @@ fn load_weight(
     let mean = loads.clone().sum::<f64>() / candidates.len() as f64;
     let most = loads.clone().fold(0.0, f64::max);
     let least = loads.fold(f64::INFINITY, f64::min);
-    if queued || mean <= above || most > HOTSPOT * least {
+    if queued || mean <= above || most > router.params.hotspot_ratio * least {
         1.0
     } else {
         holds + (1.0 - holds) * above / mean
