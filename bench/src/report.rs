@@ -441,6 +441,41 @@ pub fn svg(title: &str, subtitle: &str, rows: &[Row]) -> String {
     s
 }
 
+/// Every record of a run as CSV, one request a line, for looking at a
+/// run over time (`scripts/ttft-timeline`): when it was sent (seconds of
+/// engine time from the run's start), the replica, TTFT and end-to-end
+/// seconds, prompt, cached and predicted cached tokens (empty where no
+/// prediction was made), and whether a later turn stayed (empty for a
+/// first turn).
+pub fn records_csv(records: &[RequestRecord]) -> String {
+    let mut out = String::from(
+        "sent_s,replica,ttft_s,e2e_s,prompt_tokens,cached_tokens,predicted_cached_tokens,stayed,failed\n",
+    );
+    for r in records {
+        let predicted = r
+            .predicted_cached_tokens
+            .map(|p| p.to_string())
+            .unwrap_or_default();
+        let stayed = r
+            .stayed
+            .map(|s| u8::from(s).to_string())
+            .unwrap_or_default();
+        out += &format!(
+            "{:.4},{},{:.4},{:.4},{},{},{},{},{}\n",
+            r.sent_s,
+            r.replica,
+            r.ttft_s,
+            r.e2e_s,
+            r.prompt_tokens,
+            r.cached_tokens,
+            predicted,
+            stayed,
+            u8::from(r.failed)
+        );
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -461,6 +496,25 @@ mod tests {
             failed: false,
             predicted_cached_tokens: None,
         }
+    }
+
+    #[test]
+    fn records_csv_has_a_line_per_request_with_its_fields() {
+        let mut first = rec(2, 40, None, 0.25);
+        first.sent_s = 1.5;
+        let mut later = rec(0, 90, Some(true), 0.125);
+        later.predicted_cached_tokens = Some(88);
+        later.failed = true;
+        let csv = records_csv(&[first, later]);
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(
+            lines,
+            [
+                "sent_s,replica,ttft_s,e2e_s,prompt_tokens,cached_tokens,predicted_cached_tokens,stayed,failed",
+                "1.5000,2,0.2500,1.2500,100,40,,,0",
+                "0.0000,0,0.1250,1.1250,100,90,88,1,1",
+            ]
+        );
     }
 
     #[test]

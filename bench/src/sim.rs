@@ -564,6 +564,10 @@ pub struct SimArgs {
     /// Write the chart (turns/min against agents) here.
     #[arg(long)]
     pub svg: Option<std::path::PathBuf>,
+    /// Also write every measured request of each run as CSV into this
+    /// folder, `POLICY-AGENTS.csv` ([`crate::report::records_csv`]).
+    #[arg(long)]
+    pub records: Option<std::path::PathBuf>,
 }
 
 impl SimArgs {
@@ -800,6 +804,14 @@ pub fn main(args: SimArgs) -> anyhow::Result<()> {
         });
         std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
     }
+    if let Some(dir) = &args.records {
+        std::fs::create_dir_all(dir)?;
+        for r in &results {
+            let path = dir.join(format!("{}-{}.csv", r.policy.name(), r.agents));
+            std::fs::write(&path, crate::report::records_csv(&r.records))?;
+            println!("# wrote {}", path.display());
+        }
+    }
     if let Some(path) = &args.svg {
         let title = format!("{}: turns/min by policy (simulated)", sc.name);
         std::fs::write(path, crate::report::svg(&title, &command, &rows))?;
@@ -849,6 +861,50 @@ mod tests {
         let sc = args.scenario().unwrap();
         let policy = Policy::new(PolicyKind::HearthRelative, sc.replicas, 1, &sc.hearth);
         *policy.routers()[0].params()
+    }
+
+    #[test]
+    fn records_writes_each_runs_requests_as_csv() {
+        let dir = std::env::temp_dir().join(format!("hearth-sim-records-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let args = sim_args(&[
+            "--scenario",
+            "shared-prefix",
+            "--agents",
+            "4",
+            "--warmup-s",
+            "2",
+            "--duration-s",
+            "30",
+            "--policies",
+            "hearth_relative,round_robin",
+            "--jobs",
+            "1",
+            "--records",
+            dir.to_str().unwrap(),
+        ]);
+        main(args).unwrap();
+        for name in ["hearth_relative-4.csv", "round_robin-4.csv"] {
+            let csv = std::fs::read_to_string(dir.join(name)).unwrap();
+            let mut lines = csv.lines();
+            assert!(lines.next().unwrap().starts_with("sent_s,replica,ttft_s,"));
+            let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+            assert!(!rows.is_empty(), "{name} has no requests");
+            for row in &rows {
+                assert_eq!(row.len(), 9, "{name}: {row:?}");
+                // Four replicas; sent after the run began.
+                assert!(row[1].parse::<usize>().unwrap() < 4);
+                assert!(row[0].parse::<f64>().unwrap() >= 0.0);
+            }
+            // Only Hearth predicts what the engine will serve from cache.
+            let predicted = rows.iter().filter(|r| !r[6].is_empty()).count();
+            if name.starts_with("hearth") {
+                assert_eq!(predicted, rows.len());
+            } else {
+                assert_eq!(predicted, 0);
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
