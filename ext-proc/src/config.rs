@@ -245,6 +245,16 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_HOTSPOT_RATIO", default_value_t = 8.0)]
     pub hotspot_ratio: f64,
 
+    /// For a prompt no candidate replica holds any block of (a cold
+    /// prompt, read in full wherever it goes): the load units each block
+    /// (HEARTH_BLOCK_SIZE bytes) of prompt still being read on a
+    /// candidate weighs. At 1 a block read ahead of it weighs a request
+    /// in flight, so a cold prompt goes where the least prompt is queued
+    /// for reading before it. 0 = those bytes weigh their
+    /// HEARTH_LOAD_UNIT_BYTES units, as for every other request.
+    #[arg(long, env = "HEARTH_COLD_READ_WEIGHT", default_value_t = 1.0)]
+    pub cold_read_weight: f64,
+
     /// Correct each replica's warmth index from its answers' usage (the
     /// cached tokens the engine reports): shrink it toward the engine's
     /// real cache when it served less than predicted, drop it when the
@@ -1407,6 +1417,7 @@ impl Settings {
             resident_load: self.resident_load,
             relative_load_above: self.relative_load_above,
             hotspot_ratio: self.hotspot_ratio,
+            cold_read_weight: self.cold_read_weight,
             usage_feedback: self.usage_feedback,
             flow: FlowParams {
                 engine_waiting: self.flow_engine_waiting,
@@ -1454,6 +1465,7 @@ impl Settings {
             ("HEARTH_ALPHA", self.alpha),
             ("HEARTH_RESIDENT_LOAD", self.resident_load),
             ("HEARTH_RELATIVE_LOAD_ABOVE", self.relative_load_above),
+            ("HEARTH_COLD_READ_WEIGHT", self.cold_read_weight),
             ("HEARTH_ENGINE_LOAD_WEIGHT", self.engine_load_weight),
             ("HEARTH_FLOW_ENGINE_WAITING", self.flow_engine_waiting),
         ] {
@@ -1883,6 +1895,21 @@ mod tests {
             "--relative-load-above",
             &["-1", "NaN", "inf"],
             "HEARTH_RELATIVE_LOAD_ABOVE must be a finite number >= 0",
+        );
+    }
+
+    #[test]
+    fn cold_read_weight_reaches_the_router_params_and_bad_ones_are_named() {
+        let s = parse(&["--upstreams", "127.0.0.1:1"]).unwrap().settings;
+        assert_eq!(s.router_params().cold_read_weight, 1.0);
+        let s = parse(&["--upstreams", "127.0.0.1:1", "--cold-read-weight", "0"])
+            .unwrap()
+            .settings;
+        assert_eq!(s.router_params().cold_read_weight, 0.0);
+        refused_with(
+            "--cold-read-weight",
+            &["-1", "NaN", "inf"],
+            "HEARTH_COLD_READ_WEIGHT must be a finite number >= 0",
         );
     }
 

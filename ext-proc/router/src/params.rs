@@ -65,6 +65,11 @@ pub struct RouterParams {
     /// a later turn to weigh load differences as counted (a hotspot),
     /// whatever `relative_load_above` says.
     pub hotspot_ratio: f64,
+    /// For a prompt no candidate holds a block of: the load units each
+    /// block of prompt still being read on a candidate weighs (0: those
+    /// bytes weigh their `load_unit_bytes` units, as for every other
+    /// request).
+    pub cold_read_weight: f64,
     /// When a replica is saturated, for flow control.
     pub flow: FlowParams,
 }
@@ -104,6 +109,7 @@ impl Default for RouterParams {
             resident_load: 5.0,
             relative_load_above: 8.0,
             hotspot_ratio: 8.0,
+            cold_read_weight: 1.0,
             usage_feedback: true,
             flow: FlowParams::default(),
         }

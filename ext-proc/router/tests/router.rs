@@ -107,6 +107,47 @@ fn first_turns_spread_by_load_and_later_turns_follow_their_history() {
 }
 
 #[test]
+fn a_prompt_no_replica_holds_goes_where_the_least_prompt_is_read_before_it() {
+    // Replica 0 still reads one request's 16-block prompt (32 KiB: half a
+    // load unit); replica 1 runs three requests whose prompts are read.
+    // Then a prompt nothing holds arrives, and `follower`, the first
+    // request's prompt with more after it.
+    let place = |cold_read_weight: f64| {
+        let r = fleet("127.0.0.1:1,127.0.0.1:2", |p| {
+            p.resident_load = 0.0;
+            p.cold_read_weight = cold_read_weight;
+        });
+        let now = Instant::now();
+        let reading: Vec<u64> = (1..=16).collect();
+        let mut held = vec![r.decide_within_at(&req(&reading), Some(&[0]), now).unwrap()];
+        for k in 0..3 {
+            let d = r
+                .decide_within_at(&req(&[100 + k]), Some(&[1]), now)
+                .unwrap();
+            d.prefill().done_at(now);
+            held.push(d);
+        }
+        let cold = r
+            .decide_at(&req(&(500..508).collect::<Vec<_>>()), now)
+            .unwrap();
+        assert_eq!(cold.overlap, 0);
+        let follower = r
+            .decide_at(&req(&(1..=20).collect::<Vec<_>>()), now)
+            .unwrap();
+        (cold.primary(), follower.primary(), follower.overlap)
+    };
+    // By default each block read ahead weighs a load unit: the 16 blocks
+    // on replica 0 weigh more than replica 1's three requests.
+    assert_eq!(RouterParams::default().cold_read_weight, 1.0);
+    assert_eq!(place(1.0), (1, 0, 16));
+    // At 0 the unread 32 KiB weigh their half load unit, as for any other
+    // request: replica 0 (1.5 units) looks less loaded than replica 1 (3).
+    assert_eq!(place(0.0), (0, 0, 16));
+    // A prompt some replica holds is placed as before either way: the
+    // follower goes where its first 16 blocks are (being) read.
+}
+
+#[test]
 fn a_later_turn_weighs_load_differences_in_proportion_on_busy_replicas() {
     // Where a conversation of `blocks` blocks goes for its next turn, with
     // `home` (the replica that read it) running `at_home` requests and the

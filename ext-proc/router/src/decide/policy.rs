@@ -13,7 +13,9 @@
 //! A later turn (and a one-shot request) on replicas that each run many
 //! requests, none waiting, weighs the differences of what they run in
 //! proportion to it, and the prompts they are still reading as counted
-//! ([`load_weight`]).
+//! ([`load_weight`]). A prompt no candidate holds any block of is
+//! read in full wherever it goes: for it, the prompt each candidate is
+//! still reading counts per block ([`cold_read_weight`]).
 //! The benchmark's simulator calls this same code, so what it measures is
 //! what the sidecar runs.
 
@@ -117,15 +119,26 @@ pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Inst
     // read (their prefill, in load units) weigh as counted: an engine
     // reads them ahead of everything that waits for a first token.
     let weight = load_weight(router, fleet, warm, &candidates, now);
+    let cold_read = cold_read_weight(p, warm);
     let weighed: Vec<Candidate> = candidates
         .iter()
         .zip(&warm.candidates)
         .map(|(c, &i)| {
-            let reading = p.load_units(fleet.state[i].uncached_bytes).min(c.load);
-            Candidate {
-                load: weight * (c.load - reading) + reading,
-                ..*c
-            }
+            let load = match cold_read {
+                // Its peers' reading too (their load beyond a unit a
+                // request), counted per block.
+                Some(per_block) => {
+                    let unread = router.uncached_in_flight(&fleet.state[i]);
+                    let reading = p.load_units(unread).min(c.load);
+                    weight * (c.load - reading)
+                        + per_block * unread as f64 / p.block_size.max(1) as f64
+                }
+                None => {
+                    let reading = p.load_units(fleet.state[i].uncached_bytes).min(c.load);
+                    weight * (c.load - reading) + reading
+                }
+            };
+            Candidate { load, ..*c }
         })
         .collect();
     let scores = scores(params.alpha, &credits, &weighed);
@@ -134,6 +147,22 @@ pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Inst
         credits,
         scores,
     }
+}
+
+/// The load units a block of prompt still being read on a candidate
+/// weighs, for a prompt no candidate holds any block of
+/// (`HEARTH_COLD_READ_WEIGHT`); None for any other prompt, or when the
+/// setting is 0. Such a prompt is read in full wherever it goes, so
+/// nothing but load tells the candidates apart, and what delays its
+/// first token is the prompt its replica reads before it: on a replica
+/// that runs many requests, one more slows each step by a small share,
+/// while another cold prompt queued ahead (a few thousand tokens) holds
+/// the first token for as long as reading it takes. Counted in load
+/// units per `load_unit_bytes` (64 KiB), a replica reading two such
+/// prompts would look less loaded than one running a request more.
+fn cold_read_weight(p: &RouterParams, warm: &Warmth) -> Option<f64> {
+    let cold = warm.overlaps.iter().all(|&o| o == 0);
+    (cold && p.cold_read_weight > 0.0).then_some(p.cold_read_weight)
 }
 
 /// Scores of each candidate: `credit - alpha * load`.
