@@ -124,21 +124,20 @@ pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Inst
         .iter()
         .zip(&warm.candidates)
         .map(|(c, &i)| {
-            let load = match cold_read {
-                // Its peers' reading too (their load beyond a unit a
-                // request), counted per block.
-                Some(per_block) => {
-                    let unread = router.uncached_in_flight(&fleet.state[i]);
-                    let reading = p.load_units(unread).min(c.load);
-                    weight * (c.load - reading)
-                        + per_block * unread as f64 / p.block_size.max(1) as f64
-                }
-                None => {
-                    let reading = p.load_units(fleet.state[i].uncached_bytes).min(c.load);
-                    weight * (c.load - reading) + reading
-                }
+            // For a cold prompt, its peers' reading too (their load
+            // beyond a unit a request), counted per block.
+            let unread = match cold_read {
+                Some(_) => router.uncached_in_flight(&fleet.state[i]),
+                None => fleet.state[i].uncached_bytes,
             };
-            Candidate { load, ..*c }
+            let reading = p.load_units(unread).min(c.load);
+            let ahead = cold_read.map_or(reading, |per_block| {
+                per_block * unread as f64 / p.block_size.max(1) as f64
+            });
+            Candidate {
+                load: weight * (c.load - reading) + ahead,
+                ..*c
+            }
         })
         .collect();
     let scores = scores(params.alpha, &credits, &weighed);
