@@ -413,6 +413,24 @@ impl EngineBatch {
 }
 
 impl ReplicaState {
+    /// Keeps the warmth index within its bound. While the engine's KV
+    /// events are exact they say what it evicted (the index forgets it at
+    /// their horizon, see [`crate::kv_events`]), so the index is not cut
+    /// to the engine's size converted into fingerprint blocks, which a
+    /// bytes-per-token figure still being learnt makes too small: it may
+    /// hold up to `warmth_blocks` (`HEARTH_WARMTH_BLOCKS`) or that size,
+    /// whichever is larger. Otherwise at most `warmth_limit`.
+    pub(crate) fn bound_warmth(&mut self, warmth_blocks: usize) {
+        if self.kv.is_exact() {
+            let bound = warmth_blocks.max(self.warmth_limit);
+            if self.warmth.capacity() < bound {
+                self.warmth.set_capacity(bound);
+            }
+        } else if self.warmth.capacity() > self.warmth_limit {
+            self.warmth.set_capacity(self.warmth_limit);
+        }
+    }
+
     /// The engine lost its cache (it restarted): nothing is warm or
     /// resident here any more.
     pub(crate) fn forget_cache(&mut self) {

@@ -233,10 +233,12 @@ impl Router {
                 if let Some(kv) = told {
                     let first = s.engine.is_none_or(|e| e.kv_capacity_tokens.is_none());
                     s.warmth_limit = blocks_for_tokens(kv, bpt, self.params.block_size, ranks);
-                    if first || restarted || s.warmth.capacity() > s.warmth_limit {
+                    let cut = first || restarted || s.warmth.capacity() > s.warmth_limit;
+                    if cut && !s.kv.is_exact() {
                         s.warmth.set_capacity(s.warmth_limit);
                     }
                 }
+                s.bound_warmth(self.params.warmth_blocks);
                 // Its own evidence of work: requests it runs or queues, and
                 // whether its work counters moved since the last reading.
                 let moved = signals.progress_total.map(|now_total| {
@@ -377,11 +379,13 @@ impl Router {
                     // index it speaks for.
                     s.warmth_limit = blocks_for_tokens(kv, bpt, self.params.block_size, 1.0)
                         .min(self.params.warmth_blocks);
-                    if before.is_none() || s.warmth.capacity() > s.warmth_limit {
+                    let cut = before.is_none() || s.warmth.capacity() > s.warmth_limit;
+                    if cut && !s.kv.is_exact() {
                         s.warmth.set_capacity(s.warmth_limit);
                     }
                 }
             }
+            s.bound_warmth(self.params.warmth_blocks);
             shown = restarts;
         }
         shown
@@ -491,7 +495,7 @@ impl Router {
         let s = &mut fleet.state[answered];
         let (predicted_tokens, correction) = s.usage.record(
             &mut s.warmth,
-            s.warmth_limit,
+            (!s.kv.is_exact()).then_some(s.warmth_limit),
             &self.params,
             prediction,
             usage,

@@ -324,12 +324,14 @@ impl UsageTally {
 
     /// Counts an answer's usage and, with the decision's prediction (the
     /// predicted replica answered), compares the two and corrects `warmth`
-    /// (with `usage_feedback` on). Returns the predicted cached tokens and
-    /// the correction.
+    /// (with `usage_feedback` on) within `limit`, its largest size: `None`
+    /// while the replica's KV events are exact, which say what its engine
+    /// evicted better than answers can (no correction then). Returns the
+    /// predicted cached tokens and the correction.
     pub(crate) fn record(
         &mut self,
         warmth: &mut LruBlocks,
-        limit: usize,
+        limit: Option<usize>,
         p: &RouterParams,
         prediction: Option<&Prediction>,
         usage: Usage,
@@ -405,9 +407,9 @@ impl UsageTally {
         if shallow {
             self.recent_losses += 1;
         }
-        if !p.usage_feedback {
+        let Some(limit) = limit.filter(|_| p.usage_feedback) else {
             return (Some(predicted), None);
-        }
+        };
         let correction = if let Some(walked) = walked.filter(|_| missed && !shallow) {
             // Past the walk, how deep is unknown: no shrink below what the
             // index holds.
@@ -516,7 +518,7 @@ mod tests {
         };
         let p = RouterParams::default();
         tally
-            .record(warmth, 100_000, &p, Some(&prediction), usage, now)
+            .record(warmth, Some(100_000), &p, Some(&prediction), usage, now)
             .1
     }
 

@@ -209,7 +209,9 @@ fn a_feed_corrects_its_own_replica_and_reaches_no_other() {
     assert_eq!(kv.occupancy_tokens, Some(160));
     assert!(s.replicas[1].kv_events.is_none());
     // The cache fills: the engine removes a block, so 10 blocks are its
-    // capacity; the index is sized from it (the engine's metrics say none).
+    // capacity. While its figures are exact they say what it evicts, and
+    // the index keeps its size; it takes the engine's (its metrics say
+    // none) once they are not (below).
     let removed = Event::Removed {
         hashes: vec![0],
         medium: Medium::Device,
@@ -220,10 +222,8 @@ fn a_feed_corrects_its_own_replica_and_reaches_no_other() {
         s.replicas[0].kv_events.as_ref().unwrap().capacity_tokens,
         Some(160)
     );
-    assert_eq!(
-        s.replicas[0].warmth_capacity,
-        hearth_router::usage::MIN_WARMTH_BLOCKS
-    );
+    let full = RouterParams::default().warmth_blocks;
+    assert_eq!(s.replicas[0].warmth_capacity, full);
     assert_eq!(
         s.replicas[1].warmth_capacity,
         RouterParams::default().warmth_blocks
@@ -247,10 +247,64 @@ fn a_feed_corrects_its_own_replica_and_reaches_no_other() {
     }
     let kv = s.replicas[0].kv_events.clone().unwrap();
     assert!(!kv.exact);
+    assert_eq!(
+        s.replicas[0].warmth_capacity,
+        hearth_router::usage::MIN_WARMTH_BLOCKS
+    );
+    assert_eq!(s.replicas[1].warmth_capacity, full);
     assert_eq!(kv.refused_total, 5);
     assert!(kv.restarts_sequence_total >= 1);
     // Still routable: a decision goes anywhere.
     assert!(router.decide_at(&req(&[100, 101]), t0).is_ok());
+}
+
+#[test]
+fn while_its_events_are_exact_a_replica_keeps_what_its_engine_holds_beyond_its_stated_size() {
+    // The engine's metrics state 1,024 tokens of KV cache: at the default
+    // 4 bytes a token, two 2,048-byte blocks, so its index holds the
+    // floor, 64 blocks. A conversation of 100 blocks is sent to it; its
+    // engine stored all of it and evicted nothing (its events say so).
+    let long: Vec<u64> = (1_000..1_100).collect();
+    let t0 = Instant::now();
+    let overlap_after_one_turn = |events: bool| {
+        let list = if events {
+            format!("{A};kv_events=tcp://127.0.0.1:5557")
+        } else {
+            A.to_string()
+        };
+        let router = fleet(&list);
+        let a: SocketAddr = A.parse().unwrap();
+        let mut told = hearth_router::EngineSignals::queue(0.0, 0.0, t0);
+        told.kv_capacity_tokens = Some(1024.0);
+        router.set_engine_signals(a, told);
+        if events {
+            router.note_kv_feed((a, None), true);
+            router.apply_kv_batch_at((a, None), 0, &batch(vec![stored(0, 40)]), t0);
+        }
+        drop(router.decide_at(&req(&long), t0).unwrap());
+        // The engine's next scrape says the same.
+        router.set_engine_signals(a, told);
+        let overlap = router.decide_at(&req(&long), t0).unwrap().overlap;
+        (router, overlap)
+    };
+    let (_, plain) = overlap_after_one_turn(false);
+    assert_eq!(plain, hearth_router::usage::MIN_WARMTH_BLOCKS as u32);
+    let (router, evented) = overlap_after_one_turn(true);
+    assert_eq!(evented, 100);
+    // Once its figures are not exact (a batch missed), the index is cut
+    // to the stated size again.
+    let a: SocketAddr = A.parse().unwrap();
+    router.apply_kv_batch_at((a, None), 5, &batch(vec![stored(100, 1)]), t0);
+    let s = router.snapshot_at(t0);
+    assert!(!s.replicas[0].kv_events.as_ref().unwrap().exact);
+    assert_eq!(
+        s.replicas[0].warmth_capacity,
+        hearth_router::usage::MIN_WARMTH_BLOCKS
+    );
+    assert_eq!(
+        router.decide_at(&req(&long), t0).unwrap().overlap,
+        hearth_router::usage::MIN_WARMTH_BLOCKS as u32
+    );
 }
 
 fn chain(hashes: std::ops::Range<u64>, parent: Option<u64>) -> Event {
