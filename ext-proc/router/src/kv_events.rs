@@ -33,13 +33,13 @@
 //! What a feed can do, whatever it sends: change its own replica's event
 //! figures, drop or thin its own replica's warmth (which an engine restart
 //! does anyway), lift the size its own replica's warmth index is cut to
-//! while its figures are exact ([`crate::fleet::ReplicaState::bound_warmth`],
-//! at most the operator's bound), and size that index when they are not
-//! and the engine's metrics state no capacity. It never changes health,
-//! never reaches
-//! another replica, and holds the chains of at most [`MAX_HELD_BLOCKS`]
-//! blocks (see [`crate::kv_chains`] for what else it keeps, and how
-//! answers are matched with the chains their prompts stored).
+//! while its figures are exact (to `HEARTH_WARMTH_BLOCKS`, or the engine's
+//! stated size if larger: [`crate::fleet::ReplicaState::bound_warmth`]),
+//! and size that index when they are not and the engine's metrics state
+//! no capacity. It never changes health, never reaches another replica,
+//! and holds the chains of at most [`MAX_HELD_BLOCKS`] blocks (see
+//! [`crate::kv_chains`] for what else it keeps, and how answers are
+//! matched with the chains their prompts stored).
 
 use std::collections::VecDeque;
 use std::time::Instant;
