@@ -233,8 +233,9 @@ impl Router {
                 if let Some(kv) = told {
                     let first = s.engine.is_none_or(|e| e.kv_capacity_tokens.is_none());
                     s.warmth_limit = blocks_for_tokens(kv, bpt, self.params.block_size, ranks);
-                    let cut = first || restarted || s.warmth.capacity() > s.warmth_limit;
-                    if cut && !s.kv.is_exact() {
+                    // First told (or after a restart): that size; beyond
+                    // it, never (`bound_warmth`).
+                    if (first || restarted) && !s.kv.is_exact() {
                         s.warmth.set_capacity(s.warmth_limit);
                     }
                 }
@@ -379,8 +380,7 @@ impl Router {
                     // index it speaks for.
                     s.warmth_limit = blocks_for_tokens(kv, bpt, self.params.block_size, 1.0)
                         .min(self.params.warmth_blocks);
-                    let cut = before.is_none() || s.warmth.capacity() > s.warmth_limit;
-                    if cut && !s.kv.is_exact() {
+                    if before.is_none() && !s.kv.is_exact() {
                         s.warmth.set_capacity(s.warmth_limit);
                     }
                 }

@@ -224,10 +224,7 @@ fn a_feed_corrects_its_own_replica_and_reaches_no_other() {
     );
     let full = RouterParams::default().warmth_blocks;
     assert_eq!(s.replicas[0].warmth_capacity, full);
-    assert_eq!(
-        s.replicas[1].warmth_capacity,
-        RouterParams::default().warmth_blocks
-    );
+    assert_eq!(s.replicas[1].warmth_capacity, full);
     // A restart, then garbage, then a sequence jumping around: replica A
     // loses its warmth and exactness, never its health; B is untouched.
     let shown = router.apply_kv_batch_at((a, None), 0, &batch(vec![Event::AllCleared]), t0);
