@@ -125,6 +125,7 @@ pub mod kv_events;
 pub mod names;
 pub mod outcome;
 pub mod peer;
+pub mod priority;
 
 pub use canonical::canonical_prompt;
 

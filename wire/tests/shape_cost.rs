@@ -103,6 +103,40 @@ fn a_fingerprint_costs_a_small_multiple_of_the_body_whatever_its_shape() {
     assert!(over.is_empty(), "over {MAX_RATIO}x the body: {over:?}");
 }
 
+/// Writing the engine's priority (`HEARTH_ENGINE_PRIORITY`) builds the new
+/// body and nothing else: its peak is the new body (the old one's size
+/// and a member more, with the room a growing buffer may take), whatever
+/// the shape.
+#[test]
+fn writing_the_engine_priority_costs_the_new_body_whatever_the_shape() {
+    let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut over = Vec::new();
+    for s in shapes::all(TARGET) {
+        let base = LIVE.load(Relaxed);
+        PEAK.store(base, Relaxed);
+        let got = hearth_wire::priority::set_priority(&s.body, -42);
+        let peak = PEAK.load(Relaxed) - base;
+        let written = got.as_ref().map_or(0, Vec::len);
+        drop(got);
+        let ratio = peak as f64 / s.body.len() as f64;
+        eprintln!(
+            "{:<24} {:>9} {:>10} {:>6.3}  {written} bytes written",
+            s.name,
+            s.body.len(),
+            peak,
+            ratio
+        );
+        if ratio > 1.0 + MAX_RATIO {
+            over.push(format!("{}: {ratio:.2}", s.name));
+        }
+    }
+    assert!(
+        over.is_empty(),
+        "over {}x the body: {over:?}",
+        1.0 + MAX_RATIO
+    );
+}
+
 /// One test at a time: the counting allocator counts every thread.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
