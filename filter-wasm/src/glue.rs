@@ -99,6 +99,7 @@ impl RootContext for Root {
                 reported: false,
                 first_chunk_reported: false,
                 request_id: None,
+                engine_priority: None,
             }));
         }
         let metrics = self
@@ -283,6 +284,10 @@ struct OutcomeHttp {
     /// The sidecar's ticket (`x-hearth-ticket`): the report's usage is
     /// matched with its decision by it.
     request_id: Option<String>,
+    /// The engine's scheduling priority the sidecar chose
+    /// (`x-hearth-engine-priority`, `HEARTH_ENGINE_PRIORITY`): written
+    /// into the body as its only top-level `priority`.
+    engine_priority: Option<i64>,
 }
 
 impl Context for OutcomeHttp {
@@ -378,6 +383,53 @@ impl OutcomeHttp {
     }
 }
 
+impl OutcomeHttp {
+    /// Takes the sidecar's `x-hearth-engine-priority` off the request
+    /// (it never reaches an engine). With a value to write, the body's
+    /// length changes: its `content-length` goes too, and the body is sent
+    /// on chunked (HTTP/1.1) or as it comes (HTTP/2).
+    fn take_engine_priority(&mut self) {
+        let name = hearth_wire::priority::HEADER;
+        let value = hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+            .ok()
+            .flatten();
+        let Some(value) = value else { return };
+        let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
+        self.engine_priority = std::str::from_utf8(&value)
+            .ok()
+            .and_then(hearth_wire::priority::parse_header);
+        if self.engine_priority.is_some() {
+            let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, "content-length");
+        }
+    }
+
+    /// Replaces the buffered body's top-level `priority` members with one of
+    /// `value`. A body that is no JSON object goes on as it came (the
+    /// engine refuses it as it would).
+    fn write_engine_priority(&self, value: i64, body_size: usize) {
+        let Ok(Some(body)) = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
+        else {
+            return;
+        };
+        match hearth_wire::priority::set_priority(&body, value) {
+            Ok(new) => {
+                if let Err(status) =
+                    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, body_size, &new)
+                {
+                    log(
+                        LogLevel::Warn,
+                        &format!("hearth: cannot write the engine priority: {status:?}"),
+                    );
+                }
+            }
+            Err(reason) => log(
+                LogLevel::Debug,
+                &format!("hearth: no engine priority written: {reason:?}"),
+            ),
+        }
+    }
+}
+
 impl HttpContext for OutcomeHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.generation = self.request_is_generation();
@@ -390,7 +442,22 @@ impl HttpContext for OutcomeHttp {
                     .ok()
                     .flatten()
                     .and_then(|id| String::from_utf8(id).ok());
+            self.take_engine_priority();
         }
+        Action::Continue
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(value) = self.engine_priority else {
+            return Action::Continue;
+        };
+        if !end_of_stream {
+            // Held here until the whole body has come (the fingerprint
+            // entry has usually buffered it already).
+            return Action::Pause;
+        }
+        self.engine_priority = None;
+        self.write_engine_priority(value, body_size);
         Action::Continue
     }
 
