@@ -520,6 +520,18 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_FLOW_FAIRNESS_HEADER")]
     pub flow_fairness_header: Option<String>,
 
+    /// Write each generation's place in its engine's queue into its body,
+    /// as the request's only top-level `priority` (a client's own is
+    /// taken out): its band first, then its tag on its replica's virtual
+    /// clock (each tenant's requests in the order they came; a tenant
+    /// sending more than one request an engine interval goes after those
+    /// that do not). For engines that schedule by it (vLLM
+    /// `--scheduling-policy priority`: `lower-first`); `off` leaves the
+    /// body as the client sent it. Filter mode (the outcome filter writes
+    /// it); the body shapes do not write it.
+    #[arg(long, env = "HEARTH_ENGINE_PRIORITY", value_enum, default_value_t = EnginePriority::Off)]
+    pub engine_priority: EnginePriority,
+
     /// Endpoint-picker mode: request bodies held at once (all streams)
     /// while they arrive, before the decision; a prompt request past it
     /// gets 429 with Retry-After. A backstop to the bytes: uploads last
@@ -756,6 +768,19 @@ fn sidecar_pair(s: &str) -> Result<(SocketAddr, SocketAddr), String> {
             .map_err(|e| format!("{what} address {a:?}: {e}"))
     };
     Ok((parse("gRPC", grpc)?, parse("HTTP", http)?))
+}
+
+/// Which way an engine orders the `priority` it schedules waiting
+/// requests by (`HEARTH_ENGINE_PRIORITY`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EnginePriority {
+    /// Not written: the body goes as the client sent it.
+    #[default]
+    Off,
+    /// Lower values first (vLLM's `--scheduling-policy priority`).
+    LowerFirst,
+    /// Higher values first.
+    HigherFirst,
 }
 
 /// Where the replicas are learnt from, in the Kubernetes API.

@@ -22,7 +22,7 @@ use std::collections::hash_map::DefaultHasher;
 use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::HttpHeaders;
 use hearth_router::{
@@ -32,7 +32,7 @@ use hearth_router::{
 use hearth_wire::names::{FAIRNESS_ID, OBJECTIVE};
 use tokio::sync::{oneshot, Notify};
 
-use crate::config::{Objectives, Settings};
+use crate::config::{EnginePriority, Objectives, Settings};
 use crate::envoy::headers;
 use crate::observe::Observer;
 
@@ -148,6 +148,7 @@ pub struct FlowControl {
     wake: Arc<Notify>,
     objectives: Objectives,
     fairness_header: Option<String>,
+    engine_priority: EnginePriority,
 }
 
 impl std::fmt::Debug for FlowControl {
@@ -168,6 +169,7 @@ impl FlowControl {
             settings.queue_params(),
             settings.flow_objectives.clone().unwrap_or_default(),
             settings.flow_fairness_header.clone(),
+            settings.engine_priority,
         )
     }
 
@@ -177,6 +179,7 @@ impl FlowControl {
         params: QueueParams,
         objectives: Objectives,
         fairness_header: Option<String>,
+        engine_priority: EnginePriority,
     ) -> Arc<FlowControl> {
         let router = Arc::clone(observer.router());
         let wake = Arc::new(Notify::new());
@@ -191,6 +194,7 @@ impl FlowControl {
             wake,
             objectives,
             fairness_header,
+            engine_priority,
         });
         let look = Arc::downgrade(&flow);
         flow.observer.set_queue_view(move || {
@@ -236,6 +240,24 @@ impl FlowControl {
             priority,
             fairness_id,
         }
+    }
+
+    /// The place in its engine's queue a request of `class` gets
+    /// (`HEARTH_ENGINE_PRIORITY`), given its tag on its replica's virtual
+    /// clock (`Reservation::engine_tag`); `None` when the setting is off.
+    /// See [`engine_priority`].
+    pub fn engine_priority(&self, class: &Class, tag: Instant) -> Option<i64> {
+        let now = Instant::now();
+        let wall = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        // The tag on the wall clock (it lies ahead of now, or at it).
+        let tag_ms = (wall + tag.saturating_duration_since(now)).as_millis();
+        engine_priority(
+            self.engine_priority,
+            class.priority,
+            u64::try_from(tag_ms).unwrap_or(u64::MAX),
+        )
     }
 
     /// Whether `info` is decided now, refused, or waits (see the module
@@ -437,6 +459,39 @@ impl FlowControl {
 /// the long lane or not.
 type FullKey = (Option<String>, Option<Vec<usize>>, bool);
 
+/// How far apart two neighbouring bands' engine priorities are: 2^44
+/// milliseconds, some 557 years, so a band's requests come before every
+/// request of the band below whatever their tags.
+pub const ENGINE_BAND_STEP: i64 = 1 << 44;
+
+/// The bands the engine priority tells apart: an objective's priority
+/// beyond +-127 counts as +-127 there (the values stay exact in any JSON
+/// reader: below 2^53).
+pub const ENGINE_BANDS_MAX: i32 = 127;
+
+/// The engine priority of a request of band `band` (an objective's
+/// priority: higher first) whose tag on its replica's virtual clock is
+/// `tag_ms` (milliseconds since the Unix epoch, see
+/// `hearth_router::fleet::EngineTags`), written the way `order` says the
+/// engine reads it. Lower-first: `-band * ENGINE_BAND_STEP + tag_ms`;
+/// higher-first: the same negated. So a higher band goes first, and within
+/// a band the earlier tag: each tenant's requests in the order they came,
+/// and a tenant that sent more than one request an engine interval after
+/// those that did not. Tags are on the wall clock, so several sidecars'
+/// requests to one engine compare (within their clocks' skew).
+pub fn engine_priority(order: EnginePriority, band: i32, tag_ms: u64) -> Option<i64> {
+    let band = i64::from(band.clamp(-ENGINE_BANDS_MAX, ENGINE_BANDS_MAX));
+    let tag = i64::try_from(tag_ms)
+        .unwrap_or(i64::MAX)
+        .min(ENGINE_BAND_STEP - 1);
+    let lower_first = -band * ENGINE_BAND_STEP + tag;
+    match order {
+        EnginePriority::Off => None,
+        EnginePriority::LowerFirst => Some(lower_first),
+        EnginePriority::HigherFirst => Some(-lower_first),
+    }
+}
+
 /// A fairness id's digest, as the router's flows know it.
 fn flow_digest(fairness_id: &str) -> u64 {
     let mut h = DefaultHasher::new();
@@ -486,7 +541,50 @@ mod tests {
             QueueParams::default(),
             parse_objectives("chat=10,batch=-1").unwrap(),
             Some("x-api-key-hash".into()),
+            EnginePriority::LowerFirst,
         )
+    }
+
+    #[test]
+    fn engine_priority_puts_bands_first_then_the_earlier_tag() {
+        use EnginePriority::*;
+        let now_ms = 1_780_000_000_000; // 2026
+        assert_eq!(engine_priority(Off, 10, now_ms), None);
+        // vLLM's order: lower first.
+        let v = |band, tag| engine_priority(LowerFirst, band, tag).unwrap();
+        assert_eq!(v(0, now_ms), 1_780_000_000_000);
+        // A higher band first however late its tag.
+        assert!(v(10, u64::MAX) < v(0, 0));
+        assert!(v(0, now_ms + 86_400_000) < v(-1, now_ms));
+        // Within a band, the earlier tag.
+        assert!(v(0, now_ms) < v(0, now_ms + 1));
+        // Bands past +-127 count as +-127; every value below 2^53.
+        assert_eq!(v(1000, now_ms), v(127, now_ms));
+        for (band, tag) in [(i32::MIN, u64::MAX), (i32::MAX, 0), (0, u64::MAX)] {
+            assert!(v(band, tag).unsigned_abs() < 1 << 53, "{band} {tag}");
+        }
+        // Higher first: the same order.
+        let h = |band, tag| engine_priority(HigherFirst, band, tag).unwrap();
+        assert!(h(10, now_ms) > h(0, now_ms));
+        assert!(h(0, now_ms) > h(0, now_ms + 1));
+        // Through the sidecar's classes: a tag ahead of now is that far
+        // ahead on the wall clock.
+        let f = flow(true);
+        let class = |pairs: &[(&str, &str)]| f.class(&headers::map(pairs));
+        let chat = class(&[(OBJECTIVE, "chat")]);
+        let soon = f.engine_priority(&chat, Instant::now()).unwrap();
+        let later = f
+            .engine_priority(&chat, Instant::now() + Duration::from_secs(60))
+            .unwrap();
+        assert!(
+            (59_000..=61_000).contains(&(later - soon)),
+            "{soon} {later}"
+        );
+        assert!(soon < -9 * ENGINE_BAND_STEP);
+        let batch = f
+            .engine_priority(&class(&[(OBJECTIVE, "batch")]), Instant::now())
+            .unwrap();
+        assert!(batch > ENGINE_BAND_STEP);
     }
 
     #[test]

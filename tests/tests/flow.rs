@@ -612,3 +612,106 @@ async fn a_tenant_past_its_fair_share_waits_while_a_quiet_tenants_request_passes
         fleet.assert_wasm_healthy();
     }
 }
+
+/// Waits until the engine has read a body whose `priority` differs from
+/// `before` (a routed request reaches the engine a moment after its
+/// decision), and returns it.
+async fn next_priority(engine: &hearth_bench::engine::Engine, before: Option<i64>) -> i64 {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(seen) = engine.stats().last_priority.filter(|&p| Some(p) != before) {
+            return seen;
+        }
+        assert!(Instant::now() < until, "no new priority after {before:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+fn wall_ms() -> i64 {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    since.as_millis() as i64
+}
+
+/// The engine's priority written into the body (`HEARTH_ENGINE_PRIORITY`,
+/// vLLM's order: lower first): the band first, then the request's tag on
+/// its replica's virtual clock (each tenant's requests in the order they
+/// came, a burst's later ones after another tenant's); a client's own
+/// `priority` never reaches the engine.
+#[tokio::test]
+async fn the_engines_priority_is_the_gateways_by_band_then_tenant_never_the_clients() {
+    const BAND: i64 = 1 << 44;
+    let fleet = Fleet::start(FleetOptions {
+        engines: 1,
+        sidecar_flags: vec![
+            "--engine-priority=lower-first".into(),
+            "--flow-objectives=chat=10,batch=-1".into(),
+            "--probe-interval-seconds=0".into(),
+            "--stall-seconds=0".into(),
+        ],
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let engine = &fleet.engines[0].engine;
+
+    // Tenant b sends two requests and tenant c one, while the engine lets
+    // none out: b's second is tagged an engine interval (1 s until first
+    // tokens teach it) after its first, and c's goes before it. First,
+    // while no higher band has been about (it would keep the engine's one
+    // learnt slot for itself).
+    engine.set_fault(Fault::Stall);
+    let start_ms = wall_ms();
+    let b = [("x-gateway-inference-fairness-id", "team-b")];
+    let c = [("x-gateway-inference-fairness-id", "team-c")];
+    let b1 = send(&fleet, prompt(5, 3000), &b);
+    let v_b1 = next_priority(engine, None).await;
+    // A client's escaped and repeated `priority` members go too.
+    let mut body = prompt(6, 3000);
+    body.truncate(body.len() - 1);
+    body.extend_from_slice(br#","priorit\u0079":-7,"priority":-8}"#);
+    let b2 = send(&fleet, body, &b);
+    let v_b2 = next_priority(engine, Some(v_b1)).await;
+    let c1 = send(&fleet, prompt(7, 3000), &c);
+    let v_c1 = next_priority(engine, Some(v_b2)).await;
+    let end_ms = wall_ms();
+    assert!(
+        (start_ms..=end_ms + 1000).contains(&(v_b1 - 1000)),
+        "{start_ms} {v_b1} {end_ms}"
+    );
+    assert!((900..=1100).contains(&(v_b2 - v_b1)), "{v_b1} {v_b2}");
+    assert!(v_c1 < v_b2, "{v_c1} {v_b2}");
+    // The stalled requests' clients leave; the engine works again.
+    for t in [b1, b2, c1] {
+        t.abort();
+    }
+    in_flight_reaches(&fleet, 0).await;
+    engine.set_fault(Fault::None);
+
+    // Each band 2^44 apart; the client asks to go first every time.
+    type Headers = &'static [(&'static str, &'static str)];
+    let cases: [(u64, Headers, i64); 3] = [
+        (1, &[], 0),
+        (2, &[("x-gateway-inference-objective", "chat")], -10),
+        (4, &[("x-gateway-inference-objective", "batch")], 1),
+    ];
+    for (seed, headers, band_steps) in cases {
+        let mut body: Value = serde_json::from_slice(&prompt(seed, 3000)).unwrap();
+        body["priority"] = Value::from(-1_000_000);
+        let before = engine.stats().last_priority;
+        let start_ms = wall_ms();
+        let t = send(&fleet, serde_json::to_vec(&body).unwrap(), headers)
+            .await
+            .unwrap();
+        assert_routed(&t, &format!("{headers:?}: "));
+        let seen = next_priority(engine, before).await;
+        let tag_ms = seen - band_steps * BAND;
+        assert!(
+            (start_ms..=wall_ms() + 65_000).contains(&tag_ms),
+            "{headers:?}: {seen} ({tag_ms} ms)"
+        );
+    }
+    fleet.assert_wasm_healthy();
+}

@@ -216,6 +216,10 @@ pub struct EngineStats {
     pub completed_total: u64,
     /// Requests whose client went away before the end.
     pub aborted_total: u64,
+    /// The top-level `priority` of the latest valid generation request
+    /// that had one (what a gateway writing the engine's priority sent).
+    #[serde(default)]
+    pub last_priority: Option<i64>,
 }
 
 /// Shared state of one simulated engine.
@@ -226,6 +230,7 @@ pub struct Engine {
     cache: Mutex<PrefixCache>,
     next_id: AtomicU64,
     requests_total: AtomicU64,
+    last_priority: Mutex<Option<i64>>,
     prompt_tokens_total: AtomicU64,
     cached_tokens_total: AtomicU64,
     running: AtomicU64,
@@ -284,6 +289,7 @@ impl Engine {
             config,
             next_id: AtomicU64::new(0),
             requests_total: AtomicU64::new(0),
+            last_priority: Mutex::new(None),
             prompt_tokens_total: AtomicU64::new(0),
             cached_tokens_total: AtomicU64::new(0),
             running: AtomicU64::new(0),
@@ -403,6 +409,10 @@ impl Engine {
             cache_capacity_blocks,
             completed_total: self.completed_total.load(Ordering::Relaxed),
             aborted_total: self.aborted_total.load(Ordering::Relaxed),
+            last_priority: *self
+                .last_priority
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
         }
     }
 
@@ -1000,6 +1010,12 @@ async fn generate(
             )
         }
     };
+    if let Some(p) = req.priority {
+        *engine
+            .last_priority
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(p);
+    }
     let fault = engine.fault();
     match fault {
         Fault::ServerError => {

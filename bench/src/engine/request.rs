@@ -35,6 +35,10 @@ pub struct GenerationRequest {
     pub max_tokens: Option<usize>,
     /// `stream`.
     pub stream: bool,
+    /// A top-level integer `priority` (the place in the queue vLLM's and
+    /// SGLang's priority scheduling read), if given. Recorded, not
+    /// scheduled by.
+    pub priority: Option<i64>,
     /// `logit_bias` forces the simulated model's end-of-sequence token
     /// ([`EOS_TOKEN`] biased by 100 or more): it ends at once, having
     /// generated nothing, as a real model does.
@@ -111,12 +115,14 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<GenerationRequest, RequestErr
                 .ok_or_else(|| field_err("prompt", "is required"))?,
         )?,
     };
+    let priority = obj.get("priority").and_then(Value::as_i64);
     Ok(GenerationRequest {
         kind,
         model,
         prompt,
         max_tokens,
         stream,
+        priority,
         forces_end,
     })
 }

@@ -232,6 +232,82 @@ pub(crate) struct ReplicaState {
     /// The same by flow (band and fairness id): the slots a flow under
     /// its fair share comes back for ([`crate::Router::kept_for_flows`]).
     pub(crate) flows: FlowLoads,
+    /// Each flow's place in the engine's own queue
+    /// (`HEARTH_ENGINE_PRIORITY`).
+    pub(crate) engine_tags: EngineTags,
+}
+
+/// The longest one engine interval is counted as, when learnt from the
+/// first tokens: an idle gap is not the engine's pace.
+pub const ENGINE_INTERVAL_MAX: Duration = Duration::from_secs(10);
+
+/// The engine interval assumed before a replica's first tokens told it.
+pub const ENGINE_INTERVAL_DEFAULT: Duration = Duration::from_secs(1);
+
+/// How many engine intervals a flow's tag may run ahead of now: what a
+/// burst long past still costs it is bounded.
+pub const ENGINE_LEAD_MAX: u32 = 64;
+
+/// Places in an engine's own queue, by flow: a virtual clock of the
+/// requests this sidecar sends the replica. A request's tag is its flow's
+/// previous tag, or now when that is past, plus one engine interval (the
+/// time between two first tokens on the replica, learnt as a moving mean
+/// of this sidecar's), and never more than [`ENGINE_LEAD_MAX`] intervals
+/// ahead of now. An engine that lets its waiting requests out in tag order
+/// (`HEARTH_ENGINE_PRIORITY` writes the tag into the body) serves each
+/// flow's requests in the order they came, and a flow that sent more than
+/// one request an interval after those that did not: a burst's later
+/// requests carry tags further ahead, and a quiet flow's request, tagged
+/// one interval from now, goes before them. At most
+/// [`MAX_TRACKED_KEYS`] flows with tags ahead of now are kept; another is
+/// tagged one interval from now.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct EngineTags {
+    flows: Vec<((i32, u64), Instant)>,
+    last_first_token: Option<Instant>,
+    interval: Option<Duration>,
+}
+
+impl EngineTags {
+    /// The engine interval: learnt, or the default.
+    pub(crate) fn interval(&self) -> Duration {
+        self.interval.unwrap_or(ENGINE_INTERVAL_DEFAULT)
+    }
+
+    /// The tag of `flow`'s next request, sent at `now`.
+    pub(crate) fn next(&mut self, flow: (i32, u64), now: Instant) -> Instant {
+        let step = self.interval();
+        let lead = now + step * ENGINE_LEAD_MAX;
+        self.flows.retain(|&(_, t)| t > now);
+        match self.flows.iter_mut().find(|(f, _)| *f == flow) {
+            Some((_, t)) => {
+                *t = (*t).min(lead) + step;
+                *t
+            }
+            None => {
+                let t = now + step;
+                if self.flows.len() < MAX_TRACKED_KEYS {
+                    self.flows.push((flow, t));
+                }
+                t
+            }
+        }
+    }
+
+    /// A first token came from the replica at `now`: the engine let a
+    /// request out of its queue and read it. The interval since the
+    /// previous one (at most [`ENGINE_INTERVAL_MAX`]) moves the mean by an
+    /// eighth.
+    pub(crate) fn first_token(&mut self, now: Instant) {
+        if let Some(last) = self.last_first_token {
+            let gap = now.saturating_duration_since(last).min(ENGINE_INTERVAL_MAX);
+            self.interval = Some(match self.interval {
+                Some(mean) => (mean * 7 + gap) / 8,
+                None => gap,
+            });
+        }
+        self.last_first_token = Some(now);
+    }
 }
 
 /// One key's requests in flight on one replica (a priority band's, or a
@@ -458,6 +534,7 @@ impl ReplicaState {
             batch: EngineBatch::default(),
             bands: BandLoads::default(),
             flows: FlowLoads::default(),
+            engine_tags: EngineTags::default(),
         }
     }
 }
@@ -633,6 +710,52 @@ impl Fleet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn engine_tags_keep_each_flows_order_and_put_a_burst_behind_a_quiet_flow() {
+        let t0 = Instant::now();
+        let ms = |n: u64| Duration::from_millis(n);
+        let mut tags = EngineTags::default();
+        // First tokens 500 ms apart teach the interval; an idle gap counts
+        // as at most ENGINE_INTERVAL_MAX.
+        assert_eq!(tags.interval(), ENGINE_INTERVAL_DEFAULT);
+        tags.first_token(t0);
+        tags.first_token(t0 + ms(500));
+        assert_eq!(tags.interval(), ms(500));
+        tags.first_token(t0 + ms(1000));
+        assert_eq!(tags.interval(), ms(500));
+        let mut idle = tags.clone();
+        idle.first_token(t0 + Duration::from_secs(3600));
+        assert_eq!(idle.interval(), (ms(500) * 7 + ENGINE_INTERVAL_MAX) / 8);
+
+        // A burst of four from the noisy flow, one interval apart, in order.
+        let now = t0 + ms(1000);
+        let (noisy, quiet, other) = ((0, 1), (0, 2), (0, 3));
+        let burst: Vec<Instant> = (0..4).map(|_| tags.next(noisy, now)).collect();
+        assert_eq!(burst, [1, 2, 3, 4].map(|k| now + ms(500) * k));
+        // The quiet flow's request, a little later, goes before all but
+        // the burst's first.
+        let q = tags.next(quiet, now + ms(100));
+        assert!(burst[0] < q && q < burst[1], "{q:?}");
+        // The noisy flow's next stays behind its burst.
+        assert_eq!(tags.next(noisy, now + ms(100)), now + ms(2500));
+        // Once its tags are past, a flow starts from now again.
+        let later = now + Duration::from_secs(10);
+        assert_eq!(tags.next(noisy, later), later + ms(500));
+        // A burst's lead is bounded.
+        let flood: Vec<Instant> = (0..200).map(|_| tags.next(other, later)).collect();
+        let lead = later + ms(500) * (ENGINE_LEAD_MAX + 1);
+        assert_eq!(*flood.last().unwrap(), lead);
+        assert!(flood.windows(2).all(|w| w[0] <= w[1]));
+        // At most MAX_TRACKED_KEYS flows ahead of now; another is tagged
+        // one interval from now, each time.
+        let mut full = EngineTags::default();
+        for f in 0..MAX_TRACKED_KEYS as u64 {
+            full.next((0, 100 + f), t0);
+        }
+        assert_eq!(full.next((0, 99), t0), t0 + ENGINE_INTERVAL_DEFAULT);
+        assert_eq!(full.next((0, 99), t0), t0 + ENGINE_INTERVAL_DEFAULT);
+    }
 
     #[test]
     fn an_engines_batch_is_learnt_from_two_full_figures_and_lowered_only_after_its_memory() {

@@ -38,6 +38,7 @@ use hearth_wire::names::{
     self, DESTINATION, DP_RANK, DROP_REASON, LB_NAMESPACE, REQUEST_ID, UPSTREAM,
 };
 use hearth_wire::outcome::Scanner;
+use hearth_wire::priority;
 use hearth_wire::{CacheUse, Endpoint};
 
 use crate::envoy::body;
@@ -768,6 +769,16 @@ impl Exchange {
                         set_headers.push(headers::set(header::TICKET, &ticket));
                     }
                     self.ticket = Some(ticket);
+                    // Its place in the engine's queue, for the outcome
+                    // filter to write into the body (filter mode only).
+                    let tag = decision.reservation.engine_tag();
+                    if let Some(value) = self.flow.engine_priority(&self.class, tag) {
+                        if self.mode.bodies_come() {
+                            warn_engine_priority_unwritten();
+                        } else {
+                            set_headers.push(headers::set(priority::HEADER, &value.to_string()));
+                        }
+                    }
                 }
                 let uncached_bytes = decision.uncached_bytes();
                 let Decision {
@@ -837,6 +848,19 @@ impl Exchange {
             ..Default::default()
         }
     }
+}
+
+/// Says once that `HEARTH_ENGINE_PRIORITY` writes nothing in the body
+/// shapes (no outcome filter to write it there).
+fn warn_engine_priority_unwritten() {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            "HEARTH_ENGINE_PRIORITY is set, but this Envoy sends request bodies to the sidecar \
+             (body or endpoint-picker shape): no engine priority is written there, only in \
+             filter mode"
+        );
+    });
 }
 
 fn reply(response: processing_response::Response, metadata: Option<Struct>) -> ProcessingResponse {

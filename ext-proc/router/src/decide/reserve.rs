@@ -34,6 +34,8 @@ pub struct Reservation {
     /// Its flow (band and fairness digest), when the replica's flow loads
     /// track it.
     flow: Option<(i32, u64)>,
+    /// Its place in the engine's own queue ([`crate::fleet::EngineTags`]).
+    engine_tag: Instant,
 }
 
 /// The load of a request's unread prompt: its uncached bytes and the load
@@ -94,6 +96,7 @@ impl Prefill {
         }
         let mut fleet = self.router.lock();
         if let Some(r) = fleet.state.get_mut(self.replica) {
+            r.engine_tags.first_token(now);
             if self.load.release(r) && self.load.alone {
                 let took = now.saturating_duration_since(self.load.sent);
                 r.prefill_rate.observe(self.load.bytes, took);
@@ -116,6 +119,12 @@ impl std::fmt::Debug for Reservation {
 impl Reservation {
     pub(crate) fn router(&self) -> &Arc<Router> {
         &self.prefill.router
+    }
+
+    /// The request's place in its engine's own queue: its tag on the
+    /// virtual clock of its replica's flows ([`crate::fleet::EngineTags`]).
+    pub fn engine_tag(&self) -> Instant {
+        self.engine_tag
     }
 
     /// The handle that gives back the prompt's reading load (clone it to
@@ -181,6 +190,7 @@ pub(crate) fn reserve(
     r.in_flight += 1;
     r.bands.start(req.priority, now, p.flow.headroom);
     let flow = (req.priority, req.flow);
+    let engine_tag = r.engine_tags.next(flow, now);
     let flow = r.flows.start(flow, now, p.flow.fair_window).then_some(flow);
     r.load += 1.0 + prefill_units;
     r.uncached_bytes = r.uncached_bytes.saturating_add(uncached);
@@ -232,5 +242,6 @@ pub(crate) fn reserve(
         tip,
         priority: req.priority,
         flow,
+        engine_tag,
     }
 }
