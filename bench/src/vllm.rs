@@ -387,6 +387,12 @@ pub struct VllmArgs {
     /// no engine, vllm-router, has its stays unmeasured).
     #[arg(long)]
     pub shared_name_first: bool,
+    /// Each server orders the requests waiting for a slot by their
+    /// `priority` (`--scheduling-policy priority`: lower first), as
+    /// `HEARTH_ENGINE_PRIORITY=lower-first` writes it; without it vLLM
+    /// refuses a request whose `priority` is not 0.
+    #[arg(long)]
+    pub priority_scheduling: bool,
 }
 
 /// Starts the servers (together, each with its development endpoints, so
@@ -412,6 +418,11 @@ pub async fn run(args: VllmArgs) -> anyhow::Result<()> {
             threads: args.threads,
             api_key: args.api_key.clone(),
             kv_events: args.kv_events,
+            extra_args: if args.priority_scheduling {
+                vec!["--scheduling-policy".into(), "priority".into()]
+            } else {
+                Vec::new()
+            },
             // Loopback benchmark engines: `compare --reset-caches` empties
             // their caches between policies.
             dev_endpoints: true,
