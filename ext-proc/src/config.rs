@@ -527,8 +527,8 @@ pub struct Settings {
     /// sending more than one request an engine interval goes after those
     /// that do not). For engines that schedule by it (vLLM
     /// `--scheduling-policy priority`: `lower-first`); `off` leaves the
-    /// body as the client sent it. Filter mode (the outcome filter writes
-    /// it); the body shapes do not write it.
+    /// body as the client sent it. In filter mode the outcome filter
+    /// writes it; in the body shapes the sidecar does.
     #[arg(long, env = "HEARTH_ENGINE_PRIORITY", value_enum, default_value_t = EnginePriority::Off)]
     pub engine_priority: EnginePriority,
 

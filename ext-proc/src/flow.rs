@@ -242,6 +242,11 @@ impl FlowControl {
         }
     }
 
+    /// Whether `HEARTH_ENGINE_PRIORITY` is set.
+    pub fn writes_engine_priority(&self) -> bool {
+        self.engine_priority != EnginePriority::Off
+    }
+
     /// The place in its engine's queue a request of `class` gets
     /// (`HEARTH_ENGINE_PRIORITY`), given its tag on its replica's virtual
     /// clock (`Reservation::engine_tag`); `None` when the setting is off.
@@ -266,9 +271,23 @@ impl FlowControl {
     /// at once if it has room.
     pub fn admit(
         self: &Arc<Self>,
+        info: RequestInfo,
+        subset: Option<&[usize]>,
+        class: &Class,
+    ) -> Admission {
+        self.admit_holding(info, subset, class, 0)
+    }
+
+    /// [`FlowControl::admit`] for a request whose stream holds `held`
+    /// bytes of body while it waits (body mode keeps a body for its engine
+    /// priority): it counts against the queue's bytes
+    /// (`HEARTH_FLOW_MAX_BYTES`) as the larger of those and its prompt.
+    pub fn admit_holding(
+        self: &Arc<Self>,
         mut info: RequestInfo,
         subset: Option<&[usize]>,
         class: &Class,
+        held: u64,
     ) -> Admission {
         // Its band and flow, for the slots kept for higher bands and for
         // flows under their fair share.
@@ -304,7 +323,7 @@ impl FlowControl {
             return Admission::Refuse(info, DropReason::Sheddable);
         }
         let (to, from) = oneshot::channel();
-        let bytes = info.prompt_bytes;
+        let bytes = info.prompt_bytes.max(held);
         let waiter = Waiter {
             info,
             subset: subset.map(<[usize]>::to_vec),

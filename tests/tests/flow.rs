@@ -715,3 +715,58 @@ async fn the_engines_priority_is_the_gateways_by_band_then_tenant_never_the_clie
     }
     fleet.assert_wasm_healthy();
 }
+
+/// The body and endpoint-picker shapes write the engine's priority too
+/// (the sidecar holds the body there), for a request decided at once and
+/// for one that waited in the queue; a client's own is replaced.
+#[tokio::test]
+async fn the_body_and_endpoint_picker_shapes_write_the_engines_priority_too() {
+    const BAND: i64 = 1 << 44;
+    for (shape, opts) in [
+        (
+            "body",
+            FleetOptions {
+                body_mode: true,
+                ..FleetOptions::default()
+            },
+        ),
+        (
+            "endpoint picker",
+            FleetOptions {
+                gie_mode: true,
+                ..FleetOptions::default()
+            },
+        ),
+    ] {
+        let fleet = saturated_fleet_in(opts, &["--engine-priority=lower-first"]).await;
+        let engine = &fleet.engines[0].engine;
+        let start_ms = wall_ms();
+        let chat = [("x-gateway-inference-objective", "chat")];
+        let blocker = send(&fleet, prompt(1, 3000), &chat);
+        let v_chat = next_priority(engine, None).await;
+        let tag = v_chat + 10 * BAND;
+        assert!(
+            (start_ms..=wall_ms() + 65_000).contains(&tag),
+            "{shape}: {v_chat}"
+        );
+        // The fleet is saturated: the next request waits in the queue.
+        let mut body: Value = serde_json::from_slice(&prompt(2, 3000)).unwrap();
+        body["priority"] = Value::from(-1_000_000);
+        let waiting = send(&fleet, serde_json::to_vec(&body).unwrap(), &[]);
+        metric_reaches(
+            &fleet,
+            "llm_d_epp_flow_control_queue_size{priority=\"0\"}",
+            1.0,
+        )
+        .await;
+        engine.set_fault(Fault::None);
+        blocker.abort();
+        let v_waited = next_priority(engine, Some(v_chat)).await;
+        assert!(
+            (start_ms..=wall_ms() + 65_000).contains(&v_waited),
+            "{shape}: {v_waited}"
+        );
+        let t = waiting.await.unwrap();
+        assert_routed(&t, &format!("{shape}: "));
+    }
+}

@@ -227,9 +227,20 @@ impl HeldBody {
     /// the last one carries `end_of_stream` when the body has ended. An
     /// empty body still gets one answer when it ends. (The answers are a
     /// copy, outside the budget for the moment it takes to send them.)
-    pub fn into_responses(self, end_of_stream: bool) -> Vec<ProcessingResponse> {
+    /// With `priority` (`HEARTH_ENGINE_PRIORITY`), a whole JSON object
+    /// goes with that value as its only top-level `priority` (Envoy sends
+    /// a full-duplex body on without its `content-length`).
+    pub fn into_responses(
+        self,
+        end_of_stream: bool,
+        priority: Option<i64>,
+    ) -> Vec<ProcessingResponse> {
+        let written = priority
+            .filter(|_| end_of_stream)
+            .and_then(|value| hearth_wire::priority::set_priority(&self.bytes, value).ok());
+        let bytes = written.as_deref().unwrap_or(&self.bytes);
         let mut out: Vec<ProcessingResponse> = Vec::new();
-        let mut pieces = self.bytes.chunks(CHUNK).peekable();
+        let mut pieces = bytes.chunks(CHUNK).peekable();
         while let Some(piece) = pieces.next() {
             let last = pieces.peek().is_none();
             out.push(streamed(
@@ -413,7 +424,7 @@ mod tests {
         for piece in body.chunks(7000) {
             assert_eq!(held.push(piece), Ok(true));
         }
-        let responses = held.into_responses(true);
+        let responses = held.into_responses(true, None);
         let mut back = Vec::new();
         for (i, r) in responses.iter().enumerate() {
             let Some(processing_response::Response::RequestBody(b)) = &r.response else {
@@ -429,8 +440,8 @@ mod tests {
         }
         assert_eq!(back, body);
         // An empty body that ended still gets its end marker.
-        assert_eq!(HeldBody::default().into_responses(true).len(), 1);
-        assert!(HeldBody::default().into_responses(false).is_empty());
+        assert_eq!(HeldBody::default().into_responses(true, None).len(), 1);
+        assert!(HeldBody::default().into_responses(false, None).is_empty());
         // Past the cap the push reports it (and keeps the bytes).
         let mut big = HeldBody::default();
         assert_eq!(big.push(&vec![0; MAX_HELD_BODY + 1]), Ok(false));

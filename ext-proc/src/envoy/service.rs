@@ -22,9 +22,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    processing_request, processing_response, BodyResponse, CommonResponse, HeaderMutation,
-    HeadersResponse, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
-    ProtocolConfiguration, TrailersResponse,
+    body_mutation, processing_request, processing_response, BodyMutation, BodyResponse,
+    CommonResponse, HeaderMutation, HeadersResponse, HttpBody, HttpHeaders, ProcessingRequest,
+    ProcessingResponse, ProtocolConfiguration, TrailersResponse,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 use futures::Stream;
@@ -284,6 +284,12 @@ struct Exchange {
     pending: Option<Endpoint>,
     /// Full duplex: the request body held until the decision.
     held: Option<HeldBody>,
+    /// Body mode with `HEARTH_ENGINE_PRIORITY`: the request body, kept
+    /// until the decision writes its priority into it.
+    body: Option<Vec<u8>>,
+    /// The engine priority the decision gave (`HEARTH_ENGINE_PRIORITY`),
+    /// for the held body in full duplex.
+    engine_priority: Option<i64>,
     budget: HeldBudget,
     /// The request is a generation (a prompt request whose body Envoy
     /// sends): its answer is scanned.
@@ -395,6 +401,8 @@ impl Exchange {
             subset: None,
             pending: None,
             held: None,
+            body: None,
+            engine_priority: None,
             generation: false,
             routed: None,
             reservation: None,
@@ -524,6 +532,9 @@ impl Exchange {
                 let info = endpoint.map_or_else(RequestInfo::default, |e| {
                     body::request_info(e, &b.body, self.router.block_size())
                 });
+                if self.flow.writes_engine_priority() && info.model.is_some() {
+                    self.body = Some(b.body);
+                }
                 self.route(info, Answer::Body)
             }
             // Other bodies are not requested by Hearth's processing modes;
@@ -640,7 +651,9 @@ impl Exchange {
         match self.queued.as_mut() {
             // The body goes back once the request leaves the queue.
             Some(q) => q.held = Some((held, end_of_stream)),
-            None if !done => replies.extend(held.into_responses(end_of_stream)),
+            None if !done => {
+                replies.extend(held.into_responses(end_of_stream, self.engine_priority))
+            }
             None => {}
         }
         (replies, done)
@@ -651,7 +664,11 @@ impl Exchange {
     /// is then extended to the queue's time to live). The destination
     /// goes out in the response `answer` names.
     fn route(&mut self, info: RequestInfo, answer: Answer) -> Replies {
-        match self.flow.admit(info, self.subset.as_deref(), &self.class) {
+        let held = self.body.as_ref().map_or(0, |b| b.len() as u64);
+        match self
+            .flow
+            .admit_holding(info, self.subset.as_deref(), &self.class, held)
+        {
             Admission::Decide(info, open) => {
                 let started = std::time::Instant::now();
                 let allowed = open.as_deref().or(self.subset.as_deref());
@@ -697,7 +714,7 @@ impl Exchange {
             }
         };
         if let (Some((held, end_of_stream)), false) = (queued.held, done) {
-            replies.extend(held.into_responses(end_of_stream));
+            replies.extend(held.into_responses(end_of_stream, self.engine_priority));
         }
         (replies, done)
     }
@@ -772,12 +789,21 @@ impl Exchange {
                     // Its place in the engine's queue, for the outcome
                     // filter to write into the body (filter mode only).
                     let tag = decision.reservation.engine_tag();
-                    if let Some(value) = self.flow.engine_priority(&self.class, tag) {
-                        if self.mode.bodies_come() {
-                            warn_engine_priority_unwritten();
-                        } else {
-                            set_headers.push(headers::set(priority::HEADER, &value.to_string()));
-                        }
+                    self.engine_priority = self.flow.engine_priority(&self.class, tag);
+                    if let (Some(value), BodyMode::Headers) = (self.engine_priority, self.mode) {
+                        set_headers.push(headers::set(priority::HEADER, &value.to_string()));
+                    }
+                }
+                // Body mode: the body goes on with its priority written,
+                // and its length (Envoy keeps a buffered body's
+                // content-length and refuses one that does not match).
+                let mut body_mutation = None;
+                if let (Some(value), Some(body)) = (self.engine_priority, self.body.take()) {
+                    if let Ok(new) = priority::set_priority(&body, value) {
+                        set_headers.push(headers::set("content-length", &new.len().to_string()));
+                        body_mutation = Some(BodyMutation {
+                            mutation: Some(body_mutation::Mutation::Body(new)),
+                        });
                     }
                 }
                 let uncached_bytes = decision.uncached_bytes();
@@ -808,6 +834,7 @@ impl Exchange {
                 };
                 let common = CommonResponse {
                     header_mutation: Some(mutation),
+                    body_mutation,
                     // Full duplex: Envoy may already have matched a route
                     // while the headers waited for the body; match again
                     // now that the destination header is set (the GIE
@@ -848,19 +875,6 @@ impl Exchange {
             ..Default::default()
         }
     }
-}
-
-/// Says once that `HEARTH_ENGINE_PRIORITY` writes nothing in the body
-/// shapes (no outcome filter to write it there).
-fn warn_engine_priority_unwritten() {
-    static WARNED: std::sync::Once = std::sync::Once::new();
-    WARNED.call_once(|| {
-        tracing::warn!(
-            "HEARTH_ENGINE_PRIORITY is set, but this Envoy sends request bodies to the sidecar \
-             (body or endpoint-picker shape): no engine priority is written there, only in \
-             filter mode"
-        );
-    });
 }
 
 fn reply(response: processing_response::Response, metadata: Option<Struct>) -> ProcessingResponse {
