@@ -116,6 +116,27 @@ fn assert_dropped(t: &Turn, reason: &str) {
     assert_eq!(t.body["error"]["type"], "rate_limit_exceeded");
 }
 
+/// The shapes in which the sidecar sees the body: body mode and the
+/// endpoint picker.
+fn body_shapes() -> [(&'static str, FleetOptions); 2] {
+    [
+        (
+            "body",
+            FleetOptions {
+                body_mode: true,
+                ..FleetOptions::default()
+            },
+        ),
+        (
+            "endpoint picker",
+            FleetOptions {
+                gie_mode: true,
+                ..FleetOptions::default()
+            },
+        ),
+    ]
+}
+
 async fn saturated_fleet(extra: &[&str]) -> Fleet {
     saturated_fleet_in(FleetOptions::default(), extra).await
 }
@@ -292,22 +313,7 @@ async fn a_request_that_waits_its_time_to_live_gets_a_429_saying_so() {
 
 #[tokio::test]
 async fn the_body_and_endpoint_picker_shapes_hold_the_answer_while_the_request_waits() {
-    for (shape, opts) in [
-        (
-            "body",
-            FleetOptions {
-                body_mode: true,
-                ..FleetOptions::default()
-            },
-        ),
-        (
-            "endpoint picker",
-            FleetOptions {
-                gie_mode: true,
-                ..FleetOptions::default()
-            },
-        ),
-    ] {
+    for (shape, opts) in body_shapes() {
         let fleet = saturated_fleet_in(opts, &[]).await;
         let blocker = send(&fleet, prompt(1, 3000), &[]);
         in_flight_reaches(&fleet, 1).await;
@@ -722,22 +728,7 @@ async fn the_engines_priority_is_the_gateways_by_band_then_tenant_never_the_clie
 #[tokio::test]
 async fn the_body_and_endpoint_picker_shapes_write_the_engines_priority_too() {
     const BAND: i64 = 1 << 44;
-    for (shape, opts) in [
-        (
-            "body",
-            FleetOptions {
-                body_mode: true,
-                ..FleetOptions::default()
-            },
-        ),
-        (
-            "endpoint picker",
-            FleetOptions {
-                gie_mode: true,
-                ..FleetOptions::default()
-            },
-        ),
-    ] {
+    for (shape, opts) in body_shapes() {
         let fleet = saturated_fleet_in(opts, &["--engine-priority=lower-first"]).await;
         let engine = &fleet.engines[0].engine;
         let start_ms = wall_ms();

@@ -88,14 +88,7 @@ fn a_fingerprint_costs_a_small_multiple_of_the_body_whatever_its_shape() {
             Err(r) => format!("skipped: {r}"),
         };
         drop(got);
-        let ratio = peak as f64 / s.body.len() as f64;
-        eprintln!(
-            "{:<24} {:>9} {:>10} {:>6.3}  {outcome}",
-            s.name,
-            s.body.len(),
-            peak,
-            ratio
-        );
+        let ratio = report(s.name, s.body.len(), peak, &outcome);
         if ratio > MAX_RATIO {
             over.push(format!("{}: {ratio:.2}", s.name));
         }
@@ -118,13 +111,11 @@ fn writing_the_engine_priority_costs_the_new_body_whatever_the_shape() {
         let peak = PEAK.load(Relaxed) - base;
         let written = got.as_ref().map_or(0, Vec::len);
         drop(got);
-        let ratio = peak as f64 / s.body.len() as f64;
-        eprintln!(
-            "{:<24} {:>9} {:>10} {:>6.3}  {written} bytes written",
+        let ratio = report(
             s.name,
             s.body.len(),
             peak,
-            ratio
+            &format!("{written} bytes written"),
         );
         if ratio > 1.0 + MAX_RATIO {
             over.push(format!("{}: {ratio:.2}", s.name));
@@ -135,6 +126,14 @@ fn writing_the_engine_priority_costs_the_new_body_whatever_the_shape() {
         "over {}x the body: {over:?}",
         1.0 + MAX_RATIO
     );
+}
+
+/// Prints one shape's line of the table and returns its peak over its
+/// body's size.
+fn report(name: &str, body: usize, peak: usize, outcome: &str) -> f64 {
+    let ratio = peak as f64 / body as f64;
+    eprintln!("{name:<24} {body:>9} {peak:>10} {ratio:>6.3}  {outcome}");
+    ratio
 }
 
 /// One test at a time: the counting allocator counts every thread.
