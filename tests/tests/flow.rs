@@ -719,6 +719,23 @@ async fn the_engines_priority_is_the_gateways_by_band_then_tenant_never_the_clie
             "{headers:?}: {seen} ({tag_ms} ms)"
         );
     }
+
+    // A body past the filter's max_body_bytes (8 MiB) is not fingerprinted,
+    // and still gets the gateway's priority, not its client's.
+    let mut body: Value = serde_json::from_slice(&prompt(8, 3000)).unwrap();
+    body["metadata"] = Value::from("x".repeat(8_500_000));
+    body["priority"] = Value::from(-1_000_000);
+    let before = engine.stats().last_priority;
+    let start_ms = wall_ms();
+    let t = send(&fleet, serde_json::to_vec(&body).unwrap(), &[])
+        .await
+        .unwrap();
+    assert_routed(&t, "8.5 MB body: ");
+    let seen = next_priority(engine, before).await;
+    assert!(
+        (start_ms..=wall_ms() + 65_000).contains(&seen),
+        "8.5 MB body: {seen}"
+    );
     fleet.assert_wasm_healthy();
 }
 
@@ -759,5 +776,30 @@ async fn the_body_and_endpoint_picker_shapes_write_the_engines_priority_too() {
         );
         let t = waiting.await.unwrap();
         assert_routed(&t, &format!("{shape}: "));
+
+        // The endpoint picker holds 16 MiB of a body at most: past it the
+        // priority could not be written, so the request is refused, and
+        // its client's own value never reaches the engine.
+        if shape == "endpoint picker" {
+            let mut body: Value = serde_json::from_slice(&prompt(3, 3000)).unwrap();
+            body["metadata"] = Value::from("x".repeat(17 << 20));
+            body["priority"] = Value::from(-1_000_000);
+            let resp = fleet
+                .client
+                .post(format!("{}/v1/chat/completions", fleet.envoy.url()))
+                .header("content-type", "application/json")
+                .body(serde_json::to_vec(&body).unwrap())
+                .send()
+                .await;
+            // (An early refusal may reach a client still uploading as a
+            // closed connection.)
+            if let Ok(resp) = resp {
+                assert_eq!(resp.status().as_u16(), 413, "{shape}");
+                // The gateway's refusal, not the engine's own limit.
+                let answer: Value = resp.json().await.unwrap();
+                assert_eq!(answer["error"]["code"], "request_too_large", "{answer}");
+            }
+            assert_ne!(engine.stats().last_priority, Some(-1_000_000), "{shape}");
+        }
     }
 }

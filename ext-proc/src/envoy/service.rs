@@ -290,6 +290,8 @@ struct Exchange {
     /// The engine priority the decision gave (`HEARTH_ENGINE_PRIORITY`),
     /// for the held body in full duplex.
     engine_priority: Option<i64>,
+    /// Filter mode: a POST to a generation path.
+    generation_path: bool,
     budget: HeldBudget,
     /// The request is a generation (a prompt request whose body Envoy
     /// sends): its answer is scanned.
@@ -403,6 +405,7 @@ impl Exchange {
             held: None,
             body: None,
             engine_priority: None,
+            generation_path: false,
             generation: false,
             routed: None,
             reservation: None,
@@ -476,6 +479,11 @@ impl Exchange {
         if self.mode.bodies_come() {
             self.pending = body::awaits_body(h);
             self.generation = self.pending.is_some();
+        } else {
+            // Filter mode: a generation whose body the filter did not
+            // fingerprint (past its `max_body_bytes`) still gets its
+            // engine priority written.
+            self.generation_path = body::awaits_body(h).is_some();
         }
         match (self.mode, self.pending.is_some()) {
             // Full duplex: a prompt request's headers are answered once its
@@ -520,6 +528,12 @@ impl Exchange {
                     Ok(within) => within,
                     Err(over) => return (vec![over.refusal()], true),
                 };
+                if !within && self.flow.writes_engine_priority() {
+                    // Past the hold's cap the rest would stream on
+                    // unwritten, with its client's own `priority`.
+                    self.held = None;
+                    return (vec![too_large_for_priority()], true);
+                }
                 if b.end_of_stream || !within {
                     self.release_held(b.end_of_stream, within)
                 } else {
@@ -786,8 +800,12 @@ impl Exchange {
                         set_headers.push(headers::set(header::TICKET, &ticket));
                     }
                     self.ticket = Some(ticket);
-                    // Its place in the engine's queue, for the outcome
-                    // filter to write into the body (filter mode only).
+                }
+                // Its place in the engine's queue: in filter mode for the
+                // outcome filter to write into the body (a generation too
+                // large for the fingerprint as well: else its client's own
+                // `priority` would go on); in the body shapes written here.
+                if info.model.is_some() || self.generation_path {
                     let tag = decision.reservation.engine_tag();
                     self.engine_priority = self.flow.engine_priority(&self.class, tag);
                     if let (Some(value), BodyMode::Headers) = (self.engine_priority, self.mode) {
@@ -978,6 +996,19 @@ fn dropped(reason: DropReason) -> ProcessingResponse {
 
 /// An OpenAI-shaped error as an immediate response: 503 when no replica can
 /// serve the request, 429 (with Retry-After) when every one is full.
+/// 413 for a body past the endpoint picker's hold (`MAX_HELD_BODY`) while
+/// `HEARTH_ENGINE_PRIORITY` is set: its priority could not be written.
+fn too_large_for_priority() -> ProcessingResponse {
+    headers::error_response(
+        413,
+        "invalid_request_error",
+        "request_too_large",
+        "the request body is larger than the gateway holds to write its engine priority",
+        &[],
+        "hearth_request_too_large".to_string(),
+    )
+}
+
 fn refusal(e: &RouteError) -> ProcessingResponse {
     let (status, kind, code, retry_after) = match e {
         RouteError::NoReplicaForModel(_) => (404, "invalid_request_error", "model_not_found", None),
