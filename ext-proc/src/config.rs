@@ -1452,6 +1452,7 @@ impl Settings {
                 affinity_wait: seconds(self.flow_affinity_wait_seconds),
                 headroom: seconds(self.flow_headroom_seconds),
                 fair_window: seconds(self.flow_fair_slots_seconds),
+                engine_tags: self.engine_priority != EnginePriority::Off,
             },
         }
     }

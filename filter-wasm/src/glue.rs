@@ -381,9 +381,7 @@ impl OutcomeHttp {
         );
         self.post(outcome::REPORT_PATH, &body);
     }
-}
 
-impl OutcomeHttp {
     /// Takes the sidecar's `x-hearth-engine-priority` off the request
     /// (it never reaches an engine). With a value to write, the body's
     /// length changes: its `content-length` goes too, and the body is sent

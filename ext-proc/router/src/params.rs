@@ -147,6 +147,10 @@ pub struct FlowParams {
     /// the replica saturated while its batch has no slot beyond those
     /// (zero: nothing kept between flows).
     pub fair_window: Duration,
+    /// Tag each request with its place in its engine's own queue
+    /// ([`crate::fleet::EngineTags`], `HEARTH_ENGINE_PRIORITY` set);
+    /// false: no tags kept, none given.
+    pub engine_tags: bool,
 }
 
 impl Default for FlowParams {
@@ -159,6 +163,7 @@ impl Default for FlowParams {
             affinity_wait: Duration::from_secs(2),
             headroom: Duration::from_secs(30),
             fair_window: Duration::ZERO,
+            engine_tags: false,
         }
     }
 }

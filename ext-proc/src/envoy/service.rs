@@ -805,8 +805,8 @@ impl Exchange {
                 // outcome filter to write into the body (a generation too
                 // large for the fingerprint as well: else its client's own
                 // `priority` would go on); in the body shapes written here.
-                if info.model.is_some() || self.generation_path {
-                    let tag = decision.reservation.engine_tag();
+                let tag = decision.reservation.engine_tag();
+                if let Some(tag) = tag.filter(|_| info.model.is_some() || self.generation_path) {
                     self.engine_priority = self.flow.engine_priority(&self.class, tag);
                     if let (Some(value), BodyMode::Headers) = (self.engine_priority, self.mode) {
                         set_headers.push(headers::set(priority::HEADER, &value.to_string()));

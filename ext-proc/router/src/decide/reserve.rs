@@ -34,8 +34,9 @@ pub struct Reservation {
     /// Its flow (band and fairness digest), when the replica's flow loads
     /// track it.
     flow: Option<(i32, u64)>,
-    /// Its place in the engine's own queue ([`crate::fleet::EngineTags`]).
-    engine_tag: Instant,
+    /// Its place in the engine's own queue ([`crate::fleet::EngineTags`]),
+    /// while the router keeps tags.
+    engine_tag: Option<Instant>,
 }
 
 /// The load of a request's unread prompt: its uncached bytes and the load
@@ -96,7 +97,9 @@ impl Prefill {
         }
         let mut fleet = self.router.lock();
         if let Some(r) = fleet.state.get_mut(self.replica) {
-            r.engine_tags.first_token(now);
+            if self.router.params.flow.engine_tags {
+                r.engine_tags.first_token(now);
+            }
             if self.load.release(r) && self.load.alone {
                 let took = now.saturating_duration_since(self.load.sent);
                 r.prefill_rate.observe(self.load.bytes, took);
@@ -122,8 +125,9 @@ impl Reservation {
     }
 
     /// The request's place in its engine's own queue: its tag on the
-    /// virtual clock of its replica's flows ([`crate::fleet::EngineTags`]).
-    pub fn engine_tag(&self) -> Instant {
+    /// virtual clock of its replica's flows ([`crate::fleet::EngineTags`]);
+    /// `None` unless the router keeps tags (`FlowParams::engine_tags`).
+    pub fn engine_tag(&self) -> Option<Instant> {
         self.engine_tag
     }
 
@@ -190,7 +194,7 @@ pub(crate) fn reserve(
     r.in_flight += 1;
     r.bands.start(req.priority, now, p.flow.headroom);
     let flow = (req.priority, req.flow);
-    let engine_tag = r.engine_tags.next(flow, now);
+    let engine_tag = p.flow.engine_tags.then(|| r.engine_tags.next(flow, now));
     let flow = r.flows.start(flow, now, p.flow.fair_window).then_some(flow);
     r.load += 1.0 + prefill_units;
     r.uncached_bytes = r.uncached_bytes.saturating_add(uncached);
