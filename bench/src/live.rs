@@ -44,7 +44,7 @@ use crate::stack::{Front, Stack};
 use crate::workload::{Client, Generator, Turn};
 use hearth_ext_proc::Settings;
 
-pub(crate) const MODEL: &str = "hearth-sim";
+pub const MODEL: &str = "hearth-sim";
 
 #[derive(Debug, Clone, Args)]
 pub struct LiveArgs {
@@ -134,7 +134,18 @@ pub enum LivePolicy {
     #[value(name = "vllm_router_kv_aware")]
     #[serde(rename = "vllm_router_kv_aware")]
     VllmRouterKvAware,
+    /// smg `--policy cache_aware` with its priority-aware admission
+    /// scheduler on (`--priority-scheduler-enabled`, every tenant allowed
+    /// up to `interactive`), its classes at their built-in defaults:
+    /// clients name their class in `x-smg-priority`.
+    #[value(name = "smg_priority")]
+    #[serde(rename = "smg_priority")]
+    SmgPriority,
 }
+
+/// smg's request header naming a request's priority class (`system`,
+/// `interactive`, `default`, `bulk`), read by its priority scheduler.
+pub const SMG_PRIORITY_HEADER: &str = "x-smg-priority";
 
 impl LivePolicy {
     pub fn name(self) -> &'static str {
@@ -147,6 +158,7 @@ impl LivePolicy {
             LivePolicy::VllmRouterConsistentHash => "vllm_router_consistent_hash",
             LivePolicy::HearthKvEvents => "hearth_kv_events",
             LivePolicy::VllmRouterKvAware => "vllm_router_kv_aware",
+            LivePolicy::SmgPriority => "smg_priority",
         }
     }
 
@@ -162,6 +174,7 @@ impl LivePolicy {
             LivePolicy::VllmRouterConsistentHash => 6,
             LivePolicy::HearthKvEvents => 7,
             LivePolicy::VllmRouterKvAware => 8,
+            LivePolicy::SmgPriority => 9,
         }
     }
 
@@ -169,6 +182,14 @@ impl LivePolicy {
     pub fn peer(self) -> Option<PeerConfig> {
         match self {
             LivePolicy::SmgCacheAware => Some(PeerConfig::new(PeerKind::Smg, "cache_aware")),
+            // Without the default maximum class raised, smg clamps every
+            // tenant it has no policy for to `default`, whatever the
+            // header asks.
+            LivePolicy::SmgPriority => Some(PeerConfig::new(PeerKind::Smg, "cache_aware").with([
+                "--priority-scheduler-enabled",
+                "--priority-scheduler-default-max-class",
+                "interactive",
+            ])),
             LivePolicy::VllmRouterCacheAware => {
                 Some(PeerConfig::new(PeerKind::VllmRouter, "cache_aware"))
             }
@@ -200,6 +221,7 @@ impl LivePolicy {
             LivePolicy::LeastRequest => PolicyKind::LeastRequest,
             LivePolicy::RingHash | LivePolicy::VllmRouterConsistentHash => PolicyKind::RingHash,
             LivePolicy::SmgCacheAware
+            | LivePolicy::SmgPriority
             | LivePolicy::VllmRouterCacheAware
             | LivePolicy::VllmRouterKvAware => PolicyKind::SglangCacheAwareEmulated,
         }
@@ -460,7 +482,7 @@ fn cell(args: &LiveArgs) -> anyhow::Result<(Scenario, Duration, Duration)> {
 }
 
 /// The scenario preset `name`.
-pub(crate) fn preset(name: &str) -> anyhow::Result<Scenario> {
+pub fn preset(name: &str) -> anyhow::Result<Scenario> {
     Scenario::preset(name).with_context(|| format!("unknown scenario {name:?}"))
 }
 
@@ -554,7 +576,7 @@ fn command(args: &LiveArgs, sc: &Scenario, policies: Option<&[LivePolicy]>) -> S
 
 /// Engines running the simulator's own scheduler and cost model
 /// (time-scaled), one per replica of the scenario.
-pub(crate) fn engine_configs(sc: &Scenario, scale: f64) -> Vec<EngineConfig> {
+pub fn engine_configs(sc: &Scenario, scale: f64) -> Vec<EngineConfig> {
     (0..sc.replicas)
         .map(|i| EngineConfig {
             id: format!("engine-{i}"),
@@ -704,11 +726,96 @@ pub struct LiveRun {
 }
 
 /// What serves the agents during one policy's run.
-enum Serving {
+pub enum Serving {
     /// Envoy (with or without Hearth) and its engines.
     Stack(Box<Stack>),
     /// A peer router and the engines it was started in front of.
     Peer(Vec<EngineHandle>, Box<Peer>),
+}
+
+impl Serving {
+    /// `policy` in front of fresh simulated engines of `configs`: Envoy
+    /// (Hearth with the sidecar `settings`, or one of Envoy's own
+    /// policies), or a peer router given `peer_deadline` to list every
+    /// engine.
+    pub async fn start(
+        policy: LivePolicy,
+        configs: Vec<EngineConfig>,
+        settings: Vec<(String, String)>,
+        peer_deadline: Duration,
+    ) -> anyhow::Result<Serving> {
+        let Some(config) = policy.peer() else {
+            return Ok(Serving::Stack(Box::new(
+                envoy_stack(policy, configs, settings).await?,
+            )));
+        };
+        // Found before any engine starts: a missing install fails at once.
+        config.kind.find()?;
+        let mut engines = Vec::new();
+        for c in configs {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            engines.push(engine::spawn(c, listener).await?);
+        }
+        let addrs: Vec<_> = engines.iter().map(|e| e.addr).collect();
+        let peer = Peer::start(&config, &addrs, peer_deadline).await?;
+        Ok(Serving::Peer(engines, Box::new(peer)))
+    }
+
+    pub fn url(&self) -> String {
+        match self {
+            Serving::Stack(stack) => stack.url(),
+            Serving::Peer(_, peer) => peer.url(),
+        }
+    }
+
+    pub fn engines(&self) -> &[EngineHandle] {
+        match self {
+            Serving::Stack(stack) => &stack.engines,
+            Serving::Peer(engines, _) => engines,
+        }
+    }
+
+    /// The peer router's command line, if a peer serves.
+    pub fn peer_command(&self) -> Option<String> {
+        match self {
+            Serving::Stack(_) => None,
+            Serving::Peer(_, peer) => Some(peer.command.clone()),
+        }
+    }
+
+    /// Envoy and its sidecar, if they serve.
+    pub fn stack(&self) -> Option<&Stack> {
+        match self {
+            Serving::Stack(stack) => Some(stack),
+            Serving::Peer(..) => None,
+        }
+    }
+
+    /// The peer router, if one serves.
+    pub fn peer(&self) -> Option<&Peer> {
+        match self {
+            Serving::Stack(_) => None,
+            Serving::Peer(_, peer) => Some(peer),
+        }
+    }
+
+    /// Stops the gateway and the engines; a peer router's log.
+    pub async fn shutdown(self) -> Option<String> {
+        match self {
+            Serving::Stack(stack) => {
+                stack.shutdown().await;
+                None
+            }
+            Serving::Peer(handles, peer) => {
+                let log = peer.log();
+                drop(peer);
+                for e in handles {
+                    e.shutdown().await;
+                }
+                Some(log)
+            }
+        }
+    }
 }
 
 /// Envoy in front of fresh simulated engines for one of the policies
@@ -740,78 +847,46 @@ async fn run_one(
     warmup: Duration,
     peer_deadline: Duration,
 ) -> anyhow::Result<LiveRun> {
-    let configs = engine_configs(sc, args.time_scale);
-    let front = match policy {
+    let mut configs = engine_configs(sc, args.time_scale);
+    let mut settings = Vec::new();
+    if policy.is_hearth() {
         // The sidecar with the settings the simulator gives its Router
         // (the scenario's and the command line's), then what the
         // simulated router lacks: probes and engine scrapes.
         // With `hearth_kv_events`, each engine also publishes its KV
         // cache events, and the stack lists where.
-        LivePolicy::Hearth | LivePolicy::HearthKvEvents => {
-            let mut settings = sc.hearth.settings().to_vec();
-            settings.extend(on_wall_clock(&settings, args.time_scale)?);
-            settings.extend(
-                [
-                    ("HEARTH_PROBE_INTERVAL_SECONDS", "0"),
-                    ("HEARTH_ENGINE_METRICS_SECONDS", "0"),
-                ]
-                .map(|(k, v)| (k.to_string(), v.to_string())),
-            );
-            let events = (policy == LivePolicy::HearthKvEvents).then_some("tcp://127.0.0.1:0");
-            let configs = configs
-                .into_iter()
-                .map(|c| EngineConfig {
-                    kv_events: events.map(str::to_owned),
-                    kv_events_replay: events.map(str::to_owned),
-                    ..c
-                })
-                .collect();
-            Serving::Stack(Box::new(envoy_stack(policy, configs, settings).await?))
-        }
-        LivePolicy::LeastRequest | LivePolicy::RingHash => {
-            Serving::Stack(Box::new(envoy_stack(policy, configs, Vec::new()).await?))
-        }
-        _ => {
-            let config = policy.peer().context("a peer policy names its router")?;
-            // Found before any engine starts: a missing install fails at once.
-            config.kind.find()?;
-            let mut engines = Vec::new();
-            for c in configs {
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-                engines.push(engine::spawn(c, listener).await?);
-            }
-            let addrs: Vec<_> = engines.iter().map(|e| e.addr).collect();
-            let peer = Peer::start(&config, &addrs, peer_deadline).await?;
-            Serving::Peer(engines, Box::new(peer))
-        }
-    };
-    let (url, engines, peer_command) = match &front {
-        Serving::Stack(stack) => (stack.url(), &stack.engines, None),
-        Serving::Peer(engines, peer) => (peer.url(), engines, Some(peer.command.clone())),
-    };
+        settings = sc.hearth.settings().to_vec();
+        settings.extend(on_wall_clock(&settings, args.time_scale)?);
+        settings.extend(
+            [
+                ("HEARTH_PROBE_INTERVAL_SECONDS", "0"),
+                ("HEARTH_ENGINE_METRICS_SECONDS", "0"),
+            ]
+            .map(|(k, v)| (k.to_string(), v.to_string())),
+        );
+        let events = (policy == LivePolicy::HearthKvEvents).then_some("tcp://127.0.0.1:0");
+        configs = configs
+            .into_iter()
+            .map(|c| EngineConfig {
+                kv_events: events.map(str::to_owned),
+                kv_events_replay: events.map(str::to_owned),
+                ..c
+            })
+            .collect();
+    }
+    let front = Serving::start(policy, configs, settings, peer_deadline).await?;
+    let url = front.url();
+    let peer_command = front.peer_command();
     let driven = drive(
         &format!("{url}/v1/chat/completions"),
-        engines,
+        front.engines(),
         sc,
         args,
         wall,
         warmup,
     )
     .await;
-    let peer_log = match front {
-        Serving::Stack(stack) => {
-            stack.shutdown().await;
-            None
-        }
-        Serving::Peer(handles, peer) => {
-            let log = peer.log();
-            drop(peer);
-            for e in handles {
-                e.shutdown().await;
-            }
-            Some(log)
-        }
-    };
+    let peer_log = front.shutdown().await;
     Ok(LiveRun {
         policy,
         result: RunResult {
@@ -1125,6 +1200,33 @@ mod tests {
         assert_eq!(ch.peer().unwrap().kind, PeerKind::VllmRouter);
         assert_eq!(ch.peer().unwrap().policy, "consistent_hash");
         assert!(LivePolicy::RingHash.peer().is_none());
+        // The priority scheduler on, every tenant allowed up to the class
+        // the benchmark's high band asks for.
+        let prio = LivePolicy::SmgPriority.peer().unwrap();
+        assert_eq!(
+            (prio.kind, prio.policy.as_str()),
+            (PeerKind::Smg, "cache_aware")
+        );
+        let line = prio.args(
+            &[],
+            "127.0.0.1:1".parse().unwrap(),
+            "127.0.0.1:2".parse().unwrap(),
+        );
+        let line = line.join(" ");
+        assert!(line.contains("--priority-scheduler-enabled"), "{line}");
+        assert!(
+            line.contains("--priority-scheduler-default-max-class interactive"),
+            "{line}"
+        );
+        let keys: std::collections::HashSet<u64> = LivePolicy::value_variants()
+            .iter()
+            .map(|p| p.key())
+            .collect();
+        assert_eq!(
+            keys.len(),
+            LivePolicy::value_variants().len(),
+            "keys are distinct"
+        );
     }
 
     #[test]

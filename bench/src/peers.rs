@@ -213,6 +213,11 @@ pub struct Peer {
 }
 
 impl Peer {
+    /// Where its Prometheus metrics are served (`http://HOST:PORT`).
+    pub fn metrics_url(&self) -> String {
+        format!("http://{}", self.metrics)
+    }
+
     /// Starts the router in front of `engines` and waits up to `deadline`
     /// until it answers `/health` and (smg) lists every engine as a
     /// healthy worker.

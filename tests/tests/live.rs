@@ -90,3 +90,77 @@ async fn the_peer_routers_run_beside_envoy_on_the_same_engines() {
         }
     }
 }
+
+/// `smg_priority` (the real peer in `hearth-bench tenants`) starts smg
+/// with its priority scheduler on and every tenant's ceiling raised to
+/// `interactive`: each request is admitted under the class its
+/// `x-smg-priority` header names, as smg's own metrics count them (with
+/// the ceiling at smg's default, `interactive` would be clamped to
+/// `default`). Skipped without the peers installed, as above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smg_priority_admits_each_request_under_the_class_its_header_names() {
+    use hearth_bench::live::{engine_configs, preset, LivePolicy, Serving, SMG_PRIORITY_HEADER};
+    use std::time::Duration;
+    let mut sc = preset("cache-never-fills").unwrap();
+    sc.replicas = 2;
+    let serving = match Serving::start(
+        LivePolicy::SmgPriority,
+        engine_configs(&sc, 20.0),
+        Vec::new(),
+        Duration::from_secs(60),
+    )
+    .await
+    {
+        Ok(s) => s,
+        Err(e) if format!("{e:#}").contains("scripts/setup-peers") => {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "smg not installed under CI: {e:#}"
+            );
+            eprintln!("skipping: {e:#}");
+            return;
+        }
+        Err(e) => panic!("{e:#}"),
+    };
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", serving.url());
+    for (n, class) in [(2, Some("interactive")), (3, Some("bulk")), (1, None)] {
+        for i in 0..n {
+            let mut req = client.post(&url).json(&serde_json::json!({
+                "model": hearth_bench::live::MODEL,
+                "messages": [{"role": "user", "content": format!("{class:?} {i}")}],
+                "max_tokens": 4,
+            }));
+            if let Some(c) = class {
+                req = req.header(SMG_PRIORITY_HEADER, c);
+            }
+            let status = req.send().await.unwrap().status();
+            assert_eq!(status, 200, "{class:?} request {i}");
+        }
+    }
+    let peer = serving.peer().expect("a peer serves smg_priority");
+    let metrics = client
+        .get(format!("{}/metrics", peer.metrics_url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let admitted = |class: &str| -> f64 {
+        let series = format!("smg_scheduler_admit_total{{class=\"{class}\",outcome=\"admitted\"}}");
+        metrics
+            .lines()
+            .find(|l| l.starts_with(&series))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0.0)
+    };
+    assert_eq!(admitted("interactive"), 2.0, "{metrics}");
+    assert_eq!(admitted("bulk"), 3.0, "{metrics}");
+    assert_eq!(admitted("default"), 1.0, "{metrics}");
+    assert!(serving
+        .peer_command()
+        .unwrap()
+        .contains("--priority-scheduler-enabled"));
+    serving.shutdown().await;
+}
