@@ -4,7 +4,8 @@
 //!
 //! Two mixes of agent-style conversations ([`crate::workload`]), each
 //! agent sending its tenant's `x-gateway-inference-fairness-id` and, in
-//! the priority mix, an `x-gateway-inference-objective`:
+//! the priority mix, an `x-gateway-inference-objective` (and the same
+//! class in smg's `x-smg-priority`):
 //!
 //! - **tenants**: one noisy tenant with `--noisy-agents` agents beside
 //!   `--quiet-tenants` quiet tenants of `--quiet-agents` each (so the noisy
@@ -14,8 +15,10 @@
 //!   while `--sheddable-agents` agents of a sheddable one (negative
 //!   priority) load the fleet.
 //!
-//! Each mix runs under Envoy `least_request`, Hearth without flow control
-//! and Hearth with it, each on fresh engines with the same seeded
+//! Each mix runs under Envoy `least_request`, Hearth without flow control,
+//! Hearth with it and the real peer, smg 1.13.0 with its priority
+//! scheduler (skipped when `scripts/setup-peers` did not install it),
+//! each on fresh engines with the same seeded
 //! conversations; then the reference cells, Hearth with flow control
 //! again: the quiet tenants alone (no noisy tenant) and the high band
 //! alone (no sheddable load). The table is per class of agent; the
@@ -29,7 +32,7 @@ use clap::Args;
 use hearth_wire::names::{FAIRNESS_ID, OBJECTIVE};
 use serde::Serialize;
 
-use crate::live::{self, Agent, LivePolicy};
+use crate::live::{self, Agent, LivePolicy, Serving, SMG_PRIORITY_HEADER};
 use crate::report::{RequestRecord, RunResult};
 use crate::scenario::Scenario;
 use crate::workload::Generator;
@@ -41,6 +44,9 @@ mod on_engines;
 const HIGH_OBJECTIVE: &str = "interactive";
 const SHEDDABLE_OBJECTIVE: &str = "batch";
 const OBJECTIVES: &str = "interactive=10,batch=-1";
+
+/// How long a peer router may take to start and list every engine.
+const PEER_DEADLINE: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Clone, Args)]
 pub struct TenantsArgs {
@@ -187,13 +193,17 @@ pub enum Setup {
     HearthNoFlowControl,
     /// Hearth with flow control (the default).
     HearthFlowControl,
+    /// smg 1.13.0 with its priority scheduler
+    /// ([`LivePolicy::SmgPriority`]), the real peer.
+    SmgPriority,
 }
 
 impl Setup {
-    const ALL: [Setup; 3] = [
+    const ALL: [Setup; 4] = [
         Setup::LeastRequest,
         Setup::HearthNoFlowControl,
         Setup::HearthFlowControl,
+        Setup::SmgPriority,
     ];
 
     pub fn name(self) -> &'static str {
@@ -201,6 +211,7 @@ impl Setup {
             Setup::LeastRequest => "least_request",
             Setup::HearthNoFlowControl => "hearth, no flow control",
             Setup::HearthFlowControl => "hearth, flow control",
+            Setup::SmgPriority => "smg, priority scheduler",
         }
     }
 
@@ -208,14 +219,15 @@ impl Setup {
         match self {
             Setup::LeastRequest => LivePolicy::LeastRequest,
             Setup::HearthNoFlowControl | Setup::HearthFlowControl => LivePolicy::Hearth,
+            Setup::SmgPriority => LivePolicy::SmgPriority,
         }
     }
 
     /// The sidecar's settings in this setup, given every Hearth cell's
-    /// (none for plain Envoy).
+    /// (none for plain Envoy or a peer).
     fn settings(self, hearth: &[(String, String)]) -> Vec<(String, String)> {
         let flow = match self {
-            Setup::LeastRequest => return Vec::new(),
+            Setup::LeastRequest | Setup::SmgPriority => return Vec::new(),
             Setup::HearthNoFlowControl => "false",
             Setup::HearthFlowControl => "true",
         };
@@ -227,14 +239,16 @@ impl Setup {
 
 /// The cells of a run, in order: each mix under each setup, then the
 /// references under Hearth with flow control.
-pub const CELLS: [(Mix, Setup); 8] = [
+pub const CELLS: [(Mix, Setup); 10] = [
     (Mix::Tenants, Setup::LeastRequest),
     (Mix::Tenants, Setup::HearthNoFlowControl),
     (Mix::Tenants, Setup::HearthFlowControl),
+    (Mix::Tenants, Setup::SmgPriority),
     (Mix::QuietAlone, Setup::HearthFlowControl),
     (Mix::Priority, Setup::LeastRequest),
     (Mix::Priority, Setup::HearthNoFlowControl),
     (Mix::Priority, Setup::HearthFlowControl),
+    (Mix::Priority, Setup::SmgPriority),
     (Mix::HighAlone, Setup::HearthFlowControl),
 ];
 
@@ -248,6 +262,16 @@ pub struct Planned {
     pub headers: Vec<(String, String)>,
 }
 
+/// smg's priority class for one of the objectives: the high band is
+/// `interactive`, the sheddable one `bulk` (smg's lowest).
+fn smg_class(objective: &str) -> &'static str {
+    if objective == HIGH_OBJECTIVE {
+        "interactive"
+    } else {
+        "bulk"
+    }
+}
+
 /// The agents of `mix`.
 pub fn plan(mix: Mix, args: &TenantsArgs) -> Vec<Planned> {
     let mut out = Vec::new();
@@ -257,6 +281,7 @@ pub fn plan(mix: Mix, args: &TenantsArgs) -> Vec<Planned> {
             let mut headers = vec![(FAIRNESS_ID.to_string(), tenant.clone())];
             if let Some(o) = objective {
                 headers.push((OBJECTIVE.to_string(), o.to_string()));
+                headers.push((SMG_PRIORITY_HEADER.to_string(), smg_class(o).to_string()));
             }
             if mix.classes().contains(&class) {
                 out.push(Planned {
@@ -391,13 +416,9 @@ pub fn ratios(rows: &[ClassRow]) -> Vec<Ratio> {
     };
     let total = |setup, f: fn(&ClassRow) -> f64| find(Mix::Tenants, setup, None).map(f);
     let vs_no_flow = |f: fn(&ClassRow) -> f64| {
-        vec![(
-            Setup::HearthFlowControl,
-            div(
-                total(Setup::HearthFlowControl, f),
-                total(Setup::HearthNoFlowControl, f),
-            ),
-        )]
+        [Setup::HearthFlowControl, Setup::SmgPriority]
+            .map(|s| (s, div(total(s, f), total(Setup::HearthNoFlowControl, f))))
+            .to_vec()
     };
     vec![
         ratio(
@@ -559,7 +580,13 @@ async fn run_cell(
 ) -> anyhow::Result<Cell> {
     let (mix, setup) = cell;
     let configs = live::engine_configs(sc, args.time_scale);
-    let stack = live::envoy_stack(setup.policy(), configs, setup.settings(hearth)).await?;
+    let serving = Serving::start(
+        setup.policy(),
+        configs,
+        setup.settings(hearth),
+        PEER_DEADLINE,
+    )
+    .await?;
     let generator = Generator::new(
         sc.workload.clone(),
         live::MODEL,
@@ -575,18 +602,26 @@ async fn run_cell(
             class: p.class.index(),
         })
         .collect();
-    let url = format!("{}/v1/chat/completions", stack.url());
-    let driven =
-        live::drive_agents(&url, &stack.engines, agents, args.time_scale, wall, warmup).await;
-    let waits = match setup.policy() {
-        LivePolicy::Hearth => {
+    let url = format!("{}/v1/chat/completions", serving.url());
+    let driven = live::drive_agents(
+        &url,
+        serving.engines(),
+        agents,
+        args.time_scale,
+        wall,
+        warmup,
+    )
+    .await;
+    let waits = match serving.stack() {
+        Some(stack) if setup.policy() == LivePolicy::Hearth => {
             let (status, text) = stack.admin_get("/metrics").await?;
             anyhow::ensure!(status == 200, "the sidecar's /metrics answered {status}");
             Some(queue_waits(&text, args.time_scale))
         }
         _ => None,
     };
-    stack.shutdown().await;
+    let peer_command = serving.peer_command();
+    serving.shutdown().await;
     let row = |class: Option<Class>, agents, records, limited| {
         class_row(
             cell,
@@ -620,6 +655,7 @@ async fn run_cell(
     Ok(Cell {
         rows,
         waits,
+        peer_command,
         turns: None,
     })
 }
@@ -629,6 +665,8 @@ async fn run_cell(
 struct Cell {
     rows: Vec<ClassRow>,
     waits: Option<QueueWaits>,
+    /// A peer router's command line, as started.
+    peer_command: Option<String>,
     /// On real engines, every turn with its agent's class (for the JSON).
     turns: Option<serde_json::Value>,
 }
@@ -745,13 +783,28 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
     );
     let mut rows = Vec::new();
     let mut queued = Vec::new();
+    let mut peers = Vec::new();
     let mut turns = serde_json::Map::new();
     let chosen = |mix: Mix| match args.mix.as_deref() {
         Some("tenants") => matches!(mix, Mix::Tenants | Mix::QuietAlone),
         Some("priority") => matches!(mix, Mix::Priority | Mix::HighAlone),
         _ => true,
     };
-    for (mix, setup) in CELLS.into_iter().filter(|&(mix, _)| chosen(mix)) {
+    // A peer router that is not installed (`HEARTH_SETUP_PEERS=0`) is
+    // skipped, not fatal.
+    let missing: Vec<(Setup, String)> = Setup::ALL
+        .into_iter()
+        .filter_map(|s| Some((s, s.policy().peer()?.kind.find().err()?)))
+        .map(|(s, e)| (s, format!("{e:#}")))
+        .collect();
+    for (setup, why) in &missing {
+        println!("# skipped {}: {why}", setup.name());
+    }
+    let runs = |setup: Setup| missing.iter().all(|(s, _)| *s != setup);
+    for (mix, setup) in CELLS
+        .into_iter()
+        .filter(|&(mix, setup)| chosen(mix) && runs(setup))
+    {
         let name = format!("{} under {}", mix.name(), setup.name());
         eprintln!("hearth-bench tenants: running {name}");
         let cell = fleet
@@ -761,6 +814,9 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
         rows.extend(cell.rows);
         if let Some(t) = cell.turns {
             turns.insert(name.clone(), t);
+        }
+        if let Some(command) = cell.peer_command {
+            peers.push((name.clone(), command));
         }
         if let Some(w) = cell.waits {
             queued.push((name, w));
@@ -773,6 +829,9 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
         Fleet::Simulated { .. } => "engine time",
         Fleet::Engines(_) => "wall time",
     };
+    for (name, command) in &peers {
+        println!("# {name}: {command}");
+    }
     for (name, w) in &queued {
         println!(
             "# {name}: {} requests left the flow queue for a replica, after {:.2} s there on average ({unit}, warm-up included)",
@@ -798,6 +857,10 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
             "flow_queue": queued
                 .iter()
                 .map(|(name, w)| (name.clone(), *w))
+                .collect::<std::collections::BTreeMap<_, _>>(),
+            "peer_commands": peers
+                .iter()
+                .cloned()
                 .collect::<std::collections::BTreeMap<_, _>>(),
         });
         if !turns.is_empty() {
@@ -878,6 +941,10 @@ mod tests {
         assert!(high
             .iter()
             .all(|p| header(p, OBJECTIVE) == Some(HIGH_OBJECTIVE)));
+        // The same classes for the peer, in its own header.
+        assert!(high
+            .iter()
+            .all(|p| header(p, SMG_PRIORITY_HEADER) == Some("interactive")));
         let shed = plan(Mix::Priority, &a);
         let shed: Vec<&Planned> = shed
             .iter()
@@ -886,7 +953,11 @@ mod tests {
         assert_eq!(shed.len(), a.sheddable_agents);
         assert!(shed
             .iter()
-            .all(|p| header(p, OBJECTIVE) == Some(SHEDDABLE_OBJECTIVE)));
+            .all(|p| header(p, OBJECTIVE) == Some(SHEDDABLE_OBJECTIVE)
+                && header(p, SMG_PRIORITY_HEADER) == Some("bulk")));
+        assert!(plan(Mix::Tenants, &a)
+            .iter()
+            .all(|p| header(p, SMG_PRIORITY_HEADER).is_none()));
         // No two agents of a run share conversations.
         let mut all: Vec<u64> = [Mix::Tenants, Mix::Priority]
             .iter()
@@ -911,6 +982,7 @@ mod tests {
         let off = Setup::HearthNoFlowControl.settings(&[]);
         assert!(!crate::settings::parse(&off).unwrap().flow_control);
         assert!(Setup::LeastRequest.settings(&settings).is_empty());
+        assert!(Setup::SmgPriority.settings(&settings).is_empty());
     }
 
     #[test]
@@ -1012,18 +1084,22 @@ llm_d_epp_flow_control_request_queue_duration_seconds_count{priority=\"-1\",outc
             [
                 (LeastRequest, Some(4.0)),
                 (HearthNoFlowControl, Some(3.0)),
-                (HearthFlowControl, Some(1.4))
+                (HearthFlowControl, Some(1.4)),
+                (SmgPriority, None)
             ]
         );
         assert_eq!(r[0].met, Some(true));
         assert_eq!(r[1].values[0], (LeastRequest, None));
         assert_eq!(r[1].met, Some(false));
-        assert_eq!(r[2].values, [(HearthFlowControl, Some(0.9))]);
+        assert_eq!(
+            r[2].values,
+            [(HearthFlowControl, Some(0.9)), (SmgPriority, None)]
+        );
         assert_eq!(r[2].met, Some(false));
         assert_eq!(r[3].met, Some(true));
         let md = ratios_markdown(&r);
         assert!(
-            md.contains("| 4.00x | 3.00x | 1.40x | <= 1.50x | yes |"),
+            md.contains("| 4.00x | 3.00x | 1.40x | - | <= 1.50x | yes |"),
             "{md}"
         );
     }

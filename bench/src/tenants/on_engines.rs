@@ -244,6 +244,7 @@ impl Engines {
         Ok(Cell {
             rows,
             waits,
+            peer_command: run.peer_command.clone(),
             turns: Some(Value::Array(turns)),
         })
     }
