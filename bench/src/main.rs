@@ -36,7 +36,8 @@ enum Command {
     Live(hearth_bench::live::LiveCli),
     /// Tenant fairness and priority on an overloaded fleet, live: a noisy
     /// tenant beside quiet ones and a high band beside sheddable load,
-    /// under Envoy least_request and Hearth without and with flow control.
+    /// under Envoy least_request, Hearth without and with flow control,
+    /// and smg's priority scheduler (when installed).
     Tenants(hearth_bench::tenants::TenantsArgs),
     /// Routing policies (plain Envoy, Hearth, the peer routers smg and
     /// vllm-router) in front of real OpenAI-compatible engines given by
