@@ -36,11 +36,15 @@ fn engine_config() -> LlamaConfig {
     two_slot_llama()
 }
 
-/// Every printable ASCII character but a few: whatever the model's first
-/// token is, its text starts with one of them, so the answer stops before
-/// any text.
+/// Every printable ASCII character, the newline and the tab: the model's
+/// greedy first token for these English prompts starts with one of them,
+/// so the answer stops before any text. Greedy (temperature 0), so the
+/// first token is the same on every run, not sampled anew.
 fn stop_everything() -> Vec<String> {
-    (b' '..=b'~').map(|c| (c as char).to_string()).collect()
+    (b' '..=b'~')
+        .chain([b'\n', b'\t'])
+        .map(|c| (c as char).to_string())
+        .collect()
 }
 
 fn serving_unfenced(s: &Snapshot) -> bool {
@@ -57,30 +61,29 @@ async fn answers_a_client_makes_empty_fence_no_real_engine() {
     let fleet = &lf.fleet;
     // Seven requests at once that force the end-of-sequence token first
     // (SmolLM2's is 2), streamed without usage; then three with stop
-    // strings that match the first token, not streamed. The engine
+    // strings that match the first token (greedy), not streamed. The engine
     // decides: every answer is empty.
     let forced = (0..7u64).map(|k| async move {
         let mut conv = Conversation::new(MODEL, &filler(k + 10, 300), false, 7000 + k);
         let mut body = conv.next_turn(100, true);
         body["max_tokens"] = 4.into();
         body["logit_bias"] = json!({"2": 100});
-        reply_text(&fleet.chat(&body).await.body).is_empty()
+        (k, reply_text(&fleet.chat(&body).await.body))
     });
-    let mut empty = futures::future::join_all(forced)
-        .await
-        .into_iter()
-        .filter(|&e| e)
-        .count();
+    let mut answers = futures::future::join_all(forced).await;
     for k in 7..10u64 {
         let mut conv = Conversation::new(MODEL, &filler(k + 10, 300), false, 7000 + k);
         let mut body = conv.next_turn(100, false);
         body["max_tokens"] = 4.into();
+        body["temperature"] = 0.into();
         body["stop"] = json!(stop_everything());
-        if reply_text(&fleet.chat(&body).await.body).is_empty() {
-            empty += 1;
-        }
+        answers.push((k, reply_text(&fleet.chat(&body).await.body)));
     }
-    assert_eq!(empty, 10, "the engine did not answer them empty");
+    let texts: Vec<&(u64, String)> = answers.iter().filter(|(_, t)| !t.is_empty()).collect();
+    assert!(
+        texts.is_empty(),
+        "the engine did not answer them empty (request, text): {texts:?}"
+    );
     let s = fleet.state().await.unwrap();
     for r in &s.replicas {
         eprintln!(
