@@ -33,6 +33,7 @@ use hearth_wire::names::{FAIRNESS_ID, OBJECTIVE};
 use serde::Serialize;
 
 use crate::live::{self, Agent, LivePolicy, Serving, SMG_PRIORITY_HEADER};
+use crate::peers::PeerKind;
 use crate::report::{RequestRecord, RunResult};
 use crate::scenario::Scenario;
 use crate::workload::Generator;
@@ -791,16 +792,12 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
         _ => true,
     };
     // A peer router that is not installed (`HEARTH_SETUP_PEERS=0`) is
-    // skipped, not fatal.
-    let missing: Vec<(Setup, String)> = Setup::ALL
-        .into_iter()
-        .filter_map(|s| Some((s, s.policy().peer()?.kind.find().err()?)))
-        .map(|(s, e)| (s, format!("{e:#}")))
-        .collect();
-    for (setup, why) in &missing {
-        println!("# skipped {}: {why}", setup.name());
+    // skipped, not fatal, as in `live`.
+    let (_, skipped) = live::runnable(&Setup::ALL.map(Setup::policy), PeerKind::find);
+    for (policy, why) in &skipped {
+        println!("# skipped {}: {why}", policy.name());
     }
-    let runs = |setup: Setup| missing.iter().all(|(s, _)| *s != setup);
+    let runs = |setup: Setup| skipped.iter().all(|(p, _)| *p != setup.policy());
     for (mix, setup) in CELLS
         .into_iter()
         .filter(|&(mix, setup)| chosen(mix) && runs(setup))

@@ -994,8 +994,6 @@ fn dropped(reason: DropReason) -> ProcessingResponse {
     )
 }
 
-/// An OpenAI-shaped error as an immediate response: 503 when no replica can
-/// serve the request, 429 (with Retry-After) when every one is full.
 /// 413 for a body past the endpoint picker's hold (`MAX_HELD_BODY`) while
 /// `HEARTH_ENGINE_PRIORITY` is set: its priority could not be written.
 fn too_large_for_priority() -> ProcessingResponse {
@@ -1009,6 +1007,8 @@ fn too_large_for_priority() -> ProcessingResponse {
     )
 }
 
+/// An OpenAI-shaped error as an immediate response: 503 when no replica can
+/// serve the request, 429 (with Retry-After) when every one is full.
 fn refusal(e: &RouteError) -> ProcessingResponse {
     let (status, kind, code, retry_after) = match e {
         RouteError::NoReplicaForModel(_) => (404, "invalid_request_error", "model_not_found", None),
