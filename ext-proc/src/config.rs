@@ -24,6 +24,13 @@ pub const OTHER_TOOLS_VARS: &[&str] = &[
     "HEARTH_CACHE_DIR",
     "HEARTH_LLAMA_SERVER",
     "HEARTH_LLAMA_MODEL",
+    "HEARTH_SETUP_VLLM",
+    "HEARTH_VLLM_HOME",
+    "HEARTH_SETUP_PEERS",
+    "HEARTH_SMG",
+    "HEARTH_VLLM_ROUTER",
+    "HEARTH_INFERENCE_PERF",
+    "HEARTH_BUILD_JOBS",
 ];
 
 #[derive(Parser, Debug, Clone)]
@@ -2089,6 +2096,9 @@ mod tests {
     fn unknown_hearth_variables_are_refused_with_the_valid_list() {
         assert!(check_env(["HEARTH_UPSTREAMS".to_string(), "PATH".to_string()]).is_ok());
         assert!(check_env(["HEARTH_ENVOY".to_string()]).is_ok());
+        // The benchmark's peer routers, named where the sidecar it starts
+        // inherits the environment.
+        assert!(check_env(["HEARTH_SMG".to_string(), "HEARTH_VLLM_ROUTER".to_string()]).is_ok());
         let err = check_env(["HEARTH_AFINITY_BASIS".to_string()]).unwrap_err();
         assert!(err.contains("HEARTH_AFINITY_BASIS"));
         assert!(
