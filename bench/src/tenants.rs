@@ -28,7 +28,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Args;
+use clap::{Args, ValueEnum};
 use hearth_wire::names::{FAIRNESS_ID, OBJECTIVE};
 use serde::Serialize;
 
@@ -92,6 +92,11 @@ pub struct TenantsArgs {
     /// `priority`; default: both).
     #[arg(long, value_parser = ["tenants", "priority"])]
     pub mix: Option<String>,
+    /// Run only these setups' cells (comma-separated; default: every
+    /// one); the reference cells (under Hearth with flow control) run
+    /// whichever are chosen.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub setups: Vec<Setup>,
     /// Also write the rows and ratios as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -185,8 +190,9 @@ impl Mix {
 }
 
 /// What routes a cell's requests.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
 pub enum Setup {
     /// Plain Envoy, `LEAST_REQUEST`.
     LeastRequest,
@@ -563,12 +569,27 @@ fn command(args: &TenantsArgs) -> String {
         args.time_scale,
         args.scrape_seconds,
         args.seed,
-        args.mix
-            .as_deref()
-            .map(|m| format!(" --mix {m}"))
-            .unwrap_or_default(),
+        selection(args),
         args.sidecar.shown(),
     )
+}
+
+/// The command line's choice of cells (`--mix`, `--setups`), as given.
+fn selection(args: &TenantsArgs) -> String {
+    let mut out = args
+        .mix
+        .as_deref()
+        .map(|m| format!(" --mix {m}"))
+        .unwrap_or_default();
+    if !args.setups.is_empty() {
+        let names: Vec<String> = args
+            .setups
+            .iter()
+            .filter_map(|s| s.to_possible_value().map(|v| v.get_name().to_string()))
+            .collect();
+        out.push_str(&format!(" --setups {}", names.join(",")));
+    }
+    out
 }
 
 /// One cell on fresh engines: a row per class, then one for them all.
@@ -673,34 +694,77 @@ struct Cell {
 }
 
 /// The requests that left the sidecar's flow queue for a replica over a
-/// whole cell (warm-up included), and their mean wait there.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+/// whole cell (warm-up included), and their mean wait there: every band
+/// together, and each band apart.
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct QueueWaits {
+    pub dispatched: u64,
+    /// In engine seconds.
+    pub mean_wait_s: f64,
+    /// Each band's (its priority's) share of the figures above, highest
+    /// band first.
+    pub bands: Vec<BandWaits>,
+}
+
+/// One priority band's dispatches from the flow queue.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct BandWaits {
+    pub priority: i32,
     pub dispatched: u64,
     /// In engine seconds.
     pub mean_wait_s: f64,
 }
 
-/// [`QueueWaits`] from the sidecar's `/metrics` text, every band
-/// together, waits scaled from the sidecar's wall clock to engine time.
+/// [`QueueWaits`] from the sidecar's `/metrics` text, waits scaled from
+/// the sidecar's wall clock to engine time.
 pub fn queue_waits(metrics: &str, scale: f64) -> QueueWaits {
     const NAME: &str = "llm_d_epp_flow_control_request_queue_duration_seconds";
-    let total = |suffix: &str| -> f64 {
-        metrics
-            .lines()
-            .filter(|l| l.starts_with(&format!("{NAME}{suffix}{{")))
-            .filter(|l| l.contains("outcome=\"Dispatched\""))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    };
-    let (count, sum) = (total("_count"), total("_sum"));
-    QueueWaits {
-        dispatched: count as u64,
-        mean_wait_s: if count > 0.0 {
+    // (count, sum) by band, of the dispatched requests.
+    let mut by_band: std::collections::BTreeMap<i32, (f64, f64)> = Default::default();
+    for (suffix, slot) in [("_count", 0), ("_sum", 1)] {
+        let prefix = format!("{NAME}{suffix}{{");
+        for line in metrics.lines().filter(|l| l.starts_with(&prefix)) {
+            if !line.contains("outcome=\"Dispatched\"") {
+                continue;
+            }
+            let band = line
+                .split("priority=\"")
+                .nth(1)
+                .and_then(|rest| rest.split('"').next())
+                .and_then(|p| p.parse::<i32>().ok());
+            let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+            if let (Some(band), Some(value)) = (band, value) {
+                let entry = by_band.entry(band).or_default();
+                if slot == 0 {
+                    entry.0 += value;
+                } else {
+                    entry.1 += value;
+                }
+            }
+        }
+    }
+    let mean = |count: f64, sum: f64| {
+        if count > 0.0 {
             sum / count * scale
         } else {
             0.0
-        },
+        }
+    };
+    let (count, sum) = by_band
+        .values()
+        .fold((0.0, 0.0), |(c, s), &(bc, bs)| (c + bc, s + bs));
+    QueueWaits {
+        dispatched: count as u64,
+        mean_wait_s: mean(count, sum),
+        bands: by_band
+            .iter()
+            .rev()
+            .map(|(&priority, &(count, sum))| BandWaits {
+                priority,
+                dispatched: count as u64,
+                mean_wait_s: mean(count, sum),
+            })
+            .collect(),
     }
 }
 
@@ -798,9 +862,13 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
         println!("# skipped {}: {why}", policy.name());
     }
     let runs = |setup: Setup| skipped.iter().all(|(p, _)| *p != setup.policy());
+    let wanted = |(mix, setup): (Mix, Setup)| {
+        let reference = matches!(mix, Mix::QuietAlone | Mix::HighAlone);
+        reference || args.setups.is_empty() || args.setups.contains(&setup)
+    };
     for (mix, setup) in CELLS
         .into_iter()
-        .filter(|&(mix, setup)| chosen(mix) && runs(setup))
+        .filter(|&(mix, setup)| chosen(mix) && runs(setup) && wanted((mix, setup)))
     {
         let name = format!("{} under {}", mix.name(), setup.name());
         eprintln!("hearth-bench tenants: running {name}");
@@ -830,9 +898,25 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
         println!("# {name}: {command}");
     }
     for (name, w) in &queued {
+        let bands: Vec<String> = w
+            .bands
+            .iter()
+            .map(|b| {
+                format!(
+                    "band {}: {} after {:.2} s",
+                    b.priority, b.dispatched, b.mean_wait_s
+                )
+            })
+            .collect();
         println!(
-            "# {name}: {} requests left the flow queue for a replica, after {:.2} s there on average ({unit}, warm-up included)",
-            w.dispatched, w.mean_wait_s
+            "# {name}: {} requests left the flow queue for a replica, after {:.2} s there on average ({unit}, warm-up included){}",
+            w.dispatched,
+            w.mean_wait_s,
+            if bands.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", bands.join("; "))
+            }
         );
     }
     if let Some(path) = &args.json {
@@ -853,7 +937,7 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
             "ratios": ratios,
             "flow_queue": queued
                 .iter()
-                .map(|(name, w)| (name.clone(), *w))
+                .map(|(name, w)| (name.clone(), w.clone()))
                 .collect::<std::collections::BTreeMap<_, _>>(),
             "peer_commands": peers
                 .iter()
@@ -997,6 +1081,10 @@ llm_d_epp_flow_control_request_queue_duration_seconds_count{priority=\"-1\",outc
         let w = queue_waits(text, 5.0);
         assert_eq!(w.dispatched, 4);
         assert!((w.mean_wait_s - 2.5).abs() < 1e-9, "{w:?}");
+        let bands: Vec<(i32, u64)> = w.bands.iter().map(|b| (b.priority, b.dispatched)).collect();
+        assert_eq!(bands, [(10, 1), (0, 3)], "{w:?}");
+        assert!((w.bands[0].mean_wait_s - 2.5).abs() < 1e-9, "{w:?}");
+        assert!((w.bands[1].mean_wait_s - 2.5).abs() < 1e-9, "{w:?}");
         assert_eq!(queue_waits("", 5.0).dispatched, 0);
     }
 

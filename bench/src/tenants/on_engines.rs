@@ -73,10 +73,7 @@ fn command(args: &TenantsArgs, model: &str) -> String {
         } else {
             ""
         },
-        args.mix
-            .as_deref()
-            .map(|m| format!(" --mix {m}"))
-            .unwrap_or_default(),
+        super::selection(args),
         args.sidecar.shown(),
     )
 }
