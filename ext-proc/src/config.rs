@@ -491,6 +491,25 @@ pub struct Settings {
     #[arg(long, env = "HEARTH_FLOW_FAIR_SLOTS_SECONDS", default_value_t = 0.0)]
     pub flow_fair_slots_seconds: f64,
 
+    /// The share (above 0, at most 1) of a replica's prefill time that
+    /// bands below a higher band about there may take: after a lower
+    /// band's request goes there, the lower bands find it saturated for
+    /// that request's unread prompt's prefill time (at the learnt rate)
+    /// divided by this share, so a higher band's request seldom arrives
+    /// behind a lower band's long prompt in the engine (1 = not paced).
+    #[arg(long, env = "HEARTH_FLOW_LOWER_PREFILL_SHARE", default_value_t = hearth_router::params::LOWER_PREFILL_SHARE)]
+    pub flow_lower_prefill_share: f64,
+
+    /// A sheddable request (negative priority) that finds the replicas'
+    /// free slots kept for higher bands (`HEARTH_FLOW_HEADROOM_SECONDS`,
+    /// `HEARTH_FLOW_LOWER_PREFILL_SHARE`), but not every replica
+    /// saturated, waits in the queue behind every other band until a slot
+    /// is its or its time to live runs out; false: it is refused at once
+    /// (429 `sheddable`) then too. While every replica is saturated it is
+    /// refused at once either way.
+    #[arg(long, env = "HEARTH_FLOW_SHEDDABLE_WAITS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub flow_sheddable_waits: bool,
+
     /// Seconds a request waits in the queue at most; then 429 with
     /// `x-hearth-drop-reason: ttl` (at most 540: Envoy's rendered
     /// max_message_timeout is 600 s).
@@ -1459,6 +1478,8 @@ impl Settings {
                 affinity_wait: seconds(self.flow_affinity_wait_seconds),
                 headroom: seconds(self.flow_headroom_seconds),
                 fair_window: seconds(self.flow_fair_slots_seconds),
+                lower_prefill_share: self.flow_lower_prefill_share,
+                sheddable_waits: self.flow_sheddable_waits,
                 engine_tags: self.engine_priority != EnginePriority::Off,
             },
         }
@@ -1579,6 +1600,12 @@ impl Settings {
             problems.push(format!(
                 "HEARTH_FLOW_PREFILL_SECONDS must be between 0 and 3600 seconds, got {}",
                 self.flow_prefill_seconds
+            ));
+        }
+        let share = self.flow_lower_prefill_share;
+        if !(share.is_finite() && share > 0.0 && share <= 1.0) {
+            problems.push(format!(
+                "HEARTH_FLOW_LOWER_PREFILL_SHARE must be above 0 and at most 1, got {share}"
             ));
         }
         if !(self.flow_kv_usage.is_finite() && (0.0..=1.0).contains(&self.flow_kv_usage)) {

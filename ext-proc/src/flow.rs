@@ -1,13 +1,15 @@
 //! Flow control in the sidecar: the queue beside the decision.
 //!
 //! A request about to be decided asks [`FlowControl::admit`] first. While
-//! the fleet has room for it (and nothing waits), it is decided at once,
-//! as without flow control. While every replica it may use is saturated
-//! ([`hearth_router::Router::room_in`]), it waits in the queue
-//! ([`hearth_router::FlowQueue`]: priority band from its objective,
-//! fairness id, prompt bytes) and its ext_proc stream holds Envoy's
-//! answer; a sheddable request (negative priority) is refused at once. One
-//! task, [`FlowControl::run`], lets requests out: whenever a request ends
+//! the fleet has room for it (and nothing of its band or a higher one
+//! waits), it is decided at once, as without flow control. While every
+//! replica it may use is saturated ([`hearth_router::Router::room_in`]),
+//! it waits in the queue ([`hearth_router::FlowQueue`]: priority band
+//! from its objective, fairness id, prompt bytes) and its ext_proc stream
+//! holds Envoy's answer; a sheddable request (negative priority) is
+//! refused at once while every replica is saturated, and waits behind the
+//! other bands while the replicas only keep their slots for higher bands
+//! (refused then too with `HEARTH_FLOW_SHEDDABLE_WAITS` off). One task, [`FlowControl::run`], lets requests out: whenever a request ends
 //! (its reservation is released), and at least every
 //! [`RECHECK`] while anything waits (engine figures and peers' load change
 //! without a release here). It decides each leaving request among the
@@ -266,9 +268,9 @@ impl FlowControl {
     }
 
     /// Whether `info` is decided now, refused, or waits (see the module
-    /// documentation). A request joins the queue while anything waits
-    /// there, so that it does not pass them; the dispatcher lets it out
-    /// at once if it has room.
+    /// documentation). A request joins the queue while anything of its
+    /// band or a higher one waits there, so that it does not pass them;
+    /// the dispatcher lets it out at once if it has room.
     pub fn admit(
         self: &Arc<Self>,
         info: RequestInfo,
@@ -308,14 +310,21 @@ impl FlowControl {
         let kept = admission.unwrap_or(Kept::Nothing);
         let warm_kept = kept == Kept::Warm;
         let mut queue = self.lock();
-        if !saturated && !warm_kept && queue.is_empty() {
+        if !saturated && !warm_kept && !queue.holds_at_or_above(class.priority) {
             let open = match kept {
                 Kept::Around(open) => Some(open),
                 Kept::Nothing | Kept::Warm => None,
             };
             return Admission::Decide(info, open);
         }
-        if (saturated || warm_kept) && class.priority < 0 {
+        // A sheddable request is refused while every replica is saturated;
+        // kept from the slots of higher bands only, it waits behind them
+        // (`HEARTH_FLOW_SHEDDABLE_WAITS`), else it is refused then too.
+        let shed = class.priority < 0
+            && (saturated || warm_kept)
+            && (!self.router.params().flow.sheddable_waits
+                || (saturated && self.router.saturated_for_all_at(&info, subset, now)));
+        if shed {
             drop(queue);
             self.observer
                 .flow
@@ -715,19 +724,33 @@ mod tests {
 
     #[tokio::test]
     async fn a_sheddable_request_finds_the_slots_an_interactive_band_used_lately_kept() {
+        for waits in [true, false] {
+            sheddable_behind_kept_slots(waits);
+        }
+    }
+
+    /// A sheddable request on two replicas whose slots an interactive
+    /// band used lately, with `HEARTH_FLOW_SHEDDABLE_WAITS` as `waits`.
+    fn sheddable_behind_kept_slots(waits: bool) {
         let list = ["127.0.0.1:1", "127.0.0.1:2"];
-        let f = flow_tuned(true, &list, |p| p.flow.uncached_bytes = 0);
+        let f = flow_tuned(true, &list, |p| {
+            p.flow.uncached_bytes = 0;
+            p.flow.sheddable_waits = waits;
+        });
         let now = Instant::now();
         // Both engines run two at once (requests waited behind two in two
         // figures in a row), then drain.
-        for a in list {
-            for (running, waiting) in [(2.0, 1.0), (2.0, 1.0), (0.0, 0.0)] {
-                f.router.set_engine_signals(
-                    a.parse().unwrap(),
-                    hearth_router::EngineSignals::queue(running, waiting, now),
-                );
+        let figures = |last: (f64, f64)| {
+            for a in list {
+                for (running, waiting) in [(2.0, 1.0), (2.0, 1.0), last] {
+                    f.router.set_engine_signals(
+                        a.parse().unwrap(),
+                        hearth_router::EngineSignals::queue(running, waiting, now),
+                    );
+                }
             }
-        }
+        };
+        figures((0.0, 0.0));
         let class = |priority| Class {
             priority,
             fairness_id: "t".into(),
@@ -744,6 +767,18 @@ mod tests {
             d.prefill().done_at(now);
             d
         };
+        // Kept from it: it waits, or with the setting off is refused.
+        let kept_from = |admission: Admission| match admission {
+            Admission::Wait(ticket) => {
+                assert!(waits, "waited with the setting off");
+                Some(ticket)
+            }
+            Admission::Refuse(_, DropReason::Sheddable) => {
+                assert!(!waits, "refused with the setting on");
+                None
+            }
+            other => panic!("{other:?}"),
+        };
         // An interactive request (band 10) ran on each replica.
         drop((on(0, 10), on(1, 10)));
         // A sheddable one runs on replica 0: its last slot is kept, so the
@@ -753,21 +788,22 @@ mod tests {
             Admission::Decide(_, open) => assert_eq!(open, Some(vec![1])),
             other => panic!("{other:?}"),
         }
-        // With both replicas down to their kept slot, it is refused; an
-        // interactive request is decided at once, anywhere.
+        // With both replicas down to their kept slot, it waits behind the
+        // other bands (or is refused); an interactive request passes it,
+        // decided at once, anywhere.
         let second = on(1, -1);
-        assert!(matches!(
-            f.admit(prompt(100), None, &class(-1)),
-            Admission::Refuse(_, DropReason::Sheddable)
-        ));
+        let waiting = kept_from(f.admit(prompt(100), None, &class(-1)));
+        assert_eq!(f.lock().len(), usize::from(waits));
         assert!(matches!(
             f.admit(prompt(100), None, &class(10)),
             Admission::Decide(_, None)
         ));
+        drop(waiting);
         drop(second);
         // A prompt replica 0 holds, while replica 0 keeps its last slot and
-        // replica 1 has room: a sheddable one is refused rather than read
-        // again on replica 1, a standard one waits for replica 0.
+        // replica 1 has room: a sheddable one waits for replica 0 (or is
+        // refused) rather than read again on replica 1; so does a
+        // standard one (never refused).
         let warm = |priority: i32| RequestInfo {
             hashes: vec![7, 8],
             priority,
@@ -778,15 +814,19 @@ mod tests {
                 .decide_within_at(&warm(10), Some(&[0]), now)
                 .unwrap(),
         );
-        assert!(matches!(
-            f.admit(warm(-1), None, &class(-1)),
-            Admission::Refuse(_, DropReason::Sheddable)
-        ));
+        drop(kept_from(f.admit(warm(-1), None, &class(-1))));
         assert!(matches!(
             f.admit(warm(0), None, &class(0)),
             Admission::Wait(_)
         ));
         drop(first);
+        // Every engine's own queue past its threshold (five waiting):
+        // saturated for every band, so refused at once either way.
+        figures((2.0, 5.0));
+        assert!(matches!(
+            f.admit(prompt(100), None, &class(-1)),
+            Admission::Refuse(_, DropReason::Sheddable)
+        ));
     }
 
     #[tokio::test]

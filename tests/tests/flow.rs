@@ -455,17 +455,19 @@ async fn a_queued_turn_waits_for_its_warm_replica_rather_than_the_first_that_fre
 
 /// Headroom for higher bands through Envoy: while an interactive request
 /// is in flight on the replica with its prompt still unread, a lower
-/// band's prompt is not read beside it (a sheddable one is refused, a
-/// standard one waits) until the interactive request is gone; with the
-/// headroom set to 0 both go to the engine at once.
+/// band's prompt is not read beside it (a standard one waits, a sheddable
+/// one waits behind it, or with `--flow-sheddable-waits=false` is
+/// refused) until the interactive request is gone; with the headroom set
+/// to 0 both go to the engine at once.
 #[tokio::test]
 async fn a_lower_band_waits_while_an_interactive_prompt_is_read_unless_headroom_is_off() {
-    for headroom in ["30", "0"] {
+    for (headroom, sheddable_waits) in [("30", true), ("30", false), ("0", true)] {
         let fleet = Fleet::start(FleetOptions {
             engines: 1,
             sidecar_flags: vec![
                 "--flow-objectives=chat=10,batch=-1".into(),
                 format!("--flow-headroom-seconds={headroom}"),
+                format!("--flow-sheddable-waits={sheddable_waits}"),
                 "--probe-interval-seconds=0".into(),
                 "--stall-seconds=0".into(),
             ],
@@ -501,9 +503,21 @@ async fn a_lower_band_waits_while_an_interactive_prompt_is_read_unless_headroom_
             batch.abort();
             continue;
         }
-        assert_dropped(&batch.await.unwrap(), "sheddable");
+        let batch = if sheddable_waits {
+            // It waits in its band (-1), behind every other.
+            metric_reaches(
+                &fleet,
+                "llm_d_epp_flow_control_queue_size{priority=\"-1\"}",
+                1.0,
+            )
+            .await;
+            Some(batch)
+        } else {
+            assert_dropped(&batch.await.unwrap(), "sheddable");
+            None
+        };
         // A standard request waits in band 0 rather than share the read.
-        let standard = send(&fleet, prompt(3, 3000), &[]);
+        let standard = send(&fleet, prompt(3, 5000), &[]);
         metric_reaches(
             &fleet,
             "llm_d_epp_flow_control_queue_size{priority=\"0\"}",
@@ -512,17 +526,36 @@ async fn a_lower_band_waits_while_an_interactive_prompt_is_read_unless_headroom_
         .await;
         assert_eq!(fleet.state().await.unwrap().replicas[0].in_flight, 1);
         // The engine answers again and the interactive client leaves: the
-        // standard request follows.
+        // standard request follows, then the sheddable one if it waited.
         fleet.engines[0].engine.set_fault(Fault::None);
         chat.abort();
         assert_routed(&standard.await.unwrap(), "");
         metric_reaches(&fleet, "hearth_flow_dispatched_total{priority=\"0\"}", 1.0).await;
-        metric_reaches(
-            &fleet,
-            "hearth_flow_dropped_total{reason=\"sheddable\"}",
-            1.0,
-        )
-        .await;
+        if let Some(batch) = batch {
+            assert_routed(&batch.await.unwrap(), "");
+            metric_reaches(&fleet, "hearth_flow_dispatched_total{priority=\"-1\"}", 1.0).await;
+            let (_, text) = fleet.admin_get("/debug/decisions?limit=20").await.unwrap();
+            let journal: Value = serde_json::from_str(&text).unwrap();
+            // The two that waited, newest first: the sheddable request
+            // (the smaller prompt) left after the standard one.
+            let waited: Vec<u64> = journal["decisions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|d| d["outcome"] == "routed")
+                .filter(|d| d["wait_ms"].as_f64().is_some_and(|ms| ms > 0.0))
+                .filter_map(|d| d["prompt_bytes"].as_u64())
+                .collect();
+            assert_eq!(waited.len(), 2, "{text}");
+            assert!(waited[0] < waited[1], "{waited:?}");
+        } else {
+            metric_reaches(
+                &fleet,
+                "hearth_flow_dropped_total{reason=\"sheddable\"}",
+                1.0,
+            )
+            .await;
+        }
         fleet.assert_wasm_healthy();
     }
 }

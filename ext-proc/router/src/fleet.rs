@@ -201,6 +201,10 @@ pub(crate) struct ReplicaState {
     pub(crate) uncached_bytes: u64,
     /// How fast its engine reads a prompt, as learnt from first tokens.
     pub(crate) prefill_rate: PrefillRate,
+    /// Until when the bands below a higher band about here find it
+    /// saturated: the last lower band's prompt sent here paces the next
+    /// ([`crate::FlowParams::lower_prefill_share`]).
+    pub(crate) lower_paced_until: Option<Instant>,
     pub(crate) routed: u64,
     pub(crate) health: ReplicaHealth,
     /// The engine's own figures (for this target's share of its address).
@@ -521,6 +525,7 @@ impl ReplicaState {
             load: 0.0,
             uncached_bytes: 0,
             prefill_rate: PrefillRate::default(),
+            lower_paced_until: None,
             routed: 0,
             health: ReplicaHealth::default(),
             engine: None,

@@ -117,6 +117,9 @@ impl Default for RouterParams {
 }
 
 /// The saturation thresholds and the affinity wait (`HEARTH_FLOW_*`).
+/// [`FlowParams::lower_prefill_share`]'s default.
+pub const LOWER_PREFILL_SHARE: f64 = 0.25;
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FlowParams {
     /// Requests waiting in the engine from which it is saturated (0: the
@@ -147,6 +150,19 @@ pub struct FlowParams {
     /// the replica saturated while its batch has no slot beyond those
     /// (zero: nothing kept between flows).
     pub fair_window: Duration,
+    /// The share of a replica's prefill time (0 to 1) that bands below a
+    /// higher band about there may take: a lower band's request sent there
+    /// keeps the replica's slots from the lower bands for its unread
+    /// prompt's prefill time (at the learnt rate) divided by this share,
+    /// so a higher band's request seldom arrives behind a lower band's
+    /// long prompt in the engine's first-come prefill (1: not paced).
+    pub lower_prefill_share: f64,
+    /// A sheddable request (negative priority) that finds the replicas'
+    /// free slots kept for higher bands, but not every replica saturated,
+    /// waits in the queue (behind every other band) instead of being
+    /// refused at once; false: refused then too. While every replica is
+    /// saturated it is refused either way.
+    pub sheddable_waits: bool,
     /// Tag each request with its place in its engine's own queue
     /// ([`crate::fleet::EngineTags`], `HEARTH_ENGINE_PRIORITY` set);
     /// false: no tags kept, none given.
@@ -163,6 +179,8 @@ impl Default for FlowParams {
             affinity_wait: Duration::from_secs(2),
             headroom: Duration::from_secs(30),
             fair_window: Duration::ZERO,
+            lower_prefill_share: LOWER_PREFILL_SHARE,
+            sheddable_waits: true,
             engine_tags: false,
         }
     }

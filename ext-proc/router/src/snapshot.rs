@@ -75,6 +75,11 @@ pub struct ReplicaSnapshot {
     /// (the slots kept from lower bands are the peaks less the in flight).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub bands: Vec<BandSnapshot>,
+    /// Seconds for which the bands below a higher band about here still
+    /// find it saturated, paced by the last lower band's prompt sent here
+    /// (`HEARTH_FLOW_LOWER_PREFILL_SHARE`; absent: not paced now).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lower_bands_paced_s: Option<f64>,
     /// Flows (a band and a fairness id) of this sidecar about here: with
     /// requests in flight, or a peak within
     /// `HEARTH_FLOW_FAIR_SLOTS_SECONDS` (the slots kept for tenants under
@@ -221,6 +226,10 @@ impl Router {
                             peak,
                         })
                         .collect(),
+                    lower_bands_paced_s: s
+                        .lower_paced_until
+                        .filter(|&until| until > now)
+                        .map(|until| (until - now).as_secs_f64()),
                     flows_about: s.flows.about(now, self.params.flow.fair_window).count(),
                     warmth_blocks: s.warmth.len(),
                     warmth_capacity: s.warmth.capacity(),

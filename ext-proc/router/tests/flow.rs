@@ -297,6 +297,88 @@ fn a_lower_band_leaves_free_the_slots_a_higher_band_used_lately() {
     drop(full);
 }
 
+#[test]
+fn a_lower_bands_prompt_keeps_the_replica_from_lower_bands_for_its_prefill_over_their_share() {
+    let paced = |share: f64| {
+        fleet(|p| {
+            p.flow.uncached_bytes = 0;
+            p.flow.lower_prefill_share = share;
+        })
+    };
+    let r = paced(0.25);
+    let t0 = Instant::now();
+    let only0: Option<&[usize]> = Some(&[0]);
+    let at = |s: f64| t0 + Duration::from_secs_f64(s);
+    let band = |priority: i32, from: u64, blocks: u64| RequestInfo {
+        priority,
+        ..req(&(from..from + blocks).collect::<Vec<_>>())
+    };
+    let kept_from = |r: &Arc<Router>, priority: i32, s: f64| {
+        r.saturated_for_at(&band(priority, 999, 1), only0, at(s))
+    };
+    // Replica 0 reads a prompt of 8 blocks alone in one second: 16 KiB/s.
+    let learn = |r: &Arc<Router>| {
+        let d = r.decide_within_at(&band(0, 100, 8), only0, t0).unwrap();
+        d.prefill().done_at(at(1.0));
+        drop(d);
+        assert_eq!(
+            r.snapshot_at(t0).replicas[0].prefill_bytes_per_second,
+            Some(8.0 * BLOCK as f64)
+        );
+    };
+    learn(&r);
+    // No higher band about: a band-0 prompt paces nothing.
+    let cold = r
+        .decide_within_at(&band(0, 200, 4), only0, at(1.0))
+        .unwrap();
+    cold.prefill().done_at(at(1.5));
+    drop(cold);
+    assert!(!kept_from(&r, 0, 1.5));
+    // The interactive band (10) runs there: it is about for the headroom.
+    drop(
+        r.decide_within_at(&band(10, 300, 1), only0, at(2.0))
+            .unwrap(),
+    );
+    // A band-0 request with 4 blocks to read (half a second's prefill)
+    // keeps replica 0 from band 0 for 0.5 s / 0.25 = 2 s, read or not,
+    // ended or not; the interactive band is never kept from it.
+    let lower = r
+        .decide_within_at(&band(0, 400, 4), only0, at(2.0))
+        .unwrap();
+    lower.prefill().done_at(at(2.5));
+    drop(lower);
+    assert!(kept_from(&r, 0, 2.5));
+    assert!(kept_from(&r, -1, 3.9), "every band below is paced");
+    assert!(!kept_from(&r, 10, 2.5));
+    let shown = r.snapshot_at(at(3.0)).replicas[0].lower_bands_paced_s;
+    assert!(shown.is_some_and(|s| (s - 1.0).abs() < 1e-6), "{shown:?}");
+    assert!(!kept_from(&r, 0, 4.01), "its pace has run");
+    assert_eq!(
+        r.snapshot_at(at(4.01)).replicas[0].lower_bands_paced_s,
+        None
+    );
+    // A lower band's warm prompt (nothing to read) paces nothing.
+    drop(
+        r.decide_within_at(&band(0, 400, 4), only0, at(5.0))
+            .unwrap(),
+    );
+    assert!(!kept_from(&r, 0, 5.0));
+    // A share of 1 paces nothing.
+    let whole = paced(1.0);
+    learn(&whole);
+    drop(
+        whole
+            .decide_within_at(&band(10, 300, 1), only0, at(2.0))
+            .unwrap(),
+    );
+    let lower = whole
+        .decide_within_at(&band(0, 400, 4), only0, at(2.0))
+        .unwrap();
+    lower.prefill().done_at(at(2.5));
+    drop(lower);
+    assert!(!kept_from(&whole, 0, 2.5));
+}
+
 /// The fleet with slots kept for flows under their fair share (a 30 s
 /// window), Hearth's own unread prompts saturating nothing.
 fn fair_fleet() -> Arc<Router> {

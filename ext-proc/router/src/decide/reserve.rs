@@ -9,7 +9,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::overlap::Warmth;
 use super::pick::Picked;
@@ -170,6 +170,39 @@ impl Drop for Reservation {
     }
 }
 
+/// A request of band `priority` with `uncached` bytes to read sent to
+/// replica state `r` at `now`, below a higher band about there: the lower
+/// bands find the replica saturated for its prefill time (at the learnt
+/// rate) over their share of it ([`crate::FlowParams::lower_prefill_share`]),
+/// counted from now. Nothing is paced until a rate is learnt, nor while
+/// no higher band is about.
+fn pace_lower_bands(
+    r: &mut crate::fleet::ReplicaState,
+    priority: i32,
+    uncached: u64,
+    flow: &crate::FlowParams,
+    now: Instant,
+) {
+    let share = flow.lower_prefill_share;
+    if !(share > 0.0 && share < 1.0) || uncached == 0 {
+        return;
+    }
+    if r.bands.headroom_above(priority, now, flow.headroom) == 0 {
+        return;
+    }
+    let Some(rate) = r.prefill_rate.bytes_per_second().filter(|&b| b > 0.0) else {
+        return;
+    };
+    let paced = (uncached as f64 / rate / share).min(MAX_PACE.as_secs_f64());
+    let until = now + Duration::from_secs_f64(paced);
+    r.lower_paced_until = Some(r.lower_paced_until.map_or(until, |t| t.max(until)));
+}
+
+/// The longest one lower band's prompt keeps a replica from the lower
+/// bands (a prompt larger than any engine reads in a minute is not
+/// believed).
+const MAX_PACE: Duration = Duration::from_secs(600);
+
 /// Reserves the chosen replica: load weighted by the prompt bytes it must
 /// still read, the prompt's blocks as warmth, its last full block as the
 /// conversation's tip, resident there (and no longer where its previous
@@ -191,6 +224,7 @@ pub(crate) fn reserve(
     // Whether its first token will time this prompt's prefill alone.
     let alone = router.uncached_in_flight(&fleet.state[chosen]) == 0;
     let r = &mut fleet.state[chosen];
+    pace_lower_bands(r, req.priority, uncached, &p.flow, now);
     r.in_flight += 1;
     r.bands.start(req.priority, now, p.flow.headroom);
     let flow = (req.priority, req.flow);

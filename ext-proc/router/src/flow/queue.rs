@@ -264,6 +264,13 @@ impl<T> FlowQueue<T> {
         self.bytes
     }
 
+    /// Whether a request of band `priority` or a higher one waits.
+    pub fn holds_at_or_above(&self, priority: i32) -> bool {
+        self.bands
+            .range(..=Reverse(priority))
+            .any(|(_, band)| band.len > 0)
+    }
+
     /// Each band with requests, highest first.
     pub fn bands(&self) -> Vec<BandLoad> {
         self.bands

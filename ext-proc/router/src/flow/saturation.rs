@@ -166,6 +166,11 @@ impl Router {
         if kept == 0 {
             return false;
         }
+        // The last lower band's prompt sent here still has its pace to run
+        // ([`crate::FlowParams::lower_prefill_share`]).
+        if s.lower_paced_until.is_some_and(|until| now < until) {
+            return true;
+        }
         // A lower band's prompt is read alone: not beside another unread
         // prompt Hearth sent here (an engine reads its running prompts'
         // chunks first come, first served, so a higher band's request
@@ -404,6 +409,27 @@ impl Router {
             .flow
             .affinity_wait
             .mul_f64(units.clamp(1.0, AFFINITY_UNITS_MAX))
+    }
+
+    /// Whether every replica `req` may use (`allowed`) is saturated at
+    /// `now` for every band alike ([`Router::saturated`]: its engine's
+    /// figures or the unread prompt in flight), whatever slots are kept
+    /// for higher bands or other flows. No replica at all: false (the
+    /// decision says why).
+    pub fn saturated_for_all_at(
+        self: &Arc<Self>,
+        req: &RequestInfo,
+        allowed: Option<&[usize]>,
+        now: Instant,
+    ) -> bool {
+        let fleet = self.lock();
+        let Ok(admitted) = candidates::admit(self, &fleet, req, allowed, now) else {
+            return false;
+        };
+        admitted
+            .candidates
+            .iter()
+            .all(|&i| self.saturated(&fleet.state[i], now))
     }
 
     /// [`Router::room_at`] for a request that has not waited: whether the
