@@ -768,6 +768,24 @@ pub fn queue_waits(metrics: &str, scale: f64) -> QueueWaits {
     }
 }
 
+/// The cells `--mix` and `--setups` choose, in [`CELLS`]' order (the
+/// reference cells of a chosen mix whichever setups are).
+fn chosen_cells(args: &TenantsArgs) -> Vec<(Mix, Setup)> {
+    let mix_chosen = |mix: Mix| match args.mix.as_deref() {
+        Some("tenants") => matches!(mix, Mix::Tenants | Mix::QuietAlone),
+        Some("priority") => matches!(mix, Mix::Priority | Mix::HighAlone),
+        _ => true,
+    };
+    let setup_chosen = |(mix, setup): (Mix, Setup)| {
+        let reference = matches!(mix, Mix::QuietAlone | Mix::HighAlone);
+        reference || args.setups.is_empty() || args.setups.contains(&setup)
+    };
+    CELLS
+        .into_iter()
+        .filter(|&(mix, setup)| mix_chosen(mix) && setup_chosen((mix, setup)))
+        .collect()
+}
+
 /// What the cells run on.
 enum Fleet {
     /// Simulated engines, started afresh for each cell.
@@ -850,11 +868,6 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
     let mut queued = Vec::new();
     let mut peers = Vec::new();
     let mut turns = serde_json::Map::new();
-    let chosen = |mix: Mix| match args.mix.as_deref() {
-        Some("tenants") => matches!(mix, Mix::Tenants | Mix::QuietAlone),
-        Some("priority") => matches!(mix, Mix::Priority | Mix::HighAlone),
-        _ => true,
-    };
     // A peer router that is not installed (`HEARTH_SETUP_PEERS=0`) is
     // skipped, not fatal, as in `live`.
     let (_, skipped) = live::runnable(&Setup::ALL.map(Setup::policy), PeerKind::find);
@@ -862,14 +875,7 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
         println!("# skipped {}: {why}", policy.name());
     }
     let runs = |setup: Setup| skipped.iter().all(|(p, _)| *p != setup.policy());
-    let wanted = |(mix, setup): (Mix, Setup)| {
-        let reference = matches!(mix, Mix::QuietAlone | Mix::HighAlone);
-        reference || args.setups.is_empty() || args.setups.contains(&setup)
-    };
-    for (mix, setup) in CELLS
-        .into_iter()
-        .filter(|&(mix, setup)| chosen(mix) && runs(setup) && wanted((mix, setup)))
-    {
+    for (mix, setup) in chosen_cells(&args).into_iter().filter(|&(_, s)| runs(s)) {
         let name = format!("{} under {}", mix.name(), setup.name());
         eprintln!("hearth-bench tenants: running {name}");
         let cell = fleet
@@ -984,6 +990,40 @@ mod tests {
             .iter()
             .find(|(k, _)| k == name)
             .map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn mix_and_setups_choose_the_cells_and_the_references_always_run() {
+        assert_eq!(chosen_cells(&parsed(&[])), CELLS.to_vec());
+        let args = parsed(&[
+            "--mix",
+            "priority",
+            "--setups",
+            "hearth_flow_control,smg_priority",
+        ]);
+        assert_eq!(
+            chosen_cells(&args),
+            [
+                (Mix::Priority, Setup::HearthFlowControl),
+                (Mix::Priority, Setup::SmgPriority),
+                (Mix::HighAlone, Setup::HearthFlowControl),
+            ]
+        );
+        assert!(
+            command(&args).contains(" --mix priority --setups hearth_flow_control,smg_priority"),
+            "{}",
+            command(&args)
+        );
+        let only = parsed(&["--setups", "least_request"]);
+        assert_eq!(
+            chosen_cells(&only),
+            [
+                (Mix::Tenants, Setup::LeastRequest),
+                (Mix::QuietAlone, Setup::HearthFlowControl),
+                (Mix::Priority, Setup::LeastRequest),
+                (Mix::HighAlone, Setup::HearthFlowControl),
+            ]
+        );
     }
 
     #[test]
