@@ -118,7 +118,7 @@ impl Default for RouterParams {
 
 /// The saturation thresholds and the affinity wait (`HEARTH_FLOW_*`).
 /// [`FlowParams::lower_prefill_share`]'s default.
-pub const LOWER_PREFILL_SHARE: f64 = 0.25;
+pub const LOWER_PREFILL_SHARE: f64 = 0.1;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FlowParams {
