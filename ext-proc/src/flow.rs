@@ -9,8 +9,9 @@
 //! holds Envoy's answer; a sheddable request (negative priority) is
 //! refused at once while every replica is saturated, and waits behind the
 //! other bands while the replicas only keep their slots for higher bands
-//! (refused then too with `HEARTH_FLOW_SHEDDABLE_WAITS` off). One task, [`FlowControl::run`], lets requests out: whenever a request ends
-//! (its reservation is released), and at least every
+//! (refused then too with `HEARTH_FLOW_SHEDDABLE_WAITS` off). One task,
+//! [`FlowControl::run`], lets requests out: whenever a request ends (its
+//! reservation is released), and at least every
 //! [`RECHECK`] while anything waits (engine figures and peers' load change
 //! without a release here). It decides each leaving request among the
 //! replicas with room and hands the decision to the waiting stream; a

@@ -175,7 +175,8 @@ impl Drop for Reservation {
 /// bands find the replica saturated for its prefill time (at the learnt
 /// rate) over their share of it ([`crate::FlowParams::lower_prefill_share`]),
 /// counted from now. Nothing is paced until a rate is learnt, nor while
-/// no higher band is about.
+/// no higher band is about, nor with no headroom kept for higher bands
+/// (`HEARTH_FLOW_HEADROOM_SECONDS=0`: the pace would never be looked at).
 fn pace_lower_bands(
     r: &mut crate::fleet::ReplicaState,
     priority: i32,
@@ -184,7 +185,7 @@ fn pace_lower_bands(
     now: Instant,
 ) {
     let share = flow.lower_prefill_share;
-    if !(share > 0.0 && share < 1.0) || uncached == 0 {
+    if !(share > 0.0 && share < 1.0) || uncached == 0 || flow.headroom.is_zero() {
         return;
     }
     if r.bands.headroom_above(priority, now, flow.headroom) == 0 {
@@ -199,8 +200,8 @@ fn pace_lower_bands(
 }
 
 /// The longest one lower band's prompt keeps a replica from the lower
-/// bands (a prompt larger than any engine reads in a minute is not
-/// believed).
+/// bands: a pace past ten minutes comes of a rate learnt wrong, not of a
+/// prompt.
 const MAX_PACE: Duration = Duration::from_secs(600);
 
 /// Reserves the chosen replica: load weighted by the prompt bytes it must
