@@ -267,24 +267,52 @@ async fn vllm_conversations_stay_warm_and_the_sidecar_reads_the_engines_metrics(
                 .send()
         })
         .collect();
-    let flood = tokio::spawn(futures::future::join_all(flood));
-    let s = wait_for(
-        fleet,
-        Duration::from_secs(60),
-        "engine 0's queue and running requests",
-        |s| {
-            replica(s, "vllm-0").engine.as_ref().is_some_and(|e| {
-                e.running >= 1.0 && e.waiting >= 1.0 && e.kv_usage.is_some_and(|u| u > 0.0)
-            })
-        },
-    )
-    .await;
+    let flood = tokio::spawn(async move {
+        let mut answers = Vec::new();
+        for sent in futures::future::join_all(flood).await {
+            answers.push(match sent {
+                Ok(r) => (r.status().as_u16(), r.text().await.unwrap_or_default()),
+                Err(e) => (0, e.to_string()),
+            });
+        }
+        answers
+    });
+    // Until the sidecar's scrape shows them, or the flood is over without
+    // it (then what the engine answered says why).
+    let started = Instant::now();
+    let s = loop {
+        let s = fleet.state().await.unwrap();
+        let seen = replica(&s, "vllm-0").engine.as_ref().is_some_and(|e| {
+            e.running >= 1.0 && e.waiting >= 1.0 && e.kv_usage.is_some_and(|u| u > 0.0)
+        });
+        if seen {
+            eprintln!(
+                "engine 0's queue and running requests after {:?}",
+                started.elapsed()
+            );
+            break s;
+        }
+        if flood.is_finished() {
+            let answers = flood.await.unwrap();
+            panic!(
+                "the flood ended after {:?} before the sidecar saw engine 0 queue it; \
+                 its answers: {answers:?}; last state: {s:?}",
+                started.elapsed()
+            );
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "engine 0's queue and running requests not seen within 60 s, the flood still \
+             running: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     eprintln!(
         "engine 0 as the sidecar saw it: {:?}",
         replica(&s, "vllm-0").engine
     );
-    for r in flood.await.unwrap() {
-        assert_eq!(r.unwrap().status(), 200);
+    for (status, text) in flood.await.unwrap() {
+        assert_eq!(status, 200, "{text}");
     }
 
     // A reasoning-style answer, streamed: every generated token is
