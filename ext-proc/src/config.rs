@@ -2004,6 +2004,32 @@ mod tests {
     }
 
     #[test]
+    fn the_lower_prefill_share_and_sheddable_waits_reach_the_flow_params() {
+        let s = parse(&["--upstreams", "127.0.0.1:1"]).unwrap().settings;
+        let flow = s.router_params().flow;
+        assert_eq!(flow.lower_prefill_share, 0.1);
+        assert!(flow.sheddable_waits);
+        let s = parse(&[
+            "--upstreams",
+            "127.0.0.1:1",
+            "--flow-lower-prefill-share",
+            "1",
+            "--flow-sheddable-waits",
+            "false",
+        ])
+        .unwrap()
+        .settings;
+        let flow = s.router_params().flow;
+        assert_eq!(flow.lower_prefill_share, 1.0);
+        assert!(!flow.sheddable_waits);
+        refused_with(
+            "--flow-lower-prefill-share",
+            &["0", "-0.1", "1.5", "NaN"],
+            "HEARTH_FLOW_LOWER_PREFILL_SHARE must be above 0 and at most 1",
+        );
+    }
+
+    #[test]
     fn prefill_seconds_reach_the_flow_params_and_bad_ones_are_named() {
         let s = parse(&[
             "--upstreams",

@@ -8,7 +8,7 @@ import glob
 import json
 import re
 
-CONFIGS = ["refused", "waits-share1", "waits-share0.25", "waits-share0.1"]
+CONFIGS = ["refused", "waits-share1", "waits-share0.25", "waits-share0.1", "defaults"]
 
 
 def row(d, mix, setup, cls):
