@@ -340,14 +340,22 @@ async fn the_body_and_endpoint_picker_shapes_hold_the_answer_while_the_request_w
     }
 }
 
-/// Waits until the replica named `id` has `n` requests in flight.
+/// Waits until the replica named `id` has `n` requests in flight; a
+/// failure shows the sidecar's latest decisions (which request went where,
+/// and when).
 async fn replica_in_flight_reaches(fleet: &Fleet, id: &str, n: u32) {
     let in_flight = |s: &Snapshot| s.replicas.iter().find(|r| r.id == id).unwrap().in_flight;
     let s = fleet
         .state_when(Duration::from_secs(20), |s| in_flight(s) == n)
         .await
         .unwrap();
-    assert_eq!(in_flight(&s), n, "{id} in flight");
+    if in_flight(&s) != n {
+        let (_, journal) = fleet.admin_get("/debug/decisions?limit=10").await.unwrap();
+        panic!(
+            "{id} in flight: {} after 20 s, not {n}; the latest decisions: {journal}",
+            in_flight(&s)
+        );
+    }
 }
 
 #[tokio::test]
