@@ -116,10 +116,10 @@ impl Default for RouterParams {
     }
 }
 
-/// The saturation thresholds and the affinity wait (`HEARTH_FLOW_*`).
 /// [`FlowParams::lower_prefill_share`]'s default.
 pub const LOWER_PREFILL_SHARE: f64 = 0.1;
 
+/// The saturation thresholds and the affinity wait (`HEARTH_FLOW_*`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FlowParams {
     /// Requests waiting in the engine from which it is saturated (0: the
