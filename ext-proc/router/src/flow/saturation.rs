@@ -412,7 +412,7 @@ impl Router {
     }
 
     /// Whether every replica `req` may use (`allowed`) is saturated at
-    /// `now` for every band alike ([`Router::saturated`]: its engine's
+    /// `now` for every band alike (`Router::saturated`: its engine's
     /// figures or the unread prompt in flight), whatever slots are kept
     /// for higher bands or other flows. No replica at all: false (the
     /// decision says why).
