@@ -249,16 +249,19 @@ async fn vllm_conversations_stay_warm_and_the_sidecar_reads_the_engines_metrics(
 
     // Queue, running and KV usage as the engine reports them: more
     // requests straight to engine 0 (another gateway's traffic) than it
-    // runs at once.
+    // runs at once, four times its slots, so the queue stands for several
+    // of the sidecar's one-second scrapes (eight requests of 96 tokens
+    // were done in 2.4 s, queued for half of it, and one CI run's scrapes
+    // missed it).
     let engine0 = &vf.engines[0];
     let client = reqwest::Client::new();
-    let flood: Vec<_> = (0..8)
+    let flood: Vec<_> = (0..16)
         .map(|i| {
             let body = json!({
                 "model": VLLM_MODEL,
                 "prompt": format!("{i} {}", filler(900 + i, 1500)),
-                "max_tokens": 96,
-                "min_tokens": 96,
+                "max_tokens": 192,
+                "min_tokens": 192,
                 "ignore_eos": true,
             });
             client
@@ -267,9 +270,15 @@ async fn vllm_conversations_stay_warm_and_the_sidecar_reads_the_engines_metrics(
                 .send()
         })
         .collect();
+    let flood_started = Instant::now();
     let flood = tokio::spawn(async move {
         let mut answers = Vec::new();
-        for sent in futures::future::join_all(flood).await {
+        let sent = futures::future::join_all(flood).await;
+        eprintln!(
+            "the flood's answers all in after {:?}",
+            flood_started.elapsed()
+        );
+        for sent in sent {
             answers.push(match sent {
                 Ok(r) => (r.status().as_u16(), r.text().await.unwrap_or_default()),
                 Err(e) => (0, e.to_string()),
