@@ -110,6 +110,17 @@ pub enum LivePolicy {
     #[value(name = "smg_cache_aware", alias = "smg")]
     #[serde(rename = "smg_cache_aware")]
     SmgCacheAware,
+    /// smg `--policy cache_aware` tuned as its documentation advises
+    /// where it piles work on one engine ("increase [the cache threshold]
+    /// if you observe hot spots or uneven load distribution", 0.5-0.8
+    /// for "better load balance"): `--cache-threshold 0.7`. A new
+    /// conversation whose match is only a harness prompt every
+    /// conversation sends (two thirds of a first turn here) is then
+    /// placed by load, while a later turn, which matches its own
+    /// previous prompt (four fifths and more), keeps its engine.
+    #[value(name = "smg_cache_aware_tuned")]
+    #[serde(rename = "smg_cache_aware_tuned")]
+    SmgCacheAwareTuned,
     /// vllm-router `--policy cache_aware`, its default policy, at its
     /// defaults.
     #[value(name = "vllm_router_cache_aware", alias = "vllm-router")]
@@ -154,6 +165,7 @@ impl LivePolicy {
             LivePolicy::LeastRequest => "least_request",
             LivePolicy::RingHash => "ring_hash",
             LivePolicy::SmgCacheAware => "smg_cache_aware",
+            LivePolicy::SmgCacheAwareTuned => "smg_cache_aware_tuned",
             LivePolicy::VllmRouterCacheAware => "vllm_router_cache_aware",
             LivePolicy::VllmRouterConsistentHash => "vllm_router_consistent_hash",
             LivePolicy::HearthKvEvents => "hearth_kv_events",
@@ -175,6 +187,7 @@ impl LivePolicy {
             LivePolicy::HearthKvEvents => 7,
             LivePolicy::VllmRouterKvAware => 8,
             LivePolicy::SmgPriority => 9,
+            LivePolicy::SmgCacheAwareTuned => 10,
         }
     }
 
@@ -182,6 +195,9 @@ impl LivePolicy {
     pub fn peer(self) -> Option<PeerConfig> {
         match self {
             LivePolicy::SmgCacheAware => Some(PeerConfig::new(PeerKind::Smg, "cache_aware")),
+            LivePolicy::SmgCacheAwareTuned => Some(
+                PeerConfig::new(PeerKind::Smg, "cache_aware").with(["--cache-threshold", "0.7"]),
+            ),
             // Without the default maximum class raised, smg clamps every
             // tenant it has no policy for to `default`, whatever the
             // header asks.
@@ -221,6 +237,7 @@ impl LivePolicy {
             LivePolicy::LeastRequest => PolicyKind::LeastRequest,
             LivePolicy::RingHash | LivePolicy::VllmRouterConsistentHash => PolicyKind::RingHash,
             LivePolicy::SmgCacheAware
+            | LivePolicy::SmgCacheAwareTuned
             | LivePolicy::SmgPriority
             | LivePolicy::VllmRouterCacheAware
             | LivePolicy::VllmRouterKvAware => PolicyKind::SglangCacheAwareEmulated,
@@ -1191,7 +1208,11 @@ mod tests {
             LivePolicy::LeastRequest.simulated(),
             PolicyKind::LeastRequest
         );
-        for p in [LivePolicy::SmgCacheAware, LivePolicy::VllmRouterCacheAware] {
+        for p in [
+            LivePolicy::SmgCacheAware,
+            LivePolicy::SmgCacheAwareTuned,
+            LivePolicy::VllmRouterCacheAware,
+        ] {
             assert_eq!(p.simulated(), PolicyKind::SglangCacheAwareEmulated);
             assert_eq!(p.peer().unwrap().policy, "cache_aware");
         }
@@ -1218,6 +1239,17 @@ mod tests {
             line.contains("--priority-scheduler-default-max-class interactive"),
             "{line}"
         );
+        // The tuned row: smg's cache-aware policy with the threshold its
+        // documentation raises for hot spots, the rest at its defaults.
+        let tuned = LivePolicy::SmgCacheAwareTuned.peer().unwrap();
+        assert_eq!(
+            (tuned.kind, tuned.policy.as_str()),
+            (PeerKind::Smg, "cache_aware")
+        );
+        assert_eq!(tuned.extra, ["--cache-threshold", "0.7"]);
+        assert!(tuned
+            .shown()
+            .ends_with("--policy cache_aware --cache-threshold 0.7"));
         let keys: std::collections::HashSet<u64> = LivePolicy::value_variants()
             .iter()
             .map(|p| p.key())

@@ -78,7 +78,7 @@ async fn the_peer_routers_run_beside_envoy_on_the_same_engines() {
             run.policy.name()
         );
         match run.policy {
-            LivePolicy::SmgCacheAware => {
+            LivePolicy::SmgCacheAware | LivePolicy::SmgCacheAwareTuned => {
                 assert!(run.router_named > 0, "smg named no engine");
                 assert_eq!(
                     run.router_named, run.router_agreed,
