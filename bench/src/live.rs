@@ -115,7 +115,8 @@ pub enum LivePolicy {
     /// if you observe hot spots or uneven load distribution", 0.5-0.8
     /// for "better load balance"): `--cache-threshold 0.7`. A new
     /// conversation whose match is only a harness prompt every
-    /// conversation sends (two thirds of a first turn here) is then
+    /// conversation sends (a half to two thirds of a first turn in this
+    /// project's workloads) is then
     /// placed by load, while a later turn, which matches its own
     /// previous prompt (four fifths and more), keeps its engine.
     #[value(name = "smg_cache_aware_tuned")]
