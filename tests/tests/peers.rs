@@ -483,9 +483,26 @@ async fn the_bus_going_away_loses_no_request_and_a_late_sidecar_starts_warm() {
     wait_for(b.sidecar.admin_addr, "B back on the bus", connected).await;
     let (_, body) = get(a_admin, "/health").await;
     assert!(!body.contains("degraded"), "{body}");
-    let until = Instant::now() + Duration::from_secs(10);
+    let until = Instant::now() + Duration::from_secs(20);
     while warmth_on_home(&state(b.sidecar.admin_addr).await) <= before {
-        assert!(Instant::now() < until, "B never learned A's outage warmth");
+        if Instant::now() >= until {
+            // What each sidecar sent, took and dropped on the bus, so a
+            // failure says whether A's state was sent and where it went.
+            let peer_lines = |m: String| -> String {
+                m.lines()
+                    .filter(|l| l.starts_with("hearth_peer"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            };
+            let (_, a_metrics) = get(a_admin, "/metrics").await;
+            let (_, b_metrics) = get(b.sidecar.admin_addr, "/metrics").await;
+            panic!(
+                "B never learned A's outage warmth ({before} blocks on {home} before)\n\
+                 A:\n{}\nB:\n{}",
+                peer_lines(a_metrics),
+                peer_lines(b_metrics)
+            );
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     late_home.check(&turn(&fleet, &b.envoy, &mut late).await, 16_384 / 4);
