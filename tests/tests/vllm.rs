@@ -270,14 +270,11 @@ async fn vllm_conversations_stay_warm_and_the_sidecar_reads_the_engines_metrics(
                 .send()
         })
         .collect();
-    let flood_started = Instant::now();
+    let started = Instant::now();
     let flood = tokio::spawn(async move {
         let mut answers = Vec::new();
         let sent = futures::future::join_all(flood).await;
-        eprintln!(
-            "the flood's answers all in after {:?}",
-            flood_started.elapsed()
-        );
+        eprintln!("the flood's answers all in after {:?}", started.elapsed());
         for sent in sent {
             answers.push(match sent {
                 Ok(r) => (r.status().as_u16(), r.text().await.unwrap_or_default()),
@@ -288,7 +285,6 @@ async fn vllm_conversations_stay_warm_and_the_sidecar_reads_the_engines_metrics(
     });
     // Until the sidecar's scrape shows them, or the flood is over without
     // it (then what the engine answered says why).
-    let started = Instant::now();
     let s = loop {
         let s = fleet.state().await.unwrap();
         let seen = replica(&s, "vllm-0").engine.as_ref().is_some_and(|e| {
