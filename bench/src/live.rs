@@ -116,9 +116,9 @@ pub enum LivePolicy {
     /// for "better load balance"): `--cache-threshold 0.7`. A new
     /// conversation whose match is only a harness prompt every
     /// conversation sends (a half to two thirds of a first turn in this
-    /// project's workloads) is then
-    /// placed by load, while a later turn, which matches its own
-    /// previous prompt (four fifths and more), keeps its engine.
+    /// project's workloads) is then placed by load, while a later turn,
+    /// which matches its own previous prompt (four fifths and more),
+    /// keeps its engine.
     #[value(name = "smg_cache_aware_tuned")]
     #[serde(rename = "smg_cache_aware_tuned")]
     SmgCacheAwareTuned,
