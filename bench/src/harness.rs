@@ -129,6 +129,8 @@ pub struct HarnessRow {
     /// Prompt tokens the servers reported as cached, over all prompt
     /// tokens of the answered requests.
     pub cached_share: Option<f64>,
+    /// CPU seconds the router's processes spent while the harness ran.
+    pub gateway_cpu_s: Option<f64>,
 }
 
 impl HarnessRow {
@@ -151,6 +153,7 @@ impl HarnessRow {
             ttft_p90_s: num(&ttft["p90"]),
             ttft_p99_s: num(&ttft["p99"]),
             cached_share: (total > 0.0).then(|| num(&prompt["cached"]) / total),
+            gateway_cpu_s: None,
         }
     }
 }
@@ -165,12 +168,12 @@ pub fn table(rows: &[HarnessRow]) -> String {
         }
     };
     let mut out = String::from(
-        "| policy | wall s | ok | failed | req/s | out tok/s | TTFT p50 s | TTFT p90 s | TTFT p99 s | cached |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| policy | wall s | ok | failed | req/s | out tok/s | TTFT p50 s | TTFT p90 s | TTFT p99 s | cached | gateway CPU s |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows {
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             r.policy,
             f(r.wall_s, 1),
             r.ok,
@@ -182,6 +185,7 @@ pub fn table(rows: &[HarnessRow]) -> String {
             f(r.ttft_p99_s, 2),
             r.cached_share
                 .map_or("-".into(), |c| format!("{:.1}%", c * 100.0)),
+            r.gateway_cpu_s.map_or("-".into(), |c| f(c, 1)),
         ));
     }
     out

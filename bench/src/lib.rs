@@ -28,6 +28,7 @@
 //!   [`report`] (table, JSON, SVG): the routing-quality benchmark.
 
 pub mod conversation;
+pub mod cpu;
 pub mod demo;
 pub mod engine;
 pub mod gateway;

@@ -17,14 +17,13 @@
 //! is not counted.
 
 use std::net::SocketAddr;
-use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use hearth_ext_proc::config::Mode;
 
+use crate::cpu::{clock_ticks, process_seconds};
 use crate::engine::{self, EngineConfig, EngineHandle};
 use crate::stack::{Front, Stack};
 
@@ -447,37 +446,17 @@ async fn start_stack(config: Config, upstreams: &[SocketAddr]) -> anyhow::Result
 
 /// `(Envoy, sidecar)` CPU seconds so far.
 fn stack_cpu(c: &Configured, ticks: f64) -> (f64, f64) {
-    let envoy = c.stack.envoy.pid().map_or(0.0, |p| cpu_seconds(p, ticks));
+    let envoy = c
+        .stack
+        .envoy
+        .pid()
+        .map_or(0.0, |p| process_seconds(p, ticks));
     let sidecar = c
         .stack
         .sidecar_process
         .as_ref()
-        .map_or(0.0, |s| cpu_seconds(s.pid(), ticks));
+        .map_or(0.0, |s| process_seconds(s.pid(), ticks));
     (envoy, sidecar)
-}
-
-/// utime + stime of a process we started, from `/proc/<pid>/stat`.
-fn cpu_seconds(pid: u32, ticks: f64) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("stat"))
-    else {
-        return 0.0;
-    };
-    // Fields after the parenthesised command name; utime and stime are the
-    // 14th and 15th fields of the whole line.
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let field = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    (field(11) + field(12)) / ticks
-}
-
-fn clock_ticks() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(100.0)
 }
 
 /// The filter's `(hash_micros, hashed)` counters (zero without the filter).
@@ -523,10 +502,5 @@ mod tests {
             assert!(fp.is_ok());
         }
         assert_ne!(chat_body(8000, 1), chat_body(8000, 2));
-    }
-
-    #[test]
-    fn reads_our_own_cpu() {
-        let _ = cpu_seconds(std::process::id(), clock_ticks());
     }
 }

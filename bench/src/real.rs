@@ -543,6 +543,9 @@ pub struct Summary {
     pub prediction_error: Option<PredictionScore>,
     /// Prompt and cached tokens of the answered turns, from their usage.
     pub answered_usage: (u64, u64),
+    /// CPU seconds the router's processes spent during the run (Envoy and
+    /// the sidecar, or the peer router and its children).
+    pub gateway_cpu_s: Option<f64>,
 }
 
 /// Summarises one policy's records.
@@ -631,6 +634,7 @@ pub fn summarize(policy: &str, records: &[TurnRecord], engines: usize, wall_s: f
             .iter()
             .filter_map(|r| Some((r.prompt_tokens?, r.cached_tokens?)))
             .fold((0, 0), |(p, c), (rp, rc)| (p + rp, c + rc)),
+        gateway_cpu_s: None,
     }
 }
 
@@ -650,12 +654,12 @@ fn secs(v: f64) -> String {
 /// The rows as a Markdown table.
 pub fn table(rows: &[Summary]) -> String {
     let mut out = String::from(
-        "| policy | wall s | turns ok | turns/min | out tok/s | prompt tok/turn | cached, turns 2+ | cached, turn 1 | computed tok | TTFT p50 s | TTFT p90 s | TTFT p99 s | TTFT p50 / p90 s, turns 2+ | stay | 5xx | 429 | other fail | per engine |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
+        "| policy | wall s | turns ok | turns/min | out tok/s | prompt tok/turn | cached, turns 2+ | cached, turn 1 | computed tok | TTFT p50 s | TTFT p90 s | TTFT p99 s | TTFT p50 / p90 s, turns 2+ | stay | 5xx | 429 | other fail | per engine | gateway CPU s |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|\n",
     );
     for r in rows {
         out.push_str(&format!(
-            "| {} | {:.1} | {}/{} | {:.1} | {:.1} | {:.0} | {} | {} | {} | {} | {} | {} | {} / {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {:.1} | {}/{} | {:.1} | {:.1} | {:.0} | {} | {} | {} | {} | {} | {} | {} / {} | {} | {} | {} | {} | {} | {} |\n",
             r.policy,
             r.wall_s,
             r.ok,
@@ -684,6 +688,7 @@ pub fn table(rows: &[Summary]) -> String {
                     .collect::<Vec<_>>()
                     .join(" / ")
             },
+            r.gateway_cpu_s.map_or("-".into(), |c| format!("{c:.1}")),
         ));
     }
     out
@@ -1220,6 +1225,46 @@ impl Serving {
             Serving::Peer(peer, _) => peer.url(),
         }
     }
+
+    /// CPU seconds each of the router's processes has spent so far, with
+    /// every process under it: Envoy and the sidecar, or the peer router
+    /// (the KV event forwarders of `kv_aware` run inside this program and
+    /// are not counted).
+    fn cpu_seconds(&self, ticks: f64) -> Vec<(&'static str, f64)> {
+        let processes: Vec<(&'static str, Option<u32>)> = match self {
+            Serving::Envoy(stack) => vec![
+                ("envoy", stack.envoy.pid()),
+                ("sidecar", stack.sidecar_process.as_ref().map(|s| s.pid())),
+            ],
+            Serving::Peer(peer, _) => vec![("router", peer.pid())],
+        };
+        processes
+            .into_iter()
+            .filter_map(|(name, pid)| Some((name, crate::cpu::tree_seconds(&[pid?], ticks))))
+            .collect()
+    }
+}
+
+/// The CPU each router process spent between two readings, printed on
+/// standard error, and their sum.
+fn cpu_spent(policy: Policy, before: &[(&str, f64)], after: &[(&str, f64)]) -> f64 {
+    let spent: Vec<(&str, f64)> = after
+        .iter()
+        .map(|&(name, a)| {
+            let b = before.iter().find(|(n, _)| *n == name).map_or(0.0, |p| p.1);
+            (name, (a - b).max(0.0))
+        })
+        .collect();
+    eprintln!(
+        "hearth-bench real: {} CPU during the run: {}",
+        policy.name(),
+        spent
+            .iter()
+            .map(|(name, s)| format!("{name} {s:.2} s"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    spent.iter().map(|p| p.1).sum()
 }
 
 /// One policy's run: its gateway up, the workload through it, gateway down.
@@ -1262,6 +1307,8 @@ pub async fn run_planned(
         engine_models: engine_models(&args.engines, args.api_key.as_deref()).await,
         shape: shape.clone(),
     });
+    let ticks = crate::cpu::clock_ticks();
+    let cpu_before = front.cpu_seconds(ticks);
     let start = Instant::now();
     let tasks: Vec<_> = planned
         .into_iter()
@@ -1273,6 +1320,7 @@ pub async fn run_planned(
     }
     let wall = start.elapsed().as_secs_f64();
     let mut summary = summarize(policy.name(), &records, args.engines.len(), wall);
+    summary.gateway_cpu_s = Some(cpu_spent(policy, &cpu_before, &front.cpu_seconds(ticks)));
     let (mut journal, mut state, mut sidecar_metrics) = (None, None, None);
     if let Some(admin) = admin {
         // One scrape for every figure read after the run.
@@ -1379,6 +1427,7 @@ async fn run_harness(
     let deadline = Duration::from_secs(shape.stage_seconds * shape.rates.len() as u64 + 600);
     let mut rows = Vec::new();
     let mut reports = Vec::new();
+    let ticks = crate::cpu::clock_ticks();
     for &policy in order {
         eprintln!(
             "hearth-bench real: inference-perf through {}",
@@ -1394,12 +1443,16 @@ async fn run_harness(
         };
         let yaml =
             crate::harness::config(&own, &front.url(), model, &tokenizer, &dir.join("report"));
+        let cpu_before = front.cpu_seconds(ticks);
         let result = crate::harness::run(&program, &yaml, &dir, deadline).await;
+        let cpu = cpu_spent(policy, &cpu_before, &front.cpu_seconds(ticks));
         if let Serving::Envoy(stack) = front {
             stack.shutdown().await;
         }
         let summary = result.with_context(|| format!("policy {}", policy.name()))?;
-        rows.push(crate::harness::HarnessRow::read(policy.name(), &summary));
+        let mut row = crate::harness::HarnessRow::read(policy.name(), &summary);
+        row.gateway_cpu_s = Some(cpu);
+        rows.push(row);
         reports.push(json!({"policy": policy.name(), "summary": summary}));
     }
     println!();

@@ -568,6 +568,11 @@ async fn at_the_defaults_no_probe_takes_a_conversations_slot_and_hearth_caches_a
     );
     for (row, name) in [(&hearth, "hearth"), (&ring, "ring_hash")] {
         assert_eq!(row.ok, 24, "{name}: not every turn answered: {row:?}");
+        // Envoy proxied 24 turns: some CPU time, at a 10 ms tick.
+        assert!(
+            row.gateway_cpu_s.is_some_and(|c| c > 0.0),
+            "{name}: the gateway's CPU time was not read: {row:?}"
+        );
     }
     for (i, w) in watched.iter().enumerate() {
         assert!(w.samples > 10, "engine {i}'s /slots was hardly read: {w:?}");
