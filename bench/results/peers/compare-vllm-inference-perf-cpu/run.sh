@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# llm-d's shared-prefix workload through its own harness (inference-perf)
+# on two real four-slot vLLM replicas started just before: Hearth at its
+# defaults, Envoy least_request and smg's cache_aware (defaults and
+# tuned), with each router's CPU during the run (the table's last
+# column, the split on stderr). The low-rate cell (4 groups of 3 users,
+# 2 then 8 requests/s) and the saturating one (8 groups, 16 then 32
+# requests/s), as in ../compare-vllm-inference-perf-smg/.
+# Engines: each seed starts its own (target/release/hearth-bench vllm
+# --replicas 2 --max-num-seqs 4 --shared-name-first) and stops them after;
+# ENGINES=A,B uses running ones instead.
+# Usage: bench/results/peers/compare-vllm-inference-perf-cpu/run.sh [SEEDS...]
+set -euo pipefail
+cd "$(dirname "$0")/../../../.."
+out=bench/results/peers/compare-vllm-inference-perf-cpu
+seeds=("$@"); [ ${#seeds[@]} -eq 0 ] && seeds=(1 2 3)
+given=${ENGINES:-}
+engines_pid=
+stop_engines() { [ -n "$engines_pid" ] && kill -- "-$engines_pid" 2>/dev/null; engines_pid=; }
+trap stop_engines EXIT
+for s in "${seeds[@]}"; do
+  if [ -z "$given" ]; then
+    log="$out/engines-seed$s.log"
+    setsid target/release/hearth-bench vllm --replicas 2 --max-num-seqs 4 --shared-name-first > "$log" 2>&1 &
+    engines_pid=$!
+    for _ in $(seq 600); do
+      ENGINES=$(tail -1 "$log" | grep -E '^127\.0\.0\.1:[0-9]+,127\.0\.0\.1:[0-9]+$' || true)
+      [ -n "$ENGINES" ] && break
+      kill -0 "$engines_pid" 2>/dev/null || { cat "$log"; exit 1; }
+      sleep 1
+    done
+    [ -n "$ENGINES" ] || { echo "engines not up after 600 s" >&2; exit 1; }
+  fi
+  for cell in "saturating 24 16,32" "low 12 2,8"; do
+    read -r name users rates <<< "$cell"
+    target/release/hearth-bench compare --driver inference-perf --engines "$ENGINES" --model llama-4x512 \
+      --conversations "$users" --users-per-group 3 --system-tokens 1500 --question-tokens 300 \
+      --max-tokens 32 --rates "$rates" --stage-seconds 30 --reset-caches --seed "$s" \
+      --policies hearth,least_request,smg_cache_aware,smg_cache_aware_tuned \
+      --json "$out/$name-seed$s.json" > "$out/$name-seed$s.txt" 2> "$out/$name-seed$s.stderr"
+    grep -E '^\| [a-z]' "$out/$name-seed$s.txt" | grep -v '^| policy' | sed "s/^/$name seed$s /"
+  done
+  [ -z "$given" ] && stop_engines
+done
