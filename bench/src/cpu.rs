@@ -2,7 +2,7 @@
 //! gateway on the same machine as its engines takes its CPU from theirs,
 //! so the comparisons print what each router spent.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::process::Command;
 
@@ -38,39 +38,44 @@ pub fn process_seconds(pid: u32, ticks: f64) -> f64 {
     })
 }
 
-/// CPU seconds of `roots` and every process below them now alive: each
-/// one's own time and its waited-for children's, so a helper process
-/// that ended and was reaped still counts (through its parent).
-pub fn tree_seconds(roots: &[u32], ticks: f64) -> f64 {
+/// CPU seconds of each root and every process below it now alive, from
+/// one reading of `/proc`: each process's own time and its waited-for
+/// children's, so a helper process that ended and was reaped still
+/// counts (through its parent). 0 for a root that is gone.
+pub fn tree_seconds(roots: &[u32], ticks: f64) -> Vec<f64> {
     let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
     let mut times: HashMap<u32, u64> = HashMap::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0.0;
-    };
-    for entry in dir.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let Some(f) = stat_fields(pid) else { continue };
-        let field = |i: usize| f.get(i).copied().unwrap_or(0);
-        children.entry(field(1) as u32).or_default().push(pid);
-        times.insert(pid, field(11) + field(12) + field(13) + field(14));
-    }
-    let mut total = 0u64;
-    let mut seen = std::collections::HashSet::new();
-    let mut stack: Vec<u32> = roots.to_vec();
-    while let Some(pid) = stack.pop() {
-        if !seen.insert(pid) {
-            continue;
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for entry in dir.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let Some(f) = stat_fields(pid) else { continue };
+            let field = |i: usize| f.get(i).copied().unwrap_or(0);
+            children.entry(field(1) as u32).or_default().push(pid);
+            times.insert(pid, field(11) + field(12) + field(13) + field(14));
         }
-        total += times.get(&pid).copied().unwrap_or(0);
-        stack.extend(children.get(&pid).into_iter().flatten());
     }
-    total as f64 / ticks
+    roots
+        .iter()
+        .map(|&root| {
+            let mut total = 0u64;
+            let mut seen = HashSet::new();
+            let mut stack = vec![root];
+            while let Some(pid) = stack.pop() {
+                if !seen.insert(pid) {
+                    continue;
+                }
+                total += times.get(&pid).copied().unwrap_or(0);
+                stack.extend(children.get(&pid).into_iter().flatten());
+            }
+            total as f64 / ticks
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -93,7 +98,7 @@ mod tests {
         let mut spun = 0.0;
         for _ in 0..200 {
             std::thread::sleep(std::time::Duration::from_millis(50));
-            spun = tree_seconds(&[root], ticks);
+            spun = tree_seconds(&[root], ticks)[0];
             if spun >= 0.05 {
                 break;
             }
@@ -109,6 +114,10 @@ mod tests {
             own < spun,
             "the parent alone did little: {own} s of {spun} s"
         );
-        assert_eq!(tree_seconds(&[u32::MAX], ticks), 0.0, "no such process");
+        assert_eq!(
+            tree_seconds(&[u32::MAX], ticks),
+            vec![0.0],
+            "no such process"
+        );
     }
 }

@@ -446,16 +446,10 @@ async fn start_stack(config: Config, upstreams: &[SocketAddr]) -> anyhow::Result
 
 /// `(Envoy, sidecar)` CPU seconds so far.
 fn stack_cpu(c: &Configured, ticks: f64) -> (f64, f64) {
-    let envoy = c
+    let [envoy, sidecar] = c
         .stack
-        .envoy
-        .pid()
-        .map_or(0.0, |p| process_seconds(p, ticks));
-    let sidecar = c
-        .stack
-        .sidecar_process
-        .as_ref()
-        .map_or(0.0, |s| process_seconds(s.pid(), ticks));
+        .processes()
+        .map(|(_, pid)| pid.map_or(0.0, |p| process_seconds(p, ticks)));
     (envoy, sidecar)
 }
 

@@ -1231,17 +1231,16 @@ impl Serving {
     /// (the KV event forwarders of `kv_aware` run inside this program and
     /// are not counted).
     fn cpu_seconds(&self, ticks: f64) -> Vec<(&'static str, f64)> {
-        let processes: Vec<(&'static str, Option<u32>)> = match self {
-            Serving::Envoy(stack) => vec![
-                ("envoy", stack.envoy.pid()),
-                ("sidecar", stack.sidecar_process.as_ref().map(|s| s.pid())),
-            ],
+        let processes: Vec<(&'static str, u32)> = match self {
+            Serving::Envoy(stack) => stack.processes().to_vec(),
             Serving::Peer(peer, _) => vec![("router", peer.pid())],
-        };
-        processes
-            .into_iter()
-            .filter_map(|(name, pid)| Some((name, crate::cpu::tree_seconds(&[pid?], ticks))))
-            .collect()
+        }
+        .into_iter()
+        .filter_map(|(name, pid)| Some((name, pid?)))
+        .collect();
+        let pids: Vec<u32> = processes.iter().map(|p| p.1).collect();
+        let seconds = crate::cpu::tree_seconds(&pids, ticks);
+        processes.into_iter().map(|p| p.0).zip(seconds).collect()
     }
 }
 

@@ -427,6 +427,15 @@ impl Stack {
         self.envoy.url()
     }
 
+    /// Envoy's and the sidecar's process ids, named (None for one this
+    /// stack does not run as a process of its own).
+    pub fn processes(&self) -> [(&'static str, Option<u32>); 2] {
+        [
+            ("envoy", self.envoy.pid()),
+            ("sidecar", self.sidecar_process.as_ref().map(|s| s.pid())),
+        ]
+    }
+
     /// The sidecar's admin HTTP address.
     pub fn admin(&self) -> SocketAddr {
         self.settings.admin_listen
