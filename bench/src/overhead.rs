@@ -9,7 +9,20 @@
 //!   shipped `envoy/gateway.yaml`);
 //! - **body**: no wasm filter; ext_proc sends each request body (BUFFERED)
 //!   to the sidecar, which fingerprints it (`envoy/gateway-body.yaml`), the
-//!   endpoint-picker style of the Gateway API Inference Extension.
+//!   endpoint-picker style of the Gateway API Inference Extension;
+//!
+//! Two more, only when asked for with `--configs`, tell the costs of the
+//! shipped gateway's parts apart (neither is a shape to run):
+//!
+//! - **hearth-no-outcome**: the shipped gateway without its outcome
+//!   filter (the sidecar learns nothing from answers);
+//! - **ext-proc-only**: no wasm at all, ext_proc headers-only, routing on
+//!   load alone: what the ext_proc stream costs by itself.
+//!
+//! With `--stream-tokens N` every request asks for a streamed answer of N
+//! tokens, which the engines send one event at a time (`--decode-ms`
+//! apart), as a real engine does: the case where the outcome filter sees
+//! every chunk.
 //!
 //! Each sidecar is its own `hearth-ext-proc` process, so its CPU can be read
 //! from `/proc/<pid>/stat` like Envoy's. The engines and the load generator
@@ -51,6 +64,19 @@ pub struct OverheadArgs {
     /// Distinct sessions (prompts) the requests cycle through.
     #[arg(long, default_value_t = 16)]
     pub sessions: usize,
+    /// Configurations to run, from plain, hearth, body-grpc and
+    /// hearth-no-outcome and ext-proc-only (the first is the baseline of
+    /// the ratios).
+    #[arg(long, value_delimiter = ',', default_values_t = ["plain".to_string(), "hearth".to_string(), "body-grpc".to_string()])]
+    pub configs: Vec<String>,
+    /// Streamed answers of this many tokens (0: a non-streamed answer of
+    /// 4 tokens).
+    #[arg(long, default_value_t = 0)]
+    pub stream_tokens: usize,
+    /// With `--stream-tokens`, the engines' time per output token, so each
+    /// token leaves as its own event.
+    #[arg(long, default_value_t = 2.0)]
+    pub decode_ms: f64,
     /// Also print the table as JSON lines on stdout.
     #[arg(long)]
     pub json: bool,
@@ -61,16 +87,44 @@ enum Config {
     Plain,
     Hearth,
     Body,
+    HearthNoOutcome,
+    ExtProcOnly,
 }
 
 impl Config {
-    const ALL: [Config; 3] = [Config::Plain, Config::Hearth, Config::Body];
+    const ALL: [Config; 5] = [
+        Config::Plain,
+        Config::Hearth,
+        Config::Body,
+        Config::HearthNoOutcome,
+        Config::ExtProcOnly,
+    ];
     fn name(self) -> &'static str {
         match self {
             Config::Plain => "plain",
             Config::Hearth => "hearth",
             Config::Body => "body-grpc",
+            Config::HearthNoOutcome => "hearth-no-outcome",
+            Config::ExtProcOnly => "ext-proc-only",
         }
+    }
+
+    fn parse(name: &str) -> anyhow::Result<Config> {
+        Config::ALL
+            .into_iter()
+            .find(|c| c.name() == name)
+            .with_context(|| {
+                let known: Vec<_> = Config::ALL.iter().map(|c| c.name()).collect();
+                format!(
+                    "unknown configuration {name:?} (known: {})",
+                    known.join(", ")
+                )
+            })
+    }
+
+    /// The fingerprint filter runs (its hash counters can be read).
+    fn hashes(self) -> bool {
+        matches!(self, Config::Hearth | Config::HearthNoOutcome)
     }
 }
 
@@ -96,20 +150,42 @@ struct Sample {
 
 pub async fn run(args: OverheadArgs) -> anyhow::Result<()> {
     let ticks = clock_ticks();
+    let configs = args
+        .configs
+        .iter()
+        .map(|c| Config::parse(c))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    anyhow::ensure!(!configs.is_empty(), "--configs names no configuration");
+    let streamed = args.stream_tokens > 0;
+    anyhow::ensure!(
+        !streamed || (args.decode_ms.is_finite() && args.decode_ms >= 0.0),
+        "--decode-ms must be a number >= 0"
+    );
     println!("# hearth-bench overhead");
     println!("{}", crate::provenance::header());
     println!(
-        "# command: hearth-bench overhead --bodies {} --concurrency {} --requests-base {} --requests-per-client {} --rounds {} --engines {} --sessions {}",
+        "# command: hearth-bench overhead --bodies {} --concurrency {} --requests-base {} --requests-per-client {} --rounds {} --engines {} --sessions {} --configs {} --stream-tokens {} --decode-ms {}",
         join(&args.bodies),
         join(&args.concurrency),
         args.requests_base,
         args.requests_per_client,
         args.rounds,
         args.engines,
-        args.sessions
+        args.sessions,
+        args.configs.join(","),
+        args.stream_tokens,
+        args.decode_ms,
     );
+    let answers = if streamed {
+        format!(
+            "streamed answers of {} tokens, {} ms apart",
+            args.stream_tokens, args.decode_ms
+        )
+    } else {
+        "non-streamed answers of 4 tokens, no delay".to_string()
+    };
     println!(
-        "# machine: {} cores; each Envoy --concurrency 2; {} zero-latency simulated engines (in this process); \
+        "# machine: {} cores; each Envoy --concurrency 2; {} simulated engines (in this process, no prefill time, {answers}); \
          sidecars are separate hearth-ext-proc processes; client: this process (reqwest, one pool per config)",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         args.engines
@@ -119,8 +195,14 @@ pub async fn run(args: OverheadArgs) -> anyhow::Result<()> {
     for i in 0..args.engines {
         let config = EngineConfig {
             id: format!("engine-{i}"),
-            // Zero latency: the engine answers as fast as it can parse.
+            // No prefill time: the engine answers as fast as it can parse,
+            // streamed answers paced per token.
             default_output_tokens: 4,
+            decode_micros_per_token: if streamed {
+                args.decode_ms * 1000.0
+            } else {
+                0.0
+            },
             ..EngineConfig::default()
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -128,7 +210,7 @@ pub async fn run(args: OverheadArgs) -> anyhow::Result<()> {
     }
     let upstreams: Vec<SocketAddr> = engines.iter().map(|e| e.addr).collect();
     let mut stacks = Vec::new();
-    for config in Config::ALL {
+    for &config in &configs {
         stacks.push(start_stack(config, &upstreams).await?);
     }
 
@@ -139,7 +221,13 @@ pub async fn run(args: OverheadArgs) -> anyhow::Result<()> {
     for &size in &args.bodies {
         let bodies: Arc<Vec<Vec<u8>>> = Arc::new(
             (0..args.sessions.max(1))
-                .map(|s| chat_body(size, s as u64))
+                .map(|s| {
+                    if streamed {
+                        streamed_body(size, s as u64, args.stream_tokens)
+                    } else {
+                        chat_body(size, s as u64)
+                    }
+                })
                 .collect(),
         );
         for &conc in &args.concurrency {
@@ -435,13 +523,59 @@ async fn start_stack(config: Config, upstreams: &[SocketAddr]) -> anyhow::Result
         Config::Plain => Front::Plain,
         Config::Hearth => Front::Hearth(Mode::Filter),
         Config::Body => Front::Hearth(Mode::Body),
+        Config::HearthNoOutcome | Config::ExtProcOnly => Front::Hearth(Mode::Filter),
     };
-    let stack = Stack::running(engines)
-        .front(front)
+    let mut builder = Stack::running(engines).front(front);
+    match config {
+        Config::HearthNoOutcome => builder = builder.edit_envoy(without_outcome_filter),
+        Config::ExtProcOnly => builder = builder.edit_envoy(without_wasm),
+        Config::Plain | Config::Hearth | Config::Body => {}
+    }
+    let stack = builder
         .start()
         .await
         .with_context(|| format!("starting the {} stack", config.name()))?;
     Ok(Configured { config, stack })
+}
+
+/// [`chat_body`] asking for a streamed answer of `tokens` tokens.
+fn streamed_body(size: usize, s: u64, tokens: usize) -> Vec<u8> {
+    let body = chat_body(size, s);
+    let Ok(serde_json::Value::Object(mut obj)) = serde_json::from_slice(&body) else {
+        return body;
+    };
+    obj.insert("stream".into(), true.into());
+    obj.insert("max_tokens".into(), tokens.into());
+    serde_json::to_vec(&obj).unwrap_or(body)
+}
+
+/// The rendered gateway without its outcome filter.
+fn without_outcome_filter(yaml: String) -> anyhow::Result<String> {
+    without_filter(yaml, "- name: hearth.filter_wasm_outcome\n")
+}
+
+/// The rendered gateway without either wasm entry.
+fn without_wasm(yaml: String) -> anyhow::Result<String> {
+    without_filter(
+        without_outcome_filter(yaml)?,
+        "- name: hearth.filter_wasm\n",
+    )
+}
+
+/// `yaml` without the HTTP filter chain's entry that starts with `entry`
+/// (up to the next entry).
+fn without_filter(yaml: String, entry: &str) -> anyhow::Result<String> {
+    let start = yaml
+        .find(entry)
+        .with_context(|| format!("the rendered gateway has no {}", entry.trim()))?;
+    let line_start = yaml[..start].rfind('\n').map_or(0, |i| i + 1);
+    let indent = &yaml[line_start..start];
+    let next = format!("\n{indent}- name: ");
+    let end = yaml[start..]
+        .find(&next)
+        .map(|i| start + i + 1)
+        .with_context(|| format!("{} is the last entry", entry.trim()))?;
+    Ok(format!("{}{}", &yaml[..line_start], &yaml[end..]))
 }
 
 /// `(Envoy, sidecar)` CPU seconds so far.
@@ -455,7 +589,7 @@ fn stack_cpu(c: &Configured, ticks: f64) -> (f64, f64) {
 
 /// The filter's `(hash_micros, hashed)` counters (zero without the filter).
 async fn hash_stats(c: &Configured) -> (u64, u64) {
-    if c.config != Config::Hearth {
+    if !c.config.hashes() {
         return (0, 0);
     }
     let micros = c
@@ -496,5 +630,47 @@ mod tests {
             assert!(fp.is_ok());
         }
         assert_ne!(chat_body(8000, 1), chat_body(8000, 2));
+    }
+
+    #[test]
+    fn streamed_bodies_ask_for_a_stream_of_the_given_length() {
+        let b: serde_json::Value = serde_json::from_slice(&streamed_body(8000, 3, 32)).unwrap();
+        assert_eq!(b["stream"], true);
+        assert_eq!(b["max_tokens"], 32);
+        assert!(b["messages"].as_array().is_some_and(|m| m.len() > 1));
+    }
+
+    #[test]
+    fn the_attribution_layouts_take_out_only_their_own_entries() {
+        let local = std::net::SocketAddr::from(([127, 0, 0, 1], 1));
+        let shipped = hearth_ext_proc::envoy::render::render(
+            &hearth_ext_proc::envoy::render::Gateway::local(
+                local,
+                local,
+                local,
+                vec![local],
+                "/x/filter.wasm".into(),
+            ),
+        );
+        let entries = |y: &str| y.matches("\n          - name: ").count();
+        let wasm = |y: &str| y.matches("filters.http.wasm.v3.Wasm").count();
+        let n = entries(&shipped);
+        assert_eq!(wasm(&shipped), 2);
+
+        let no_outcome = without_outcome_filter(shipped.clone()).unwrap();
+        assert_eq!((entries(&no_outcome), wasm(&no_outcome)), (n - 1, 1));
+        assert!(!no_outcome.contains(r#""role":"outcome""#));
+        assert!(no_outcome.contains("- name: hearth.filter_wasm\n"));
+
+        let none = without_wasm(shipped.clone()).unwrap();
+        assert_eq!((entries(&none), wasm(&none)), (n - 2, 0));
+        for kept in [
+            "- name: envoy.filters.http.ext_proc",
+            "- name: envoy.filters.http.router",
+        ] {
+            assert!(none.contains(kept), "{kept} went too");
+        }
+        assert!(without_wasm(none).is_err());
+        assert!(without_outcome_filter(no_outcome).is_err());
     }
 }
