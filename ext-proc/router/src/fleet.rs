@@ -148,6 +148,40 @@ impl Residents {
     }
 }
 
+/// The requests a replica's prompts drew to it lately: each request
+/// routed there that was cold on every candidate (it seeds a prefix
+/// there) or that it held more of than the least warm candidate did (its
+/// prefix drew it there), as an exponentially decaying count with a time
+/// constant of `HEARTH_RESIDENT_SECONDS`. Where prefixes are shared by
+/// many requests (an app's system prompt and its users' questions), the
+/// requests still to come of each prefix follow it, so this is the
+/// traffic a replica will go on getting whatever load says; a prompt no
+/// candidate holds weighs it ([`crate::decide::policy`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct Drawn {
+    count: f64,
+    at: Option<Instant>,
+}
+
+impl Drawn {
+    /// The count at `now`.
+    pub(crate) fn at(&self, now: Instant, window: Duration) -> f64 {
+        match self.at {
+            Some(at) if !window.is_zero() => {
+                let age = now.saturating_duration_since(at).as_secs_f64();
+                self.count * (-age / window.as_secs_f64()).exp()
+            }
+            _ => 0.0,
+        }
+    }
+
+    /// One more request drawn at `now`.
+    pub(crate) fn add(&mut self, now: Instant, window: Duration) {
+        self.count = self.at(now, window) + 1.0;
+        self.at = Some(now);
+    }
+}
+
 /// How fast a replica's engine reads prompts, in bytes a second, learnt
 /// from the time to first token of prompts it read while no other prompt
 /// Hearth sent there was still unread. Such a time also counts a wait for
@@ -211,6 +245,8 @@ pub(crate) struct ReplicaState {
     pub(crate) engine: Option<EngineSignals>,
     /// Conversations whose latest turn went here.
     pub(crate) resident: Residents,
+    /// The requests its prompts drew here lately.
+    pub(crate) drawn: Drawn,
     /// What the engine's answers said of its cache.
     pub(crate) usage: UsageTally,
     /// The largest its warmth index may grow: `HEARTH_WARMTH_BLOCKS`, or
@@ -516,6 +552,7 @@ impl ReplicaState {
     pub(crate) fn forget_cache(&mut self) {
         self.warmth.clear();
         self.resident = Residents::default();
+        self.drawn = Drawn::default();
     }
 
     pub(crate) fn new(warmth_blocks: usize) -> ReplicaState {
@@ -530,6 +567,7 @@ impl ReplicaState {
             health: ReplicaHealth::default(),
             engine: None,
             resident: Residents::default(),
+            drawn: Drawn::default(),
             usage: UsageTally::default(),
             warmth_limit: warmth_blocks,
             engine_blocks: None,
@@ -715,6 +753,25 @@ impl Fleet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn drawn_requests_fade_over_the_window() {
+        let window = Duration::from_secs(100);
+        let t0 = Instant::now();
+        let mut d = Drawn::default();
+        assert_eq!(d.at(t0, window), 0.0);
+        d.add(t0, window);
+        d.add(t0, window);
+        assert_eq!(d.at(t0, window), 2.0);
+        // One window later, e^-1 of it is left; one more adds to that.
+        let later = t0 + window;
+        let left = d.at(later, window);
+        assert!((left - 2.0 / std::f64::consts::E).abs() < 1e-9, "{left}");
+        d.add(later, window);
+        assert!((d.at(later, window) - left - 1.0).abs() < 1e-9);
+        // A zero window keeps nothing.
+        assert_eq!(d.at(later, Duration::ZERO), 0.0);
+    }
 
     #[test]
     fn engine_tags_keep_each_flows_order_and_put_a_burst_behind_a_quiet_flow() {

@@ -93,6 +93,10 @@ pub struct ReplicaSnapshot {
     /// Conversations whose latest turn went here within the resident
     /// window (see `HEARTH_RESIDENT_SECONDS`).
     pub resident_conversations: usize,
+    /// The requests its prompts drew here lately (a decaying count over
+    /// `HEARTH_RESIDENT_SECONDS`, see `HEARTH_RESIDENT_LOAD`).
+    #[serde(default)]
+    pub drawn_requests: f64,
     pub health: HealthSnapshot,
     pub long: bool,
     pub dp_rank: Option<u32>,
@@ -236,6 +240,7 @@ impl Router {
                     warmth_memory_bytes: s.warmth.memory_bytes(),
                     routed_total: s.routed,
                     resident_conversations: s.resident.len(),
+                    drawn_requests: s.drawn.at(now, self.params.resident_window),
                     health: s.health.snapshot(now),
                     long: r.long,
                     dp_rank: r.dp_rank,

@@ -120,6 +120,21 @@ impl Sequels {
         (self.continued + SEQUEL_PRIOR) / (self.continued + self.one_shot + SEQUEL_PRIOR)
     }
 
+    /// The share of settled first turns that went on to nothing, from
+    /// the counts alone (no prior): 1 until one settles. What weighs the
+    /// requests a replica's prefixes draw ([`crate::fleet::Drawn`]): where
+    /// first turns are one-shot, a prefix draws the requests that share
+    /// it; where they go on, conversations, whose placement the resident
+    /// term and load decide.
+    pub fn one_shot_share(&self) -> f64 {
+        let settled = self.continued + self.one_shot;
+        if settled > 0.0 {
+            self.one_shot / settled
+        } else {
+            1.0
+        }
+    }
+
     fn settled(&mut self, continued: bool) {
         if continued {
             self.continued += 1.0;

@@ -605,6 +605,50 @@ fn paused_conversations_count_against_their_replica_for_new_ones() {
 }
 
 #[test]
+fn a_prefix_no_replica_holds_starts_where_fewer_requests_are_drawn() {
+    // One-shot requests of an app: groups of users share a 7-block
+    // system prompt, each request its own question block.
+    let request = |group: u64, user: u64| {
+        let mut h: Vec<u64> = (1..=7).map(|k| 100 * group + k).collect();
+        h.push(10_000 * group + user);
+        req(&h)
+    };
+    let place_third_group = |resident_load: f64| {
+        let r = fleet("127.0.0.1:1,127.0.0.1:2", |p| {
+            p.resident_load = resident_load
+        });
+        // Two groups start, one on each replica.
+        let second = r.decide(&request(2, 0)).unwrap().primary();
+        let first = r.decide(&request(1, 0)).unwrap().primary();
+        // Six users of the first group follow its prefix, one of the
+        // second's.
+        for user in 1..=6 {
+            assert_eq!(r.decide(&request(1, user)).unwrap().primary(), first);
+        }
+        // That one still runs when the third group comes: by the load of
+        // the instant, the third would start on `first`.
+        let running = r.decide(&request(2, 1)).unwrap();
+        assert_eq!(running.primary(), second);
+        let third = r.decide(&request(3, 0)).unwrap().primary();
+        // A prompt a replica holds is not weighed so: the first group's
+        // next users still go to their prefix, drawn there as it is.
+        for user in 7..=12 {
+            assert_eq!(r.decide(&request(1, user)).unwrap().primary(), first);
+        }
+        (first, second, third)
+    };
+    let (first, second, third) = place_third_group(5.0);
+    assert_ne!(first, second);
+    assert_eq!(
+        third, second,
+        "seven requests drawn to one, two to the other"
+    );
+    // Without the term, the instant's load alone places it.
+    let (first, _, third) = place_third_group(0.0);
+    assert_eq!(third, first);
+}
+
+#[test]
 fn engine_figures_add_load_until_they_go_stale() {
     let r = fleet("127.0.0.1:1,127.0.0.1:2", |p| {
         p.engine_stale = Duration::from_secs(5);

@@ -179,12 +179,21 @@ impl Router {
         let mut tips = lock(&self.tips);
         tips.settle(now, self.params.sequel_horizon);
         let warm = overlap::measure(self, fleet, &tips, req, admitted, known);
-        let scored = policy::score(self, fleet, &warm, now);
+        let scored = policy::score(self, fleet, &warm, req.hashes.len(), now);
         let picked = pick::pick(self, fleet, req, &warm, &scored);
+        let chosen = picked.order[0];
+        // A prompt cold everywhere seeds its prefix on the chosen replica;
+        // one it held more of than another candidate was drawn there.
+        let least = warm.overlaps.iter().copied().min().unwrap_or(0);
+        let drawn = picked.overlap as usize > least || warm.overlaps.iter().all(|&o| o == 0);
+        if drawn && !req.hashes.is_empty() {
+            fleet.state[chosen]
+                .drawn
+                .add(now, self.params.resident_window);
+        }
         // What the chosen replica's engine still holds of the prompt: the
         // index may outlive the engine's cache (its floor), and then an
         // LRU of the engine's size tells what is left.
-        let chosen = picked.order[0];
         let state = &mut fleet.state[chosen];
         // (Not while its KV events are exact: the index already forgets
         // what the engine's own turnover evicted, by its own count.)

@@ -20,6 +20,10 @@ pub(crate) struct Warmth {
     /// The share of recent first turns that went on to a second turn
     /// (see [`crate::tips::Sequels`]).
     pub sequel_share: f64,
+    /// The share of settled first turns that went on to nothing, without
+    /// the prior the sequel share starts from: 1 until a first turn
+    /// settles ([`crate::tips::Sequels::one_shot_share`]).
+    pub one_shot_share: f64,
 }
 
 /// `known`: how many leading blocks each replica holds (by replica
@@ -69,6 +73,7 @@ pub(crate) fn measure(
         overlaps,
         continued,
         sequel_share: tips.sequels().share(),
+        one_shot_share: tips.sequels().one_shot_share(),
     }
 }
 

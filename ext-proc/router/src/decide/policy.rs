@@ -59,8 +59,15 @@ pub(crate) struct Scored {
     pub scores: Vec<f64>,
 }
 
-/// Credit, load and score of each candidate.
-pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Instant) -> Scored {
+/// Credit, load and score of each candidate, for a prompt of `req_blocks`
+/// fingerprint blocks.
+pub(crate) fn score(
+    router: &Router,
+    fleet: &mut Fleet,
+    warm: &Warmth,
+    req_blocks: usize,
+    now: Instant,
+) -> Scored {
     let p = &router.params;
     let state = &mut fleet.state;
     // A new conversation: while some candidate is idle (nothing resident,
@@ -78,11 +85,19 @@ pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Inst
             s.resident.is_empty() && s.in_flight.saturating_add(s.peer_in_flight) == 0
         });
     }
+    // Otherwise, for a prompt no candidate holds: what each one's prompts
+    // draw to it already.
+    let drawn = if residents_count {
+        None
+    } else {
+        drawn_load(p, state, warm, req_blocks, now)
+    };
     let candidates: Vec<Candidate> = warm
         .candidates
         .iter()
         .zip(&warm.overlaps)
-        .map(|(&i, &overlap)| Candidate {
+        .enumerate()
+        .map(|(n, (&i, &overlap))| Candidate {
             overlap: overlap as u32,
             load: state[i].load
                 + state[i].peer_load
@@ -91,7 +106,8 @@ pub(crate) fn score(router: &Router, fleet: &mut Fleet, warm: &Warmth, now: Inst
                     resident_load(p, &state[i])
                 } else {
                     0.0
-                },
+                }
+                + drawn.as_ref().map_or(0.0, |d| d[n]),
         })
         .collect();
     let params = p
@@ -239,6 +255,45 @@ fn load_weight(
 /// that holds the prompt.
 fn resident_load(p: &RouterParams, s: &ReplicaState) -> f64 {
     p.resident_load * s.resident.len() as f64
+}
+
+/// For a prompt no candidate holds any block of, the load each candidate
+/// sees for the requests its prompts drew lately ([`crate::fleet::Drawn`]):
+/// `HEARTH_RESIDENT_LOAD` times its count above the least candidate's,
+/// over the candidates' mean count, times the share of first turns that
+/// are one-shot (1 until one settles); None for any other prompt, or while
+/// nothing was drawn. Such a prompt seeds its prefix where it goes, and
+/// where prefixes are shared by many requests (an app's system prompt and
+/// its users' questions) the rest of them follow it there: placed by the
+/// load of the instant alone, a few prefixes could start on one replica
+/// and keep it the busier for as long as they are used, while the load
+/// differences they cause stay below what their credit is worth. Counted
+/// relative to the mean, the term does not grow with the request rate: of
+/// two replicas, one drawing three times the other's count weighs one
+/// `HEARTH_RESIDENT_LOAD` more.
+fn drawn_load(
+    p: &RouterParams,
+    state: &[ReplicaState],
+    warm: &Warmth,
+    blocks: usize,
+    now: Instant,
+) -> Option<Vec<f64>> {
+    let cold = warm.overlaps.iter().all(|&o| o == 0) && blocks <= p.score.cap as usize;
+    let weight = p.resident_load * warm.one_shot_share.clamp(0.0, 1.0);
+    if !cold || weight <= 0.0 || warm.candidates.len() < 2 {
+        return None;
+    }
+    // In whole requests: counts that differ only by their decay since
+    // each was last drawn to stay equal, and so do the candidates' scores
+    // (their exact ties go to the output profile, then in turn).
+    let counts: Vec<f64> = warm
+        .candidates
+        .iter()
+        .map(|&i| state[i].drawn.at(now, p.resident_window).round())
+        .collect();
+    let mean = counts.iter().sum::<f64>() / counts.len() as f64;
+    let least = counts.iter().copied().fold(f64::INFINITY, f64::min);
+    (mean > 0.0).then(|| counts.iter().map(|c| weight * (c - least) / mean).collect())
 }
 
 /// Load the engine reports beyond this sidecar's own reservations: queued
