@@ -3,10 +3,11 @@
 answer inference-perf counted, TTFT p50 / p90 / p99 to the millisecond,
 cached share, failures, the router's CPU seconds), then per policy the means over the seeds and Hearth's figures
 over the policy's in the same run (req/s: above 1 is Hearth ahead; TTFT
-p90: below 1 is Hearth ahead)."""
-import glob, json, os, statistics
+p90: below 1 is Hearth ahead). Usage: summary.py [DIR] (default: this
+folder)."""
+import glob, json, os, statistics, sys
 
-here = os.path.dirname(os.path.abspath(__file__))
+here = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
 for cell in ("low", "saturating"):
     runs, longest = {}, {}
     for path in sorted(glob.glob(os.path.join(here, f"{cell}-seed*.json"))):
