@@ -64,11 +64,9 @@ pub struct OverheadArgs {
     /// Distinct sessions (prompts) the requests cycle through.
     #[arg(long, default_value_t = 16)]
     pub sessions: usize,
-    /// Configurations to run, from plain, hearth, body-grpc and
-    /// hearth-no-outcome and ext-proc-only (the first is the baseline of
-    /// the ratios).
-    #[arg(long, value_delimiter = ',', default_values_t = ["plain".to_string(), "hearth".to_string(), "body-grpc".to_string()])]
-    pub configs: Vec<String>,
+    /// Configurations to run (the first is the baseline of the ratios).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Config::Plain, Config::Hearth, Config::Body])]
+    pub configs: Vec<Config>,
     /// Streamed answers of this many tokens (0: a non-streamed answer of
     /// 4 tokens).
     #[arg(long, default_value_t = 0)]
@@ -82,23 +80,18 @@ pub struct OverheadArgs {
     pub json: bool,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Config {
+/// A configuration of the gateway in front of the engines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Config {
     Plain,
     Hearth,
+    #[value(name = "body-grpc")]
     Body,
     HearthNoOutcome,
     ExtProcOnly,
 }
 
 impl Config {
-    const ALL: [Config; 5] = [
-        Config::Plain,
-        Config::Hearth,
-        Config::Body,
-        Config::HearthNoOutcome,
-        Config::ExtProcOnly,
-    ];
     fn name(self) -> &'static str {
         match self {
             Config::Plain => "plain",
@@ -107,19 +100,6 @@ impl Config {
             Config::HearthNoOutcome => "hearth-no-outcome",
             Config::ExtProcOnly => "ext-proc-only",
         }
-    }
-
-    fn parse(name: &str) -> anyhow::Result<Config> {
-        Config::ALL
-            .into_iter()
-            .find(|c| c.name() == name)
-            .with_context(|| {
-                let known: Vec<_> = Config::ALL.iter().map(|c| c.name()).collect();
-                format!(
-                    "unknown configuration {name:?} (known: {})",
-                    known.join(", ")
-                )
-            })
     }
 
     /// The fingerprint filter runs (its hash counters can be read).
@@ -150,11 +130,7 @@ struct Sample {
 
 pub async fn run(args: OverheadArgs) -> anyhow::Result<()> {
     let ticks = clock_ticks();
-    let configs = args
-        .configs
-        .iter()
-        .map(|c| Config::parse(c))
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let configs = &args.configs;
     anyhow::ensure!(!configs.is_empty(), "--configs names no configuration");
     let streamed = args.stream_tokens > 0;
     anyhow::ensure!(
@@ -172,7 +148,11 @@ pub async fn run(args: OverheadArgs) -> anyhow::Result<()> {
         args.rounds,
         args.engines,
         args.sessions,
-        args.configs.join(","),
+        configs
+            .iter()
+            .map(|c| c.name())
+            .collect::<Vec<_>>()
+            .join(","),
         args.stream_tokens,
         args.decode_ms,
     );
@@ -210,7 +190,7 @@ pub async fn run(args: OverheadArgs) -> anyhow::Result<()> {
     }
     let upstreams: Vec<SocketAddr> = engines.iter().map(|e| e.addr).collect();
     let mut stacks = Vec::new();
-    for &config in &configs {
+    for &config in configs {
         stacks.push(start_stack(config, &upstreams).await?);
     }
 
@@ -630,6 +610,17 @@ mod tests {
             assert!(fp.is_ok());
         }
         assert_ne!(chat_body(8000, 1), chat_body(8000, 2));
+    }
+
+    #[test]
+    fn each_configuration_is_named_on_the_command_line_as_in_the_table() {
+        use clap::ValueEnum;
+        for c in Config::value_variants() {
+            let flag = c.to_possible_value().unwrap();
+            assert_eq!(flag.get_name(), c.name());
+            assert_eq!(Config::from_str(c.name(), false), Ok(*c));
+        }
+        assert!(Config::from_str("hearth-no-fingerprint", false).is_err());
     }
 
     #[test]

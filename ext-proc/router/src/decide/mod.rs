@@ -185,7 +185,7 @@ impl Router {
         // A prompt cold everywhere seeds its prefix on the chosen replica;
         // one it held more of than another candidate was drawn there.
         let least = warm.overlaps.iter().copied().min().unwrap_or(0);
-        let drawn = picked.overlap as usize > least || warm.overlaps.iter().all(|&o| o == 0);
+        let drawn = picked.overlap as usize > least || warm.is_cold();
         if drawn && !req.hashes.is_empty() {
             fleet.state[chosen]
                 .drawn

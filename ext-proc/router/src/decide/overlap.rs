@@ -26,6 +26,14 @@ pub(crate) struct Warmth {
     pub one_shot_share: f64,
 }
 
+impl Warmth {
+    /// No candidate holds any block of the prompt: it is read in full
+    /// wherever it goes.
+    pub fn is_cold(&self) -> bool {
+        self.overlaps.iter().all(|&o| o == 0)
+    }
+}
+
 /// `known`: how many leading blocks each replica holds (by replica
 /// index), when something knows better than the warmth index (only the
 /// simulator's entry point, `Router::decide_knowing_at`, passes it).
@@ -68,12 +76,13 @@ pub(crate) fn measure(
     if let Some(c) = continued {
         evicted_part(router, fleet, &c, &candidates, &mut overlaps);
     }
+    let sequels = tips.sequels();
     Warmth {
         candidates,
         overlaps,
         continued,
-        sequel_share: tips.sequels().share(),
-        one_shot_share: tips.sequels().one_shot_share(),
+        sequel_share: sequels.share(),
+        one_shot_share: sequels.one_shot_share(),
     }
 }
 

@@ -176,8 +176,7 @@ pub(crate) fn score(
 /// units per `load_unit_bytes` (64 KiB), a replica reading two such
 /// prompts would look less loaded than one running a request more.
 fn cold_read_weight(p: &RouterParams, warm: &Warmth) -> Option<f64> {
-    let cold = warm.overlaps.iter().all(|&o| o == 0);
-    (cold && p.cold_read_weight > 0.0).then_some(p.cold_read_weight)
+    (warm.is_cold() && p.cold_read_weight > 0.0).then_some(p.cold_read_weight)
 }
 
 /// Scores of each candidate: `credit - alpha * load`.
@@ -278,7 +277,7 @@ fn drawn_load(
     blocks: usize,
     now: Instant,
 ) -> Option<Vec<f64>> {
-    let cold = warm.overlaps.iter().all(|&o| o == 0) && blocks <= p.score.cap as usize;
+    let cold = warm.is_cold() && blocks <= p.score.cap as usize;
     let weight = p.resident_load * warm.one_shot_share.clamp(0.0, 1.0);
     if !cold || weight <= 0.0 || warm.candidates.len() < 2 {
         return None;
