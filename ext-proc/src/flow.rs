@@ -306,12 +306,13 @@ impl FlowControl {
         // Slots kept for higher bands: decided among the replicas that keep
         // none, unless the one holding most of its prompt keeps them (then
         // it waits for that one, as for a saturated warm replica).
-        let admission = self.router.admission_at(&info, subset, now);
-        let saturated = admission.is_none();
-        let kept = admission.unwrap_or(Kept::Nothing);
+        let (kept, saturated) = match self.router.admission_at(&info, subset, now) {
+            Ok(kept) => (kept, None),
+            Err(saturated) => (Kept::Nothing, Some(saturated)),
+        };
         let warm_kept = kept == Kept::Warm;
         let mut queue = self.lock();
-        if !saturated && !warm_kept && !queue.holds_at_or_above(class.priority) {
+        if saturated.is_none() && !warm_kept && !queue.holds_at_or_above(class.priority) {
             let open = match kept {
                 Kept::Around(open) => Some(open),
                 Kept::Nothing | Kept::Warm => None,
@@ -322,9 +323,9 @@ impl FlowControl {
         // kept from the slots of higher bands only, it waits behind them
         // (`HEARTH_FLOW_SHEDDABLE_WAITS`), else it is refused then too.
         let shed = class.priority < 0
-            && (saturated || warm_kept)
+            && (saturated.is_some() || warm_kept)
             && (!self.router.params().flow.sheddable_waits
-                || (saturated && self.router.saturated_for_all_at(&info, subset, now)));
+                || saturated.is_some_and(|s| s.for_every_band));
         if shed {
             drop(queue);
             self.observer

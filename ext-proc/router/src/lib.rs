@@ -48,7 +48,7 @@ pub use decide::{Decision, Prefill, RequestInfo, Reservation, RouteError, Scored
 pub use fleet::EngineSignals;
 pub use flow::{
     BandLoad, DropReason, Dropped, Entry, FlowLoad, FlowParams, FlowQueue, Kept, Look, QueueParams,
-    QueueView, Room, AFFINITY_UNITS_MAX, LOOK_DEPTH,
+    QueueView, Room, Saturated, AFFINITY_UNITS_MAX, LOOK_DEPTH,
 };
 pub use health::{
     Failure, FleetHealth, HealthParams, HealthSnapshot, HealthState, Outcome, ProbeReason,

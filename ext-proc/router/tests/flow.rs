@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use hearth_router::{
     Decision, DropReason, EngineSignals, FlowQueue, Kept, Look, QueueParams, RequestInfo, Room,
-    Router, RouterParams, UpstreamSpec, AFFINITY_UNITS_MAX, LOOK_DEPTH,
+    Router, RouterParams, Saturated, UpstreamSpec, AFFINITY_UNITS_MAX, LOOK_DEPTH,
 };
 
 const LIST: &str = "127.0.0.1:1,127.0.0.1:2";
@@ -67,6 +67,13 @@ fn the_fleet_is_saturated_for_a_request_only_when_every_replica_it_may_use_is() 
     r.set_engine_signals(addr(1), signals(1.0, Some(0.95), t0));
     assert!(r.saturated_for_at(&small, None, t0));
     assert_eq!(r.room_at(&small, None, Duration::ZERO, t0), Room::Full);
+    // By the engines' own figures: saturated for every band alike.
+    assert_eq!(
+        r.admission_at(&small, None, t0),
+        Err(Saturated {
+            for_every_band: true
+        })
+    );
     // A full cache with nothing waiting is a cache doing its job.
     r.set_engine_signals(addr(1), signals(0.0, Some(0.99), t0));
     assert!(!r.saturated_for_at(&small, None, t0));
@@ -234,14 +241,20 @@ fn a_lower_band_leaves_free_the_slots_a_higher_band_used_lately() {
     // admission decides among those (the dispatch too: `room_at`).
     assert_eq!(
         r.admission_at(&band(0, 99), None, t0),
-        Some(Kept::Around(vec![1]))
+        Ok(Kept::Around(vec![1]))
     );
-    assert_eq!(r.admission_at(&band(10, 99), None, t0), Some(Kept::Nothing));
+    assert_eq!(r.admission_at(&band(10, 99), None, t0), Ok(Kept::Nothing));
     // Unless replica 0 holds the request's prompt: moving would read it
     // again, so it waits for replica 0 instead.
-    assert_eq!(r.admission_at(&band(0, 21), None, t0), Some(Kept::Warm));
+    assert_eq!(r.admission_at(&band(0, 21), None, t0), Ok(Kept::Warm));
     // Where it may use replica 0 only, the fleet is saturated for it.
-    assert_eq!(r.admission_at(&band(0, 99), only0, t0), None);
+    // (Saturated by the kept slots only: a sheddable request would wait.)
+    assert_eq!(
+        r.admission_at(&band(0, 99), only0, t0),
+        Err(Saturated {
+            for_every_band: false
+        })
+    );
     assert_eq!(
         r.room_at(&band(0, 99), None, Duration::ZERO, t0),
         Room::Go(Some(vec![1]))
@@ -453,7 +466,7 @@ fn a_flow_past_its_fair_share_leaves_free_the_slots_flows_under_it_came_back_for
     // Where another replica keeps nothing, the noisy flow goes there.
     assert_eq!(
         r.admission_at(&of(noisy, 99), None, t0),
-        Some(Kept::Around(vec![1]))
+        Ok(Kept::Around(vec![1]))
     );
     // A noisy request ends: the noisy flow is under its share again.
     drop(first.0);

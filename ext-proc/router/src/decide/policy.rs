@@ -359,6 +359,55 @@ mod tests {
     }
 
     #[test]
+    fn the_drawn_term_is_bounded_by_the_resident_load_times_the_candidates() {
+        let p = RouterParams::default();
+        let now = Instant::now();
+        let cold = |one_shot_share: f64| Warmth {
+            candidates: vec![0, 1, 2, 3],
+            overlaps: vec![0; 4],
+            continued: None,
+            sequel_share: 0.0,
+            one_shot_share,
+        };
+        let fleet = |counts: [u32; 4]| {
+            let mut state: Vec<ReplicaState> = (0..4).map(|_| ReplicaState::new(64)).collect();
+            for (s, &n) in state.iter_mut().zip(&counts) {
+                for _ in 0..n {
+                    s.drawn.add(now, p.resident_window);
+                }
+            }
+            state
+        };
+        let bound = p.resident_load * 4.0;
+        // However many requests one replica drew and the others did not,
+        // it weighs at most the bound more; the least drawn, nothing.
+        for counts in [[1, 0, 0, 0], [10_000, 0, 0, 0], [5, 5, 0, 0], [9, 3, 1, 0]] {
+            let loads = drawn_load(&p, &fleet(counts), &cold(1.0), 1, now).unwrap();
+            assert!(
+                loads.iter().all(|&l| (0.0..=bound).contains(&l)),
+                "{counts:?}: {loads:?}"
+            );
+            assert_eq!(loads[3], 0.0, "{counts:?}: {loads:?}");
+        }
+        let all_on_one = drawn_load(&p, &fleet([10_000, 0, 0, 0]), &cold(1.0), 1, now).unwrap();
+        assert!((all_on_one[0] - bound).abs() < 1e-9, "{all_on_one:?}");
+        // A one-shot share out of range is taken as 1, not as a multiplier.
+        let loads = drawn_load(&p, &fleet([10_000, 0, 0, 0]), &cold(50.0), 1, now).unwrap();
+        assert!((loads[0] - bound).abs() < 1e-9, "{loads:?}");
+        // Nothing where the term does not apply: a prompt a candidate
+        // holds part of, one past the affinity cap, requests that are
+        // never one-shot, nothing drawn anywhere.
+        let mut held = cold(1.0);
+        held.overlaps[2] = 1;
+        let skewed = fleet([10, 0, 0, 0]);
+        assert_eq!(drawn_load(&p, &skewed, &held, 1, now), None);
+        let past_cap = p.score.cap as usize + 1;
+        assert_eq!(drawn_load(&p, &skewed, &cold(1.0), past_cap, now), None);
+        assert_eq!(drawn_load(&p, &skewed, &cold(0.0), 1, now), None);
+        assert_eq!(drawn_load(&p, &fleet([0; 4]), &cold(1.0), 1, now), None);
+    }
+
+    #[test]
     fn basis_parses_case_insensitively_and_rejects_others() {
         assert_eq!(
             "Marginal".parse::<AffinityBasis>(),

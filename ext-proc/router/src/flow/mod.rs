@@ -17,7 +17,7 @@ pub use crate::params::FlowParams;
 pub use queue::{
     BandLoad, DropReason, Dropped, Entry, FlowLoad, FlowQueue, QueueParams, QueueView, LOOK_DEPTH,
 };
-pub use saturation::{Kept, Look, Room, AFFINITY_UNITS_MAX};
+pub use saturation::{Kept, Look, Room, Saturated, AFFINITY_UNITS_MAX};
 
 #[cfg(doc)]
 use crate::router::Router;

@@ -50,6 +50,17 @@ pub enum Room {
     Share,
 }
 
+/// A request not queued yet finds every replica it may use saturated for
+/// it ([`Router::admission_at`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Saturated {
+    /// Every one of them is saturated for every band alike (its engine's
+    /// figures or the unread prompt in flight), whatever slots are kept
+    /// for higher bands or other flows: a sheddable request is refused
+    /// then, not queued.
+    pub for_every_band: bool,
+}
+
 /// What the slots kept for higher bands leave a request
 /// ([`Router::admission_at`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -257,8 +268,8 @@ impl Router {
         Some(fair)
     }
 
-    /// For a request not queued yet, at `now`: `None` when every replica
-    /// it may use (`allowed`) is saturated for it (as
+    /// For a request not queued yet, at `now`: [`Saturated`] when every
+    /// replica it may use (`allowed`) is saturated for it (as
     /// [`Router::saturated_for_at`] says), else what the slots kept for
     /// bands above its own leave it. One look at the fleet serves both.
     pub fn admission_at(
@@ -266,11 +277,11 @@ impl Router {
         req: &RequestInfo,
         allowed: Option<&[usize]>,
         now: Instant,
-    ) -> Option<Kept> {
+    ) -> Result<Kept, Saturated> {
         let fleet = self.lock();
         // No candidate at all: the decision says why.
         let Ok(admitted) = candidates::admit(self, &fleet, req, allowed, now) else {
-            return Some(Kept::Nothing);
+            return Ok(Kept::Nothing);
         };
         let candidates = &admitted.candidates;
         let fair = self.flows_kept(&fleet, candidates, req.priority, now);
@@ -280,7 +291,10 @@ impl Router {
             .enumerate()
             .all(|(n, &i)| self.saturated_for(&fleet.state[i], req, flows(n), now))
         {
-            return None;
+            let for_every_band = candidates
+                .iter()
+                .all(|&i| self.saturated(&fleet.state[i], now));
+            return Err(Saturated { for_every_band });
         }
         let (mut kept, mut open) = (Vec::new(), Vec::new());
         for (n, &i) in candidates.iter().enumerate() {
@@ -291,12 +305,12 @@ impl Router {
             }
         }
         if kept.is_empty() || open.is_empty() {
-            return Some(Kept::Nothing);
+            return Ok(Kept::Nothing);
         }
         if !req.hashes.is_empty() && warmest(&fleet, &kept, req) > warmest(&fleet, &open, req) {
-            return Some(Kept::Warm);
+            return Ok(Kept::Warm);
         }
-        Some(Kept::Around(open))
+        Ok(Kept::Around(open))
     }
 
     /// The uncached prompt bytes in flight beyond which replica state `s`
@@ -409,27 +423,6 @@ impl Router {
             .flow
             .affinity_wait
             .mul_f64(units.clamp(1.0, AFFINITY_UNITS_MAX))
-    }
-
-    /// Whether every replica `req` may use (`allowed`) is saturated at
-    /// `now` for every band alike (`Router::saturated`: its engine's
-    /// figures or the unread prompt in flight), whatever slots are kept
-    /// for higher bands or other flows. No replica at all: false (the
-    /// decision says why).
-    pub fn saturated_for_all_at(
-        self: &Arc<Self>,
-        req: &RequestInfo,
-        allowed: Option<&[usize]>,
-        now: Instant,
-    ) -> bool {
-        let fleet = self.lock();
-        let Ok(admitted) = candidates::admit(self, &fleet, req, allowed, now) else {
-            return false;
-        };
-        admitted
-            .candidates
-            .iter()
-            .all(|&i| self.saturated(&fleet.state[i], now))
     }
 
     /// [`Router::room_at`] for a request that has not waited: whether the
