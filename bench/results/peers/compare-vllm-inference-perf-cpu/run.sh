@@ -20,21 +20,11 @@ out=${OUT:-$here}
 cells=${CELLS:-saturating low}
 seeds=("$@"); [ ${#seeds[@]} -eq 0 ] && seeds=(1 2 3)
 given=${ENGINES:-}
-engines_pid=
-stop_engines() { [ -n "$engines_pid" ] && kill -- "-$engines_pid" 2>/dev/null; engines_pid=; }
+. bench/results/peers/vllm-engines.sh
 trap stop_engines EXIT
 for s in "${seeds[@]}"; do
   if [ -z "$given" ]; then
-    log="$out/engines-seed$s.log"
-    setsid target/release/hearth-bench vllm --replicas 2 --max-num-seqs 4 --shared-name-first > "$log" 2>&1 &
-    engines_pid=$!
-    for _ in $(seq 600); do
-      ENGINES=$(tail -1 "$log" | grep -E '^127\.0\.0\.1:[0-9]+,127\.0\.0\.1:[0-9]+$' || true)
-      [ -n "$ENGINES" ] && break
-      kill -0 "$engines_pid" 2>/dev/null || { cat "$log"; exit 1; }
-      sleep 1
-    done
-    [ -n "$ENGINES" ] || { echo "engines not up after 600 s" >&2; exit 1; }
+    start_engines "$out/engines-seed$s.log" --replicas 2 --max-num-seqs 4 --shared-name-first
   fi
   for cell in "saturating 24 16,32" "low 12 2,8"; do
     read -r name users rates <<< "$cell"
