@@ -111,6 +111,14 @@ pub struct RealArgs {
     /// How long a peer router may take to start and list every engine.
     #[arg(long, default_value_t = 60)]
     pub peer_deadline_s: u64,
+    /// Run each other policy beside a Hearth run of its own (the first
+    /// Hearth policy of `--policies`), the pair's order alternating, and
+    /// print each policy's figures as ratios to its Hearth run's: where
+    /// the machine drifts between runs by as much as the routers differ
+    /// (a saturated fleet sharing cores with the gateway), only runs side
+    /// by side compare.
+    #[arg(long)]
+    pub paired: bool,
     /// Who sends the requests: this command's own client, or llm-d's
     /// harness `inference-perf` (its shared-prefix data: groups of
     /// `--users-per-group` users out of `--conversations`, lengths in
@@ -1388,14 +1396,131 @@ pub fn runnable_in_order(
     (crate::live::order_for_seed(&run, seed), skipped)
 }
 
+/// One run of a `real` invocation: the policy, the name its row carries,
+/// and the run salt its prompts are drawn with ([`policy_salt`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Slot {
+    pub policy: Policy,
+    pub label: String,
+    pub salt: u64,
+    /// `--paired`: the index of this run's pair.
+    pub pair: Option<usize>,
+    /// `--paired`: the Hearth run of its pair, the one its peer is
+    /// measured against.
+    pub anchor: bool,
+}
+
+/// The runs of an invocation, in order. Unpaired, each policy of `order`
+/// once. Paired, each policy but the first Hearth one beside a Hearth
+/// run of its own, labelled `hearth beside PEER`; pair `k` runs Hearth
+/// first when `seed + k` is odd, so both positions fall to each router on
+/// every seed with two pairs or more, and on alternate seeds with one.
+/// Each pair draws its prompts with a salt of its own, so no run finds
+/// another's prompts in the engines.
+pub fn slots(order: &[Policy], seed: u64, run_salt: u64, paired: bool) -> Vec<Slot> {
+    let single = |policy: Policy| Slot {
+        policy,
+        label: policy.name().to_string(),
+        salt: run_salt,
+        pair: None,
+        anchor: false,
+    };
+    let hearth = order.iter().copied().find(|p| p.is_hearth());
+    let Some(hearth) = hearth.filter(|_| paired) else {
+        return order.iter().copied().map(single).collect();
+    };
+    let mut out = Vec::new();
+    for (k, peer) in order.iter().copied().filter(|&p| p != hearth).enumerate() {
+        let salt = run_salt.wrapping_add(k as u64 + 1);
+        let ours = Slot {
+            policy: hearth,
+            label: format!("{} beside {}", hearth.name(), peer.name()),
+            salt,
+            pair: Some(k),
+            anchor: true,
+        };
+        let theirs = Slot {
+            policy: peer,
+            label: peer.name().to_string(),
+            salt,
+            pair: Some(k),
+            anchor: false,
+        };
+        if (seed + k as u64) % 2 == 1 {
+            out.extend([ours, theirs]);
+        } else {
+            out.extend([theirs, ours]);
+        }
+    }
+    out
+}
+
+/// One pair's figures: its peer's throughput (requests a second, or turns
+/// a minute) and TTFT p90 over its Hearth run's.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PairRatio {
+    pub peer: String,
+    pub hearth: String,
+    pub throughput_hearth: f64,
+    pub throughput_peer: f64,
+    pub ttft_p90_hearth_s: f64,
+    pub ttft_p90_peer_s: f64,
+}
+
+/// The pairs of `slots`, each with its two rows' figures (`figures` of a
+/// slot's row: throughput, TTFT p90).
+pub fn pair_ratios(slots: &[Slot], figures: &[(f64, f64)]) -> Vec<PairRatio> {
+    let mut out = Vec::new();
+    let pairs = slots
+        .iter()
+        .filter_map(|s| s.pair)
+        .max()
+        .map_or(0, |k| k + 1);
+    for k in 0..pairs {
+        let of = |hearth: bool| {
+            slots
+                .iter()
+                .zip(figures)
+                .find(|(s, _)| s.pair == Some(k) && s.anchor == hearth)
+        };
+        if let (Some((h, hf)), Some((p, pf))) = (of(true), of(false)) {
+            out.push(PairRatio {
+                peer: p.label.clone(),
+                hearth: h.label.clone(),
+                throughput_hearth: hf.0,
+                throughput_peer: pf.0,
+                ttft_p90_hearth_s: hf.1,
+                ttft_p90_peer_s: pf.1,
+            });
+        }
+    }
+    out
+}
+
+/// The pairs as a Markdown table (`unit`: what the throughput counts).
+pub fn pair_table(pairs: &[PairRatio], unit: &str) -> String {
+    let mut out = format!(
+        "| peer | {unit}: Hearth / peer | peer over Hearth | TTFT p90 s: Hearth / peer | peer over Hearth |\n\
+         |---|---:|---:|---:|---:|\n"
+    );
+    for p in pairs {
+        out.push_str(&format!(
+            "| {} | {:.2} / {:.2} | {:.3} | {:.2} / {:.2} | {:.3} |\n",
+            p.peer,
+            p.throughput_hearth,
+            p.throughput_peer,
+            p.throughput_peer / p.throughput_hearth,
+            p.ttft_p90_hearth_s,
+            p.ttft_p90_peer_s,
+            p.ttft_p90_peer_s / p.ttft_p90_hearth_s,
+        ));
+    }
+    out
+}
+
 /// `--driver inference-perf`: the harness against each policy's front
 /// in turn; one row each from its report.
-async fn run_harness(
-    args: &RealArgs,
-    order: &[Policy],
-    model: &str,
-    run_salt: u64,
-) -> anyhow::Result<()> {
+async fn run_harness(args: &RealArgs, order: &[Slot], model: &str) -> anyhow::Result<()> {
     let program = crate::harness::find()?;
     let tokenizer = tokenizer_dir(args)?;
     let users = args.users_per_group.max(1);
@@ -1427,17 +1552,15 @@ async fn run_harness(
     let mut rows = Vec::new();
     let mut reports = Vec::new();
     let ticks = crate::cpu::clock_ticks();
-    for &policy in order {
-        eprintln!(
-            "hearth-bench real: inference-perf through {}",
-            policy.name()
-        );
+    for (i, slot) in order.iter().enumerate() {
+        let policy = slot.policy;
+        eprintln!("hearth-bench real: inference-perf through {}", slot.label);
         let front = Serving::start(args, policy, model).await?;
-        let dir = scratch.join(policy.name());
-        // Each policy's prompts its own (the harness's seed makes its
-        // text), so no policy finds another's prompts in the engines.
+        let dir = scratch.join(format!("{i}-{}", policy.name()));
+        // Each run's prompts its own (the harness's seed makes its text),
+        // so no run finds another's prompts in the engines.
         let own = crate::harness::HarnessShape {
-            seed: policy_salt(args.seed, run_salt, policy) >> 33,
+            seed: policy_salt(args.seed, slot.salt, policy) >> 33,
             ..shape.clone()
         };
         let yaml =
@@ -1448,14 +1571,23 @@ async fn run_harness(
         if let Serving::Envoy(stack) = front {
             stack.shutdown().await;
         }
-        let summary = result.with_context(|| format!("policy {}", policy.name()))?;
-        let mut row = crate::harness::HarnessRow::read(policy.name(), &summary);
+        let summary = result.with_context(|| format!("policy {}", slot.label))?;
+        let mut row = crate::harness::HarnessRow::read(&slot.label, &summary);
         row.gateway_cpu_s = Some(cpu);
         rows.push(row);
-        reports.push(json!({"policy": policy.name(), "summary": summary}));
+        reports.push(json!({"policy": slot.label, "summary": summary}));
     }
     println!();
     print!("{}", crate::harness::table(&rows));
+    let figures: Vec<(f64, f64)> = rows
+        .iter()
+        .map(|r| (r.requests_per_s, r.ttft_p90_s))
+        .collect();
+    let pairs = pair_ratios(order, &figures);
+    if !pairs.is_empty() {
+        println!();
+        print!("{}", pair_table(&pairs, "req/s"));
+    }
     if let Some(path) = &args.json {
         let doc = json!({
             "command": command_line(),
@@ -1465,6 +1597,7 @@ async fn run_harness(
             "model": model,
             "shape": shape,
             "rows": rows,
+            "pairs": pairs,
             "reports": reports,
         });
         std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
@@ -1552,9 +1685,10 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
         ),
     };
     println!(
-        "# = --engines {engines} --model {model} {driver} --max-tokens {} --seed {} --salt {run_salt} --policies {policies}{}",
+        "# = --engines {engines} --model {model} {driver} --max-tokens {} --seed {} --salt {run_salt} --policies {policies}{}{}",
         args.max_tokens,
         args.seed,
+        if args.paired { " --paired" } else { "" },
         args.sidecar.shown(),
     );
     let load = match args.driver {
@@ -1584,20 +1718,39 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
         println!("# skipped {}: {why}", p.name());
     }
     anyhow::ensure!(!order.is_empty(), "no policy of --policies can run");
+    anyhow::ensure!(
+        !args.paired || (order.iter().any(|p| p.is_hearth()) && order.len() >= 2),
+        "--paired needs a Hearth policy and another in --policies (that can run)"
+    );
+    let slots = slots(&order, args.seed, run_salt, args.paired);
+    if args.paired {
+        let labels: Vec<&str> = slots.iter().map(|s| s.label.as_str()).collect();
+        println!("# paired: {}", labels.join(", "));
+    }
     if args.driver == Driver::InferencePerf {
-        return run_harness(&args, &order, &model, run_salt).await;
+        return run_harness(&args, &slots, &model).await;
     }
     let mut rows = Vec::new();
-    for &policy in &order {
-        eprintln!("hearth-bench real: running {}", policy.name());
-        let row = run_policy(&args, policy, &model, run_salt)
+    for slot in &slots {
+        eprintln!("hearth-bench real: running {}", slot.label);
+        let mut row = run_policy(&args, slot.policy, &model, slot.salt)
             .await
-            .with_context(|| format!("policy {}", policy.name()))?;
+            .with_context(|| format!("policy {}", slot.label))?;
+        row.summary.policy.clone_from(&slot.label);
         rows.push(row);
     }
     let summaries: Vec<Summary> = rows.iter().map(|r| r.summary.clone()).collect();
     println!();
     print!("{}", table(&summaries));
+    let figures: Vec<(f64, f64)> = summaries
+        .iter()
+        .map(|r| (r.turns_per_min, r.ttft_p90_s))
+        .collect();
+    let pairs = pair_ratios(&slots, &figures);
+    if !pairs.is_empty() {
+        println!();
+        print!("{}", pair_table(&pairs, "turns/min"));
+    }
     for r in &rows {
         if let Some(command) = &r.peer_command {
             println!("{}: {command}", r.summary.policy);
@@ -1639,6 +1792,7 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
             "timeout_s": args.timeout,
             "hearth_settings": args.sidecar.set.iter().map(shown_setting).collect::<Vec<_>>(),
             "rows": rows,
+            "pairs": pairs,
         });
         std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
         println!("wrote {}", path.display());
@@ -1704,6 +1858,90 @@ mod tests {
     fn system(b: &str) -> String {
         let v: Value = serde_json::from_str(b).unwrap();
         v["messages"][0]["content"].as_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn paired_runs_put_every_peer_beside_a_hearth_run_of_its_own() {
+        use Policy::{Hearth, LeastRequest, RingHash, SmgCacheAware};
+        let labels = |v: &[Slot]| v.iter().map(|s| s.label.clone()).collect::<Vec<_>>();
+        // Unpaired: the order as given, one salt for all.
+        let plain = slots(&[RingHash, Hearth], 1, 40, false);
+        assert_eq!(labels(&plain), ["ring_hash", "hearth"]);
+        assert!(plain.iter().all(|s| s.salt == 40 && s.pair.is_none()));
+        // Paired: Hearth once per peer, wherever it was listed; the first
+        // pair Hearth-first on odd seeds, the next the other way round.
+        let odd = slots(&[LeastRequest, Hearth, SmgCacheAware], 1, 40, true);
+        assert_eq!(
+            labels(&odd),
+            [
+                "hearth beside least_request",
+                "least_request",
+                "smg_cache_aware",
+                "hearth beside smg_cache_aware",
+            ]
+        );
+        let even = slots(&[LeastRequest, Hearth, SmgCacheAware], 2, 40, true);
+        assert_eq!(
+            labels(&even),
+            [
+                "least_request",
+                "hearth beside least_request",
+                "hearth beside smg_cache_aware",
+                "smg_cache_aware",
+            ]
+        );
+        // Each pair its own salt (no run finds another pair's prompts),
+        // the two runs of a pair the same one, none the unpaired run's.
+        assert_eq!(odd[0].salt, odd[1].salt);
+        assert_eq!(odd[2].salt, odd[3].salt);
+        assert_ne!(odd[0].salt, odd[2].salt);
+        assert!(odd.iter().all(|s| s.salt != 40));
+        assert_eq!(odd.iter().filter(|s| s.policy == Hearth).count(), 2);
+        let anchors: Vec<bool> = odd.iter().map(|s| s.anchor).collect();
+        assert_eq!(anchors, [true, false, false, true]);
+        // Without a Hearth policy there is nothing to pair with.
+        assert_eq!(
+            labels(&slots(&[LeastRequest, RingHash], 1, 40, true)),
+            ["least_request", "ring_hash"]
+        );
+    }
+
+    #[test]
+    fn each_pair_is_reported_as_its_peer_over_its_own_hearth_run() {
+        use Policy::{Hearth, LeastRequest, SmgCacheAware};
+        let even = slots(&[Hearth, LeastRequest, SmgCacheAware], 2, 5, true);
+        // Rows in run order: least_request, hearth, hearth, smg.
+        let figures = [(9.0, 18.0), (10.0, 20.0), (11.0, 16.0), (11.0, 17.6)];
+        let pairs = pair_ratios(&even, &figures);
+        assert_eq!(pairs.len(), 2);
+        assert_eq!(pairs[0].peer, "least_request");
+        assert_eq!(pairs[0].hearth, "hearth beside least_request");
+        assert_eq!(
+            (pairs[0].throughput_hearth, pairs[0].throughput_peer),
+            (10.0, 9.0)
+        );
+        assert_eq!(
+            (pairs[0].ttft_p90_hearth_s, pairs[0].ttft_p90_peer_s),
+            (20.0, 18.0)
+        );
+        assert_eq!(pairs[1].peer, "smg_cache_aware");
+        assert_eq!(
+            (pairs[1].throughput_hearth, pairs[1].throughput_peer),
+            (11.0, 11.0)
+        );
+        let table = pair_table(&pairs, "req/s");
+        assert!(
+            table.contains("| least_request | 10.00 / 9.00 | 0.900 | 20.00 / 18.00 | 0.900 |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| smg_cache_aware | 11.00 / 11.00 | 1.000 | 16.00 / 17.60 | 1.100 |"),
+            "{table}"
+        );
+        // Unpaired runs have no pairs.
+        assert!(
+            pair_ratios(&slots(&[Hearth, LeastRequest], 1, 5, false), &figures[..2]).is_empty()
+        );
     }
 
     #[test]

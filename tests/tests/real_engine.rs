@@ -524,6 +524,7 @@ async fn at_the_defaults_no_probe_takes_a_conversations_slot_and_hearth_caches_a
         max_tokens: 8,
         policies: vec![Policy::Hearth, Policy::RingHash],
         peer_deadline_s: 60,
+        paired: false,
         driver: hearth_bench::real::Driver::HearthBench,
         rates: Vec::new(),
         stage_seconds: 0,

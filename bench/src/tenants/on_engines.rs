@@ -164,6 +164,7 @@ impl Engines {
             max_tokens: args.max_tokens,
             policies: Vec::new(),
             peer_deadline_s: 60,
+            paired: false,
             driver: Driver::HearthBench,
             rates: Vec::new(),
             stage_seconds: 0,
