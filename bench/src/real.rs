@@ -883,6 +883,38 @@ async fn first_model(engine: SocketAddr, api_key: Option<&str>) -> anyhow::Resul
         .with_context(|| format!("http://{engine}/v1/models lists no model; pass --model"))
 }
 
+/// Why smg cannot serve `model` from engines whose first listed models
+/// are `firsts` (None: it can). smg registers each worker under the first
+/// model its engine lists, and answers 404 for any other name.
+pub fn smg_cannot_serve(firsts: &[String], model: &str) -> Option<String> {
+    let other: Vec<&str> = firsts
+        .iter()
+        .filter(|m| *m != model)
+        .map(String::as_str)
+        .collect();
+    (!other.is_empty()).then(|| {
+        format!(
+            "smg registers each engine under the first model it lists ({}), not {model}; \
+             start the engines with that name first (hearth-bench vllm --shared-name-first)",
+            other.join(", ")
+        )
+    })
+}
+
+/// [`smg_cannot_serve`] for the engines at `engines`, asked over HTTP
+/// (an engine that does not answer: that reason).
+pub(crate) async fn smg_cannot_serve_at(
+    engines: &[SocketAddr],
+    api_key: Option<&str>,
+    model: &str,
+) -> Option<String> {
+    let firsts = futures::future::join_all(engines.iter().map(|e| first_model(*e, api_key))).await;
+    match firsts.into_iter().collect::<anyhow::Result<Vec<String>>>() {
+        Ok(firsts) => smg_cannot_serve(&firsts, model),
+        Err(e) => Some(format!("{e:#}")),
+    }
+}
+
 /// The first name of `lists[0]` that every list holds: the model every
 /// engine answers to, in the first engine's order.
 pub fn common_model(lists: &[Vec<String>]) -> Option<String> {
@@ -1647,7 +1679,18 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join(" ")
     };
-    let (order, skipped) = runnable_in_order(&args.policies, args.seed, PeerKind::find);
+    let (mut order, mut skipped) = runnable_in_order(&args.policies, args.seed, PeerKind::find);
+    if order
+        .iter()
+        .any(|p| p.peer().is_some_and(|c| c.kind == PeerKind::Smg))
+    {
+        if let Some(why) = smg_cannot_serve_at(&args.engines, args.api_key.as_deref(), &model).await
+        {
+            let smg = |p: &Policy| p.peer().is_some_and(|c| c.kind == PeerKind::Smg);
+            skipped.extend(order.iter().filter(|p| smg(p)).map(|&p| (p, why.clone())));
+            order.retain(|p| !smg(p));
+        }
+    }
     let workload = match args.workload {
         Workload::Conversations => "conversations".to_string(),
         Workload::SharedPrefix => {
@@ -1858,6 +1901,18 @@ mod tests {
     fn system(b: &str) -> String {
         let v: Value = serde_json::from_str(b).unwrap();
         v["messages"][0]["content"].as_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn smg_is_skipped_where_an_engine_lists_another_model_first() {
+        let list = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        assert_eq!(smg_cannot_serve(&list(&["m", "m"]), "m"), None);
+        let why = smg_cannot_serve(&list(&["m", "vllm-1"]), "m").unwrap();
+        assert!(
+            why.contains("vllm-1") && why.contains("--shared-name-first"),
+            "{why}"
+        );
+        assert!(!why.contains("(m"), "{why}");
     }
 
     #[test]

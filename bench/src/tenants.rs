@@ -870,7 +870,16 @@ pub async fn run(args: TenantsArgs) -> anyhow::Result<()> {
     let mut turns = serde_json::Map::new();
     // A peer router that is not installed (`HEARTH_SETUP_PEERS=0`) is
     // skipped, not fatal, as in `live`.
-    let (_, skipped) = live::runnable(&Setup::ALL.map(Setup::policy), PeerKind::find);
+    let (_, mut skipped) = live::runnable(&Setup::ALL.map(Setup::policy), PeerKind::find);
+    // On real engines, smg answers only the model each engine lists first.
+    if let Fleet::Engines(engines) = &fleet {
+        let smg = Setup::SmgPriority.policy();
+        if skipped.iter().all(|(p, _)| *p != smg) {
+            if let Some(why) = engines.smg_cannot_serve(&args).await {
+                skipped.push((smg, why));
+            }
+        }
+    }
     for (policy, why) in &skipped {
         println!("# skipped {}: {why}", policy.name());
     }

@@ -103,6 +103,12 @@ impl Engines {
         Ok(Engines { model, run_salt })
     }
 
+    /// Why smg cannot serve this run's model from these engines (None:
+    /// it can; [`real::smg_cannot_serve`]).
+    pub(super) async fn smg_cannot_serve(&self, args: &TenantsArgs) -> Option<String> {
+        real::smg_cannot_serve_at(&args.engines, None, &self.model).await
+    }
+
     /// This run's command line (the model it asks for shown, whether
     /// given or found).
     pub(super) fn command(&self, args: &TenantsArgs) -> String {
