@@ -908,11 +908,21 @@ pub(crate) async fn smg_cannot_serve_at(
     api_key: Option<&str>,
     model: &str,
 ) -> Option<String> {
-    let firsts = futures::future::join_all(engines.iter().map(|e| first_model(*e, api_key))).await;
-    match firsts.into_iter().collect::<anyhow::Result<Vec<String>>>() {
+    match first_models(engines, api_key).await {
         Ok(firsts) => smg_cannot_serve(&firsts, model),
         Err(e) => Some(format!("{e:#}")),
     }
+}
+
+/// Each engine's first model name, asked of all at once.
+async fn first_models(
+    engines: &[SocketAddr],
+    api_key: Option<&str>,
+) -> anyhow::Result<Vec<String>> {
+    futures::future::join_all(engines.iter().map(|e| first_model(*e, api_key)))
+        .await
+        .into_iter()
+        .collect()
 }
 
 /// The first name of `lists[0]` that every list holds: the model every
@@ -1073,8 +1083,7 @@ fn redacted(args: impl IntoIterator<Item = String>) -> String {
 /// Each engine's first model name, when every engine answered and no two
 /// share one (else None: answers cannot name their engine).
 async fn engine_models(engines: &[SocketAddr], api_key: Option<&str>) -> Option<Vec<String>> {
-    let names = futures::future::join_all(engines.iter().map(|e| first_model(*e, api_key))).await;
-    let names: Vec<String> = names.into_iter().collect::<anyhow::Result<_>>().ok()?;
+    let names = first_models(engines, api_key).await.ok()?;
     let mut distinct = names.clone();
     distinct.sort();
     distinct.dedup();
@@ -1502,31 +1511,21 @@ pub struct PairRatio {
 /// The pairs of `slots`, each with its two rows' figures (`figures` of a
 /// slot's row: throughput, TTFT p90).
 pub fn pair_ratios(slots: &[Slot], figures: &[(f64, f64)]) -> Vec<PairRatio> {
-    let mut out = Vec::new();
-    let pairs = slots
-        .iter()
-        .filter_map(|s| s.pair)
-        .max()
-        .map_or(0, |k| k + 1);
-    for k in 0..pairs {
-        let of = |hearth: bool| {
-            slots
-                .iter()
-                .zip(figures)
-                .find(|(s, _)| s.pair == Some(k) && s.anchor == hearth)
-        };
-        if let (Some((h, hf)), Some((p, pf))) = (of(true), of(false)) {
-            out.push(PairRatio {
+    let runs = || slots.iter().zip(figures);
+    runs()
+        .filter(|(h, _)| h.anchor)
+        .filter_map(|(h, hf)| {
+            let (p, pf) = runs().find(|(p, _)| p.pair == h.pair && !p.anchor)?;
+            Some(PairRatio {
                 peer: p.label.clone(),
                 hearth: h.label.clone(),
                 throughput_hearth: hf.0,
                 throughput_peer: pf.0,
                 ttft_p90_hearth_s: hf.1,
                 ttft_p90_peer_s: pf.1,
-            });
-        }
-    }
-    out
+            })
+        })
+        .collect()
 }
 
 /// The pairs as a Markdown table (`unit`: what the throughput counts).
@@ -1552,7 +1551,7 @@ pub fn pair_table(pairs: &[PairRatio], unit: &str) -> String {
 
 /// `--driver inference-perf`: the harness against each policy's front
 /// in turn; one row each from its report.
-async fn run_harness(args: &RealArgs, order: &[Slot], model: &str) -> anyhow::Result<()> {
+async fn run_harness(args: &RealArgs, slots: &[Slot], model: &str) -> anyhow::Result<()> {
     let program = crate::harness::find()?;
     let tokenizer = tokenizer_dir(args)?;
     let users = args.users_per_group.max(1);
@@ -1584,7 +1583,7 @@ async fn run_harness(args: &RealArgs, order: &[Slot], model: &str) -> anyhow::Re
     let mut rows = Vec::new();
     let mut reports = Vec::new();
     let ticks = crate::cpu::clock_ticks();
-    for (i, slot) in order.iter().enumerate() {
+    for (i, slot) in slots.iter().enumerate() {
         let policy = slot.policy;
         eprintln!("hearth-bench real: inference-perf through {}", slot.label);
         let front = Serving::start(args, policy, model).await?;
@@ -1615,7 +1614,7 @@ async fn run_harness(args: &RealArgs, order: &[Slot], model: &str) -> anyhow::Re
         .iter()
         .map(|r| (r.requests_per_s, r.ttft_p90_s))
         .collect();
-    let pairs = pair_ratios(order, &figures);
+    let pairs = pair_ratios(slots, &figures);
     if !pairs.is_empty() {
         println!();
         print!("{}", pair_table(&pairs, "req/s"));
@@ -1680,13 +1679,10 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
             .join(" ")
     };
     let (mut order, mut skipped) = runnable_in_order(&args.policies, args.seed, PeerKind::find);
-    if order
-        .iter()
-        .any(|p| p.peer().is_some_and(|c| c.kind == PeerKind::Smg))
-    {
+    let smg = |p: &Policy| p.peer().is_some_and(|c| c.kind == PeerKind::Smg);
+    if order.iter().any(smg) {
         if let Some(why) = smg_cannot_serve_at(&args.engines, args.api_key.as_deref(), &model).await
         {
-            let smg = |p: &Policy| p.peer().is_some_and(|c| c.kind == PeerKind::Smg);
             skipped.extend(order.iter().filter(|p| smg(p)).map(|&p| (p, why.clone())));
             order.retain(|p| !smg(p));
         }
