@@ -89,6 +89,7 @@ pub fn config(
     model: &str,
     tokenizer: &Path,
     out: &Path,
+    per_request: bool,
 ) -> String {
     let stages: String = shape
         .rates
@@ -101,7 +102,7 @@ pub fn config(
          load:\n  type: constant\n  stages:\n{stages}\
          server:\n  type: vllm\n  model_name: {model}\n  base_url: {base_url}\n  ignore_eos: true\n\
          tokenizer:\n  pretrained_model_name_or_path: {tokenizer}\n\
-         report:\n  request_lifecycle:\n    summary: true\n    per_stage: true\n    per_request: false\n\
+         report:\n  request_lifecycle:\n    summary: true\n    per_stage: true\n    per_request: {per_request}\n\
          storage:\n  local_storage:\n    path: {out}\n",
         groups = shape.groups,
         users = shape.users_per_group,
@@ -263,6 +264,7 @@ mod tests {
             "m",
             Path::new("/t/model"),
             Path::new("/t/out"),
+            false,
         );
         for line in [
             "  type: chat\n  streaming: true\n",
@@ -279,6 +281,17 @@ mod tests {
         // Every line is YAML of the shape the harness reads: two-space
         // indents, nothing tabbed.
         assert!(!yaml.contains('\t'));
+        assert!(yaml.contains("    per_request: false\n"));
+        // Kept runs have every request's timings in their report.
+        let kept = config(
+            &shape(),
+            "http://127.0.0.1:10000",
+            "m",
+            Path::new("/t/model"),
+            Path::new("/t/out"),
+            true,
+        );
+        assert!(kept.contains("    per_request: true\n"), "{kept}");
     }
 
     #[test]

@@ -149,6 +149,12 @@ pub struct RealArgs {
     /// cache exactly from the start of its run.
     #[arg(long)]
     pub reset_caches: bool,
+    /// inference-perf: keep each run's config, log and report (every
+    /// request's timings too) in `DIR/N-LABEL/`, and for a Hearth run the
+    /// sidecar's decision journal (`decisions.json`, every decision with
+    /// its wait in the queue), to look at one request at a time.
+    #[arg(long, value_name = "DIR")]
+    pub keep: Option<PathBuf>,
     /// Deadline of each request (the whole streamed answer), in seconds.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
@@ -971,6 +977,10 @@ pub struct PolicyRun {
     pub sidecar_metrics: Option<String>,
 }
 
+/// Decisions `--keep` saves of a Hearth run: the sidecar's journal holds
+/// this many by default.
+const JOURNAL_KEPT: usize = 10_000;
+
 /// The sidecar's latest `limit` decisions.
 async fn decisions(admin: SocketAddr, limit: usize) -> Option<Value> {
     let v: Value = reqwest::get(format!("http://{admin}/debug/decisions?limit={limit}"))
@@ -1587,19 +1597,35 @@ async fn run_harness(args: &RealArgs, slots: &[Slot], model: &str) -> anyhow::Re
         let policy = slot.policy;
         eprintln!("hearth-bench real: inference-perf through {}", slot.label);
         let front = Serving::start(args, policy, model).await?;
-        let dir = scratch.join(format!("{i}-{}", policy.name()));
+        let dir = match &args.keep {
+            Some(keep) => keep.join(format!("{i}-{}", slot.label.replace(' ', "-"))),
+            None => scratch.join(format!("{i}-{}", policy.name())),
+        };
         // Each run's prompts its own (the harness's seed makes its text),
         // so no run finds another's prompts in the engines.
         let own = crate::harness::HarnessShape {
             seed: policy_salt(args.seed, slot.salt, policy) >> 33,
             ..shape.clone()
         };
-        let yaml =
-            crate::harness::config(&own, &front.url(), model, &tokenizer, &dir.join("report"));
+        let yaml = crate::harness::config(
+            &own,
+            &front.url(),
+            model,
+            &tokenizer,
+            &dir.join("report"),
+            args.keep.is_some(),
+        );
         let cpu_before = front.cpu_seconds(ticks);
         let result = crate::harness::run(&program, &yaml, &dir, deadline).await;
         let cpu = cpu_spent(policy, &cpu_before, &front.cpu_seconds(ticks));
         if let Serving::Envoy(stack) = front {
+            if args.keep.is_some() && policy.is_hearth() {
+                let (status, body) = stack
+                    .admin_get(&format!("/debug/decisions?limit={JOURNAL_KEPT}"))
+                    .await?;
+                anyhow::ensure!(status == 200, "/debug/decisions answered {status}: {body}");
+                std::fs::write(dir.join("decisions.json"), body)?;
+            }
             stack.shutdown().await;
         }
         let summary = result.with_context(|| format!("policy {}", slot.label))?;
@@ -1645,6 +1671,11 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
         "--conversations and --turns must be > 0"
     );
     anyhow::ensure!(!args.policies.is_empty(), "--policies is empty");
+    anyhow::ensure!(
+        args.keep.is_none() || args.driver == Driver::InferencePerf,
+        "--keep keeps inference-perf's reports: it needs --driver inference-perf \
+         (with this command's own client, --json holds every turn)"
+    );
     // Refused here, before any run, as the sidecar would refuse them.
     args.sidecar.parse()?;
     let model = match &args.model {

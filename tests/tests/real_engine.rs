@@ -532,6 +532,7 @@ async fn at_the_defaults_no_probe_takes_a_conversations_slot_and_hearth_caches_a
         question_tokens: 0,
         tokenizer: None,
         reset_caches: false,
+        keep: None,
         timeout: 240,
         seed: 1,
         salt: Some(0x5107),

@@ -182,6 +182,7 @@ impl Engines {
             seed: args.seed,
             salt: None,
             sidecar: SidecarSettings { set: settings },
+            keep: None,
             json: None,
         }
     }
