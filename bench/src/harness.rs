@@ -258,14 +258,17 @@ mod tests {
 
     #[test]
     fn the_config_asks_for_shared_prefix_chat_at_each_rate() {
-        let yaml = config(
-            &shape(),
-            "http://127.0.0.1:10000",
-            "m",
-            Path::new("/t/model"),
-            Path::new("/t/out"),
-            false,
-        );
+        let config_kept = |per_request| {
+            config(
+                &shape(),
+                "http://127.0.0.1:10000",
+                "m",
+                Path::new("/t/model"),
+                Path::new("/t/out"),
+                per_request,
+            )
+        };
+        let yaml = config_kept(false);
         for line in [
             "  type: chat\n  streaming: true\n",
             "  type: shared_prefix\n",
@@ -283,14 +286,7 @@ mod tests {
         assert!(!yaml.contains('\t'));
         assert!(yaml.contains("    per_request: false\n"));
         // Kept runs have every request's timings in their report.
-        let kept = config(
-            &shape(),
-            "http://127.0.0.1:10000",
-            "m",
-            Path::new("/t/model"),
-            Path::new("/t/out"),
-            true,
-        );
+        let kept = config_kept(true);
         assert!(kept.contains("    per_request: true\n"), "{kept}");
     }
 

@@ -977,10 +977,6 @@ pub struct PolicyRun {
     pub sidecar_metrics: Option<String>,
 }
 
-/// Decisions `--keep` saves of a Hearth run: the sidecar's journal holds
-/// this many by default.
-const JOURNAL_KEPT: usize = 10_000;
-
 /// The sidecar's latest `limit` decisions.
 async fn decisions(admin: SocketAddr, limit: usize) -> Option<Value> {
     let v: Value = reqwest::get(format!("http://{admin}/debug/decisions?limit={limit}"))
@@ -1620,11 +1616,17 @@ async fn run_harness(args: &RealArgs, slots: &[Slot], model: &str) -> anyhow::Re
         let cpu = cpu_spent(policy, &cpu_before, &front.cpu_seconds(ticks));
         if let Serving::Envoy(stack) = front {
             if args.keep.is_some() && policy.is_hearth() {
-                let (status, body) = stack
-                    .admin_get(&format!("/debug/decisions?limit={JOURNAL_KEPT}"))
-                    .await?;
-                anyhow::ensure!(status == 200, "/debug/decisions answered {status}: {body}");
-                std::fs::write(dir.join("decisions.json"), body)?;
+                // As many decisions as the harness sends requests.
+                let sent: f64 = shape
+                    .rates
+                    .iter()
+                    .map(|r| r * shape.stage_seconds as f64)
+                    .sum();
+                let journal = decisions(stack.admin(), sent.ceil() as usize)
+                    .await
+                    .context("reading the sidecar's decision journal")?;
+                let doc = json!({ "decisions": journal });
+                std::fs::write(dir.join("decisions.json"), serde_json::to_vec(&doc)?)?;
             }
             stack.shutdown().await;
         }
