@@ -17,7 +17,11 @@
 //! - **hearth-no-outcome**: the shipped gateway without its outcome
 //!   filter (the sidecar learns nothing from answers);
 //! - **ext-proc-only**: no wasm at all, ext_proc headers-only, routing on
-//!   load alone: what the ext_proc stream costs by itself.
+//!   load alone: what the ext_proc stream costs by itself;
+//! - **hearth-posted-reports**: the shipped gateway with its outcome filter
+//!   posting every verdict to the sidecar (`POST /outcome`, and
+//!   `/outcome/first-token` for a streamed answer) instead of handing a
+//!   streamed answer's to its ext_proc stream (`trailer_reports` off).
 //!
 //! With `--stream-tokens N` every request asks for a streamed answer of N
 //! tokens, which the engines send one event at a time (`--decode-ms`
@@ -89,6 +93,7 @@ pub enum Config {
     Body,
     HearthNoOutcome,
     ExtProcOnly,
+    HearthPostedReports,
 }
 
 impl Config {
@@ -99,12 +104,16 @@ impl Config {
             Config::Body => "body-grpc",
             Config::HearthNoOutcome => "hearth-no-outcome",
             Config::ExtProcOnly => "ext-proc-only",
+            Config::HearthPostedReports => "hearth-posted-reports",
         }
     }
 
     /// The fingerprint filter runs (its hash counters can be read).
     fn hashes(self) -> bool {
-        matches!(self, Config::Hearth | Config::HearthNoOutcome)
+        matches!(
+            self,
+            Config::Hearth | Config::HearthNoOutcome | Config::HearthPostedReports
+        )
     }
 }
 
@@ -503,12 +512,15 @@ async fn start_stack(config: Config, upstreams: &[SocketAddr]) -> anyhow::Result
         Config::Plain => Front::Plain,
         Config::Hearth => Front::Hearth(Mode::Filter),
         Config::Body => Front::Hearth(Mode::Body),
-        Config::HearthNoOutcome | Config::ExtProcOnly => Front::Hearth(Mode::Filter),
+        Config::HearthNoOutcome | Config::ExtProcOnly | Config::HearthPostedReports => {
+            Front::Hearth(Mode::Filter)
+        }
     };
     let mut builder = Stack::running(engines).front(front);
     match config {
         Config::HearthNoOutcome => builder = builder.edit_envoy(without_outcome_filter),
         Config::ExtProcOnly => builder = builder.edit_envoy(without_wasm),
+        Config::HearthPostedReports => builder = builder.edit_envoy(with_posted_reports),
         Config::Plain | Config::Hearth | Config::Body => {}
     }
     let stack = builder
@@ -532,6 +544,16 @@ fn streamed_body(size: usize, s: u64, tokens: usize) -> Vec<u8> {
 /// The rendered gateway without its outcome filter.
 fn without_outcome_filter(yaml: String) -> anyhow::Result<String> {
     without_filter(yaml, "- name: hearth.filter_wasm_outcome\n")
+}
+
+/// The rendered gateway with its outcome filter posting every verdict.
+fn with_posted_reports(yaml: String) -> anyhow::Result<String> {
+    let on = r#","trailer_reports":true"#;
+    anyhow::ensure!(
+        yaml.contains(on),
+        "the rendered gateway's outcome filter has no trailer_reports"
+    );
+    Ok(yaml.replacen(on, "", 1))
 }
 
 /// The rendered gateway without either wasm entry.

@@ -39,6 +39,7 @@ use hearth_router::health::{judge, Ending, Failure, Outcome};
 use hearth_router::{Prediction, Prefill, Router, Usage};
 use hearth_wire::outcome::{Answer, Report};
 
+use crate::observe::usage::VerdictChannel;
 use crate::observe::Observer;
 
 /// Predictions waiting for their answer, at most (one whose answer never
@@ -211,6 +212,7 @@ impl Outcomes {
             .replica_at(&report.upstream, chosen)
             .ok_or(ReportRefused::UnknownUpstream)?;
         let request_id = pending.as_ref().and_then(|p| p.request_id.clone());
+        self.observer.verdict(VerdictChannel::Post);
         self.close(Close {
             chosen: served,
             served: Some(served),

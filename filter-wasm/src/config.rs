@@ -44,6 +44,13 @@ pub struct FilterConfig {
     pub params: Params,
     /// Bodies larger than this pass through unhashed.
     pub max_body_bytes: usize,
+    /// Outcome role: a streamed answer's verdict goes to the sidecar as a
+    /// response trailer on its ext_proc stream instead of a `POST`, and its
+    /// first chunk is posted only where the sidecar asks. Needs the
+    /// ext_proc filter's `response_trailer_mode: SEND` and the `hearth`
+    /// namespace among its `receiving_namespaces`; off, every verdict and
+    /// every first chunk is posted.
+    pub trailer_reports: bool,
 }
 
 impl Default for FilterConfig {
@@ -58,6 +65,7 @@ impl Default for FilterConfig {
                 .collect(),
             params: Params::default(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            trailer_reports: false,
         }
     }
 }
@@ -89,6 +97,7 @@ struct RawConfig {
     block_size: Option<usize>,
     max_prefix_bytes: Option<usize>,
     max_body_bytes: Option<usize>,
+    trailer_reports: Option<bool>,
 }
 
 impl FilterConfig {
@@ -165,6 +174,12 @@ impl FilterConfig {
                 ));
             }
             cfg.max_body_bytes = m;
+        }
+        if let Some(t) = raw.trailer_reports {
+            if cfg.role != Role::Outcome {
+                errors.push("trailer_reports is a setting of the outcome role".to_owned());
+            }
+            cfg.trailer_reports = t;
         }
         if errors.is_empty() {
             Ok(cfg)
@@ -294,5 +309,16 @@ mod tests {
         );
         let err = FilterConfig::parse(br#"{"role":"judge"}"#).unwrap_err();
         assert!(err.to_string().contains("judge"));
+    }
+
+    #[test]
+    fn trailer_reports_are_off_unless_the_outcome_role_asks() {
+        let off = FilterConfig::parse(br#"{"role":"outcome"}"#).unwrap();
+        assert!(!off.trailer_reports);
+        let on = FilterConfig::parse(br#"{"role":"outcome","trailer_reports":true}"#).unwrap();
+        assert!(on.trailer_reports);
+        let err = FilterConfig::parse(br#"{"trailer_reports":true}"#).unwrap_err();
+        assert!(err.to_string().contains("outcome role"), "{err}");
+        assert!(FilterConfig::parse(br#"{"role":"outcome","trailer_reports":"yes"}"#).is_err());
     }
 }

@@ -98,6 +98,8 @@ impl RootContext for Root {
                 scanner: None,
                 reported: false,
                 first_chunk_reported: false,
+                by_trailer: false,
+                first_chunk_asked: false,
                 request_id: None,
                 engine_priority: None,
             }));
@@ -268,8 +270,15 @@ impl HttpContext for Http {
 }
 
 /// The outcome role: watches a generation's 200 answer go by and, at its
-/// end, reports the verdict to the sidecar (`POST /outcome` on the
-/// `outcome_cluster`), asynchronously.
+/// end, hands the verdict to the sidecar. With `trailer_reports`, a
+/// streamed answer (no content-length) to a request the sidecar routed
+/// carries it on the request's own ext_proc stream, as the trailer
+/// [`outcome::TRAILER`]; any other answer is reported with an asynchronous
+/// `POST /outcome` on the `outcome_cluster` (Envoy lets no wasm filter add
+/// trailers to a content-length answer). A streamed answer's first chunk
+/// is posted too (`/outcome/first-token`): always without
+/// `trailer_reports`, with it only where the sidecar asked
+/// ([`outcome::FIRST_CHUNK_HEADER`]).
 struct OutcomeHttp {
     config: Rc<FilterConfig>,
     /// A POST to a generation path (decided on the request headers: the
@@ -281,6 +290,10 @@ struct OutcomeHttp {
     /// The first chunk of a streamed answer was reported (the engine has
     /// read the prompt: the sidecar stops weighing its unread bytes).
     first_chunk_reported: bool,
+    /// The verdict goes out as a response trailer, not a `POST`.
+    by_trailer: bool,
+    /// The sidecar asked to hear of the first chunk.
+    first_chunk_asked: bool,
     /// The sidecar's ticket (`x-hearth-ticket`): the report's usage is
     /// matched with its decision by it.
     request_id: Option<String>,
@@ -363,13 +376,29 @@ impl OutcomeHttp {
         }
     }
 
-    /// Sends the verdict to the sidecar, once, without waiting for it.
+    /// Sends the verdict to the sidecar, once, without waiting for it: as
+    /// the response trailer (only while the answer's last chunk or its
+    /// trailers are being seen, when Envoy lets one be added) or a `POST`.
     fn report(&mut self) {
         if self.reported {
             return;
         }
         let Some(scanner) = &self.scanner else { return };
         self.reported = true;
+        if self.by_trailer && trailers_taken() {
+            let value = outcome::trailer_value(scanner);
+            if let Err(status) = hostcalls::set_map_value(
+                MapType::HttpResponseTrailers,
+                outcome::TRAILER,
+                Some(&value),
+            ) {
+                log(
+                    LogLevel::Debug,
+                    &format!("hearth: cannot add the outcome trailer: {status:?}"),
+                );
+            }
+            return;
+        }
         let upstream = hostcalls::get_property(vec!["upstream", "address"])
             .ok()
             .flatten()
@@ -428,6 +457,20 @@ impl OutcomeHttp {
     }
 }
 
+/// The sidecar has answered this stream's response headers (ext_proc now
+/// hands it the response's trailers).
+fn trailers_taken() -> bool {
+    hostcalls::get_property(vec![
+        "metadata",
+        "filter_metadata",
+        outcome::METADATA_NAMESPACE,
+        outcome::TRAILERS_TAKEN_KEY,
+    ])
+    .ok()
+    .flatten()
+    .is_some()
+}
+
 impl HttpContext for OutcomeHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.generation = self.request_is_generation();
@@ -440,6 +483,19 @@ impl HttpContext for OutcomeHttp {
                     .ok()
                     .flatten()
                     .and_then(|id| String::from_utf8(id).ok());
+            self.first_chunk_asked = hostcalls::get_map_value_bytes(
+                MapType::HttpRequestHeaders,
+                outcome::FIRST_CHUNK_HEADER,
+            )
+            .ok()
+            .flatten()
+            .is_some();
+            if self.first_chunk_asked {
+                let _ = hostcalls::remove_map_value(
+                    MapType::HttpRequestHeaders,
+                    outcome::FIRST_CHUNK_HEADER,
+                );
+            }
             self.take_engine_priority();
         }
         Action::Continue
@@ -460,32 +516,44 @@ impl HttpContext for OutcomeHttp {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let status = hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, ":status")
-            .ok()
-            .flatten();
-        if status.as_deref() == Some(b"200".as_slice()) && !end_of_stream && self.generation {
-            self.scanner = Some(Scanner::default());
+        if !self.generation {
+            return Action::Continue;
         }
+        let get = |name: &str| {
+            hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name)
+                .ok()
+                .flatten()
+        };
+        if get(":status").as_deref() != Some(b"200".as_slice()) || end_of_stream {
+            return Action::Continue;
+        }
+        self.scanner = Some(Scanner::default());
+        // A streamed answer to a request the sidecar routed: the verdict
+        // rides its ext_proc stream.
+        self.by_trailer = self.config.trailer_reports
+            && self.request_id.is_some()
+            && get("content-length").is_none();
         Action::Continue
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if let Some(scanner) = &mut self.scanner {
-            if let Ok(Some(chunk)) =
-                hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
-            {
-                scanner.feed(&chunk);
-            }
-            if end_of_stream {
-                self.report();
-            } else if body_size > 0 {
-                self.report_first_chunk();
-            }
+        let Some(scanner) = &mut self.scanner else {
+            return Action::Continue;
+        };
+        if let Ok(Some(chunk)) = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size) {
+            scanner.feed(&chunk);
+        }
+        if end_of_stream {
+            self.report();
+        } else if body_size > 0 && (self.first_chunk_asked || !self.config.trailer_reports) {
+            self.report_first_chunk();
         }
         Action::Continue
     }
 
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        // Only this filter writes the verdict's trailer.
+        let _ = hostcalls::remove_map_value(MapType::HttpResponseTrailers, outcome::TRAILER);
         self.report();
         Action::Continue
     }

@@ -120,3 +120,126 @@ async fn the_usage_loop_runs_through_envoy_in_body_mode() {
     })
     .await;
 }
+
+/// Sends `turns` streamed turns of `conv`, checking that none of Hearth's
+/// marks reaches the client; returns the cached tokens the engines served.
+async fn streamed_turns(fleet: &Fleet, conv: &mut Conversation, turns: usize) -> u64 {
+    let url = format!("{}/v1/chat/completions", fleet.envoy.url());
+    let mut served_cached = 0;
+    for _ in 0..turns {
+        let body = conv.next_turn(1500, true);
+        let resp = fleet.client.post(&url).json(&body).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let headers = resp.headers().clone();
+        let text = resp.text().await.unwrap();
+        assert!(headers.get("x-hearth-upstream").is_some(), "{headers:?}");
+        for name in [
+            "x-hearth-first-chunk",
+            "x-hearth-outcome",
+            "x-hearth-ticket",
+        ] {
+            assert!(
+                headers.get(name).is_none(),
+                "{name} reached the client: {headers:?}"
+            );
+        }
+        let mut reply = String::new();
+        for event in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            let Ok(v) = serde_json::from_str::<Value>(event) else {
+                continue;
+            };
+            if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
+                reply.push_str(t);
+            }
+            if let Some(c) = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() {
+                served_cached += c;
+            }
+        }
+        assert!(!reply.is_empty(), "{text}");
+        conv.push_assistant(&reply);
+    }
+    served_cached
+}
+
+/// The sidecar's verdicts by channel, once `total` usage reports are in
+/// (they are taken as each stream closes, just after its answer).
+async fn verdicts_when(fleet: &Fleet, total: u64) -> (Snapshot, f64, f64) {
+    let start = Instant::now();
+    let s = loop {
+        let s = fleet.settle(Duration::from_secs(5)).await.unwrap();
+        if totals(&s).0 >= total || start.elapsed() > Duration::from_secs(10) {
+            break s;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let (_, m) = fleet.admin_get("/metrics").await.unwrap();
+    let verdicts = |channel: &str| {
+        metric_sample(
+            &m,
+            &format!("hearth_answer_verdicts_total{{channel=\"{channel}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    (s, verdicts("trailer"), verdicts("post"))
+}
+
+/// The filter shape hands a streamed answer's verdict and usage to the
+/// sidecar on the request's own ext_proc stream (a response trailer the
+/// outcome filter adds and the sidecar removes): no report is posted for
+/// it, nor for its first chunk when little of its prompt is left to read.
+/// An answer with a content-length is still posted. The client sees none
+/// of Hearth's marks.
+#[tokio::test]
+async fn a_streamed_answers_verdict_rides_its_ext_proc_stream() {
+    let fleet = Fleet::start(FleetOptions {
+        engines: 2,
+        // 16 tokens 5 ms apart: the answer ends well after its headers.
+        decode_micros_per_token: 5_000.0,
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let mut conv = Conversation::new(MODEL, &filler(63, 8192), false, 6300);
+    let served_cached = streamed_turns(&fleet, &mut conv, 3).await;
+    let (s, trailer, post) = verdicts_when(&fleet, 3).await;
+    let (reports, compared, cached, predicted) = totals(&s);
+    assert_eq!((reports, compared), (3, 3), "{s:?}");
+    assert_eq!(cached, served_cached, "the engines' own figures: {s:?}");
+    assert!(predicted > 0, "later turns were predicted warm: {s:?}");
+    assert_eq!((trailer, post), (3.0, 0.0), "nothing was posted");
+
+    // The same conversation's next turn, not streamed: it has a
+    // content-length, so its verdict is posted.
+    let t = turn(&fleet, &mut conv).await;
+    assert!(t > 0, "a warm turn");
+    let (_, trailer, post) = verdicts_when(&fleet, 4).await;
+    assert_eq!((trailer, post), (3.0, 1.0));
+    fleet.assert_wasm_healthy();
+}
+
+/// Answers that end within the sidecar's answer to their response headers
+/// (engines that send a whole answer at once): a trailer added then would
+/// pass ext_proc by, so the outcome filter posts those. Whichever way, no
+/// verdict is lost.
+#[tokio::test]
+async fn no_verdict_is_lost_when_answers_end_at_once() {
+    let fleet = Fleet::start(FleetOptions {
+        engines: 2,
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let mut convs: Vec<Conversation> = (0..4)
+        .map(|i| Conversation::new(MODEL, &filler(70 + i, 4096), false, 7000 + i))
+        .collect();
+    let mut served_cached = 0;
+    for conv in &mut convs {
+        served_cached += streamed_turns(&fleet, conv, 3).await;
+    }
+    let (s, trailer, post) = verdicts_when(&fleet, 12).await;
+    let (reports, compared, cached, _) = totals(&s);
+    assert_eq!((reports, compared), (12, 12), "{s:?}");
+    assert_eq!(cached, served_cached, "{s:?}");
+    assert_eq!(trailer + post, 12.0, "trailer {trailer}, post {post}");
+    fleet.assert_wasm_healthy();
+}

@@ -18,16 +18,97 @@
 //! when the client asked for it). The sidecar compares the cached tokens
 //! with what it predicted.
 //!
-//! The wasm filter sends the verdict to the sidecar in an asynchronous
-//! `POST /outcome` on its state endpoint:
-//! `upstream=IP:PORT;text=0|1;done=0|1[;prompt=N;cached=N][;id=REQUEST-ID]`.
-//! (A response trailer would be cheaper, but Envoy 1.40 does not let a wasm
-//! filter add trailers to a response that has a content-length.)
+//! The wasm filter hands the verdict to the sidecar one of two ways:
+//!
+//! - a streamed answer (no content-length), where the filter is set up for
+//!   it (`trailer_reports`): as the response trailer [`TRAILER`],
+//!   `text=0|1;done=0|1[;prompt=N;cached=N]`, which reaches the sidecar on
+//!   the request's own ext_proc stream (the gateway asks for response
+//!   trailers) and which the sidecar removes;
+//! - an answer with a content-length (Envoy 1.40 does not let a wasm filter
+//!   add trailers to one), or one without the sidecar's ticket: an
+//!   asynchronous `POST /outcome` on the sidecar's state endpoint,
+//!   `upstream=IP:PORT;text=0|1;done=0|1[;prompt=N;cached=N][;id=REQUEST-ID]`.
+//!
+//! A streamed answer's first chunk (the engine has read the prompt) is
+//! posted to [`FIRST_TOKEN_PATH`]; with `trailer_reports`, only for the
+//! requests the sidecar marks with [`FIRST_CHUNK_HEADER`] (those with
+//! enough of the prompt left to read for it to matter).
 
 use std::fmt;
 
 /// Where the sidecar takes outcome reports.
 pub const REPORT_PATH: &str = "/outcome";
+
+/// The response trailer that carries a streamed answer's verdict to the
+/// sidecar on its ext_proc stream ([`trailer_value`]); the sidecar removes
+/// it, and the outcome filter removes one an engine sent.
+pub const TRAILER: &str = "x-hearth-outcome";
+
+/// The dynamic metadata namespace, and its key, that the sidecar sets with
+/// its answer to a generation's response headers on the ext_proc stream
+/// (the gateway's ext_proc filter must list the namespace among its
+/// `receiving_namespaces`). Once it is set, ext_proc is past its
+/// response-headers exchange and hands the sidecar the response's
+/// trailers; a trailer added while that exchange is under way goes to the
+/// client without ext_proc seeing it (Envoy 1.40), so the outcome filter
+/// adds [`TRAILER`] only where it finds this key, and posts otherwise.
+pub const METADATA_NAMESPACE: &str = "hearth";
+pub const TRAILERS_TAKEN_KEY: &str = "trailers_taken";
+
+/// The request header with which the sidecar asks the outcome filter to
+/// report the answer's first chunk. The filter removes it, so it never
+/// reaches the engine; a client's is stripped before the sidecar sees the
+/// request, as every `x-hearth-*` header is.
+pub const FIRST_CHUNK_HEADER: &str = "x-hearth-first-chunk";
+
+/// The [`TRAILER`] value for what `scanner` saw:
+/// `text=0|1;done=0|1[;prompt=N;cached=N]`.
+pub fn trailer_value(scanner: &Scanner) -> String {
+    let mut v = scanner.verdict();
+    if let Some(u) = scanner.usage() {
+        v.push_str(&format!(
+            ";prompt={};cached={}",
+            u.prompt_tokens, u.cached_tokens
+        ));
+    }
+    v
+}
+
+/// Reads a [`TRAILER`] value: the verdict and, when both counts are there
+/// and agree, the usage. `None` when the verdict is missing or malformed,
+/// or the usage is half there or contradicts itself.
+pub fn parse_trailer(value: &str) -> Option<(Answer, Option<Usage>)> {
+    Some((Answer::parse(value)?, parse_usage(value)?))
+}
+
+/// The value of the `name=` field of a `;`-separated report or trailer.
+fn field<'a>(body: &'a str, name: &str) -> Option<&'a str> {
+    body.split(';')
+        .find_map(|f| f.trim().strip_prefix(name)?.strip_prefix('='))
+}
+
+/// The `prompt` and `cached` fields of a report or trailer: `Some(None)`
+/// when neither is there, `None` when only one is, either is no number, or
+/// `cached` exceeds `prompt`.
+fn parse_usage(body: &str) -> Option<Option<Usage>> {
+    let number = |v: &str| {
+        (!v.is_empty() && v.len() <= 19 && v.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| v.parse::<u64>().ok())
+            .flatten()
+    };
+    match (field(body, "prompt"), field(body, "cached")) {
+        (None, None) => Some(None),
+        (Some(p), Some(c)) => {
+            let u = Usage {
+                prompt_tokens: number(p)?,
+                cached_tokens: number(c)?,
+            };
+            (u.cached_tokens <= u.prompt_tokens).then_some(Some(u))
+        }
+        _ => None,
+    }
+}
 
 /// Where the sidecar hears that a streamed answer's first chunk went by
 /// (the engine has read the prompt): `POST` with the body `id=TICKET`.
@@ -133,29 +214,9 @@ impl Report {
     /// `cached` is present, when either is not a number or `cached`
     /// exceeds `prompt`, or when the id is not fit for a report.
     pub fn parse(body: &str) -> Option<Report> {
-        let field = |name: &str| {
-            body.split(';')
-                .find_map(|f| f.trim().strip_prefix(name)?.strip_prefix('='))
-        };
-        let upstream = field("upstream").filter(|u| !u.is_empty())?;
-        let number = |v: &str| {
-            (!v.is_empty() && v.len() <= 19 && v.bytes().all(|b| b.is_ascii_digit()))
-                .then(|| v.parse::<u64>().ok())
-                .flatten()
-        };
-        let usage = match (field("prompt"), field("cached")) {
-            (None, None) => None,
-            (Some(p), Some(c)) => {
-                let u = Usage {
-                    prompt_tokens: number(p)?,
-                    cached_tokens: number(c)?,
-                };
-                (u.cached_tokens <= u.prompt_tokens).then_some(())?;
-                Some(u)
-            }
-            _ => return None,
-        };
-        let request_id = match field("id") {
+        let upstream = field(body, "upstream").filter(|u| !u.is_empty())?;
+        let usage = parse_usage(body)?;
+        let request_id = match field(body, "id") {
             None => None,
             Some(id) => Some(report_id(id)?.to_string()),
         };

@@ -5,7 +5,8 @@ use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendA
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    processing_response, HeaderMutation, HttpHeaders, ImmediateResponse, ProcessingResponse,
+    processing_response, HeaderMutation, HttpHeaders, HttpTrailers, ImmediateResponse,
+    ProcessingResponse,
 };
 
 /// A header's value as text. Envoy sends values in `raw_value` (bytes);
@@ -21,6 +22,15 @@ pub fn text(hv: &HeaderValue) -> &str {
 /// The value of the header `name` (lowercase, as Envoy sends names).
 pub fn get<'a>(h: &'a HttpHeaders, name: &str) -> Option<&'a str> {
     all(h).find(|hv| hv.key == name).map(text)
+}
+
+/// The value of the trailer `name` (lowercase).
+pub fn trailer<'a>(t: &'a HttpTrailers, name: &str) -> Option<&'a str> {
+    t.trailers
+        .iter()
+        .flat_map(|m| &m.headers)
+        .find(|hv| hv.key == name)
+        .map(text)
 }
 
 /// Every header of the map.

@@ -23,8 +23,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     body_mutation, processing_request, processing_response, BodyMutation, BodyResponse,
-    CommonResponse, HeaderMutation, HeadersResponse, HttpBody, HttpHeaders, ProcessingRequest,
-    ProcessingResponse, ProtocolConfiguration, TrailersResponse,
+    CommonResponse, HeaderMutation, HeadersResponse, HttpBody, HttpHeaders, HttpTrailers,
+    ProcessingRequest, ProcessingResponse, ProtocolConfiguration, TrailersResponse,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 use futures::Stream;
@@ -37,7 +37,7 @@ use hearth_router::{Decision, DropReason, Replica, RequestInfo, Reservation, Rou
 use hearth_wire::names::{
     self, DESTINATION, DP_RANK, DROP_REASON, LB_NAMESPACE, REQUEST_ID, UPSTREAM,
 };
-use hearth_wire::outcome::Scanner;
+use hearth_wire::outcome::{self, Scanner};
 use hearth_wire::priority;
 use hearth_wire::{CacheUse, Endpoint};
 
@@ -46,6 +46,7 @@ use crate::envoy::ending;
 use crate::envoy::headers;
 use crate::envoy::picker::{self, HeldBody, HeldBudget, Side};
 use crate::flow::{Admission, Class, Dispatch, FlowControl, Left, Ticket};
+use crate::observe::usage::VerdictChannel;
 use crate::observe::Observer;
 use crate::outcomes::{Outcomes, StreamEnd};
 
@@ -309,6 +310,9 @@ struct Exchange {
     /// scanned as it passes; judged once its last chunk has come.
     answer: Option<Scanner>,
     answer_ended: bool,
+    /// Filter shapes: the verdict and usage the outcome filter put in a
+    /// streamed answer's trailer ([`outcome::TRAILER`]).
+    reported: Option<(outcome::Answer, Option<outcome::Usage>)>,
     /// The ticket the decision's prediction waits under until the answer
     /// ends (see [`crate::outcomes`]).
     ticket: Option<String>,
@@ -364,7 +368,15 @@ impl Drop for Exchange {
             .answer
             .as_ref()
             .filter(|_| self.answer_ended)
-            .map(|scan| (scan.answer(), scan.usage().map(Into::into)));
+            .map(|scan| (scan.answer(), scan.usage()))
+            .or(self.reported)
+            .map(|(answer, usage)| (answer, usage.map(Into::into)));
+        if answer.is_some() {
+            self.observer.verdict(match self.reported {
+                Some(_) => VerdictChannel::Trailer,
+                None => VerdictChannel::Body,
+            });
+        }
         let response = self.response.as_ref();
         self.outcomes.stream_ended(StreamEnd {
             chosen,
@@ -372,10 +384,13 @@ impl Drop for Exchange {
             ending: response
                 .map(|r| ending::ending(r.status.unwrap_or(0), &r.details, answer.map(|(a, _)| a))),
             answer,
-            // Where the body comes through ext_proc, this stream carries the
-            // answer; elsewhere the outcome filter's report closes the
-            // ticket.
-            ticket: self.ticket.as_deref().filter(|_| self.mode.bodies_come()),
+            // Where the body comes through ext_proc, or the outcome filter's
+            // trailer came, this stream carries the answer; elsewhere the
+            // outcome filter's report closes the ticket.
+            ticket: self
+                .ticket
+                .as_deref()
+                .filter(|_| self.mode.bodies_come() || self.reported.is_some()),
             request_id: self.request_id.as_deref(),
         });
     }
@@ -413,6 +428,7 @@ impl Exchange {
             response: None,
             answer: None,
             answer_ended: false,
+            reported: None,
             ticket: None,
         }
     }
@@ -450,7 +466,7 @@ impl Exchange {
             Some(R::RequestTrailers(_)) => self.on_request_trailers(),
             Some(R::ResponseHeaders(ref h)) => self.on_response_headers(&msg, h),
             Some(R::ResponseBody(b)) => self.on_response_body(b),
-            Some(R::ResponseTrailers(_)) => self.on_response_trailers(),
+            Some(R::ResponseTrailers(ref t)) => self.on_response_trailers(t),
             None => (vec![], false),
         }
     }
@@ -608,7 +624,13 @@ impl Exchange {
             self.answer = Some(Scanner::default());
         }
         self.response = Some(seen);
-        (vec![self.upstream_header()], h.end_of_stream)
+        let mut reply = self.upstream_header();
+        if !self.mode.bodies_come() && self.ticket.is_some() {
+            // Filter shapes: the outcome filter may now hand the verdict
+            // over as a trailer (`hearth_wire::outcome::METADATA_NAMESPACE`).
+            reply.dynamic_metadata = Some(trailers_taken_metadata());
+        }
+        (vec![reply], h.end_of_stream)
     }
 
     fn on_response_body(&mut self, b: HttpBody) -> Replies {
@@ -638,11 +660,23 @@ impl Exchange {
         (vec![reply], false)
     }
 
-    fn on_response_trailers(&mut self) -> Replies {
+    fn on_response_trailers(&mut self, t: &HttpTrailers) -> Replies {
+        let mut trailers = TrailersResponse::default();
+        if let Some(value) = headers::trailer(t, outcome::TRAILER) {
+            // Filter shapes: the outcome filter's verdict on a streamed
+            // 200 answer to a request routed here (a malformed one counts
+            // as none); never passed on to the client.
+            let answered = self.response.as_ref().and_then(|r| r.status) == Some(200);
+            if !self.mode.bodies_come() && self.ticket.is_some() && answered {
+                self.reported = outcome::parse_trailer(value);
+            }
+            trailers.header_mutation = Some(HeaderMutation {
+                set_headers: vec![],
+                remove_headers: vec![outcome::TRAILER.to_string()],
+            });
+        }
         let reply = ProcessingResponse {
-            response: Some(processing_response::Response::ResponseTrailers(
-                TrailersResponse::default(),
-            )),
+            response: Some(processing_response::Response::ResponseTrailers(trailers)),
             ..Default::default()
         };
         // Only when the engine sent trailers: the response is over.
@@ -798,6 +832,13 @@ impl Exchange {
                     );
                     if !self.mode.bodies_come() {
                         set_headers.push(headers::set(header::TICKET, &ticket));
+                        // The outcome filter posts the first chunk only
+                        // when asked (`trailer_reports`): a post per
+                        // answer costs the gateway more than a small
+                        // prompt's early release is worth.
+                        if decision.first_token_matters() {
+                            set_headers.push(headers::set(outcome::FIRST_CHUNK_HEADER, "1"));
+                        }
                     }
                     self.ticket = Some(ticket);
                 }
@@ -945,6 +986,26 @@ fn lb_metadata(dest: &str) -> Struct {
     Struct {
         fields: HashMap::from([(
             LB_NAMESPACE.to_string(),
+            Value {
+                kind: Some(Kind::StructValue(inner)),
+            },
+        )]),
+    }
+}
+
+/// `{hearth: {trailers_taken: true}}`.
+fn trailers_taken_metadata() -> Struct {
+    let inner = Struct {
+        fields: HashMap::from([(
+            outcome::TRAILERS_TAKEN_KEY.to_string(),
+            Value {
+                kind: Some(Kind::BoolValue(true)),
+            },
+        )]),
+    };
+    Struct {
+        fields: HashMap::from([(
+            outcome::METADATA_NAMESPACE.to_string(),
             Value {
                 kind: Some(Kind::StructValue(inner)),
             },

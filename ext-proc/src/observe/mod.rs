@@ -31,7 +31,7 @@ use crate::observe::metrics::{
     DecisionMetrics, FleetCollector, FlowMetrics, PeerMetrics, PickerMetrics, ProbeMetrics,
 };
 use crate::observe::series::{unix_now, DecisionOutcome, Series, SessionResult};
-use crate::observe::usage::UsageMetrics;
+use crate::observe::usage::{UsageMetrics, VerdictChannel};
 
 /// Metrics, journal and history, shared by the gRPC service,
 /// the prober and the admin endpoint.
@@ -310,6 +310,11 @@ impl Observer {
     /// A generation's answer ended without usage with cached tokens.
     pub fn usage_missing(&self) {
         self.usage.missing();
+    }
+
+    /// A generation's verdict reached the sidecar through `channel`.
+    pub fn verdict(&self, channel: VerdictChannel) {
+        self.usage.verdict(channel);
     }
 
     /// An answer's usage came without a decision to compare it with.

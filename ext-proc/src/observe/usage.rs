@@ -7,7 +7,9 @@
 //! ([`super::metrics::FleetCollector`]).
 
 use hearth_router::Served;
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -17,6 +19,37 @@ pub struct UsageMetrics {
     error: Histogram,
     missing: Counter,
     unmatched: Counter,
+    verdicts: Family<ChannelLabel, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ChannelLabel {
+    channel: &'static str,
+}
+
+/// How a generation's verdict (its text, its end, its usage) reached the
+/// sidecar.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VerdictChannel {
+    /// The outcome filter's response trailer, on the request's ext_proc
+    /// stream (a streamed answer in the filter shapes).
+    Trailer,
+    /// The outcome filter's `POST /outcome` (an answer with a
+    /// content-length, or one the sidecar did not route).
+    Post,
+    /// The answer itself, streamed through the sidecar by ext_proc (body
+    /// and endpoint-picker shapes).
+    Body,
+}
+
+impl VerdictChannel {
+    fn as_str(self) -> &'static str {
+        match self {
+            VerdictChannel::Trailer => "trailer",
+            VerdictChannel::Post => "post",
+            VerdictChannel::Body => "ext_proc_body",
+        }
+    }
 }
 
 impl UsageMetrics {
@@ -25,6 +58,7 @@ impl UsageMetrics {
             error: Histogram::new([0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]),
             missing: Counter::default(),
             unmatched: Counter::default(),
+            verdicts: Family::default(),
         };
         reg.register(
             "hearth_prediction_error",
@@ -40,6 +74,11 @@ impl UsageMetrics {
             "hearth_usage_unmatched",
             "Usage reports whose decision was not found (no ticket, or it aged out): counted per replica without a prediction",
             m.unmatched.clone(),
+        );
+        reg.register(
+            "hearth_answer_verdicts",
+            "Generations' 200 answers whose verdict reached the sidecar, by channel: trailer (the outcome filter's response trailer on the request's ext_proc stream), post (its POST /outcome), ext_proc_body (the answer streamed through the sidecar)",
+            m.verdicts.clone(),
         );
         m
     }
@@ -58,5 +97,13 @@ impl UsageMetrics {
 
     pub fn unmatched(&self) {
         self.unmatched.inc();
+    }
+
+    pub fn verdict(&self, channel: VerdictChannel) {
+        self.verdicts
+            .get_or_create(&ChannelLabel {
+                channel: channel.as_str(),
+            })
+            .inc();
     }
 }

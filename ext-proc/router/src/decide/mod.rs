@@ -101,6 +101,17 @@ impl Decision {
         self.reservation.uncached_bytes
     }
 
+    /// Whether the router gains from hearing of the answer's first token:
+    /// the prompt has enough left to read that its reading load, or its
+    /// time (the replica's prefill rate learns from reads of at least
+    /// 8 KiB), is worth giving back early, or the engine's queue order is
+    /// kept (its virtual clock moves on first tokens). Below that, the load
+    /// is given back when the answer ends.
+    pub fn first_token_matters(&self) -> bool {
+        self.reservation.uncached_bytes >= crate::fleet::PrefillRate::MIN_BYTES
+            || self.reservation.engine_tag().is_some()
+    }
+
     /// The handle that gives back the load of the prompt's unread bytes
     /// when the answer's first token is out ([`Prefill::done`]).
     pub fn prefill(&self) -> &Prefill {

@@ -261,7 +261,7 @@ mod tests {
             "{without}"
         );
         assert!(without
-            .contains(r#"value: '{"role":"outcome","outcome_cluster":"hearth_sidecar_admin"}'"#));
+            .contains(r#"value: '{"role":"outcome","outcome_cluster":"hearth_sidecar_admin","trailer_reports":true}'"#));
         // Only the lines that needed it are gone.
         assert_eq!(
             with.lines().count(),
