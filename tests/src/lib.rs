@@ -764,4 +764,25 @@ pub async fn first_chunk_sheds_the_prompt_load(fleet: &Fleet, model: &str, block
     while chunks.next().await.is_some() {}
     let settled = fleet.settle(Duration::from_secs(20)).await.unwrap();
     assert!(idle(&settled), "{settled:?}");
+    // Its verdict came on its own ext_proc stream (the outcome filter's
+    // trailer), not in a post; it is taken as the stream closes.
+    let verdicts = |m: &str, channel: &str| {
+        metric_sample(
+            m,
+            &format!("hearth_answer_verdicts_total{{channel=\"{channel}\"}}"),
+        )
+    };
+    let started = std::time::Instant::now();
+    let m = loop {
+        let (_, m) = fleet.admin_get("/metrics").await.unwrap();
+        if verdicts(&m, "trailer").is_some() || started.elapsed() > Duration::from_secs(10) {
+            break m;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        (verdicts(&m, "trailer"), verdicts(&m, "post")),
+        (Some(1.0), None),
+        "{m}"
+    );
 }
