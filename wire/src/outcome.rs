@@ -54,6 +54,7 @@ pub const TRAILER: &str = "x-hearth-outcome";
 /// client without ext_proc seeing it (Envoy 1.40), so the outcome filter
 /// adds [`TRAILER`] only where it finds this key, and posts otherwise.
 pub const METADATA_NAMESPACE: &str = "hearth";
+/// The key of [`METADATA_NAMESPACE`] that says so (`true`).
 pub const TRAILERS_TAKEN_KEY: &str = "trailers_taken";
 
 /// The request header with which the sidecar asks the outcome filter to

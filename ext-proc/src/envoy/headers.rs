@@ -21,13 +21,16 @@ pub fn text(hv: &HeaderValue) -> &str {
 
 /// The value of the header `name` (lowercase, as Envoy sends names).
 pub fn get<'a>(h: &'a HttpHeaders, name: &str) -> Option<&'a str> {
-    all(h).find(|hv| hv.key == name).map(text)
+    find(h.headers.as_ref(), name)
 }
 
 /// The value of the trailer `name` (lowercase).
 pub fn trailer<'a>(t: &'a HttpTrailers, name: &str) -> Option<&'a str> {
-    t.trailers
-        .iter()
+    find(t.trailers.as_ref(), name)
+}
+
+fn find<'a>(map: Option<&'a HeaderMap>, name: &str) -> Option<&'a str> {
+    map.into_iter()
         .flat_map(|m| &m.headers)
         .find(|hv| hv.key == name)
         .map(text)

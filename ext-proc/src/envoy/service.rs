@@ -978,14 +978,14 @@ fn string_value(s: &str) -> Value {
     }
 }
 
-/// `{"envoy.lb": {"x-gateway-destination-endpoint": dest}}`
-fn lb_metadata(dest: &str) -> Struct {
+/// Dynamic metadata of one key in one namespace: `{namespace: {key: value}}`.
+fn metadata(namespace: &str, key: &str, value: Value) -> Struct {
     let inner = Struct {
-        fields: HashMap::from([(DESTINATION.to_string(), string_value(dest))]),
+        fields: HashMap::from([(key.to_string(), value)]),
     };
     Struct {
         fields: HashMap::from([(
-            LB_NAMESPACE.to_string(),
+            namespace.to_string(),
             Value {
                 kind: Some(Kind::StructValue(inner)),
             },
@@ -993,24 +993,21 @@ fn lb_metadata(dest: &str) -> Struct {
     }
 }
 
+/// `{"envoy.lb": {"x-gateway-destination-endpoint": dest}}`
+fn lb_metadata(dest: &str) -> Struct {
+    metadata(LB_NAMESPACE, DESTINATION, string_value(dest))
+}
+
 /// `{hearth: {trailers_taken: true}}`.
 fn trailers_taken_metadata() -> Struct {
-    let inner = Struct {
-        fields: HashMap::from([(
-            outcome::TRAILERS_TAKEN_KEY.to_string(),
-            Value {
-                kind: Some(Kind::BoolValue(true)),
-            },
-        )]),
+    let yes = Value {
+        kind: Some(Kind::BoolValue(true)),
     };
-    Struct {
-        fields: HashMap::from([(
-            outcome::METADATA_NAMESPACE.to_string(),
-            Value {
-                kind: Some(Kind::StructValue(inner)),
-            },
-        )]),
-    }
+    metadata(
+        outcome::METADATA_NAMESPACE,
+        outcome::TRAILERS_TAKEN_KEY,
+        yes,
+    )
 }
 
 /// An attribute Envoy sends with a message (`response_attributes`).
