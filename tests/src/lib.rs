@@ -117,6 +117,16 @@ pub fn metric_sample(text: &str, series: &str) -> Option<f64> {
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
 }
 
+/// The sidecar's `hearth_answer_verdicts_total` for `channel` (`trailer`,
+/// `post`, `ext_proc_body`) in its `/metrics` text; `None` before the
+/// first verdict through that channel.
+pub fn verdicts(metrics: &str, channel: &str) -> Option<f64> {
+    metric_sample(
+        metrics,
+        &format!("hearth_answer_verdicts_total{{channel=\"{channel}\"}}"),
+    )
+}
+
 /// The addresses Envoy's admin `/clusters` lists for `cluster`, in its
 /// order.
 pub async fn cluster_hosts(envoy: &Envoy, cluster: &str) -> anyhow::Result<Vec<SocketAddr>> {
@@ -766,12 +776,6 @@ pub async fn first_chunk_sheds_the_prompt_load(fleet: &Fleet, model: &str, block
     assert!(idle(&settled), "{settled:?}");
     // Its verdict came on its own ext_proc stream (the outcome filter's
     // trailer), not in a post; it is taken as the stream closes.
-    let verdicts = |m: &str, channel: &str| {
-        metric_sample(
-            m,
-            &format!("hearth_answer_verdicts_total{{channel=\"{channel}\"}}"),
-        )
-    };
     let started = std::time::Instant::now();
     let m = loop {
         let (_, m) = fleet.admin_get("/metrics").await.unwrap();

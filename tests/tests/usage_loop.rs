@@ -7,7 +7,9 @@
 
 use std::time::{Duration, Instant};
 
-use hearth_e2e::{filler, metric_sample, reply_text, Conversation, Fleet, FleetOptions, MODEL};
+use hearth_e2e::{
+    filler, metric_sample, reply_text, verdicts, Conversation, Fleet, FleetOptions, MODEL,
+};
 use hearth_router::Snapshot;
 use serde_json::Value;
 
@@ -173,14 +175,8 @@ async fn verdicts_when(fleet: &Fleet, total: u64) -> (Snapshot, f64, f64) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let (_, m) = fleet.admin_get("/metrics").await.unwrap();
-    let verdicts = |channel: &str| {
-        metric_sample(
-            &m,
-            &format!("hearth_answer_verdicts_total{{channel=\"{channel}\"}}"),
-        )
-        .unwrap_or(0.0)
-    };
-    (s, verdicts("trailer"), verdicts("post"))
+    let count = |channel| verdicts(&m, channel).unwrap_or(0.0);
+    (s, count("trailer"), count("post"))
 }
 
 /// The filter shape hands a streamed answer's verdict and usage to the
