@@ -12,7 +12,7 @@ for p in d.glob("noisy*-seed*.json"):
     noisy, seed = map(int, re.fullmatch(r"noisy(\d+)-seed(\d+)", p.stem).groups())
     runs.append((noisy, seed, json.load(open(p))))
 for noisy, seed, run in sorted(runs, key=lambda r: r[:2]):
-    ratio = dict(run["ratios"][0]["values"]) if isinstance(run["ratios"], list) else dict(run["ratios"]["values"])
+    ratio = dict(next(r for r in run["ratios"] if r["what"].startswith("quiet tenants"))["values"])
     row = lambda mix, setup, cls: next(r for r in run["rows"] if (r["mix"], r["setup"], r["class"]) == (mix, setup, cls))
     alone = row("quiet_alone", "hearth_flow_control", "quiet")["ttft_p90_s"]
     turns = [row("tenants", s, None)["turns_per_min"] for s in ("least_request", "hearth_flow_control")]
