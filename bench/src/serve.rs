@@ -57,8 +57,9 @@ pub struct EngineArgs {
     #[arg(long, default_value_t = 16)]
     pub output_tokens: usize,
     /// A fault for one replica from the start, `INDEX=FAULT` (repeatable):
-    /// none, slow:MILLIS, error, unavailable, stall, empty or reset. Change it at
-    /// run time with `PUT /admin/fault {"fault": "..."}` on the replica.
+    /// none, slow:MILLIS, error, unavailable, stall, empty, reset, close or
+    /// close:TIMES. Change it at run time with
+    /// `PUT /admin/fault {"fault": "..."}` on the replica.
     #[arg(long, value_parser = parse_replica_fault)]
     pub fault: Vec<(usize, Fault)>,
     /// Requests generated at once per replica; the rest queue (0 = no limit).

@@ -394,6 +394,68 @@ async fn an_upstream_reset_mid_answer_releases_the_load() {
     fleet.assert_wasm_healthy();
 }
 
+#[tokio::test]
+async fn connections_an_engine_closes_before_answering_fence_it_only_when_its_probes_fail_too() {
+    // An overloaded engine's server closes connections it took without a
+    // byte of an answer (vLLM did, under a saturating load). Three in a
+    // row used to fence the replica, and with every replica busy the
+    // whole fleet: each close is evidence to check, and the probe checks.
+    let fleet = quick_probed_fleet(1, FleetOptions::default()).await;
+    let engine = &fleet.engines[0].engine;
+    engine.set_fault(Fault::Close { times: Some(6) });
+    let mut closed = 0;
+    for s in 0..40u64 {
+        if engine.fault() == Fault::None {
+            break;
+        }
+        let mut conv = Conversation::new(MODEL, &filler(s + 500, 512), false, 5000 + s);
+        let t = fleet
+            .post_json("/v1/chat/completions", &conv.next_turn(200, s % 2 == 1))
+            .await
+            .unwrap();
+        if t.status != 200 {
+            assert_eq!(t.status, 503, "{:?}", t.body);
+            closed += 1;
+        }
+    }
+    assert_eq!(engine.fault(), Fault::None, "the six closes were used up");
+    // The probe may have met one or two of them; clients met the rest,
+    // as many in a row as used to fence.
+    assert!(closed >= 3, "{closed} requests closed");
+    // Served at once afterwards, by the same replica.
+    for s in 0..4u64 {
+        let mut conv = Conversation::new(MODEL, &filler(s + 600, 512), false, 6000 + s);
+        let t = fleet.chat(&conv.next_turn(200, false)).await;
+        assert_eq!(t.engine.as_deref(), Some("engine-0"));
+    }
+    let s = fleet.settle(Duration::from_secs(10)).await.unwrap();
+    let e0 = &s.replicas[0];
+    assert_eq!(e0.health.fenced_total, 0, "{s:?}");
+    assert_eq!(e0.health.suspect, None, "cleared by a success: {s:?}");
+    assert!(e0.health.suspicions_total >= 1, "{s:?}");
+    assert_eq!(
+        e0.health.last_failure,
+        Some(hearth_router::health::Failure::ConnectionReset)
+    );
+
+    // An engine that closes every connection fails its probes too: they
+    // fence it.
+    engine.set_fault(Fault::Close { times: None });
+    let mut conv = Conversation::new(MODEL, &filler(700, 512), false, 7000);
+    let t = fleet
+        .post_json("/v1/chat/completions", &conv.next_turn(200, false))
+        .await
+        .unwrap();
+    assert_eq!(t.status, 503, "{:?}", t.body);
+    wait_for(&fleet, Duration::from_secs(30), "engine-0 fenced", |s| {
+        fenced(s, "engine-0")
+    })
+    .await;
+    let failed = probes(&fleet, fleet.engines[0].addr, "connection_reset").await;
+    assert!(failed >= 3.0, "{failed} probes cut");
+    fleet.assert_wasm_healthy();
+}
+
 /// Probes the sidecar sent to the engine at `addr`, by result.
 async fn probes(fleet: &Fleet, addr: std::net::SocketAddr, result: &str) -> f64 {
     let (_, m) = fleet.admin_get("/metrics").await.unwrap();

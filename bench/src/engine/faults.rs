@@ -29,12 +29,16 @@ pub enum Fault {
     Empty,
     /// Start a 200 answer, then reset the connection mid-body.
     Reset,
+    /// Take the request, then close the connection without a byte of an
+    /// answer: every generation request (`times: None`), or the next
+    /// `times` of them, probes included, then behave.
+    Close { times: Option<u64> },
 }
 
 impl FromStr for Fault {
     type Err = String;
     /// `none`, `slow:MILLIS`, `error`, `unavailable`, `stall`, `empty`,
-    /// `reset`.
+    /// `reset`, `close`, `close:TIMES`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let s = s.trim();
         Ok(match s {
@@ -44,16 +48,24 @@ impl FromStr for Fault {
             "stall" => Fault::Stall,
             "empty" => Fault::Empty,
             "reset" => Fault::Reset,
-            _ => match s.strip_prefix("slow:") {
-                Some(ms) => Fault::Slow {
-                    millis: ms.parse().map_err(|_| format!("bad milliseconds in {s:?}"))?,
-                },
-                None => {
+            "close" => Fault::Close { times: None },
+            _ => {
+                if let Some(ms) = s.strip_prefix("slow:") {
+                    Fault::Slow {
+                        millis: ms
+                            .parse()
+                            .map_err(|_| format!("bad milliseconds in {s:?}"))?,
+                    }
+                } else if let Some(n) = s.strip_prefix("close:") {
+                    Fault::Close {
+                        times: Some(n.parse().map_err(|_| format!("bad count in {s:?}"))?),
+                    }
+                } else {
                     return Err(format!(
-                        "unknown fault {s:?}: expected none, slow:MILLIS, error, unavailable, stall, empty or reset"
-                    ))
+                        "unknown fault {s:?}: expected none, slow:MILLIS, error, unavailable, stall, empty, reset, close or close:TIMES"
+                    ));
                 }
-            },
+            }
         })
     }
 }
@@ -68,6 +80,8 @@ impl fmt::Display for Fault {
             Fault::Stall => f.write_str("stall"),
             Fault::Empty => f.write_str("empty"),
             Fault::Reset => f.write_str("reset"),
+            Fault::Close { times: None } => f.write_str("close"),
+            Fault::Close { times: Some(n) } => write!(f, "close:{n}"),
         }
     }
 }
@@ -86,10 +100,13 @@ mod tests {
             Fault::Stall,
             Fault::Empty,
             Fault::Reset,
+            Fault::Close { times: None },
+            Fault::Close { times: Some(3) },
         ] {
             assert_eq!(f.to_string().parse::<Fault>(), Ok(f));
         }
         assert!("slow:x".parse::<Fault>().is_err());
+        assert!("close:x".parse::<Fault>().is_err());
         assert!("flaky".parse::<Fault>().unwrap_err().contains("stall"));
     }
 }

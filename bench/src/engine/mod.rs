@@ -360,6 +360,23 @@ impl Engine {
         *self.fault.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// The fault this generation request shows; a `close:TIMES` fault
+    /// counts it (and ends after its last).
+    fn take_fault(&self) -> Fault {
+        let mut fault = self.fault.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = *fault;
+        if let Fault::Close { times: Some(n) } = now {
+            *fault = match n {
+                0 | 1 => Fault::None,
+                n => Fault::Close { times: Some(n - 1) },
+            };
+            if n == 0 {
+                return Fault::None;
+            }
+        }
+        now
+    }
+
     /// Changes the fault at run time.
     pub fn set_fault(&self, fault: Fault) {
         tracing::info!(engine = %self.config.id, %fault, "fault set");
@@ -778,7 +795,7 @@ async fn put_fault(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
         None => error_response(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
-            "expected {\"fault\": \"none|slow:MILLIS|error|unavailable|stall|empty|reset\"}",
+            "expected {\"fault\": \"none|slow:MILLIS|error|unavailable|stall|empty|reset|close|close:TIMES\"}",
         ),
     }
 }
@@ -1016,7 +1033,7 @@ async fn generate(
             .lock()
             .unwrap_or_else(PoisonError::into_inner) = Some(p);
     }
-    let fault = engine.fault();
+    let fault = engine.take_fault();
     match fault {
         Fault::ServerError => {
             return error_response(
@@ -1052,6 +1069,13 @@ async fn generate(
                 Body::from_stream(chunks),
             )
                 .into_response();
+        }
+        Fault::Close { .. } => {
+            // axum::serve runs each connection in a task of its own; a task
+            // that unwinds drops its socket, so the connection closes with
+            // not a byte written. `resume_unwind` skips the panic hook:
+            // nothing is printed.
+            std::panic::resume_unwind(Box::new("injected close"));
         }
         Fault::None | Fault::Empty => {}
     }

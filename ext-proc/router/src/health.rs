@@ -1,8 +1,9 @@
 //! Replica health: passive signals from real traffic and active probes.
 //!
 //! A replica is *serving* or *fenced*. Only the sidecar's own observation
-//! can fence it: its probes, and connections to the engine that fail or are
-//! reset before any byte. A run of `eject_after` consecutive such failures
+//! can fence it: its probes, connections to the engine that cannot be made,
+//! and an engine whose own work counters stand still under real requests.
+//! A run of `eject_after` consecutive such failures
 //! (*strikes*) fences the replica for a backoff that doubles with every
 //! fencing in a row (capped). When the backoff has run out, the replica
 //! stays fenced until a probe succeeds: a probe lists the models and asks
@@ -12,8 +13,11 @@
 //! **Suspicion.** What a client can shape never fences: an answer with no
 //! text (a stop string, a logit bias, a tiny `max_tokens` make one), a 5xx
 //! (a malformed request can make one), a first-byte timeout (a flood of
-//! long prompts makes one), a retry away from the replica, or a peer
-//! sidecar's word. Such evidence makes the replica *suspect*: it keeps
+//! long prompts makes one), a connection the engine closed or reset after
+//! taking the request but before answering (an overloaded engine's server
+//! does that, and so can a request it cannot parse), a retry away from the
+//! replica, or a peer sidecar's word. Such evidence makes the replica
+//! *suspect*: it keeps
 //! serving, and the sidecar probes it at once, whatever it is running, at
 //! most once per `suspect_probe_interval` (so no client can turn
 //! suspicion into probe load, or into evictions on a slot-based engine).
@@ -98,8 +102,14 @@ impl Default for HealthParams {
 pub enum Failure {
     /// The engine answered 5xx.
     ServerError,
-    /// Envoy could not connect, or the connection was reset.
+    /// No connection to the engine could be made (refused, unreachable,
+    /// or not established in time).
     ConnectFailure,
+    /// A connection the engine had accepted was closed or reset before any
+    /// byte of the answer: evidence, not proof (an engine's server under
+    /// overload closes connections it has not read yet, and a request it
+    /// cannot parse can end the same way).
+    ConnectionReset,
     /// No answer in time.
     Timeout,
     /// HTTP 200 without any generated text (or without an end marker).
@@ -117,9 +127,10 @@ pub enum Failure {
 }
 
 impl Failure {
-    /// The sidecar saw this itself, and no client can cause it: the
-    /// engine's connection failed, or was reset, before any byte.
-    /// Everything else a real request shows is suspicion only.
+    /// The sidecar saw this itself, and no client can cause it: no
+    /// connection to the engine could be made, or the engine's own work
+    /// counters stood still. Everything else a real request shows is
+    /// suspicion only.
     pub fn is_own_observation(self) -> bool {
         matches!(self, Failure::ConnectFailure | Failure::Stalled)
     }
@@ -130,6 +141,7 @@ impl Failure {
         match self {
             Failure::ServerError => "server_error",
             Failure::ConnectFailure => "connect_failure",
+            Failure::ConnectionReset => "connection_reset",
             Failure::Timeout => "timeout",
             Failure::EmptyAnswer => "empty_answer",
             Failure::ProbeModels => "probe_models",
@@ -298,9 +310,9 @@ impl ReplicaHealth {
     /// a fenced replica stays fenced (only the sidecar's own probe, once
     /// the backoff has run out, re-admits one: a success is what an
     /// outcome report says, and a report can be forged where reports need
-    /// no token). A connection failure is a strike; any other failure
-    /// makes the replica suspect (a timeout only when it served no real
-    /// request within `busy_grace`).
+    /// no token). A connection that could not be made is a strike; any
+    /// other failure makes the replica suspect (a timeout only when it
+    /// served no real request within `busy_grace`).
     pub fn record_request(&mut self, outcome: Outcome, p: &HealthParams, now: Instant) {
         match outcome {
             Outcome::Success => {
@@ -592,8 +604,11 @@ impl FleetHealth {
 pub enum Ending {
     /// No response came: the client went away first.
     Unanswered,
-    /// The connection to the engine failed, or was reset before any byte.
+    /// No connection to the engine could be made.
     ConnectionFailed,
+    /// The engine closed or reset the connection after taking the request,
+    /// before any byte of the answer.
+    ConnectionReset,
     /// The engine (or the gateway for it) gave up waiting.
     TimedOut,
     /// The engine answered with `status`; for a generation's 200, what its
@@ -606,6 +621,7 @@ pub fn judge(ending: Ending) -> Outcome {
     match ending {
         Ending::Unanswered => Outcome::Neutral,
         Ending::ConnectionFailed => Outcome::Failure(Failure::ConnectFailure),
+        Ending::ConnectionReset => Outcome::Failure(Failure::ConnectionReset),
         Ending::TimedOut | Ending::Answered { status: 504, .. } => {
             Outcome::Failure(Failure::Timeout)
         }
@@ -775,6 +791,38 @@ mod tests {
         h.record_request(fail, &p(), t0);
         assert_eq!(h.state(), HealthState::Fenced);
         assert_eq!(h.fenced_total, 1);
+    }
+
+    #[test]
+    fn connections_closed_before_an_answer_only_raise_suspicion_and_a_probe_settles_it() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let reset = Outcome::Failure(Failure::ConnectionReset);
+        // An overloaded engine closes many connections it took: however
+        // many, the replica keeps serving, and a probe is due at once.
+        let mut h = ReplicaHealth::default();
+        for _ in 0..20 {
+            h.record_request(reset, &p(), t0);
+        }
+        assert!(h.is_serving());
+        assert_eq!(h.snapshot(t0).consecutive_failures, 0);
+        assert_eq!(h.snapshot(t0).suspect, Some(Failure::ConnectionReset));
+        assert_eq!(h.suspicions_total, 1, "one suspicion until settled");
+        assert_eq!(
+            h.probe_due(&p(), t0, Work::IDLE),
+            Some(ProbeReason::Suspect)
+        );
+        // Its probe generates: the suspicion is cleared.
+        h.record_probe(Outcome::Success, &p(), t0 + s(1), 0);
+        assert!(!h.is_suspect());
+        // An engine that closes every connection fails its probes too, and
+        // they fence it.
+        let mut broken = ReplicaHealth::default();
+        broken.record_request(reset, &p(), t0);
+        for k in 0..p().eject_after {
+            broken.record_probe(reset, &p(), t0 + s(1 + 2 * u64::from(k)), 0);
+        }
+        assert_eq!(broken.state(), HealthState::Fenced);
     }
 
     #[test]
@@ -1017,6 +1065,10 @@ mod tests {
         assert_eq!(
             judge(Ending::ConnectionFailed),
             Outcome::Failure(Failure::ConnectFailure)
+        );
+        assert_eq!(
+            judge(Ending::ConnectionReset),
+            Outcome::Failure(Failure::ConnectionReset)
         );
         assert_eq!(judge(Ending::TimedOut), Outcome::Failure(Failure::Timeout));
         assert_eq!(judge(Ending::Unanswered), Outcome::Neutral);

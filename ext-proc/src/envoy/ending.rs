@@ -9,23 +9,21 @@ use hearth_wire::outcome::Answer;
 /// unreadable), `details` Envoy's `response.code_details`, `answer` what a
 /// scan of a 200 answer's body showed.
 pub fn ending(status: u16, details: &str, answer: Option<Answer>) -> Ending {
-    // Envoy could not connect, or the engine's side closed or reset the
-    // connection before any response byte: the engine's connection, not
-    // anything a request asked for. Resets of Envoy's own making (its
+    // Envoy could not connect: the engine's connection, nothing a request
+    // asked for. The engine's side closed or reset a connection after
+    // taking the request, before any response byte: the engine's too, but
+    // an overloaded engine's server does that with requests it has not read
+    // yet, and a request it cannot parse can end the same way, so it is
+    // evidence to check, not proof. Resets of Envoy's own making (its
     // circuit breakers' `overflow`, a `local_reset`) say nothing about the
     // engine; a stream cut after the response started was reachable (its
     // answer is judged as it came).
     let d = details;
     if let Some(reason) = d.strip_prefix("upstream_reset_before_response_started") {
-        let engine_side = [
-            "connection_failure",
-            "connection_termination",
-            "remote_reset",
-        ]
-        .iter()
-        .any(|r| reason.contains(r));
-        return if engine_side {
+        return if reason.contains("connection_failure") {
             Ending::ConnectionFailed
+        } else if reason.contains("connection_termination") || reason.contains("remote_reset") {
+            Ending::ConnectionReset
         } else if reason.contains("protocol_error") {
             Ending::Answered { status, answer }
         } else {
@@ -75,7 +73,7 @@ mod tests {
                 "upstream_reset_before_response_started{remote_reset}",
                 None
             ),
-            Ending::ConnectionFailed
+            Ending::ConnectionReset
         );
         assert_eq!(
             ending(
@@ -83,7 +81,7 @@ mod tests {
                 "upstream_reset_before_response_started{connection_termination}",
                 None
             ),
-            Ending::ConnectionFailed
+            Ending::ConnectionReset
         );
         // Envoy's own circuit breaker, Envoy's own reset: not the engine.
         for own in [

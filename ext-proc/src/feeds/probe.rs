@@ -327,8 +327,12 @@ fn refused(status: reqwest::StatusCode) -> bool {
 fn request_failure(e: &reqwest::Error) -> Outcome {
     if e.is_timeout() {
         Outcome::Failure(Failure::Timeout)
-    } else {
+    } else if e.is_connect() {
         Outcome::Failure(Failure::ConnectFailure)
+    } else {
+        // Connected, then cut before an answer: still a failed probe (a
+        // strike), named for what happened.
+        Outcome::Failure(Failure::ConnectionReset)
     }
 }
 
