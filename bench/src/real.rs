@@ -1557,6 +1557,29 @@ pub fn pair_table(pairs: &[PairRatio], unit: &str) -> String {
 
 /// `--driver inference-perf`: the harness against each policy's front
 /// in turn; one row each from its report.
+/// Each replica's health on the sidecar's `/state`, on one line:
+/// `ID state, fenced N, suspicions N, last failure F`.
+fn health_line(state: &Value) -> String {
+    let Some(replicas) = state["replicas"].as_array() else {
+        return "no replicas in /state".into();
+    };
+    replicas
+        .iter()
+        .map(|r| {
+            let h = &r["health"];
+            format!(
+                "{} {}, fenced {}, suspicions {}, last failure {}",
+                r["id"].as_str().unwrap_or("?"),
+                h["state"].as_str().unwrap_or("?"),
+                h["fenced_total"],
+                h["suspicions_total"],
+                h["last_failure"].as_str().unwrap_or("none")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 async fn run_harness(args: &RealArgs, slots: &[Slot], model: &str) -> anyhow::Result<()> {
     let program = crate::harness::find()?;
     let tokenizer = tokenizer_dir(args)?;
@@ -1614,7 +1637,20 @@ async fn run_harness(args: &RealArgs, slots: &[Slot], model: &str) -> anyhow::Re
         let cpu_before = front.cpu_seconds(ticks);
         let result = crate::harness::run(&program, &yaml, &dir, deadline).await;
         let cpu = cpu_spent(policy, &cpu_before, &front.cpu_seconds(ticks));
+        let mut sidecar_state = None;
         if let Serving::Envoy(stack) = front {
+            if policy.is_hearth() {
+                // Replica health at the end: what a lost request may have
+                // met (fencings, suspicions and their last cause).
+                sidecar_state = stack.state_json().await.ok();
+                if let Some(state) = &sidecar_state {
+                    eprintln!(
+                        "hearth-bench real: {} replica health at the end: {}",
+                        slot.label,
+                        health_line(state)
+                    );
+                }
+            }
             if args.keep.is_some() && policy.is_hearth() {
                 // As many decisions as the harness sends requests.
                 let sent: f64 = shape
@@ -1634,7 +1670,11 @@ async fn run_harness(args: &RealArgs, slots: &[Slot], model: &str) -> anyhow::Re
         let mut row = crate::harness::HarnessRow::read(&slot.label, &summary);
         row.gateway_cpu_s = Some(cpu);
         rows.push(row);
-        reports.push(json!({"policy": slot.label, "summary": summary}));
+        let mut report = json!({"policy": slot.label, "summary": summary});
+        if let Some(state) = sidecar_state {
+            report["sidecar_state"] = state;
+        }
+        reports.push(report);
     }
     println!();
     print!("{}", crate::harness::table(&rows));
@@ -1876,6 +1916,28 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
 mod tests {
     use super::*;
     use hearth_ext_proc::envoy::render::render;
+
+    #[test]
+    fn the_health_line_names_each_replicas_fencings_and_last_failure() {
+        use hearth_router::health::{Failure, ReplicaHealth};
+        let mut struck = ReplicaHealth::default();
+        let now = std::time::Instant::now();
+        struck.record_request(
+            hearth_router::health::Outcome::Failure(Failure::ConnectionReset),
+            &Default::default(),
+            now,
+        );
+        let state = json!({"replicas": [
+            {"id": "a", "health": ReplicaHealth::default().snapshot(now)},
+            {"id": "b", "health": struck.snapshot(now)},
+        ]});
+        assert_eq!(
+            health_line(&state),
+            "a serving, fenced 0, suspicions 0, last failure none; \
+             b serving, fenced 0, suspicions 1, last failure connection_reset"
+        );
+        assert_eq!(health_line(&json!({})), "no replicas in /state");
+    }
 
     #[test]
     fn the_model_asked_for_by_default_is_the_first_every_engine_serves() {
