@@ -83,6 +83,12 @@ pub struct HarnessShape {
 /// The harness's config (YAML) for one run: streamed chat requests for
 /// `model` to `base_url` (the front's `http://ip:port`), lengths counted
 /// with the tokenizer folder `tokenizer`, its report written to `out`.
+/// Output tokens are the engine's own count (each answer's usage): the
+/// harness's default re-tokenizes each answer's text, and in 25 of 235
+/// kept policy runs counted about 1,837 tokens for 32 generated in every
+/// answer to one, two or four of the 24 prompts, which made its output
+/// tokens a second 3.4-10.4 times the engine's
+/// (`bench/results/peers/output-tokens/`).
 pub fn config(
     shape: &HarnessShape,
     base_url: &str,
@@ -102,7 +108,7 @@ pub fn config(
          load:\n  type: constant\n  stages:\n{stages}\
          server:\n  type: vllm\n  model_name: {model}\n  base_url: {base_url}\n  ignore_eos: true\n\
          tokenizer:\n  pretrained_model_name_or_path: {tokenizer}\n\
-         report:\n  request_lifecycle:\n    summary: true\n    per_stage: true\n    per_request: {per_request}\n\
+         report:\n  request_lifecycle:\n    summary: true\n    per_stage: true\n    per_request: {per_request}\n    use_server_output_tokens: true\n\
          storage:\n  local_storage:\n    path: {out}\n",
         groups = shape.groups,
         users = shape.users_per_group,
@@ -285,6 +291,8 @@ mod tests {
         // indents, nothing tabbed.
         assert!(!yaml.contains('\t'));
         assert!(yaml.contains("    per_request: false\n"));
+        // Output tokens as the engine counted them, not re-tokenized.
+        assert!(yaml.contains("    use_server_output_tokens: true\n"));
         // Kept runs have every request's timings in their report.
         let kept = config_kept(true);
         assert!(kept.contains("    per_request: true\n"), "{kept}");

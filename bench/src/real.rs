@@ -1557,6 +1557,36 @@ pub fn pair_table(pairs: &[PairRatio], unit: &str) -> String {
 
 /// `--driver inference-perf`: the harness against each policy's front
 /// in turn; one row each from its report.
+/// The Envoy counters that tell how requests left the gateway, summed over
+/// listeners and clusters by their last name part: ext_proc's
+/// `failure_mode_allowed`, `message_timeouts` and `streams_failed`, the
+/// engines' `upstream_cx_destroy_remote_with_active_rq` (an engine closed
+/// a connection under a request), `upstream_cx_idle_timeout`,
+/// `upstream_cx_total` and `upstream_rq_retry`. Absent counters are 0.
+fn envoy_outcome_counters(stats: &[(String, String)]) -> Vec<(String, Value)> {
+    const NAMES: [&str; 7] = [
+        "ext_proc.failure_mode_allowed",
+        "ext_proc.message_timeouts",
+        "ext_proc.streams_failed",
+        "upstream_cx_destroy_remote_with_active_rq",
+        "upstream_cx_idle_timeout",
+        "upstream_cx_total",
+        "upstream_rq_retry",
+    ];
+    NAMES
+        .iter()
+        .map(|name| {
+            let sum: u64 = stats
+                .iter()
+                .filter(|(k, _)| k.ends_with(&format!(".{name}")) && !k.contains("sidecar"))
+                .filter_map(|(_, v)| v.trim().parse::<u64>().ok())
+                .sum();
+            let short = name.rsplit('.').next().unwrap_or(name);
+            (short.to_string(), Value::from(sum))
+        })
+        .collect()
+}
+
 /// Each replica's health on the sidecar's `/state`, on one line:
 /// `ID state, fenced N, suspicions N, last failure F`.
 fn health_line(state: &Value) -> String {
@@ -1638,7 +1668,24 @@ async fn run_harness(args: &RealArgs, slots: &[Slot], model: &str) -> anyhow::Re
         let result = crate::harness::run(&program, &yaml, &dir, deadline).await;
         let cpu = cpu_spent(policy, &cpu_before, &front.cpu_seconds(ticks));
         let mut sidecar_state = None;
+        let mut envoy_counters = None;
         if let Serving::Envoy(stack) = front {
+            // How Envoy's own side of the run went: requests it let past
+            // the sidecar (an ext_proc answer later than its deadline),
+            // engine connections closed under a request, retries.
+            if let Ok(all) = stack.envoy.stats_matching("").await {
+                let picked = envoy_outcome_counters(&all);
+                eprintln!(
+                    "hearth-bench real: {} Envoy counters at the end: {}",
+                    slot.label,
+                    picked
+                        .iter()
+                        .map(|(k, v)| format!("{k} {v}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                envoy_counters = Some(picked.into_iter().collect::<serde_json::Map<_, _>>());
+            }
             if policy.is_hearth() {
                 // Replica health at the end: what a lost request may have
                 // met (fencings, suspicions and their last cause).
@@ -1673,6 +1720,9 @@ async fn run_harness(args: &RealArgs, slots: &[Slot], model: &str) -> anyhow::Re
         let mut report = json!({"policy": slot.label, "summary": summary});
         if let Some(state) = sidecar_state {
             report["sidecar_state"] = state;
+        }
+        if let Some(counters) = envoy_counters {
+            report["envoy_counters"] = Value::Object(counters);
         }
         reports.push(report);
     }
@@ -1916,6 +1966,30 @@ pub async fn run(args: RealArgs) -> anyhow::Result<()> {
 mod tests {
     use super::*;
     use hearth_ext_proc::envoy::render::render;
+
+    #[test]
+    fn envoys_outcome_counters_are_summed_by_name_and_absent_ones_are_zero() {
+        let stats = [
+            ("http.ingress.ext_proc.failure_mode_allowed", "3"),
+            ("http.other.ext_proc.failure_mode_allowed", "2"),
+            (
+                "cluster.engines.upstream_cx_destroy_remote_with_active_rq",
+                "4",
+            ),
+            // The sidecar's own clusters are not the engines'.
+            ("cluster.hearth_sidecar.upstream_cx_total", "9"),
+            ("cluster.engines.upstream_cx_total", "40"),
+            ("cluster.engines.upstream_cx_total_extra", "7"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()));
+        let got: std::collections::BTreeMap<_, _> =
+            envoy_outcome_counters(&stats).into_iter().collect();
+        assert_eq!(got["failure_mode_allowed"], json!(5));
+        assert_eq!(got["upstream_cx_destroy_remote_with_active_rq"], json!(4));
+        assert_eq!(got["upstream_cx_total"], json!(40));
+        assert_eq!(got["message_timeouts"], json!(0));
+        assert_eq!(got.len(), 7);
+    }
 
     #[test]
     fn the_health_line_names_each_replicas_fencings_and_last_failure() {
