@@ -1558,15 +1558,20 @@ pub fn pair_table(pairs: &[PairRatio], unit: &str) -> String {
 /// `--driver inference-perf`: the harness against each policy's front
 /// in turn; one row each from its report.
 /// The Envoy counters that tell how requests left the gateway, summed over
-/// listeners and clusters by their last name part: ext_proc's
-/// `failure_mode_allowed`, `message_timeouts` and `streams_failed`, the
+/// listeners and clusters by their last name part: ext_proc's streams
+/// and messages sent, `failure_mode_allowed`, `message_timeouts`, the
+/// deadline overrides it took or ignored and `streams_failed`, the
 /// engines' `upstream_cx_destroy_remote_with_active_rq` (an engine closed
 /// a connection under a request), `upstream_cx_idle_timeout`,
 /// `upstream_cx_total` and `upstream_rq_retry`. Absent counters are 0.
 fn envoy_outcome_counters(stats: &[(String, String)]) -> Vec<(String, Value)> {
-    const NAMES: [&str; 7] = [
+    const NAMES: [&str; 11] = [
+        "ext_proc.streams_started",
+        "ext_proc.stream_msgs_sent",
         "ext_proc.failure_mode_allowed",
         "ext_proc.message_timeouts",
+        "ext_proc.override_message_timeout_received",
+        "ext_proc.override_message_timeout_ignored",
         "ext_proc.streams_failed",
         "upstream_cx_destroy_remote_with_active_rq",
         "upstream_cx_idle_timeout",
@@ -1988,7 +1993,7 @@ mod tests {
         assert_eq!(got["upstream_cx_destroy_remote_with_active_rq"], json!(4));
         assert_eq!(got["upstream_cx_total"], json!(40));
         assert_eq!(got["message_timeouts"], json!(0));
-        assert_eq!(got.len(), 7);
+        assert_eq!(got.len(), 11);
     }
 
     #[test]

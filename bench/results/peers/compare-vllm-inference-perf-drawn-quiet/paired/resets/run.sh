@@ -4,7 +4,9 @@
 # connections closed before any answer byte stopped counting as strikes:
 # Hearth and PEER (default smg_cache_aware) in turn, seeds FIRST..N (the
 # order reversed on even seeds), each Hearth run's replica health at its
-# end in the .stderr (and in the JSON's report, `sidecar_state`).
+# end in the .stderr (and in the JSON's report, `sidecar_state`); from
+# seed 6 on, Envoy's own counters too (`envoy_counters`; seed 7's include
+# ext_proc's streams, messages and deadline overrides).
 # Usage: [PEER=least_request] bench/results/peers/compare-vllm-inference-perf-drawn-quiet/paired/resets/run.sh [N] [FIRST]
 set -euo pipefail
 cd "$(dirname "$0")/../../../../../.."
