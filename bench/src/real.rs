@@ -1555,8 +1555,6 @@ pub fn pair_table(pairs: &[PairRatio], unit: &str) -> String {
     out
 }
 
-/// `--driver inference-perf`: the harness against each policy's front
-/// in turn; one row each from its report.
 /// The Envoy counters that tell how requests left the gateway, summed over
 /// listeners and clusters by their last name part: ext_proc's streams
 /// and messages sent, `failure_mode_allowed`, `message_timeouts`, the
@@ -1615,6 +1613,8 @@ fn health_line(state: &Value) -> String {
         .join("; ")
 }
 
+/// `--driver inference-perf`: the harness against each policy's front
+/// in turn; one row each from its report.
 async fn run_harness(args: &RealArgs, slots: &[Slot], model: &str) -> anyhow::Result<()> {
     let program = crate::harness::find()?;
     let tokenizer = tokenizer_dir(args)?;
